@@ -1,0 +1,22 @@
+"""Reference FSDP models and the capture of their partitioned forward / backward graphs.
+
+Step 1 of the fsdp-sched pipeline (see DESIGN.md): a LLaMA-3-style decoder family
+(:mod:`models.llama`), SimpleFSDP-style sharding with optional tensor parallelism
+(:mod:`models.fsdp`), and graph capture on a fake process group (:mod:`models.capture`).
+"""
+
+from models.capture import CapturedGraphs, capture_fsdp_graphs
+from models.fsdp import FSDPOptions
+from models.llama import PRESETS, LlamaConfig, list_presets
+from models.build import build_model, build_reference_model
+
+__all__ = [
+    "CapturedGraphs",
+    "FSDPOptions",
+    "LlamaConfig",
+    "PRESETS",
+    "build_model",
+    "build_reference_model",
+    "capture_fsdp_graphs",
+    "list_presets",
+]

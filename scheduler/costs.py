@@ -1,0 +1,412 @@
+"""Costs: pluggable models that put ``runtime_ms`` on every DAG node before any solve.
+
+A cost model is any object with::
+
+    name: str
+    compute_ms(attrs: dict, fx_node: torch.fx.Node | None) -> float
+    collective_ms(coll_type: str, payload_bytes: int, group: GroupInfo) -> float
+    copy_ms(nbytes: int) -> float
+
+``attrs`` are the node's DAG attributes (``target``, ``flops``, ``bytes_accessed``, ``dtype``,
+``size_bytes``); ``payload_bytes`` is the per-rank input size of the collective (the shard for
+an all-gather, the full-size gradient for a reduce-scatter). ``copy_ms`` is the compute-stream
+time of copying ``nbytes`` into or out of a bucket buffer (the cost of merging).
+
+Models here:
+- :class:`AnalyticCostModel`: roofline from FLOPs and bytes on a :class:`GPUSpec`, NCCL ring
+  alpha-beta over a :class:`Cluster` topology.
+- :class:`TorchCostModel`: torch's own estimators (inductor roofline, comm_analysis), made to
+  work without a GPU.
+- :class:`TableCostModel`: a user table or callable, falling back to another model.
+- :class:`scheduler.measure.MeasuredCostModel`: timed on the current device (see that module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import networkx as nx
+
+if TYPE_CHECKING:
+    import torch.fx
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """Peak numbers of one GPU (public data-sheet figures)."""
+
+    name: str
+    #: dense bf16/fp16 tensor-core peak, TFLOP/s
+    bf16_tflops: float
+    #: dense fp32 (non-tensor-core) peak, TFLOP/s; fp32 matmuls in training mostly use TF32
+    fp32_tflops: float
+    #: HBM bandwidth, GB/s
+    hbm_gbps: float
+    #: device memory, GiB
+    memory_gib: float
+
+    def __post_init__(self) -> None:
+        for f in ("bf16_tflops", "fp32_tflops", "hbm_gbps", "memory_gib"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"GPUSpec.{f} must be > 0, got {getattr(self, f)!r}")
+
+
+#: Sources: NVIDIA H100 / H200 / A100 / B200 data sheets (SXM parts, dense, no sparsity).
+#: fp32 figures are the TF32 tensor-core dense peaks, which is what fp32 matmuls use under
+#: torch.backends.cuda.matmul.allow_tf32 (the training default of torchtitan).
+GPU_PRESETS: dict[str, GPUSpec] = {
+    "h100-sxm": GPUSpec(name="h100-sxm", bf16_tflops=989.0, fp32_tflops=494.5, hbm_gbps=3350.0, memory_gib=80.0),
+    "h200": GPUSpec(name="h200", bf16_tflops=989.0, fp32_tflops=494.5, hbm_gbps=4800.0, memory_gib=141.0),
+    "a100-sxm": GPUSpec(name="a100-sxm", bf16_tflops=312.0, fp32_tflops=156.0, hbm_gbps=2039.0, memory_gib=80.0),
+    "b200": GPUSpec(name="b200", bf16_tflops=2250.0, fp32_tflops=1125.0, hbm_gbps=8000.0, memory_gib=180.0),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Topology and link figures of the machine the schedule is for.
+
+    Defaults: 64 H100 SXM GPUs, 8 per node, NVLink4 within a node, one 400 Gb/s InfiniBand NIC
+    per GPU between nodes (DESIGN.md, public figures).
+    """
+
+    #: number of GPUs in the job
+    n_gpus: int = 64
+    #: GPUs per node (NVLink domain)
+    gpus_per_node: int = 8
+    #: GPU model, a key of GPU_PRESETS or a GPUSpec
+    gpu: str | GPUSpec = "h100-sxm"
+    #: NCCL bus bandwidth inside a node, GB/s (NVLink4: 450 GB/s per direction)
+    intra_node_gbps: float = 450.0
+    #: NCCL bus bandwidth per GPU between nodes, GB/s (400 Gb/s InfiniBand = 50 GB/s)
+    inter_node_gbps: float = 50.0
+    #: NCCL base latency of one collective, us (NCCL tuning.cc, ring / Simple protocol: 8.4)
+    base_latency_us: float = 8.4
+    #: latency per ring step over NVLink, us (NCCL tuning.cc hwLat NVLink ring Simple: 3.4)
+    intra_hop_latency_us: float = 3.4
+    #: latency per ring step over the network, us (NCCL tuning.cc hwLat NET ring Simple: 14.0)
+    inter_hop_latency_us: float = 14.0
+    #: fraction of peak FLOP/s that large matmuls reach (cuBLAS bf16 GEMMs reach about 70 % of
+    #: the H100's 989 TFLOP/s); applies to every FLOP-bound op
+    flops_efficiency: float = 0.7
+    #: fraction of peak HBM bandwidth that memory-bound kernels reach (about 80 % in STREAM-like
+    #: copies on H100)
+    hbm_efficiency: float = 0.8
+    #: fixed per-kernel overhead on the compute stream, us (launch + tail; ~2-5 us on H100)
+    kernel_overhead_us: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.n_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("Cluster.n_gpus and gpus_per_node must be >= 1")
+        if isinstance(self.gpu, str) and self.gpu not in GPU_PRESETS:
+            raise ValueError(f"unknown GPU {self.gpu!r}; choose one of {sorted(GPU_PRESETS)} or pass a GPUSpec")
+        for f in ("intra_node_gbps", "inter_node_gbps", "flops_efficiency", "hbm_efficiency"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)!r}")
+        for f in ("base_latency_us", "intra_hop_latency_us", "inter_hop_latency_us", "kernel_overhead_us"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
+
+    @property
+    def gpu_spec(self) -> GPUSpec:
+        return GPU_PRESETS[self.gpu] if isinstance(self.gpu, str) else self.gpu
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        if not isinstance(self.gpu, str):
+            d["gpu"] = dataclasses.asdict(self.gpu)
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "Cluster":
+        d = dict(d)
+        if isinstance(d.get("gpu"), dict):
+            d["gpu"] = GPUSpec(**d["gpu"])
+        return Cluster(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+    """A process group as the cost model sees it."""
+
+    name: str
+    size: int
+    #: global ranks of the group, when known; decides which hops cross nodes
+    ranks: tuple[int, ...] | None = None
+
+    def n_nodes(self, cluster: Cluster) -> int:
+        """Number of nodes the group spans.
+
+        With known ranks, counted from them; otherwise a group of ``size`` consecutive ranks is
+        assumed (the outermost dimension of the usual (dp, tp) mesh has stride tp, which the
+        ranks capture when the graph was traced with the real mesh).
+        """
+        if self.ranks:
+            return len({r // cluster.gpus_per_node for r in self.ranks})
+        return max(1, math.ceil(self.size / cluster.gpus_per_node))
+
+
+class CostModel(Protocol):
+    name: str
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: "torch.fx.Node | None" = None) -> float: ...
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float: ...
+
+    def copy_ms(self, nbytes: int) -> float: ...
+
+
+def ring_collective_ms(coll_type: str, payload_bytes: int, group: GroupInfo, cluster: Cluster) -> float:
+    """NCCL ring alpha-beta time of one collective, in ms.
+
+    ``t = base_latency + intra_steps * intra_hop + inter_steps * inter_hop + S * steps / (n * busbw)``
+    with ``n`` ranks, ``S`` the bytes across all ranks (``payload * n`` for an all-gather,
+    ``payload`` for a reduce-scatter whose per-rank input is the full tensor), ``steps = n - 1``
+    (``2 (n - 1)`` for all-reduce) of which ``nodes - 1`` (twice that for all-reduce) cross the
+    network, and ``busbw`` the inter-node bandwidth when the group spans nodes (DESIGN.md).
+    """
+    n = group.size
+    if n <= 1:
+        return 0.0
+    nodes = group.n_nodes(cluster)
+    if coll_type == "all_gather":
+        total = payload_bytes * n
+        steps, inter = n - 1, nodes - 1
+    elif coll_type == "reduce_scatter":
+        total = payload_bytes
+        steps, inter = n - 1, nodes - 1
+    elif coll_type == "all_reduce":
+        total = payload_bytes
+        steps, inter = 2 * (n - 1), 2 * (nodes - 1)
+    else:
+        raise ValueError(f"no analytic model for collective type {coll_type!r}")
+    busbw_gbps = cluster.inter_node_gbps if nodes > 1 else cluster.intra_node_gbps
+    latency_us = (
+        cluster.base_latency_us + (steps - inter) * cluster.intra_hop_latency_us + inter * cluster.inter_hop_latency_us
+    )
+    transfer_us = total * steps / n / (busbw_gbps * 1e3)  # GB/s = 1e3 bytes/us
+    return (latency_us + transfer_us) / 1e3
+
+
+class AnalyticCostModel:
+    """Roofline compute + NCCL ring collectives on a :class:`Cluster`.
+
+    Compute: ``max(flops / (peak * flops_efficiency), bytes / (hbm * hbm_efficiency)) +
+    kernel_overhead``; bf16/fp16 ops use the tensor-core peak, others the fp32 (TF32) peak.
+    Views and ops without FLOPs or bytes cost nothing.
+    """
+
+    name = "analytic"
+
+    def __init__(self, cluster: Cluster | None = None):
+        self.cluster = cluster or Cluster()
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        flops = attrs.get("flops", 0) or 0
+        nbytes = attrs.get("bytes_accessed", 0) or 0
+        if flops == 0 and nbytes == 0:
+            return 0.0
+        gpu = self.cluster.gpu_spec
+        peak = gpu.bf16_tflops if attrs.get("dtype") in ("bfloat16", "float16") else gpu.fp32_tflops
+        flops_us = flops / (peak * self.cluster.flops_efficiency * 1e6)
+        mem_us = nbytes / (gpu.hbm_gbps * self.cluster.hbm_efficiency * 1e3)
+        return (max(flops_us, mem_us) + self.cluster.kernel_overhead_us) / 1e3
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        return ring_collective_ms(coll_type, payload_bytes, group, self.cluster)
+
+    def copy_ms(self, nbytes: int) -> float:
+        # read + write of every byte at achievable HBM bandwidth, one kernel
+        gpu = self.cluster.gpu_spec
+        return (2 * nbytes / (gpu.hbm_gbps * self.cluster.hbm_efficiency * 1e3) + self.cluster.kernel_overhead_us) / 1e3
+
+
+class TorchCostModel:
+    """torch 2.13's own estimators, made usable without a GPU.
+
+    Compute: ``torch._inductor.fx_passes.overlap_scheduling.estimate_roofline_runtime_ms`` with
+    the device peak numbers (``torch.utils._runtime_estimation.get_gpu_dram_gbps`` /
+    ``get_device_tflops``) replaced by the cluster's GPU (they ask CUDA otherwise).
+    Collectives: ``torch._inductor.comm_analysis.estimate_nccl_collective_runtime_impl`` (min over
+    ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster.
+    Its ``bytes`` argument is input + output bytes, so it is given exactly that.
+    """
+
+    name = "torch"
+
+    def __init__(self, cluster: Cluster | None = None):
+        self.cluster = cluster or Cluster()
+        self._fallback = AnalyticCostModel(self.cluster)
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        if fx_node is None or attrs.get("kind") != "compute":
+            return self._fallback.compute_ms(attrs)
+        from unittest import mock
+
+        import torch.utils._runtime_estimation as rte
+        from torch._inductor.fx_passes import overlap_scheduling as osched
+
+        gpu = self.cluster.gpu_spec
+
+        def tflops(dtype: Any = None) -> float:
+            import torch
+
+            return gpu.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else gpu.fp32_tflops
+
+        with mock.patch.object(rte, "get_gpu_dram_gbps", lambda: gpu.hbm_gbps), mock.patch.object(
+            rte, "get_device_tflops", tflops
+        ):
+            try:
+                return float(osched.estimate_roofline_runtime_ms(fx_node))
+            except Exception as e:  # ops the roofline cannot size: use our analytic model
+                logger.debug("torch roofline failed on %s: %s", fx_node.name, e)
+                return self._fallback.compute_ms(attrs)
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        from unittest import mock
+
+        from torch._inductor import comm_analysis, config
+
+        coll = {
+            "all_gather": comm_analysis.NCCL_COLL.ALL_GATHER,
+            "reduce_scatter": comm_analysis.NCCL_COLL.REDUCE_SCATTER,
+            "all_reduce": comm_analysis.NCCL_COLL.ALL_REDUCE,
+        }[coll_type]
+        if coll_type == "all_gather":
+            nbytes = payload_bytes * (1 + group.size)
+        elif coll_type == "reduce_scatter":
+            nbytes = payload_bytes + payload_bytes // max(group.size, 1)
+        else:
+            nbytes = 2 * payload_bytes
+        with mock.patch.object(config, "intra_node_bw", self.cluster.intra_node_gbps), mock.patch.object(
+            config, "inter_node_bw", self.cluster.inter_node_gbps
+        ):
+            return float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self._fallback.copy_ms(nbytes)
+
+
+class TableCostModel:
+    """User-supplied costs: a table ``{node name or target: ms}`` and/or a callable.
+
+    ``compute`` is looked up by node name first, then by target (e.g. ``"aten.mm.default"``);
+    a callable receives the node attributes and returns ms or None. Anything not covered falls
+    back to ``fallback`` (default: analytic). Collectives may be given as a callable
+    ``(coll_type, payload_bytes, GroupInfo) -> ms``.
+    """
+
+    name = "table"
+
+    def __init__(
+        self,
+        compute: Mapping[str, float] | Callable[[Mapping[str, Any]], float | None] | None = None,
+        *,
+        collective: Callable[[str, int, GroupInfo], float] | None = None,
+        fallback: CostModel | None = None,
+    ):
+        self._compute = compute
+        self._collective = collective
+        self._fallback = fallback or AnalyticCostModel()
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        c = self._compute
+        if callable(c):
+            v = c(attrs)
+            if v is not None:
+                return float(v)
+        elif c is not None:
+            for key in (attrs.get("name"), attrs.get("target")):
+                if key is not None and key in c:
+                    return float(c[key])
+        return self._fallback.compute_ms(attrs, fx_node)
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        if self._collective is not None:
+            return float(self._collective(coll_type, payload_bytes, group))
+        return self._fallback.collective_ms(coll_type, payload_bytes, group)
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self._fallback.copy_ms(nbytes)
+
+
+def _check_ms(value: Any, what: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if math.isnan(v) or math.isinf(v) or v < 0:
+        raise ValueError(
+            f"cost model returned {value!r} for {what}; it must return a finite time in ms >= 0 "
+            "(fix the model or its table)"
+        )
+    return v
+
+
+def group_info(dag: nx.DiGraph, group_name: str) -> GroupInfo:
+    g = dag.graph["process_groups"][group_name]
+    ranks = g.get("ranks")
+    return GroupInfo(group_name, int(g["size"]), tuple(ranks) if ranks else None)
+
+
+def annotate_costs(
+    dag: nx.DiGraph,
+    cost_model: CostModel,
+    cluster: Cluster,
+    *,
+    fx_nodes: Mapping[str, Any] | None = None,
+) -> nx.DiGraph:
+    """Put ``runtime_ms`` on every node and the bucket cost model on the graph (in place).
+
+    Also fits, per (collective type, process group), the line ``alpha + beta * payload`` that
+    prices merged collectives: through the model's times at the smallest and at the summed
+    payload of the graph's collectives of that key (exact for the analytic ring model).
+
+    Raises:
+        ValueError: the cost model returned NaN, a negative or a missing time.
+    """
+    fx_nodes = fx_nodes or {}
+    keys: dict[str, list[int]] = {}
+    for n, a in dag.nodes(data=True):
+        kind = a["kind"]
+        if kind == "compute":
+            a["runtime_ms"] = _check_ms(cost_model.compute_ms({**a, "name": n}, fx_nodes.get(n)), f"node {n!r}")
+        elif kind == "collective":
+            if a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce"):
+                gi = group_info(dag, a["group_name"])
+                a["runtime_ms"] = _check_ms(
+                    cost_model.collective_ms(a["coll_type"], a["payload_bytes"], gi), f"collective {n!r}"
+                )
+                keys.setdefault(f"{a['coll_type']}|{a['group_name']}", []).append(a["payload_bytes"])
+            else:
+                a["runtime_ms"] = 0.0
+        else:
+            a["runtime_ms"] = 0.0
+    comm_model = {}
+    for key, payloads in sorted(keys.items()):
+        coll_type, gname = key.split("|", 1)
+        gi = group_info(dag, gname)
+        lo, hi = max(1, min(payloads)), max(2, sum(payloads))
+        if hi <= lo:
+            hi = lo * 2
+        t_lo = _check_ms(cost_model.collective_ms(coll_type, lo, gi), key)
+        t_hi = _check_ms(cost_model.collective_ms(coll_type, hi, gi), key)
+        beta = max(0.0, (t_hi - t_lo) / (hi - lo))
+        comm_model[key] = {"alpha_ms": max(0.0, t_lo - beta * lo), "beta_ms_per_byte": beta}
+    dag.graph["comm_model"] = comm_model
+    # copy_ms is affine in bytes: store it as per-byte rate + a fixed part
+    c0 = _check_ms(cost_model.copy_ms(0), "copy of 0 bytes")
+    c1 = _check_ms(cost_model.copy_ms(1 << 30), "copy of 1 GiB")
+    dag.graph["copy_ms_fixed"] = c0
+    dag.graph["copy_ms_per_byte"] = (c1 - c0) / (1 << 30)
+    dag.graph["cost_model"] = getattr(cost_model, "name", type(cost_model).__name__)
+    dag.graph["cluster"] = cluster.to_json()
+    return dag

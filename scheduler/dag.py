@@ -1,0 +1,533 @@
+"""Export: FX graph -> cost-annotated networkx DAG, and its versioned JSON round-trip.
+
+The DAG is the only thing solvers see. Its schema (``SCHEMA_VERSION``):
+
+Graph attributes (``dag.graph``):
+    schema (str): always ``"fsdp-sched/dag"``; version (int): ``SCHEMA_VERSION``.
+    name (str), graph_kind (str): ``"forward"``, ``"backward"`` or ``"unknown"``.
+    order (list[str]): node names in graph (execution) order.
+    process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
+    cluster (dict): the :class:`scheduler.costs.Cluster` the costs were computed for.
+    cost_model (str): name of the cost model.
+    comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
+        "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
+        ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model).
+    copy_ms_per_byte (float): compute-stream time per byte copied into or out of a bucket.
+
+Node attributes (key = FX node name):
+    kind (str): "input" (placeholder / get_attr), "output", "compute", "view" (no new storage),
+        "collective", "wait".
+    index (int): position in graph order.
+    target (str): op name, e.g. "aten.mm.default".
+    runtime_ms (float): compute-stream time (compute), communication time (collective),
+        0 for everything else.
+    size_bytes (int): bytes of the node's output tensors (0 for non-tensors).
+    alias_of (str | None): for views and waits, the node that owns the output's storage.
+    releasable (bool): for inputs, whether the graph may free it after its last use.
+    flops (int), bytes_accessed (int): for compute nodes, used by roofline cost models.
+    dtype (str | None): dtype of the (first) output tensor.
+    moves_with (str | None): name of the collective this node is a prologue of (a view or dtype
+        cast whose only user is that collective, moved together with its issue).
+    Collective nodes also carry: coll_type ("all_gather", "reduce_scatter", "all_reduce",
+        or the op name for unmodelled ones), group_name, group_size, reduce_op (str | None),
+        payload_bytes (per-rank input bytes), fqns (list[str]), param_index (int | None),
+        role ("fsdp", "tp" or "other"), wait (name of its wait node), prologue (list[str]),
+        movable (bool: the scheduler may bucket and move it; fixed collectives keep their
+        traced issue and wait positions).
+    Wait nodes also carry: collective (name of the collective they wait on).
+
+Edges: ``u -> v`` when ``v`` reads the output of ``u`` (data dependencies).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import operator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import networkx as nx
+
+if TYPE_CHECKING:
+    import torch.fx
+
+    from scheduler.costs import Cluster, CostModel
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "fsdp-sched/dag"
+SCHEMA_VERSION = 1
+
+#: collective op names (``torch.ops._c10d_functional.<name>``) -> coll_type
+_COLLECTIVES = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+#: ops that are collectives but not modelled (left in place, reported)
+_UNMODELLED_COLLECTIVES = {
+    "all_to_all_single",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced",
+    "broadcast",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+}
+_CAST_OPS = {"convert_element_type", "_to_copy", "to"}
+
+
+class DagError(ValueError):
+    """The graph or file cannot be turned into a DAG; the message says what is wrong."""
+
+
+# --------------------------------------------------------------------------------------------
+# export
+# --------------------------------------------------------------------------------------------
+def export_dag(
+    gm: "torch.fx.GraphModule",
+    *,
+    cost_model: "CostModel | None" = None,
+    cluster: "Cluster | None" = None,
+    name: str | None = None,
+) -> nx.DiGraph:
+    """Export an FX graph to the cost-annotated DAG described in the module docstring.
+
+    Args:
+        gm: a partitioned forward or backward graph whose nodes carry ``meta['val']``
+            (FakeTensors or real tensors) with static shapes.
+        cost_model: assigns ``runtime_ms``; default :class:`scheduler.costs.AnalyticCostModel`
+            on ``cluster``.
+        cluster: topology; default :class:`scheduler.costs.Cluster` (64 H100, 8 per node).
+        name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
+
+    Raises:
+        DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
+            without a wait.
+    """
+    import torch
+
+    from scheduler.costs import AnalyticCostModel, Cluster, annotate_costs
+
+    cluster = cluster or Cluster()
+    cost_model = cost_model or AnalyticCostModel(cluster)
+    graph_kind = str(getattr(gm, "meta", {}).get("fsdp_graph_kind", "unknown"))
+    dag = nx.DiGraph(
+        schema=SCHEMA,
+        version=SCHEMA_VERSION,
+        name=name or (graph_kind if graph_kind != "unknown" else "graph"),
+        graph_kind=graph_kind,
+        process_groups={},
+    )
+    order: list[str] = []
+    fx_nodes: dict[str, torch.fx.Node] = {}
+    for idx, node in enumerate(gm.graph.nodes):
+        fx_nodes[node.name] = node
+        order.append(node.name)
+        attrs = _node_attrs(node, idx)
+        dag.add_node(node.name, **attrs)
+        for inp in node.all_input_nodes:
+            dag.add_edge(inp.name, node.name)
+    dag.graph["order"] = order
+
+    _link_collectives(dag, fx_nodes)
+    _mark_prologues(dag)
+    _resolve_aliases(dag)
+    annotate_costs(dag, cost_model, cluster, fx_nodes=fx_nodes)
+    logger.info(
+        "exported %s: %d nodes, %d collectives",
+        dag.graph["name"],
+        dag.number_of_nodes(),
+        sum(1 for _, a in dag.nodes(data=True) if a["kind"] == "collective"),
+    )
+    return dag
+
+
+def _op_name(target: Any) -> str:
+    """'aten.mm.default' for OpOverloads, the function name otherwise."""
+    if hasattr(target, "_schema") and hasattr(target, "namespace"):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def _packet_name(target: Any) -> str:
+    """'all_gather_into_tensor' for torch.ops._c10d_functional.all_gather_into_tensor.default."""
+    if hasattr(target, "_schema"):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _tensor_bytes(val: Any, node_name: str) -> tuple[int, str | None]:
+    """Sum of bytes of all tensors in ``val`` and the dtype of the first one."""
+    import torch
+
+    total = 0
+    dtype = None
+    stack = [val]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            try:
+                numel = int(v.numel())
+            except (TypeError, RuntimeError) as e:  # symbolic shapes
+                raise DagError(
+                    f"node {node_name!r} has a symbolic shape {tuple(v.shape)}; fsdp-sched needs "
+                    "static shapes: compile with dynamic=False or mark the dims static"
+                ) from e
+            if any(not isinstance(s, int) for s in v.shape):
+                raise DagError(
+                    f"node {node_name!r} has a symbolic shape {tuple(v.shape)}; fsdp-sched needs "
+                    "static shapes: compile with dynamic=False or mark the dims static"
+                )
+            total += numel * v.element_size()
+            if dtype is None:
+                dtype = str(v.dtype).replace("torch.", "")
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+    return total, dtype
+
+
+def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
+    import torch
+
+    attrs: dict[str, Any] = {
+        "index": idx,
+        "target": _op_name(node.target) if node.op == "call_function" else node.op,
+        "runtime_ms": 0.0,
+        "size_bytes": 0,
+        "alias_of": None,
+        "releasable": True,
+        "flops": 0,
+        "bytes_accessed": 0,
+        "dtype": None,
+        "moves_with": None,
+    }
+    if node.op in ("placeholder", "get_attr"):
+        attrs["kind"] = "input"
+        # Parameter shards (primals) live across forward and backward; the graph cannot free
+        # them. Same rule as torch's memory_estimator._is_releasable.
+        attrs["releasable"] = not node.name.startswith("primals")
+    elif node.op == "output":
+        attrs["kind"] = "output"
+        return attrs
+    elif node.op != "call_function":
+        raise DagError(
+            f"node {node.name!r} has op {node.op!r}; fsdp-sched handles flat aten graphs "
+            "(placeholder/call_function/output), as produced by aot_autograd"
+        )
+    val = node.meta.get("val", None)
+    if "val" not in node.meta and node.op != "output":
+        raise DagError(
+            f"node {node.name!r} ({attrs['target']}) has no meta['val']; trace with fake tensors "
+            "(make_fx(..., tracing_mode='fake') or aot_autograd) so that shapes are known"
+        )
+    size, dtype = _tensor_bytes(val, node.name)
+    attrs["size_bytes"] = size
+    attrs["dtype"] = dtype
+    if node.op != "call_function":
+        return attrs
+
+    packet = _packet_name(node.target)
+    namespace = getattr(node.target, "namespace", "")
+    if namespace in ("_c10d_functional", "c10d_functional") and packet == "wait_tensor":
+        attrs["kind"] = "wait"
+    elif namespace in ("_c10d_functional", "c10d_functional") and (
+        packet in _COLLECTIVES or packet in _UNMODELLED_COLLECTIVES
+    ):
+        attrs["kind"] = "collective"
+        attrs.update(_collective_attrs(node, packet))
+    elif node.target is operator.getitem or getattr(node.target, "is_view", False):
+        attrs["kind"] = "view"
+        base = node.args[0] if node.args else None
+        attrs["alias_of"] = getattr(base, "name", None)
+    else:
+        attrs["kind"] = "compute"
+        attrs["bytes_accessed"] = size + sum(
+            _tensor_bytes(i.meta.get("val"), i.name)[0] for i in node.all_input_nodes
+        )
+        attrs["flops"] = _count_flops(node)
+    del torch
+    return attrs
+
+
+def _collective_attrs(node: "torch.fx.Node", packet: str) -> dict[str, Any]:
+    from torch.fx import Node
+
+    args = list(node.args)
+    inp = args[0]
+    payload = 0
+    if isinstance(inp, Node):
+        payload = _tensor_bytes(inp.meta.get("val"), inp.name)[0]
+    reduce_op = None
+    if packet in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
+        group_size, group_name = args[1], args[2]
+    elif packet == "reduce_scatter_tensor":
+        reduce_op, group_size, group_name = args[1], args[2], args[3]
+    elif packet == "all_reduce":
+        reduce_op, group_name = args[1], args[2]
+        group_size = _group_size(group_name)
+    else:
+        group_name = next((a for a in args if isinstance(a, str)), "unknown")
+        group_size = next((a for a in args[1:] if isinstance(a, int)), _group_size(group_name))
+    fqn = node.meta.get("fsdp_fqn")
+    fqns = list(fqn) if isinstance(fqn, (list, tuple)) else ([fqn] if fqn else [])
+    role = node.meta.get("fsdp_role")
+    coll_type = _COLLECTIVES.get(packet, packet)
+    if role is None:
+        role = _infer_role(node, coll_type, fqns)
+    if not fqns and role == "fsdp" and coll_type == "all_gather":
+        src = _source_placeholder(node)
+        fqns = [src.name] if src is not None else []
+    return {
+        "coll_type": coll_type,
+        "group_name": str(group_name),
+        "group_size": int(group_size) if group_size is not None else 0,
+        "reduce_op": reduce_op,
+        "payload_bytes": payload,
+        "fqns": fqns,
+        "param_index": node.meta.get("fsdp_param_index"),
+        "role": role,
+        "wait": None,
+        "prologue": [],
+        "movable": bool(role == "fsdp" and packet in ("all_gather_into_tensor", "reduce_scatter_tensor")),
+    }
+
+
+def _source_placeholder(node: "torch.fx.Node") -> "torch.fx.Node | None":
+    """The placeholder an all-gather's input comes from through single-use casts and views."""
+    cur = node.args[0] if node.args else None
+    while cur is not None and getattr(cur, "op", None) == "call_function":
+        if len(cur.all_input_nodes) != 1:
+            return None
+        op = _packet_name(cur.target)
+        if not (op in _CAST_OPS or getattr(cur.target, "is_view", False)):
+            return None
+        cur = cur.all_input_nodes[0]
+    return cur if getattr(cur, "op", None) == "placeholder" else None
+
+
+def _infer_role(node: "torch.fx.Node", coll_type: str, fqns: list[str]) -> str:
+    """FSDP collectives when the graph carries no ``fsdp_role`` meta: all-gathers of a graph
+    input (a parameter shard) and reduce-scatters (gradient reductions)."""
+    if coll_type == "reduce_scatter":
+        return "fsdp"
+    if coll_type == "all_gather" and (fqns or _source_placeholder(node) is not None):
+        return "fsdp"
+    return "other"
+
+
+def _group_size(group_name: Any) -> int | None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return dist.get_world_size(_resolve_process_group(group_name))
+    except Exception:  # no process group: size unknown
+        return None
+
+
+def _count_flops(node: "torch.fx.Node") -> int:
+    """FLOPs from torch.utils.flop_counter's registry (0 for ops it does not know)."""
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    fn = flop_registry.get(packet) if packet is not None else None
+    if fn is None:
+        return 0
+
+    def meta(a: Any) -> Any:
+        from torch.fx import Node
+
+        return a.meta.get("val") if isinstance(a, Node) else a
+
+    args, kwargs = tree_map(meta, (node.args, node.kwargs))
+    try:
+        return int(fn(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception as e:  # a formula that rejects these args: count nothing, say so
+        logger.debug("flop formula for %s failed on %s: %s", packet, node.name, e)
+        return 0
+
+
+def _link_collectives(dag: nx.DiGraph, fx_nodes: dict[str, Any]) -> None:
+    """Connect each collective with its wait; record process groups."""
+    groups = dag.graph["process_groups"]
+    for name, a in dag.nodes(data=True):
+        if a["kind"] != "wait":
+            continue
+        coll = fx_nodes[name].args[0]
+        coll_name = getattr(coll, "name", None)
+        if coll_name is None or dag.nodes[coll_name]["kind"] != "collective":
+            raise DagError(f"wait node {name!r} does not wait on a collective")
+        a["collective"] = coll_name
+        a["alias_of"] = coll_name
+        dag.nodes[coll_name]["wait"] = name
+    for name, a in dag.nodes(data=True):
+        if a["kind"] != "collective":
+            continue
+        if a["wait"] is None:
+            raise DagError(
+                f"collective {name!r} ({a['target']}) has no wait_tensor; fsdp-sched needs "
+                "functional collectives each followed by a wait"
+            )
+        gname = a["group_name"]
+        if gname not in groups:
+            groups[gname] = {"size": a["group_size"], "ranks": _group_ranks(gname)}
+
+
+def _group_ranks(group_name: str) -> list[int] | None:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    except Exception:
+        return None
+
+
+def _mark_prologues(dag: nx.DiGraph) -> None:
+    """Mark single-use views and dtype casts feeding a movable collective as its prologue."""
+    for name, a in dag.nodes(data=True):
+        if a["kind"] != "collective" or not a["movable"]:
+            continue
+        chain: list[str] = []
+        cur = name
+        while True:
+            preds = list(dag.predecessors(cur))
+            if len(preds) != 1:
+                break
+            p = preds[0]
+            pa = dag.nodes[p]
+            op = pa["target"].split(".")[1] if pa["target"].count(".") >= 2 else pa["target"]
+            if dag.out_degree(p) != 1 or not (pa["kind"] == "view" or (pa["kind"] == "compute" and op in _CAST_OPS)):
+                break
+            chain.append(p)
+            cur = p
+        chain.reverse()
+        a["prologue"] = chain
+        for p in chain:
+            dag.nodes[p]["moves_with"] = name
+
+
+def _resolve_aliases(dag: nx.DiGraph) -> None:
+    """Point every view at the node owning its storage (views of views collapse)."""
+    for name in dag.graph["order"]:
+        a = dag.nodes[name]
+        if a["alias_of"] is not None:
+            root = a["alias_of"]
+            seen = {name}
+            while dag.nodes[root]["alias_of"] is not None and root not in seen:
+                seen.add(root)
+                root = dag.nodes[root]["alias_of"]
+            a["alias_of"] = root
+
+
+# --------------------------------------------------------------------------------------------
+# JSON round-trip
+# --------------------------------------------------------------------------------------------
+def dag_to_json(dag: nx.DiGraph) -> dict:
+    nodes = [{"name": n, **_jsonable(a)} for n, a in dag.nodes(data=True)]
+    edges = [[u, v] for u, v in dag.edges()]
+    return {"graph": _jsonable(dict(dag.graph)), "nodes": nodes, "edges": edges}
+
+
+def dag_from_json(data: Any, *, source: str = "<data>") -> nx.DiGraph:
+    if not isinstance(data, dict) or data.get("graph", {}).get("schema") != SCHEMA:
+        raise DagError(f"{source} is not an fsdp-sched DAG file (missing schema {SCHEMA!r})")
+    version = data["graph"].get("version")
+    if version != SCHEMA_VERSION:
+        raise DagError(
+            f"{source} has DAG schema version {version!r}; this fsdp-sched reads version "
+            f"{SCHEMA_VERSION}: re-export the graph with `fsdp-sched trace` or export_dag()"
+        )
+    try:
+        dag = nx.DiGraph(**data["graph"])
+        for n in data["nodes"]:
+            n = dict(n)
+            dag.add_node(n.pop("name"), **n)
+        for u, v in data["edges"]:
+            if u not in dag or v not in dag:
+                raise KeyError(f"edge ({u}, {v}) names an unknown node")
+            dag.add_edge(u, v)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DagError(f"{source} is corrupt: {e}") from e
+    validate_dag(dag, source=source)
+    return dag
+
+
+def save_dag(dag: nx.DiGraph, path: str | Path) -> None:
+    """Write the DAG as versioned JSON (see module docstring for the schema)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(dag_to_json(dag), separators=(",", ":")))
+    tmp.replace(path)
+
+
+def load_dag(path: str | Path) -> nx.DiGraph:
+    """Read a DAG written by :func:`save_dag`.
+
+    Raises:
+        DagError: the file is not valid JSON, not an fsdp-sched DAG, of another schema version,
+            or inconsistent (unknown nodes, missing attributes).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DagError(f"{path} is not valid JSON ({e}); was it truncated? re-export it") from e
+    return dag_from_json(data, source=str(path))
+
+
+_REQUIRED_NODE_ATTRS = ("kind", "index", "runtime_ms", "size_bytes")
+_KINDS = {"input", "output", "compute", "view", "collective", "wait"}
+
+
+def validate_dag(dag: nx.DiGraph, *, source: str = "DAG") -> None:
+    """Check the DAG is self-consistent and its costs are usable.
+
+    Raises:
+        DagError: naming the first problem found (missing attribute, unknown kind, a runtime
+            that is NaN / negative, a collective without a wait, a cycle, an order that does
+            not list every node).
+    """
+    order = dag.graph.get("order")
+    if not isinstance(order, list) or sorted(order) != sorted(dag.nodes):
+        raise DagError(f"{source}: graph attribute 'order' must list every node exactly once")
+    for n, a in dag.nodes(data=True):
+        for key in _REQUIRED_NODE_ATTRS:
+            if key not in a:
+                raise DagError(f"{source}: node {n!r} lacks attribute {key!r}")
+        if a["kind"] not in _KINDS:
+            raise DagError(f"{source}: node {n!r} has unknown kind {a['kind']!r}")
+        rt = a["runtime_ms"]
+        if not isinstance(rt, (int, float)) or math.isnan(rt) or rt < 0 or math.isinf(rt):
+            raise DagError(
+                f"{source}: node {n!r} has runtime_ms={rt!r}; the cost model must return a finite "
+                "time >= 0 for every node"
+            )
+        if a["kind"] == "collective" and not a.get("wait"):
+            raise DagError(f"{source}: collective {n!r} has no wait")
+    if not nx.is_directed_acyclic_graph(dag):
+        raise DagError(f"{source}: the graph has a cycle")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return str(obj)
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)

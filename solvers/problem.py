@@ -1,0 +1,250 @@
+"""The scheduling problem as plain data, extracted once from a cost-annotated DAG.
+
+Everything downstream (heuristics, CP-SAT and ILP models, the simulator, the validator)
+reads a :class:`Problem`; nothing here imports torch.
+
+Vocabulary:
+- ``seq``: the schedulable nodes (DAG kinds "compute" and "view" that are not a collective's
+  prologue), in execution order. Gap ``p`` is the point just before ``seq[p]``.
+- a collective is *ready* at the first gap after all of its inputs exist, and *needed* at the
+  gap of the first node that reads its result (``n = len(seq)`` when only the graph output
+  does). It can be issued in ``[ready, needed]`` and waited in ``[issue, needed]``.
+- a bucket key ``(coll_type, group_name, dtype, reduce_op)``: only collectives with equal keys
+  may be merged. Mergeable collectives of one key form a *chain* ordered by ``needed`` (then by
+  ``ready``): buckets are runs of consecutive chain members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from functools import cached_property
+
+import networkx as nx
+
+from solvers.schedule import Bucket, Schedule, ScheduleError
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the graph, with the positions that bound its schedule."""
+
+    name: str
+    wait: str
+    coll_type: str
+    group_name: str
+    group_size: int
+    dtype: str | None
+    reduce_op: str | None
+    payload_bytes: int  #: per-rank input bytes
+    out_bytes: int  #: per-rank output bytes
+    fqns: tuple[str, ...]
+    param_index: int | None
+    runtime_ms: float  #: time of this collective alone
+    prologue: tuple[str, ...]
+    prologue_ms: float  #: compute-stream time of the prologue (casts) at issue
+    movable: bool
+    ready: int  #: earliest issue gap
+    needed: int  #: latest wait gap
+    traced_issue: int
+    traced_wait: int
+
+    @property
+    def key(self) -> tuple[str, str, str | None, str | None]:
+        return (self.coll_type, self.group_name, self.dtype, self.reduce_op)
+
+    @property
+    def input_bytes(self) -> int:
+        return self.payload_bytes
+
+
+class Problem:
+    """Scheduling view of one DAG. Build with :meth:`from_dag`."""
+
+    def __init__(self, dag: nx.DiGraph, seq: tuple[str, ...], colls: dict[str, Collective]):
+        self.dag = dag
+        self.seq = seq
+        self.n = len(seq)
+        self.pos = {name: i for i, name in enumerate(seq)}
+        #: collectives in traced issue order
+        self.colls = colls
+        g = dag.graph
+        self.comm_model: dict[str, dict[str, float]] = g.get("comm_model", {})
+        self.copy_ms_per_byte: float = float(g.get("copy_ms_per_byte", 0.0))
+        self.copy_ms_fixed: float = float(g.get("copy_ms_fixed", 0.0))
+
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def from_dag(dag: nx.DiGraph) -> "Problem":
+        order: list[str] = dag.graph["order"]
+        nodes = dag.nodes
+        seq = tuple(
+            n for n in order if nodes[n]["kind"] in ("compute", "view") and not nodes[n].get("moves_with")
+        )
+        pos = {name: i for i, name in enumerate(seq)}
+        n = len(seq)
+        # traced gap of every node = number of seq nodes before it in graph order
+        traced_gap: dict[str, int] = {}
+        seen = 0
+        for name in order:
+            traced_gap[name] = seen
+            if name in pos:
+                seen += 1
+        colls: dict[str, Collective] = {}
+        for name in order:
+            a = nodes[name]
+            if a["kind"] != "collective":
+                continue
+            prologue = tuple(a.get("prologue") or ())
+            movable = bool(a.get("movable"))
+            # ready: after the producers of the prologue's (or the collective's) inputs
+            heads = [prologue[0]] if prologue else [name]
+            ready = 0
+            for h in heads:
+                for u in dag.predecessors(h):
+                    ua = nodes[u]
+                    if u in pos:
+                        ready = max(ready, pos[u] + 1)
+                    elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
+                        movable = False  # depends on another collective: keep it where traced
+            wait = a["wait"]
+            needed = n
+            for v in _readers(dag, wait):
+                if v in pos:
+                    needed = min(needed, pos[v])
+                elif nodes[v]["kind"] != "output":
+                    movable = False
+            t_issue, t_wait = traced_gap[name], traced_gap[wait]
+            if not movable:
+                ready, needed = t_issue, t_wait
+            prologue_ms = sum(float(nodes[p]["runtime_ms"]) for p in prologue)
+            colls[name] = Collective(
+                name=name,
+                wait=wait,
+                coll_type=a["coll_type"],
+                group_name=a["group_name"],
+                group_size=int(a["group_size"]),
+                dtype=a.get("dtype"),
+                reduce_op=a.get("reduce_op"),
+                payload_bytes=int(a["payload_bytes"]),
+                out_bytes=int(a["size_bytes"]),
+                fqns=tuple(a.get("fqns") or ()),
+                param_index=a.get("param_index"),
+                runtime_ms=float(a["runtime_ms"]),
+                prologue=prologue,
+                prologue_ms=prologue_ms,
+                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter"),
+                ready=ready,
+                needed=needed,
+                traced_issue=t_issue,
+                traced_wait=t_wait,
+            )
+            if not (ready <= t_issue <= t_wait <= needed) and movable:
+                raise ScheduleError(f"collective {name!r}: traced positions outside its window")
+        return Problem(dag, seq, colls)
+
+    # ------------------------------------------------------------------------------------
+    @cached_property
+    def chains(self) -> dict[tuple, list[str]]:
+        """Mergeable collectives per bucket key, in chain order (needed, ready, traced)."""
+        chains: dict[tuple, list[str]] = {}
+        for c in self.colls.values():
+            if c.movable:
+                chains.setdefault(c.key, []).append(c.name)
+        for key, members in chains.items():
+            members.sort(key=lambda m: (self.colls[m].needed, self.colls[m].ready, self.colls[m].traced_issue))
+        return chains
+
+    @cached_property
+    def compute_ms(self) -> list[float]:
+        return [float(self.dag.nodes[s]["runtime_ms"]) for s in self.seq]
+
+    @property
+    def total_compute_ms(self) -> float:
+        return sum(self.compute_ms) + sum(c.prologue_ms for c in self.colls.values())
+
+    def bucket_comm_ms(self, members: Sequence[str]) -> float:
+        """Communication time of a bucket (ms): the collective's own cost when alone, else the
+        fitted ``alpha + beta * total payload`` of its (type, group)."""
+        if len(members) == 1:
+            return self.colls[members[0]].runtime_ms
+        c0 = self.colls[members[0]]
+        m = self.comm_model.get(f"{c0.coll_type}|{c0.group_name}")
+        total = sum(self.colls[x].payload_bytes for x in members)
+        if m is None:
+            return sum(self.colls[x].runtime_ms for x in members)
+        return m["alpha_ms"] + m["beta_ms_per_byte"] * total
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self.copy_ms_fixed + self.copy_ms_per_byte * nbytes
+
+    def copy_in_ms(self, members: Sequence[str]) -> float:
+        """Compute-stream time at a bucket's issue: prologues, plus the copy into the bucket
+        buffer when merged."""
+        t = sum(self.colls[m].prologue_ms for m in members)
+        if len(members) > 1:
+            t += self.copy_ms(sum(self.colls[m].payload_bytes for m in members))
+        return t
+
+    def copy_out_ms(self, members: Sequence[str]) -> float:
+        """Compute-stream time at a merged all-gather's wait: copying members out of the bucket
+        buffer (torch's merge splits along a strided dim, which copies). Reduce-scatter outputs
+        are contiguous views of the bucket output: free."""
+        if len(members) > 1 and self.colls[members[0]].coll_type == "all_gather":
+            return self.copy_ms(sum(self.colls[m].out_bytes for m in members))
+        return 0.0
+
+    # ------------------------------------------------------------------------------------
+    def traced_schedule(self) -> Schedule:
+        """The graph as traced: every collective alone, issued and waited where it was."""
+        names = list(self.colls)
+        return self._schedule_in_traced_gaps(names)
+
+    def _schedule_in_traced_gaps(self, names: list[str]) -> Schedule:
+        # Keep the traced interleaving of issues and waits inside each gap.
+        order = self.dag.graph["order"]
+        bucket_idx = {c: i for i, c in enumerate(names)}
+        wait_of = {self.colls[c].wait: c for c in names}
+        steps_nodes: list = []
+        from solvers.schedule import Step
+
+        for name in order:
+            if name in self.pos:
+                steps_nodes.append(Step("node", name))
+            elif name in bucket_idx:
+                steps_nodes.append(Step("issue", bucket_idx[name]))
+            elif name in wait_of:
+                steps_nodes.append(Step("wait", bucket_idx[wait_of[name]]))
+        return Schedule(tuple(Bucket((c,)) for c in names), tuple(steps_nodes))
+
+    def lower_bound_ms(self) -> float:
+        """Analytic lower bound on step time (DESIGN.md): max of total compute and, per stream,
+        total communication at its cheapest (everything of a chain merged into one bucket per
+        fixed window is not assumed; each collective costs at least ``beta * payload``), plus
+        nothing for exposure. Always <= any schedule's simulated step time."""
+        streams: dict[str, float] = {}
+        for c in self.colls.values():
+            m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
+            cheapest = min(c.runtime_ms, m["beta_ms_per_byte"] * c.payload_bytes) if (m and c.movable) else c.runtime_ms
+            streams[c.group_name] = streams.get(c.group_name, 0.0) + cheapest
+        return max([self.total_compute_ms, *streams.values()])
+
+
+def _readers(dag: nx.DiGraph, name: str) -> list[str]:
+    """Nodes reading ``name``'s result, looking through views (which are in seq themselves,
+    so a view reader counts as the reader)."""
+    return list(dag.successors(name))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ms(ms: float) -> str:
+    if math.isnan(ms):
+        return "nan"
+    return f"{ms:.3f} ms" if ms < 100 else f"{ms:.1f} ms"

@@ -1,0 +1,212 @@
+"""The plain-data result types shared by every solver, heuristic, the simulator and write-back.
+
+A :class:`Schedule` says, for one graph, which collectives are merged into buckets and where
+every bucket is issued and waited relative to the compute nodes. It refers to DAG nodes by
+name only, so it is JSON-serialisable and identical on every rank for the identical graph.
+
+Positions are *gaps* of the compute sequence ``seq`` (the DAG's schedulable compute and view
+nodes in execution order, see :mod:`solvers.problem`): gap ``p`` lies just before ``seq[p]``;
+gap ``len(seq)`` is the end of the graph, just before its output. Inside one gap, steps run in
+the order the schedule lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from enum import Enum
+
+
+class ScheduleError(RuntimeError):
+    """A schedule could not be produced; the message says what to change."""
+
+
+class InfeasibleBudgetError(ScheduleError):
+    """No schedule of the graph keeps peak memory under the requested budget.
+
+    ``min_peak_bytes`` is the smallest peak any schedule in the search space reaches (as found
+    by the solver), so that the caller can raise the budget to at least that value.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int | None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_peak_bytes = min_peak_bytes
+
+
+class SolveStatus(str, Enum):
+    """Outcome of a solve, comparable across solvers and heuristics."""
+
+    OPTIMAL = "optimal"  #: proven optimal for the solver's model
+    FEASIBLE = "feasible"  #: valid, optimality not proven (limit reached)
+    HEURISTIC = "heuristic"  #: produced by a heuristic, no optimality claim
+    FALLBACK = "fallback"  #: the solver failed or timed out; a heuristic schedule is returned
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One merged collective.
+
+    Attributes:
+        members: DAG names of the collectives merged into this bucket, in payload order
+            (the order of their data in the bucket buffer). All share type, process group,
+            dtype and (reduce-scatter) reduce op. A single member means "not merged".
+    """
+
+    members: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("a bucket needs at least one collective")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"bucket lists a collective twice: {self.members}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One entry of a schedule's execution order.
+
+    ``kind`` is ``"node"`` (``ref`` = a DAG compute or view node name), ``"issue"`` or
+    ``"wait"`` (``ref`` = index of the bucket in :attr:`Schedule.buckets`).
+    """
+
+    kind: str
+    ref: str | int
+
+    def __post_init__(self) -> None:
+        if self.kind == "node":
+            if not isinstance(self.ref, str):
+                raise ValueError(f"node step needs a node name, got {self.ref!r}")
+        elif self.kind in ("issue", "wait"):
+            if not isinstance(self.ref, int):
+                raise ValueError(f"{self.kind} step needs a bucket index, got {self.ref!r}")
+        else:
+            raise ValueError(f"unknown step kind {self.kind!r}; use 'node', 'issue' or 'wait'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Buckets plus the full execution order of compute nodes, bucket issues and waits.
+
+    Attributes:
+        buckets: every modelled collective of the graph appears in exactly one bucket.
+        steps: execution order. Each bucket is issued once and waited once, after its issue.
+            Node steps list the schedulable compute/view nodes; collectives' prologue nodes
+            (casts and views that only feed one collective) run with the bucket's issue and
+            are not listed.
+    """
+
+    buckets: tuple[Bucket, ...]
+    steps: tuple[Step, ...]
+
+    @staticmethod
+    def from_positions(
+        seq: Sequence[str],
+        buckets: Sequence[Bucket],
+        issue_at: Sequence[int],
+        wait_at: Sequence[int],
+    ) -> "Schedule":
+        """Build a schedule from gap positions (see module docstring).
+
+        Inside a gap, issues come first (in bucket order), then waits (in bucket order): issuing
+        before blocking on a wait lets the communication stream start as early as possible.
+        """
+        n = len(seq)
+        if not (len(buckets) == len(issue_at) == len(wait_at)):
+            raise ValueError("buckets, issue_at and wait_at must have the same length")
+        per_gap_issue: list[list[int]] = [[] for _ in range(n + 1)]
+        per_gap_wait: list[list[int]] = [[] for _ in range(n + 1)]
+        for b, (i, w) in enumerate(zip(issue_at, wait_at)):
+            if not (0 <= i <= w <= n):
+                raise ValueError(f"bucket {b}: need 0 <= issue_at ({i}) <= wait_at ({w}) <= {n}")
+            per_gap_issue[i].append(b)
+            per_gap_wait[w].append(b)
+        steps: list[Step] = []
+        for p in range(n + 1):
+            steps.extend(Step("issue", b) for b in per_gap_issue[p])
+            steps.extend(Step("wait", b) for b in per_gap_wait[p])
+            if p < n:
+                steps.append(Step("node", seq[p]))
+        return Schedule(tuple(buckets), tuple(steps))
+
+    def positions(self) -> tuple[list[int], list[int]]:
+        """Gap index of every bucket's issue and wait (number of node steps before it)."""
+        issue = [-1] * len(self.buckets)
+        wait = [-1] * len(self.buckets)
+        nodes_seen = 0
+        for s in self.steps:
+            if s.kind == "node":
+                nodes_seen += 1
+            elif s.kind == "issue":
+                issue[s.ref] = nodes_seen  # type: ignore[index]
+            else:
+                wait[s.ref] = nodes_seen  # type: ignore[index]
+        return issue, wait
+
+    def node_order(self) -> list[str]:
+        return [s.ref for s in self.steps if s.kind == "node"]  # type: ignore[misc]
+
+    # --- serialisation -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "buckets": [list(b.members) for b in self.buckets],
+            "steps": [[s.kind, s.ref] for s in self.steps],
+        }
+
+    @staticmethod
+    def from_json(data: dict) -> "Schedule":
+        try:
+            buckets = tuple(Bucket(tuple(m)) for m in data["buckets"])
+            steps = tuple(Step(k, r) for k, r in data["steps"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a schedule JSON object ({e}); expected keys 'buckets', 'steps'") from e
+        return Schedule(buckets, steps)
+
+    def digest(self) -> str:
+        """A stable hash of the schedule: equal on every rank iff the schedules are equal."""
+        payload = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def bucket_of(self) -> dict[str, int]:
+        """Map collective name -> index of its bucket."""
+        return {m: i for i, b in enumerate(self.buckets) for m in b.members}
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveResult:
+    """What every solver and heuristic returns, so that they compare directly.
+
+    Attributes:
+        schedule: the chosen schedule (never empty for a graph with collectives).
+        status: see :class:`SolveStatus`.
+        solver: name of the solver or heuristic that produced it.
+        objective_ms: predicted step time of ``schedule`` in the solver's model (ms).
+        best_bound_ms: proven lower bound on step time in the solver's model (ms); for
+            heuristics the analytic lower bound.
+        solve_time_s: wall time of the solve (s).
+        peak_bytes: predicted peak memory of ``schedule`` (bytes).
+        notes: human-readable remarks (fallback reasons, limits hit).
+    """
+
+    schedule: Schedule
+    status: SolveStatus
+    solver: str
+    objective_ms: float
+    best_bound_ms: float
+    solve_time_s: float
+    peak_bytes: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gap(self) -> float:
+        """Relative optimality gap (objective - bound) / objective, 0 when proven optimal."""
+        if self.objective_ms <= 0:
+            return 0.0
+        return max(0.0, (self.objective_ms - self.best_bound_ms) / self.objective_ms)
+
+
+def iter_bucket_members(buckets: Iterable[Bucket]) -> Iterable[str]:
+    for b in buckets:
+        yield from b.members
