@@ -22,3 +22,7 @@ __all__ = [
     "SolveStatus",
     "Step",
 ]
+
+from solvers.dispatch import available_solvers, solve  # noqa: E402
+
+__all__ += ["available_solvers", "solve"]

@@ -1,0 +1,88 @@
+"""One entry point for every solver and heuristic: ``solve(problem, solver=...)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from solvers.problem import Problem
+from solvers.schedule import Schedule, ScheduleError, SolveResult
+
+logger = logging.getLogger(__name__)
+
+#: name -> callable(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers)
+_SOLVERS: dict[str, Callable[..., SolveResult]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., SolveResult]], Callable[..., SolveResult]]:
+    def deco(fn: Callable[..., SolveResult]) -> Callable[..., SolveResult]:
+        _SOLVERS[name] = fn
+        return fn
+
+    return deco
+
+
+def available_solvers() -> list[str]:
+    _load_all()
+    return sorted(_SOLVERS)
+
+
+def _load_all() -> None:
+    # importing registers; heuristics first so solvers can use them as hints
+    import solvers.heuristics  # noqa: F401
+
+    try:
+        import solvers.cpsat  # noqa: F401
+    except ImportError as e:  # pragma: no cover - ortools missing
+        logger.debug("cpsat unavailable: %s", e)
+    try:
+        import solvers.milp  # noqa: F401
+    except ImportError as e:  # pragma: no cover - pulp missing
+        logger.debug("milp unavailable: %s", e)
+
+
+def solve(
+    problem: Problem,
+    *,
+    solver: str = "cpsat",
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+) -> SolveResult:
+    """Solve ``problem`` with the named solver or heuristic.
+
+    Args:
+        solver: "cpsat", "milp", or a heuristic name (see :func:`available_solvers`).
+        mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
+        time_limit_s: limit of the solve. For CP-SAT it is converted to a deterministic time
+            limit, so that every rank stops at the same point and gets the same schedule.
+        seed: solver random seed (fixed for determinism).
+        hint: a schedule to warm-start from.
+        num_workers: solver threads (1 keeps solves deterministic and cheap).
+
+    Raises:
+        ValueError: unknown solver name.
+        InfeasibleBudgetError: no schedule fits ``mem_budget_bytes``.
+        ScheduleError: the solver failed in another way.
+    """
+    _load_all()
+    fn = _SOLVERS.get(solver)
+    if fn is None:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {available_solvers()}")
+    if mem_budget_bytes is not None and mem_budget_bytes <= 0:
+        raise ValueError(f"mem_budget_bytes must be > 0, got {mem_budget_bytes}")
+    if time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+    result = fn(
+        problem,
+        mem_budget_bytes=mem_budget_bytes,
+        time_limit_s=time_limit_s,
+        seed=seed,
+        hint=hint,
+        num_workers=num_workers,
+    )
+    if not result.schedule.buckets and problem.colls:
+        raise ScheduleError(f"solver {solver!r} returned an empty schedule for a graph with collectives")
+    return result
