@@ -144,7 +144,7 @@ def fake_process_group(world_size: int, rank: int = 0):
 def _trace_back_to_placeholder(node: fx.Node) -> fx.Node | None:
     """Follow first arguments through pass-through ops up to a placeholder (None if blocked)."""
     while node.op != "placeholder":
-        if node.op != "call_function" or node.target not in _PASS_THROUGH and not _is_getitem(node):
+        if node.op != "call_function" or (node.target not in _PASS_THROUGH and not _is_getitem(node)):
             return None
         node = node.args[0]
         if not isinstance(node, fx.Node):

@@ -300,14 +300,18 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy (fp32 scalar) of predicting ``labels`` (b, s) from ``tokens`` (b, s)."""
+    def hidden(self, tokens: Tensor) -> Tensor:
+        """Final-norm hidden states (b, s, dim) for ``tokens`` (b, s)."""
         s = tokens.shape[1]
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        h = self.norm(h)
+        return self.norm(h)
+
+    def forward(self, tokens: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross-entropy (fp32 scalar) of predicting ``labels`` (b, s) from ``tokens`` (b, s)."""
+        h = self.hidden(tokens)
         weight = self.output.weight  # read once: every read of a sharded weight is an all-gather
         chunks = self.config.loss_chunks
         if chunks == 1:

@@ -26,12 +26,16 @@ Node attributes (key = FX node name):
     releasable (bool): for inputs, whether the graph may free it after its last use.
     flops (int), bytes_accessed (int): for compute nodes, used by roofline cost models.
     dtype (str | None): dtype of the (first) output tensor.
-    moves_with (str | None): name of the collective this node is a prologue of (a view or dtype
-        cast whose only user is that collective, moved together with its issue).
+    moves_with (str | None): name of the collective this node is a prologue or epilogue of:
+        a prologue is a view or dtype cast whose only user is that collective (it moves with the
+        issue); an epilogue is a chain of views / dtype casts from the collective's wait whose
+        only reader is the graph output (e.g. the fp32 cast of a bf16 reduce-scatter's result;
+        it moves with the wait).
     Collective nodes also carry: coll_type ("all_gather", "reduce_scatter", "all_reduce",
         or the op name for unmodelled ones), group_name, group_size, reduce_op (str | None),
         payload_bytes (per-rank input bytes), fqns (list[str]), param_index (int | None),
         role ("fsdp", "tp" or "other"), wait (name of its wait node), prologue (list[str]),
+        epilogue (list[str]),
         movable (bool: the scheduler may bucket and move it; fixed collectives keep their
         traced issue and wait positions).
     Wait nodes also carry: collective (name of the collective they wait on).
@@ -80,6 +84,9 @@ _UNMODELLED_COLLECTIVES = {
     "irecv",
 }
 _CAST_OPS = {"convert_element_type", "_to_copy", "to"}
+#: ops whose output shares its input's storage although their schema does not mark them as
+#: views (aten._unsafe_view: a view that autograd does not track as one)
+_ALIAS_OPS = {"_unsafe_view"}
 
 
 class DagError(ValueError):
@@ -137,6 +144,7 @@ def export_dag(
 
     _link_collectives(dag, fx_nodes)
     _mark_prologues(dag)
+    _mark_epilogues(dag)
     _resolve_aliases(dag)
     annotate_costs(dag, cost_model, cluster, fx_nodes=fx_nodes)
     logger.info(
@@ -243,7 +251,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
     ):
         attrs["kind"] = "collective"
         attrs.update(_collective_attrs(node, packet))
-    elif node.target is operator.getitem or getattr(node.target, "is_view", False):
+    elif node.target is operator.getitem or getattr(node.target, "is_view", False) or packet in _ALIAS_OPS:
         attrs["kind"] = "view"
         base = node.args[0] if node.args else None
         attrs["alias_of"] = getattr(base, "name", None)
@@ -296,6 +304,7 @@ def _collective_attrs(node: "torch.fx.Node", packet: str) -> dict[str, Any]:
         "role": role,
         "wait": None,
         "prologue": [],
+        "epilogue": [],
         "movable": bool(role == "fsdp" and packet in ("all_gather_into_tensor", "reduce_scatter_tensor")),
     }
 
@@ -392,6 +401,37 @@ def _group_ranks(group_name: str) -> list[int] | None:
         return None
 
 
+def _is_cast_or_view(a: dict) -> bool:
+    op = a["target"].split(".")[1] if a["target"].count(".") >= 2 else a["target"]
+    return a["kind"] == "view" or (a["kind"] == "compute" and op in _CAST_OPS)
+
+
+def _mark_epilogues(dag: nx.DiGraph) -> None:
+    """Mark chains of single-use views / casts from a movable collective's wait to the graph
+    output as the collective's epilogue (they run right after the wait)."""
+    for name, a in dag.nodes(data=True):
+        if a["kind"] != "collective" or not a["movable"]:
+            continue
+        chain: list[str] = []
+        cur = a["wait"]
+        while dag.out_degree(cur) == 1:
+            nxt = next(iter(dag.successors(cur)))
+            na = dag.nodes[nxt]
+            if na["kind"] == "output":
+                break
+            if not _is_cast_or_view(na) or dag.in_degree(nxt) != 1:
+                chain = []
+                break
+            chain.append(nxt)
+            cur = nxt
+        else:
+            chain = []
+        if chain and all(dag.nodes[v]["kind"] == "output" for v in dag.successors(chain[-1])):
+            a["epilogue"] = chain
+            for v in chain:
+                dag.nodes[v]["moves_with"] = name
+
+
 def _mark_prologues(dag: nx.DiGraph) -> None:
     """Mark single-use views and dtype casts feeding a movable collective as its prologue."""
     for name, a in dag.nodes(data=True):
@@ -439,7 +479,7 @@ def dag_to_json(dag: nx.DiGraph) -> dict:
 
 
 def dag_from_json(data: Any, *, source: str = "<data>") -> nx.DiGraph:
-    if not isinstance(data, dict) or data.get("graph", {}).get("schema") != SCHEMA:
+    if not isinstance(data, dict) or not isinstance(data.get("graph"), dict) or data["graph"].get("schema") != SCHEMA:
         raise DagError(f"{source} is not an fsdp-sched DAG file (missing schema {SCHEMA!r})")
     version = data["graph"].get("version")
     if version != SCHEMA_VERSION:

@@ -10,7 +10,8 @@ Execution model:
 - Memory: a node's output is allocated when it runs and freed after its last reader (views
   share their base's storage); a collective's output is allocated at issue; a collective's
   input stays alive until its wait (until the copy-in when merged: the bucket buffer then
-  holds the data until the wait); graph inputs named ``primals*`` and graph outputs are never
+  holds the data until the wait); epilogue casts of a collective's result run at its wait;
+  graph inputs named ``primals*`` and graph outputs are never
   freed. A merged all-gather holds its bucket buffer from issue to wait, where members are
   copied out; a merged reduce-scatter holds its input buffer from issue to wait.
 - Step time is when the compute stream finishes (every collective is waited on).
@@ -51,6 +52,7 @@ class SimResult:
         node_times: node name -> (start_ms, end_ms) on the compute stream.
         bucket_times: bucket index -> (issue_ms, start_ms, end_ms, wait_done_ms).
         memory: (time_ms, live_bytes) after every step.
+        step_live_bytes: live bytes during every step (after its allocations, before its frees).
         n_collectives: number of collectives issued (buckets).
     """
 
@@ -64,6 +66,7 @@ class SimResult:
     bucket_times: dict[int, tuple[float, float, float, float]]
     memory: list[tuple[float, int]]
     n_collectives: int
+    step_live_bytes: list[int] = dataclasses.field(repr=False, default_factory=list)
     schedule: Schedule = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
 
     def summary(self) -> dict[str, Any]:
@@ -161,7 +164,7 @@ class _Simulator:
             for u in dag.predecessors(name):
                 uses[self.root[u]] += 1
         for cname, c in p.colls.items():
-            for reader in (*c.prologue, cname):
+            for reader in (*c.prologue, cname, *c.epilogue):
                 for u in dag.predecessors(reader):
                     uses[self.root[u]] += 1
         return uses
@@ -212,6 +215,7 @@ class _Simulator:
         peak, peak_step = total, -1
         issued: set[int] = set()
         waited: set[int] = set()
+        step_live: list[int] = []
         for k, step in enumerate(s.steps):
             if step.kind == "node":
                 name = step.ref
@@ -224,6 +228,7 @@ class _Simulator:
                     alloc(name, int(a["size_bytes"]))
                 if total > peak:
                     peak, peak_step = total, k
+                step_live.append(total)
                 for u in dag.predecessors(name):
                     release(self.root[u])
             elif step.kind == "issue":
@@ -234,10 +239,18 @@ class _Simulator:
                 t_issue = t
                 t += cin
                 busy += cin
+                # prologue casts run before the collective: their inputs are freed before the
+                # collective's output is allocated (as torch's memory_estimator counts it)
+                for m in members:
+                    for pn in p.colls[m].prologue:
+                        alloc(pn, int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0)
+                step_peak = total
+                for m in members:
+                    for pn in p.colls[m].prologue:
+                        for u in dag.predecessors(pn):
+                            release(self.root[u])
                 for m in members:
                     c = p.colls[m]
-                    for pn in c.prologue:
-                        alloc(pn, int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0)
                     if not merged or c.coll_type != "all_gather":
                         alloc(m, c.out_bytes)
                 c0 = p.colls[members[0]]
@@ -246,13 +259,12 @@ class _Simulator:
                     if c0.coll_type == "all_gather":
                         buf = sum(p.colls[m].out_bytes for m in members)
                     alloc(f"bucket:{b}", buf)
-                if total > peak:
-                    peak, peak_step = total, k
+                step_peak = max(step_peak, total)
+                if step_peak > peak:
+                    peak, peak_step = step_peak, k
+                step_live.append(step_peak)
                 for m in members:
                     c = p.colls[m]
-                    for pn in c.prologue:
-                        for u in dag.predecessors(pn):
-                            release(self.root[u])
                     if merged:
                         for u in dag.predecessors(m):
                             release(self.root[u])
@@ -280,13 +292,22 @@ class _Simulator:
                 if merged and c0.coll_type == "all_gather":
                     for m in members:
                         alloc(m, p.colls[m].out_bytes)
+                for m in members:
+                    for e in p.colls[m].epilogue:
+                        if nodes[e]["alias_of"] is None:
+                            alloc(e, int(nodes[e]["size_bytes"]))
                 if total > peak:
                     peak, peak_step = total, k
+                step_live.append(total)
                 if merged:
                     free(f"bucket:{b}")
                 else:
                     for u in dag.predecessors(members[0]):
                         release(self.root[u])
+                for m in members:
+                    for e in p.colls[m].epilogue:
+                        for u in dag.predecessors(e):
+                            release(self.root[u])
                 i0, s0, e0, _ = bucket_times[b]
                 bucket_times[b] = (i0, s0, e0, t)
                 waited.add(b)
@@ -305,5 +326,6 @@ class _Simulator:
             bucket_times=bucket_times,
             memory=memory,
             n_collectives=len(s.buckets),
+            step_live_bytes=step_live,
             schedule=s,
         )

@@ -103,6 +103,8 @@ def _check_order(problem: Problem, schedule: Schedule) -> None:
         for pn in c.prologue:
             run_at[pn] = step_pos[("issue", b)]
         run_at[c.wait] = step_pos[("wait", b)]
+        for e in c.epilogue:
+            run_at[e] = step_pos[("wait", b)]
         if run_at[c.wait] < run_at[cname]:
             raise ScheduleInvalidError(f"bucket {b} is waited before it is issued")
     for v, at_v in run_at.items():

@@ -29,7 +29,10 @@ def available_solvers() -> list[str]:
 
 def _load_all() -> None:
     # importing registers; heuristics first so solvers can use them as hints
-    import solvers.heuristics  # noqa: F401
+    try:
+        import solvers.heuristics  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        logger.debug("heuristics unavailable: %s", e)
 
     try:
         import solvers.cpsat  # noqa: F401

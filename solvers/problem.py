@@ -45,6 +45,8 @@ class Collective:
     prologue: tuple[str, ...]
     prologue_ms: float  #: compute-stream time of the prologue (casts) at issue
     movable: bool
+    epilogue: tuple[str, ...]  #: casts / views run right after the wait (feed only the output)
+    epilogue_ms: float
     ready: int  #: earliest issue gap
     needed: int  #: latest wait gap
     traced_issue: int
@@ -109,8 +111,9 @@ class Problem:
                     elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
                         movable = False  # depends on another collective: keep it where traced
             wait = a["wait"]
+            epilogue = tuple(a.get("epilogue") or ())
             needed = n
-            for v in _readers(dag, wait):
+            for v in _readers(dag, epilogue[-1] if epilogue else wait):
                 if v in pos:
                     needed = min(needed, pos[v])
                 elif nodes[v]["kind"] != "output":
@@ -134,6 +137,8 @@ class Problem:
                 runtime_ms=float(a["runtime_ms"]),
                 prologue=prologue,
                 prologue_ms=prologue_ms,
+                epilogue=epilogue,
+                epilogue_ms=sum(float(nodes[e]["runtime_ms"]) for e in epilogue),
                 movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter"),
                 ready=ready,
                 needed=needed,
@@ -162,7 +167,7 @@ class Problem:
 
     @property
     def total_compute_ms(self) -> float:
-        return sum(self.compute_ms) + sum(c.prologue_ms for c in self.colls.values())
+        return sum(self.compute_ms) + sum(c.prologue_ms + c.epilogue_ms for c in self.colls.values())
 
     def bucket_comm_ms(self, members: Sequence[str]) -> float:
         """Communication time of a bucket (ms): the collective's own cost when alone, else the
@@ -188,12 +193,13 @@ class Problem:
         return t
 
     def copy_out_ms(self, members: Sequence[str]) -> float:
-        """Compute-stream time at a merged all-gather's wait: copying members out of the bucket
-        buffer (torch's merge splits along a strided dim, which copies). Reduce-scatter outputs
-        are contiguous views of the bucket output: free."""
+        """Compute-stream time at a bucket's wait: epilogues (casts), plus, for a merged
+        all-gather, copying members out of the bucket buffer (torch's merge splits along a
+        strided dim, which copies). Reduce-scatter outputs are contiguous views: free."""
+        t = sum(self.colls[m].epilogue_ms for m in members)
         if len(members) > 1 and self.colls[members[0]].coll_type == "all_gather":
-            return self.copy_ms(sum(self.colls[m].out_bytes for m in members))
-        return 0.0
+            t += self.copy_ms(sum(self.colls[m].out_bytes for m in members))
+        return t
 
     # ------------------------------------------------------------------------------------
     def traced_schedule(self) -> Schedule:
@@ -219,16 +225,49 @@ class Problem:
         return Schedule(tuple(Bucket((c,)) for c in names), tuple(steps_nodes))
 
     def lower_bound_ms(self) -> float:
-        """Analytic lower bound on step time (DESIGN.md): max of total compute and, per stream,
-        total communication at its cheapest (everything of a chain merged into one bucket per
-        fixed window is not assumed; each collective costs at least ``beta * payload``), plus
-        nothing for exposure. Always <= any schedule's simulated step time."""
-        streams: dict[str, float] = {}
+        """Analytic lower bound on the simulated step time of *any* schedule (ms).
+
+        The largest of:
+        - compute: all compute-stream work (nodes and prologues; merge copies only add);
+        - per stream: its communication at the cheapest (each movable collective costs at least
+          ``beta * payload``, plus one ``alpha`` per stream), started no earlier than the first
+          collective is ready, plus the compute after the last all-gather of the stream is needed;
+        - per all-gather chain: the first-needed all-gather, alone at best, must finish before
+          the compute from its first use onward can start (the exposed first all-gather).
+        """
+        prefix = [0.0]
+        for v in self.compute_ms:
+            prefix.append(prefix[-1] + v)
+        total = self.total_compute_ms
+        bounds = [total]
+        per_stream: dict[str, list[Collective]] = {}
         for c in self.colls.values():
+            per_stream.setdefault(c.group_name, []).append(c)
+        for group, cs in per_stream.items():
+            busy = 0.0
+            alpha_min = None
+            for c in cs:
+                m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
+                if m and c.movable:
+                    busy += min(c.runtime_ms, m["beta_ms_per_byte"] * c.payload_bytes)
+                    alpha_min = m["alpha_ms"] if alpha_min is None else min(alpha_min, m["alpha_ms"])
+                else:
+                    busy += c.runtime_ms
+            busy += alpha_min or 0.0
+            start = prefix[min(c.ready for c in cs)]
+            # after the stream's last transfer, at least the compute after the latest need of
+            # any all-gather on it remains (reduce-scatters are needed only at the end)
+            tail = min(prefix[self.n] - prefix[c.needed] for c in cs)
+            bounds.append(start + busy + tail)
+        for key, names in self.chains.items():
+            if key[0] != "all_gather":
+                continue
+            c = self.colls[names[0]]
             m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
-            cheapest = min(c.runtime_ms, m["beta_ms_per_byte"] * c.payload_bytes) if (m and c.movable) else c.runtime_ms
-            streams[c.group_name] = streams.get(c.group_name, 0.0) + cheapest
-        return max([self.total_compute_ms, *streams.values()])
+            alone = c.runtime_ms if m is None else min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+            first_done = prefix[c.ready] + alone
+            bounds.append(max(prefix[c.needed], first_done) + (prefix[self.n] - prefix[c.needed]))
+        return max(bounds)
 
 
 def _readers(dag: nx.DiGraph, name: str) -> list[str]:

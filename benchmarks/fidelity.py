@@ -1,0 +1,210 @@
+"""Fidelity of the execution model: predicted vs measured step time on a real gloo group.
+
+Each rank of a local gloo group builds the same FSDP model (:func:`models.build_model`, fp32),
+fits a :class:`scheduler.measure.MeasuredCostModel` on the live group (collective alpha-beta
+lines, compute ops timed on this CPU), compiles the model with the fsdp-sched backend
+(:func:`scheduler.backend`) once per solver, runs training steps, and compares the wall time of
+forward and backward with what the simulator predicted for the rewritten graphs
+(``ScheduleReport.step_ms_after``) on the same costs.
+
+This is a check of the execution model (one compute stream, one FIFO stream per group,
+alpha-beta collectives, op times that add up), measured on CPU kernels and gloo: it says
+nothing about GPU performance. Time that the simulator does not model (autograd engine,
+dynamo guards, Python between ops) shows up as measured > predicted.
+
+Run (a few minutes on 2 cores)::
+
+    python benchmarks/fidelity.py                         # llama3-debug, 4 layers, 2 ranks
+    python benchmarks/fidelity.py --world-size 4 --set dim=128 --set seq_len=128
+
+Prints a table and writes ``benchmarks/out/fidelity.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the multi-process harness lives with the tests
+
+from gloo_harness import run_multiprocess  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FidelityConfig:
+    """One fidelity run."""
+
+    #: model preset (see models.list_presets())
+    model: str = "llama3-debug"
+    #: LlamaConfig overrides, e.g. {"n_layers": 4}
+    overrides: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"n_layers": 4, "dim": 128, "ffn_hidden_dim": 384, "seq_len": 64}
+    )
+    #: ranks of the gloo group
+    world_size: int = 2
+    #: fsdp-sched solvers to compare ("traced" runs the graph as captured)
+    solvers: tuple[str, ...] = ("traced", "fsdp2", "cpsat")
+    #: timed training steps per solver, after warmup_steps untimed ones
+    steps: int = 5
+    warmup_steps: int = 2
+    #: solver time limit per graph, s
+    time_limit_s: float = 10.0
+    #: per-rank payload sizes (bytes) of the collective fit
+    collective_sizes: tuple[int, ...] = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+    #: timing cache directory (default: $FSDP_SCHED_CACHE or ~/.cache/fsdp-sched)
+    cache_dir: str | None = None
+    #: wall-clock limit of the whole multi-process run, s
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (FSDP), got {self.world_size}")
+        if self.steps < 1 or self.warmup_steps < 0:
+            raise ValueError("steps must be >= 1 and warmup_steps >= 0")
+        if not self.solvers:
+            raise ValueError("give at least one solver")
+
+
+def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str, Any]]:
+    """On every rank: fit costs, then per solver compile, run and time steps."""
+    import torch
+    import torch.distributed as dist
+
+    import models
+    import scheduler
+    from models.fsdp import make_mesh
+    from models.llama import get_config
+    from scheduler.costs import Cluster
+    from scheduler.measure import MeasuredCostModel
+
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    mesh = make_mesh(world_size)
+    group = mesh.get_group()
+    cost = MeasuredCostModel.from_live_group(group, sizes=cfg.collective_sizes, cache_dir=cfg.cache_dir)
+    cluster = Cluster(n_gpus=world_size, gpus_per_node=world_size)  # one "node": the local machine
+    mcfg = get_config(cfg.model, **cfg.overrides)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, mcfg.vocab_size, (mcfg.batch_size, mcfg.seq_len), generator=gen)
+    labels = torch.randint(0, mcfg.vocab_size, (mcfg.batch_size, mcfg.seq_len), generator=gen)
+
+    rows = []
+    for solver in cfg.solvers:
+        torch._dynamo.reset()
+        model = models.build_model(cfg.model, mesh=mesh, seed=0, param_dtype=None, **cfg.overrides)
+        backend = scheduler.backend(
+            solver=solver, cost_model=cost, cluster=cluster, time_limit_s=cfg.time_limit_s,
+            broadcast_from=0, seed=0,
+        )
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        start = time.perf_counter()
+        compiled(tokens, labels).backward()  # compiles both graphs (measuring + solving)
+        compile_s = time.perf_counter() - start
+        fw_ms, bw_ms = [], []
+        for i in range(cfg.warmup_steps + cfg.steps):
+            model.zero_grad(set_to_none=True)
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            loss = compiled(tokens, labels)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if i >= cfg.warmup_steps:
+                fw_ms.append((t1 - t0) * 1e3)
+                bw_ms.append((t2 - t1) * 1e3)
+        # a step is as slow as its slowest rank
+        times = torch.tensor([fw_ms, bw_ms], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        reports = {r.graph_name: r for r in backend.reports}
+        fw, bw = reports["forward"], reports["backward"]
+        rows.append({
+            "solver": solver,
+            "status": f"{fw.status}/{bw.status}",
+            "collectives": fw.n_collectives_after + bw.n_collectives_after,
+            "predicted_fw_ms": fw.step_ms_after,
+            "predicted_bw_ms": bw.step_ms_after,
+            "measured_fw_ms": statistics.median(times[0].tolist()),
+            "measured_bw_ms": statistics.median(times[1].tolist()),
+            "measured_step_ms_all": [a + b for a, b in zip(times[0].tolist(), times[1].tolist())],
+            "compile_s": compile_s,
+        })
+        if rank == 0:
+            logger.info("%s: %s", solver, {k: v for k, v in rows[-1].items() if k != "measured_step_ms_all"})
+    if rank == 0:
+        rows.append({"cost_model_stats": dict(cost.stats), "collective_fit": cost.collective_fits[0]})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a text table (ms)."""
+    head = f"{'solver':<12}{'colls':>6}{'pred fw':>10}{'meas fw':>10}{'pred bw':>10}{'meas bw':>10}" \
+           f"{'pred step':>11}{'meas step':>11}{'meas/pred':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "solver" not in r:
+            continue
+        pred = r["predicted_fw_ms"] + r["predicted_bw_ms"]
+        meas = r["measured_fw_ms"] + r["measured_bw_ms"]
+        lines.append(
+            f"{r['solver']:<12}{r['collectives']:>6}{r['predicted_fw_ms']:>10.2f}{r['measured_fw_ms']:>10.2f}"
+            f"{r['predicted_bw_ms']:>10.2f}{r['measured_bw_ms']:>10.2f}{pred:>11.2f}{meas:>11.2f}"
+            f"{meas / pred if pred > 0 else float('nan'):>10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: FidelityConfig) -> list[dict[str, Any]]:
+    """Run the fidelity benchmark on a local gloo group; rank 0's rows."""
+    return run_multiprocess(_rank_main, cfg.world_size, cfg, timeout_s=cfg.timeout_s)[0]
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=FidelityConfig.model)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="LlamaConfig override (repeatable); replaces the default overrides")
+    p.add_argument("--world-size", type=int, default=FidelityConfig.world_size)
+    p.add_argument("--solvers", default=",".join(FidelityConfig.solvers))
+    p.add_argument("--steps", type=int, default=FidelityConfig.steps)
+    p.add_argument("--time-limit-s", type=float, default=FidelityConfig.time_limit_s)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "fidelity.json")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    kwargs: dict[str, Any] = {}
+    if args.set:
+        kwargs["overrides"] = {k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    cfg = FidelityConfig(
+        model=args.model, world_size=args.world_size, solvers=tuple(args.solvers.split(",")),
+        steps=args.steps, time_limit_s=args.time_limit_s, cache_dir=args.cache_dir, **kwargs,
+    )
+    start = time.perf_counter()
+    rows = run(cfg)
+    print(f"\nfidelity: {cfg.model} {cfg.overrides} on {cfg.world_size} gloo ranks (CPU; ms, median of "
+          f"{cfg.steps} steps, slowest rank)")
+    print(format_table(rows))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

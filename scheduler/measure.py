@@ -1,0 +1,513 @@
+"""Costs measured on the current device: a :class:`~scheduler.costs.CostModel` that times ops.
+
+:class:`MeasuredCostModel` times each compute node's op on the current device (CUDA when
+available, else CPU) with random inputs of the node's traced shapes, dtypes and strides, and
+prices collectives with an alpha-beta line fitted by :func:`fit_collectives` on a live process
+group. Timings of identical op signatures (every transformer layer repeats them) are taken once
+and cached on disk as JSON.
+
+On a CPU-only machine this measures CPU kernels and a gloo process group. That makes it a
+fidelity check of the execution model (does the simulator predict what the same graph takes
+when it really runs?), not a statement about GPU performance.
+
+Ops that cannot be timed in isolation fall back to another model (default:
+:class:`~scheduler.costs.AnalyticCostModel`): random ops, collectives, views, ops on opaque
+script objects or symbolic shapes, ops larger than ``max_op_bytes``, and ops that raise.
+
+Multi-rank use: schedules must be identical on every rank, but timings differ between
+processes. :meth:`MeasuredCostModel.from_live_group` therefore makes rank 0 of the group the
+only one that times compute ops; every other rank receives rank 0's value. Every rank must then
+call ``compute_ms`` in the same order (as :func:`scheduler.costs.annotate_costs` does on the
+identical graph), since each call is one broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scheduler.costs import AnalyticCostModel, CostModel, GroupInfo
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+#: per-rank payload sizes, bytes, at which :func:`fit_collectives` times each collective
+DEFAULT_COLLECTIVE_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+#: bytes copied when fitting ``copy_ms`` (bucket copy-in / copy-out)
+_COPY_SIZES = (64 << 10, 1 << 20, 8 << 20)
+#: collectives of a sample are repeated up to this many times, until they move this many bytes
+_COLLECTIVE_INNER_MAX = 16
+_COLLECTIVE_INNER_BYTES = 4 << 20
+#: log progress every this many newly timed ops
+_PROGRESS_EVERY = 25
+
+
+def default_cache_dir() -> Path:
+    """``$FSDP_SCHED_CACHE`` if set, else ``~/.cache/fsdp-sched``."""
+    return Path(os.environ.get("FSDP_SCHED_CACHE") or Path.home() / ".cache" / "fsdp-sched")
+
+
+class _Unsupported(Exception):
+    """This op cannot be timed in isolation; the model falls back."""
+
+
+class MeasuredCostModel:
+    """Compute times measured on a device, collective times fitted on a live process group.
+
+    Args:
+        device: where ops are timed; default ``cuda`` when available, else ``cpu``.
+        cache_dir: directory of the JSON timing cache (default :func:`default_cache_dir`).
+            The cache is keyed by op, argument shapes / dtypes / strides, non-tensor arguments,
+            device name and torch version.
+        repeats: timed samples per op; the median is kept.
+        warmup: untimed runs before sampling (allocator, lazy init, caches).
+        min_sample_ms: a sample repeats the op until it lasts at least this long, so that
+            microsecond ops are not lost in timer resolution; the time per call is recorded.
+        max_op_bytes: ops whose inputs and outputs exceed this many bytes are not run (they
+            fall back), so that full-size graphs cannot exhaust host or device memory.
+        collective_fit: result(s) of :func:`fit_collectives`; a collective on a group of the
+            fitted size uses ``alpha_ms + beta_ms_per_byte * payload_bytes``. Others fall back.
+        fallback: model for everything not measured (default: ``AnalyticCostModel()``).
+        sync_group: a process group whose rank 0 times compute ops and broadcasts the result
+            (see the module docstring); None times locally.
+    """
+
+    name = "measured"
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        *,
+        cache_dir: str | Path | None = None,
+        repeats: int = 5,
+        warmup: int = 2,
+        min_sample_ms: float = 0.2,
+        max_op_bytes: int = 2 << 30,
+        collective_fit: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        fallback: CostModel | None = None,
+        sync_group: Any = None,
+    ):
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+        if min_sample_ms < 0 or max_op_bytes <= 0:
+            raise ValueError("min_sample_ms must be >= 0 and max_op_bytes > 0")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cache_path = Path(cache_dir or default_cache_dir()) / "measured_compute_ms.json"
+        self.repeats = repeats
+        self.warmup = warmup
+        self.min_sample_ms = min_sample_ms
+        self.max_op_bytes = max_op_bytes
+        if collective_fit is None:
+            self.collective_fits: list[Mapping[str, Any]] = []
+        elif isinstance(collective_fit, Mapping):
+            self.collective_fits = [collective_fit]
+        else:
+            self.collective_fits = list(collective_fit)
+        self.fallback = fallback or AnalyticCostModel()
+        self.sync_group = sync_group
+        self.device_name = _device_name(self.device)
+        #: counters: ops timed, cache hits, fallbacks
+        self.stats = {"measured": 0, "cache_hits": 0, "fallbacks": 0}
+        self._cache: dict[str, float] = self._load_cache()
+        self._unsupported: set[str] = set()  # in memory only: a failure may be transient (OOM)
+        self._copy_fit: tuple[float, float] | None = None
+        self._timing_started = time.perf_counter()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_live_group(
+        cls,
+        group: Any = None,
+        *,
+        sizes: Sequence[int] = DEFAULT_COLLECTIVE_SIZES,
+        collective_repeats: int = 5,
+        sync_compute: bool = True,
+        **kwargs: Any,
+    ) -> "MeasuredCostModel":
+        """Fit collectives on ``group`` (default: the world) and build the model.
+
+        Every rank of the group must call it together. The copy cost is fitted on rank 0 and
+        broadcast as well, so that all ranks hold identical costs. ``sync_compute`` (default
+        True) makes rank 0 the only timer of compute ops (see the module docstring).
+        """
+        import torch.distributed as dist
+
+        group = group or dist.group.WORLD
+        fit = fit_collectives(group, sizes=sizes, repeats=collective_repeats)
+        model = cls(collective_fit=fit, sync_group=group if sync_compute else None, **kwargs)
+        copy_fit = model._fit_copy() if dist.get_rank(group) == 0 else None
+        model._copy_fit = tuple(_broadcast_from_rank0(copy_fit, group))
+        return model
+
+    # ------------------------------------------------------------------ CostModel protocol
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: "torch.fx.Node | None" = None) -> float:
+        """Median time of the node's op on :attr:`device`, in ms (cached), else the fallback's."""
+        with _real_tensors():
+            if self.sync_group is None:
+                return self._compute_ms_local(attrs, fx_node)
+            import torch.distributed as dist
+
+            value = self._compute_ms_local(attrs, fx_node) if dist.get_rank(self.sync_group) == 0 else None
+            return _broadcast_from_rank0(value, self.sync_group)
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        """``alpha + beta * payload`` from a fit on a group of ``group.size`` ranks (the same
+        group name preferred), else the fallback's time."""
+        fits = [f for f in self.collective_fits if f["group_size"] == group.size and coll_type in f]
+        fits.sort(key=lambda f: f["group_name"] != group.name)
+        if not fits:
+            return self.fallback.collective_ms(coll_type, payload_bytes, group)
+        line = fits[0][coll_type]
+        return line["alpha_ms"] + line["beta_ms_per_byte"] * payload_bytes
+
+    def copy_ms(self, nbytes: int) -> float:
+        """Time of copying ``nbytes`` on :attr:`device`: an affine fit over a few sizes."""
+        if self._copy_fit is None:
+            with _real_tensors():
+                self._copy_fit = self._fit_copy()
+        alpha, beta = self._copy_fit
+        return alpha + beta * nbytes
+
+    # ------------------------------------------------------------------ compute timing
+    def _compute_ms_local(self, attrs: Mapping[str, Any], fx_node: Any) -> float:
+        try:
+            if fx_node is None:
+                raise _Unsupported("no FX node")
+            key = self._signature(fx_node)
+        except _Unsupported as e:
+            logger.debug("not timing %s: %s", attrs.get("name", "?"), e)
+            return self._fall_back(attrs, fx_node)
+        if key in self._cache:
+            self.stats["cache_hits"] += 1
+            return self._cache[key]
+        if key in self._unsupported:
+            return self._fall_back(attrs, fx_node)
+        try:
+            ms = self._time_node(fx_node)
+        except Exception as e:  # an op that cannot run on random inputs: price it otherwise
+            logger.debug("timing %s (%s) failed: %s", fx_node.name, fx_node.target, e)
+            self._unsupported.add(key)
+            return self._fall_back(attrs, fx_node)
+        self.stats["measured"] += 1
+        if self.stats["measured"] % _PROGRESS_EVERY == 0:
+            logger.info(
+                "timed %d ops on %s (%d cache hits, %d fallbacks) in %.1f s",
+                self.stats["measured"], self.device_name, self.stats["cache_hits"],
+                self.stats["fallbacks"], time.perf_counter() - self._timing_started,
+            )
+        self._cache[key] = ms
+        self._save_cache(key, ms)
+        return ms
+
+    def _fall_back(self, attrs: Mapping[str, Any], fx_node: Any) -> float:
+        self.stats["fallbacks"] += 1
+        return self.fallback.compute_ms(attrs, fx_node)
+
+    def _signature(self, node: "torch.fx.Node") -> str:
+        """Cache key of the node's op call; raises _Unsupported for ops that cannot be timed."""
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            raise _Unsupported(f"not an aten-style op: {target}")
+        if target.namespace in ("_c10d_functional", "c10d_functional", "c10d"):
+            raise _Unsupported("collective")
+        if target.is_view:
+            raise _Unsupported("view")
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            raise _Unsupported("random op")
+        nbytes = 0
+
+        def sig(a: Any) -> Any:
+            nonlocal nbytes
+            if isinstance(a, torch.fx.Node):
+                if "val" not in a.meta:
+                    raise _Unsupported(f"input {a.name} has no meta['val']")
+                a = a.meta["val"]
+            if isinstance(a, torch.Tensor):
+                if not all(isinstance(s, int) for s in (*a.shape, *a.stride())):
+                    raise _Unsupported("symbolic shape")
+                nbytes += a.numel() * a.element_size()
+                return ["T", list(a.shape), list(a.stride()), str(a.dtype)]
+            if isinstance(a, (list, tuple)):
+                return [sig(x) for x in a]
+            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise _Unsupported("symbolic argument")
+            if isinstance(a, torch.device):
+                return "<device>"  # replaced by the timing device
+            if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.layout, torch.memory_format)):
+                return repr(a)
+            raise _Unsupported(f"argument of type {type(a).__name__}")
+
+        args = sig(list(node.args))
+        kwargs = {k: sig(v) for k, v in sorted(node.kwargs.items())}
+        nbytes += sum(v.numel() * v.element_size() for v in _tensors(node.meta.get("val")))
+        if nbytes > self.max_op_bytes:
+            raise _Unsupported(f"{nbytes} bytes > max_op_bytes={self.max_op_bytes}")
+        return json.dumps([str(target), args, kwargs, self.device_name, torch.__version__])
+
+    def _time_node(self, node: "torch.fx.Node") -> float:
+        """Run the op on random inputs; median ms per call over ``repeats`` samples."""
+        index_bound = _index_bound(node)
+
+        def real(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                a = a.meta["val"]
+            if isinstance(a, torch.Tensor):
+                return _random_like(a, self.device, index_bound)
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(x) for x in a)
+            if isinstance(a, torch.device):
+                return self.device
+            return a
+
+        args = real(list(node.args))
+        kwargs = {k: real(v) for k, v in node.kwargs.items()}
+        op = node.target
+        for _ in range(max(1, self.warmup)):
+            t0 = self._now()
+            op(*args, **kwargs)
+            one_ms = (self._now() - t0) * 1e3
+        inner = 1 if one_ms >= self.min_sample_ms else min(1000, math.ceil(self.min_sample_ms / max(one_ms, 1e-4)))
+        samples = []
+        for _ in range(self.repeats):
+            t0 = self._now()
+            for _ in range(inner):
+                op(*args, **kwargs)
+            samples.append((self._now() - t0) * 1e3 / inner)
+        return float(statistics.median(samples))
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _fit_copy(self) -> tuple[float, float]:
+        """(alpha_ms, beta_ms_per_byte) of ``dst.copy_(src)`` on the device (cached)."""
+        key = json.dumps(["copy_", list(_COPY_SIZES), self.device_name, torch.__version__])
+        if key in self._cache:
+            return tuple(self._cache[key])  # type: ignore[return-value]
+        points = []
+        for nbytes in _COPY_SIZES:
+            src = torch.randn(nbytes // 4, device=self.device)
+            dst = torch.empty_like(src)
+            for _ in range(self.warmup):
+                dst.copy_(src)
+            samples = []
+            for _ in range(self.repeats):
+                t0 = self._now()
+                dst.copy_(src)
+                samples.append((self._now() - t0) * 1e3)
+            points.append((nbytes, statistics.median(samples)))
+        fit = _fit_line(points)
+        self._cache[key] = list(fit)  # type: ignore[assignment]
+        self._save_cache(key, list(fit))
+        logger.info("copy on %s: %.4f ms + %.3g ms/byte", self.device_name, *fit)
+        return fit
+
+    # ------------------------------------------------------------------ disk cache
+    def _load_cache(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.cache_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, json.JSONDecodeError) as e:
+            logger.warning("ignoring unreadable timing cache %s (%s)", self.cache_path, e)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            logger.warning("ignoring timing cache %s of another format version", self.cache_path)
+            return {}
+        return dict(data.get("entries", {}))
+
+    def _save_cache(self, key: str, value: Any) -> None:
+        """Merge one entry into the file (atomic replace; concurrent writers lose nothing of
+        their own, at worst a parallel writer's newest entry, which is re-timed later)."""
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            on_disk = self._load_cache()
+            on_disk.update(self._cache)
+            on_disk[key] = value
+            tmp = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "entries": on_disk}))
+            tmp.replace(self.cache_path)
+        except OSError as e:  # a read-only home must not stop a solve
+            logger.warning("cannot write timing cache %s: %s", self.cache_path, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives
+def fit_collectives(
+    group: Any = None,
+    *,
+    sizes: Sequence[int] = DEFAULT_COLLECTIVE_SIZES,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Time all-gather and reduce-scatter on a live process group and fit ``alpha + beta * bytes``.
+
+    Every rank of ``group`` (default: the world) must call it together. Each collective runs
+    the functional ops that FSDP graphs hold (``_c10d_functional.all_gather_into_tensor`` /
+    ``reduce_scatter_tensor`` + ``wait_tensor``) on fp32 payloads of ``sizes`` bytes per rank
+    (the shard for an all-gather, the full input for a reduce-scatter: the ``payload_bytes``
+    convention of :mod:`scheduler.costs`). A sample is a barrier, then a few back-to-back
+    calls (more for small payloads); per size the median of ``repeats`` samples is taken, then
+    the maximum over ranks. The fit minimises relative error with
+    ``alpha_ms >= 0`` and ``beta_ms_per_byte >= 0``; it is computed on rank 0 and broadcast,
+    so every rank returns the identical dict::
+
+        {"group_name": str, "group_size": int, "backend": str, "device": str,
+         "all_gather": {"alpha_ms": float, "beta_ms_per_byte": float,
+                        "samples": [[payload_bytes, ms], ...]},
+         "reduce_scatter": {...}}
+    """
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    n = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    c10d = torch.ops._c10d_functional
+    elem = 4
+    medians: list[float] = []
+    plan: list[tuple[str, int]] = []
+    start = time.perf_counter()
+    for coll in ("all_gather", "reduce_scatter"):
+        for nbytes in sizes:
+            numel = max(n, nbytes // elem)
+            if coll == "reduce_scatter":
+                numel = -(-numel // n) * n  # divisible by the group size
+                inp = torch.randn(numel, device=device)
+
+                def run(inp: torch.Tensor = inp) -> torch.Tensor:
+                    return c10d.wait_tensor(c10d.reduce_scatter_tensor(inp, "sum", n, group.group_name))
+            else:
+                inp = torch.randn(numel, device=device)
+
+                def run(inp: torch.Tensor = inp) -> torch.Tensor:
+                    return c10d.wait_tensor(c10d.all_gather_into_tensor(inp, n, group.group_name))
+
+            # back-to-back calls after one barrier amortise the skew with which ranks leave
+            # it; the count depends on the size only, so that every rank runs the same calls
+            inner = max(1, min(_COLLECTIVE_INNER_MAX, _COLLECTIVE_INNER_BYTES // (numel * elem)))
+            samples = []
+            for i in range(warmup + repeats):
+                dist.barrier(group)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= warmup:
+                    samples.append((time.perf_counter() - t0) * 1e3 / inner)
+            medians.append(statistics.median(samples))
+            plan.append((coll, numel * elem))
+            logger.info("%s of %d bytes per rank on %d ranks: %.3f ms", coll, numel * elem, n, medians[-1])
+    times = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    result = None
+    if dist.get_rank(group) == 0:
+        result = {"group_name": group.group_name, "group_size": n, "backend": backend, "device": _device_name(device)}
+        for coll in ("all_gather", "reduce_scatter"):
+            points = [(b, float(t)) for (c, b), t in zip(plan, times.tolist()) if c == coll]
+            alpha, beta = _fit_line(points)
+            result[coll] = {"alpha_ms": alpha, "beta_ms_per_byte": beta, "samples": [list(p) for p in points]}
+        logger.info(
+            "collective fit on %d ranks (%.1f s): all_gather %.4f ms + %.3g ms/B, reduce_scatter %.4f ms + %.3g ms/B",
+            n, time.perf_counter() - start,
+            result["all_gather"]["alpha_ms"], result["all_gather"]["beta_ms_per_byte"],
+            result["reduce_scatter"]["alpha_ms"], result["reduce_scatter"]["beta_ms_per_byte"],
+        )
+    return _broadcast_from_rank0(result, group)
+
+
+def _fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha, beta) >= 0 of ``t = alpha + beta * x``, least squares on relative error
+    (weights 1 / t^2, so that small and large sizes count alike)."""
+    w = [1.0 / max(t, 1e-9) ** 2 for _, t in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points))
+    sy = sum(wi * t for wi, (_, t) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * t for wi, (x, t) in zip(w, points))
+    det = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    alpha = (sy - beta * sx) / sw
+    if alpha < 0:  # a line through the origin
+        alpha, beta = 0.0, sxy / sxx if sxx > 0 else 0.0
+    if beta < 0:  # time does not grow with size (noise): a constant
+        alpha, beta = sy / sw, 0.0
+    return float(alpha), float(beta)
+
+
+@contextlib.contextmanager
+def _real_tensors() -> Iterator[None]:
+    """Real tensors even inside a compiler: aot_autograd calls its fw / bw compilers with its
+    fake mode (and possibly a tracing proxy mode) active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+def _broadcast_from_rank0(value: Any, group: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# random inputs
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _index_bound(node: "torch.fx.Node") -> int:
+    """Upper bound (exclusive) for random integer inputs: the smallest dimension of the op's
+    floating-point inputs, which keeps indices valid for embedding, gather, scatter, nll_loss."""
+    dims = [
+        s
+        for a in node.all_input_nodes
+        for t in _tensors(a.meta.get("val"))
+        if t.is_floating_point()
+        for s in t.shape
+    ]
+    return max(1, min(dims)) if dims else 1
+
+
+def _random_like(meta: torch.Tensor, device: torch.device, index_bound: int) -> torch.Tensor:
+    """A real tensor with ``meta``'s shape, strides and dtype on ``device``: normal values for
+    floats, integers in ``[0, index_bound)``, random booleans."""
+    shape, stride = tuple(meta.shape), tuple(meta.stride())
+    storage = 0 if 0 in shape else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    dtype = meta.dtype
+    if dtype == torch.bool:
+        base = torch.rand(storage, device=device) < 0.5
+    elif dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(storage, device=device, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)
+    else:
+        base = torch.randint(0, index_bound, (storage,), device=device).to(dtype)
+    return base.as_strided(shape, stride)

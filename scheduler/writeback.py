@@ -1,0 +1,333 @@
+"""Write back: a :class:`solvers.schedule.Schedule` -> the FX graph it was solved for.
+
+:func:`apply_schedule` rewrites the graph in four steps:
+
+1. **Reorder.** The graph's nodes are moved into the schedule's step order: a node step places
+   its compute/view node, an issue step places the prologue nodes (single-use casts / views)
+   and the collective of every member of the bucket, a wait step places the members' wait
+   nodes, then their epilogue nodes (casts / views of a result that only the graph output
+   reads); placeholders come first and the output last. For eager and ``aot_eager`` execution
+   the node order of the graph is the execution order.
+2. **Merge.** Every bucket of more than one collective is merged with torch's own functions
+   (``torch._inductor.fx_passes.bucketing.merge_all_gather_bucket`` /
+   ``merge_reduce_scatter_bucket``), with the merged collective inserted at the bucket's issue
+   position and the merged wait (plus the copy-out) at its wait position.
+3. **Pin (optional).** Control dependencies
+   (``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``) so that
+   inductor, which reorders by itself, keeps the overlap: the first compute node after an issue
+   depends on the collective, a wait depends on the last compute node before it.
+4. ``graph.lint()`` and ``gm.recompile()``.
+
+Requirements of torch's merge functions (checked up front, with a message saying what to fix):
+an initialised process group in which the graph's group names resolve (a fake group is
+enough), FakeTensors in ``meta['val']`` (trace with fake tensors), and exactly one user (the
+wait) per collective. A single-use dtype cast feeding an all-gather is folded into the bucket
+copy by torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+from solvers.schedule import Schedule, ScheduleError
+
+if TYPE_CHECKING:
+    import torch.fx
+
+    from solvers.problem import Problem
+
+logger = logging.getLogger(__name__)
+
+PayloadOrder = Literal["registration", "execution"]
+
+
+def apply_schedule(
+    gm: "torch.fx.GraphModule",
+    problem: "Problem",
+    schedule: Schedule,
+    *,
+    payload_order: PayloadOrder = "registration",
+    control_deps: bool = False,
+    bucket_mode: str = "default",
+) -> "torch.fx.GraphModule":
+    """Rewrite ``gm`` in place to run ``schedule``; returns ``gm`` (torch pass convention).
+
+    Args:
+        gm: the graph the schedule's problem was exported from (:func:`scheduler.export_dag`);
+            DAG node names are FX node names.
+        problem: the :class:`solvers.Problem` of that export.
+        schedule: a schedule of ``problem``. Validate it first
+            (:func:`scheduler.validate_schedule`): this function checks dependencies while
+            reordering but not memory.
+        payload_order: order of the members' data in a merged bucket buffer.
+            ``"registration"`` (default): by the collectives' ``param_index`` (parameter
+            registration order, as FSDP2 does; keeps reduce-scatter numerics bitwise equal to
+            eager FSDP2); members without a ``param_index`` keep execution order.
+            ``"execution"``: the bucket's member order in the schedule.
+        control_deps: add control dependencies that pin the overlap for inductor (default
+            False). The pinned graph runs eagerly too, but it can no longer be re-exported.
+        bucket_mode: torch's merge implementation (``"default"``: cat + copy into the bucket
+            buffer; ``"custom_ops"``: torch's ``bucketing._pre_bucket_all_gather`` op).
+
+    Raises:
+        ScheduleError: the schedule does not fit the graph (unknown node names, an order that
+            breaks a data dependency), or torch's merge preconditions do not hold.
+    """
+    if payload_order not in ("registration", "execution"):
+        raise ValueError(f"payload_order must be 'registration' or 'execution', got {payload_order!r}")
+    graph = gm.graph
+    by_name = {n.name: n for n in graph.nodes}
+    order = _step_order(problem, schedule, by_name)
+    merged = [b for b in schedule.buckets if len(b.members) > 1]
+    if merged:  # checked before anything moves, so that a refusal leaves gm untouched
+        _check_merge_preconditions(problem, schedule, by_name)
+    _move_into_order(graph, order)
+
+    # Anchors of every step, taken before merging erases the members' nodes.
+    issue_first, wait_first = _step_anchors(problem, schedule, by_name)
+    for b, bucket in enumerate(schedule.buckets):
+        if len(bucket.members) == 1:
+            continue
+        members = _payload_order(problem, bucket.members, payload_order)
+        # the reorder placed the members' collectives and waits in member order: the last
+        # member's nodes close the issue and wait groups
+        last = bucket.members[-1]
+        new_coll, new_wait = _merge_bucket(
+            graph,
+            problem,
+            [by_name[m] for m in members],
+            [by_name[problem.colls[m].wait] for m in members],
+            last_coll=by_name[last],
+            last_wait=by_name[problem.colls[last].wait],
+            bucket_mode=bucket_mode,
+        )
+        issue_first[b], wait_first[b] = new_coll, new_wait
+    if control_deps:
+        n_deps = _pin_order(graph, problem, schedule, by_name, issue_first, wait_first)
+        logger.debug("added control dependencies to %d nodes", n_deps)
+    graph.lint()
+    gm.recompile()
+    logger.debug(
+        "applied schedule %s: %d buckets (%d merged), payload order %s",
+        schedule.digest()[:12],
+        len(schedule.buckets),
+        len(merged),
+        payload_order,
+    )
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# 1. reorder
+# --------------------------------------------------------------------------------------------
+def _step_order(problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]) -> list:
+    """Every FX node of the graph, in the schedule's execution order."""
+    names: list[str] = []
+    for step in schedule.steps:
+        if step.kind == "node":
+            names.append(step.ref)  # type: ignore[arg-type]
+        elif step.kind == "issue":
+            for m in schedule.buckets[step.ref].members:  # type: ignore[index]
+                names.extend(problem.colls[m].prologue)
+                names.append(m)
+        else:
+            members = schedule.buckets[step.ref].members  # type: ignore[index]
+            # all waits first: a merge moves the merged wait to just after the last one, and
+            # every epilogue (a cast of a wait's result) must come after that
+            names.extend(problem.colls[m].wait for m in members)
+            for m in members:
+                names.extend(problem.colls[m].epilogue)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ScheduleError(
+            f"the schedule names nodes the graph does not have: {unknown[:5]}; was the problem "
+            "exported from this graph module (and the graph not modified since)?"
+        )
+    placed = set(names)
+    if len(placed) != len(names):
+        raise ScheduleError("the schedule places a node twice; validate it with validate_schedule()")
+    head = [n for n in by_name.values() if n.op in ("placeholder", "get_attr")]
+    tail = [n for n in by_name.values() if n.op == "output"]
+    missing = [
+        n.name for n in by_name.values() if n.name not in placed and n.op not in ("placeholder", "get_attr", "output")
+    ]
+    if missing:
+        raise ScheduleError(
+            f"the schedule does not place the graph nodes {missing[:5]}; was the problem exported from "
+            "this graph module (and the graph not modified since)?"
+        )
+    return head + [by_name[n] for n in names] + tail
+
+
+def _move_into_order(graph: "torch.fx.Graph", order: Sequence["torch.fx.Node"]) -> None:
+    """Move nodes into ``order`` after checking it respects every data dependency."""
+    seen: set = set()
+    for node in order:
+        for inp in node.all_input_nodes:
+            if inp not in seen:
+                raise ScheduleError(
+                    f"the schedule runs {node.name!r} before its input {inp.name!r}; "
+                    "validate it with validate_schedule() before writing it back"
+                )
+        seen.add(node)
+    output = order[-1]
+    for node in order[:-1]:
+        output.prepend(node)
+
+
+def _step_anchors(
+    problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]
+) -> tuple[dict[int, "torch.fx.Node"], dict[int, "torch.fx.Node"]]:
+    """Per bucket, the first collective node of its issue and the first wait node."""
+    issue_first = {b: by_name[bucket.members[0]] for b, bucket in enumerate(schedule.buckets)}
+    wait_first = {b: by_name[problem.colls[bucket.members[0]].wait] for b, bucket in enumerate(schedule.buckets)}
+    return issue_first, wait_first
+
+
+# --------------------------------------------------------------------------------------------
+# 2. merge
+# --------------------------------------------------------------------------------------------
+def _payload_order(problem: "Problem", members: Sequence[str], payload_order: PayloadOrder) -> list[str]:
+    if payload_order == "execution":
+        return list(members)
+    indices = [problem.colls[m].param_index for m in members]
+    if any(i is None for i in indices):
+        logger.debug("bucket %s: collectives without param_index keep execution order", members[:3])
+        return list(members)
+    return sorted(members, key=lambda m: problem.colls[m].param_index)  # type: ignore[arg-type, return-value]
+
+
+def _check_merge_preconditions(problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]) -> None:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ScheduleError(
+            "merging buckets needs an initialised process group in which the graph's groups resolve; "
+            "a fake one is enough: dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=W)"
+        )
+    for bucket in schedule.buckets:
+        if len(bucket.members) == 1:
+            continue
+        for m in bucket.members:
+            node = by_name[m]
+            c = problem.colls[m]
+            if c.coll_type not in ("all_gather", "reduce_scatter"):
+                raise ScheduleError(f"bucket {bucket.members[:3]}: cannot merge {c.coll_type} {m!r}")
+            if len(node.users) != 1:
+                raise ScheduleError(
+                    f"collective {m!r} has {len(node.users)} users; torch's merge functions need exactly "
+                    "one (its wait_tensor)"
+                )
+            if not isinstance(node.meta.get("val"), FakeTensor):
+                raise ScheduleError(
+                    f"collective {m!r} has no FakeTensor in meta['val']; torch's merge functions trace "
+                    "with the graph's fake mode: capture the graph with fake tensors (aot_autograd, or "
+                    "make_fx(..., tracing_mode='fake'))"
+                )
+
+
+def _merge_bucket(
+    graph: "torch.fx.Graph",
+    problem: "Problem",
+    colls: list["torch.fx.Node"],
+    waits: list["torch.fx.Node"],
+    *,
+    last_coll: "torch.fx.Node",
+    last_wait: "torch.fx.Node",
+    bucket_mode: str,
+) -> tuple["torch.fx.Node", "torch.fx.Node"]:
+    """Merge one bucket in place; returns the merged collective and wait nodes.
+
+    The merged collective (with its copy-in) goes just before the first node after the
+    members' issue group that is not one of the bucket's own nodes; the merged wait (with its
+    copy-out) just before the node after the members' last wait. The reorder put the members'
+    collectives (and their waits) next to each other, so these are the issue and wait
+    positions of the schedule.
+    """
+    from torch._inductor.fx_passes import bucketing
+
+    own = set(colls) | set(waits)
+    insert_before = last_coll.next
+    while insert_before in own:
+        insert_before = insert_before.next
+    wait_insertion_point = last_wait.next
+    c0 = problem.colls[colls[0].name]
+    merge = bucketing.merge_all_gather_bucket if c0.coll_type == "all_gather" else bucketing.merge_reduce_scatter_bucket
+    fqns = [f for n in colls for f in problem.colls[n.name].fqns]
+    indices = [problem.colls[n.name].param_index for n in colls]
+    new_nodes, _ = merge(
+        graph,
+        colls,
+        mode=bucket_mode,  # type: ignore[arg-type]
+        insert_before=insert_before,
+        wait_insertion_point=wait_insertion_point,
+    )
+    new_coll = next(n for n in new_nodes if _is_collective(n))
+    new_wait = next(n for n in new_nodes if bucketing.is_wait_tensor(n))
+    # Keep the FSDP annotations on the merged collective (reports, re-export).
+    new_coll.meta["fsdp_fqn"] = fqns
+    new_coll.meta["fsdp_role"] = "fsdp"
+    new_coll.meta["fsdp_param_index"] = next((i for i in indices if i is not None), None)
+    new_coll.meta["fsdp_sched_members"] = [n.name for n in colls]
+    return new_coll, new_wait
+
+
+def _is_collective(node: "torch.fx.Node") -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional" and not (
+        "wait_tensor" in str(node.target)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 3. control dependencies
+# --------------------------------------------------------------------------------------------
+def _pin_order(
+    graph: "torch.fx.Graph",
+    problem: "Problem",
+    schedule: Schedule,
+    by_name: dict[str, "torch.fx.Node"],
+    issue_first: dict[int, "torch.fx.Node"],
+    wait_first: dict[int, "torch.fx.Node"],
+) -> int:
+    """Pin every bucket's overlap window with control dependencies; returns how many nodes got
+    extra dependencies.
+
+    For a bucket issued at gap ``i`` and waited at gap ``w``: the first compute node at or
+    after ``i`` depends on the collective (the issue cannot sink below it), and the wait depends
+    on the last compute node before ``w`` (the wait cannot rise above it). Dependencies that are
+    already data dependencies are left out.
+    """
+    from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+    from torch.utils._ordered_set import OrderedSet
+
+    seq = problem.seq
+    kinds = problem.dag.nodes
+    issue, wait = schedule.positions()
+    deps: dict = {}
+
+    def compute_at_or_after(p: int) -> "torch.fx.Node | None":
+        for k in range(p, len(seq)):
+            if kinds[seq[k]]["kind"] == "compute":
+                return by_name[seq[k]]
+        return None
+
+    def compute_before(p: int) -> "torch.fx.Node | None":
+        for k in range(p - 1, -1, -1):
+            if kinds[seq[k]]["kind"] == "compute":
+                return by_name[seq[k]]
+        return None
+
+    for b in range(len(schedule.buckets)):
+        coll, w_node = issue_first[b], wait_first[b]
+        after = compute_at_or_after(issue[b])
+        if after is not None and issue[b] < wait[b] and coll not in after.all_input_nodes:
+            deps.setdefault(after, OrderedSet()).add(coll)
+        before = compute_before(wait[b])
+        if before is not None and wait[b] > issue[b] and before not in w_node.all_input_nodes:
+            deps.setdefault(w_node, OrderedSet()).add(before)
+    # a dependency on a node that is itself wrapped later is remapped by torch
+    preserve_node_ordering(graph, deps)
+    return len(deps)

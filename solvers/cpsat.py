@@ -1,0 +1,825 @@
+"""Joint CP-SAT model: bucketing, all-gather prefetch, reduce-scatter interleaving, memory.
+
+Compute order is fixed (as traced). Decisions are taken at *anchors*: a subset of gaps of the
+compute sequence (gap 0, the end, every collective's ready / needed / traced positions, and the
+gap before every FLOP-carrying node). Between two anchors lies a *segment* of compute whose
+duration is fixed. Times are integers in microseconds, memory in KiB.
+
+Sets and data
+    a = 0..m         anchors (gap g_a), segment a = seq[g_a : g_{a+1}] lasting seg_a
+    chains           per bucket key (type, group, dtype, reduce op), members k in need order
+    d_k              beta * payload_k of member k (us); alpha_c the per-collective latency
+    out_k, pay_k, grad_k   output / input / unreduced-gradient bytes (KiB)
+    [lo_k, hi_k]     issue window of k in anchors; reduce-scatters also a wait window
+
+Variables
+    brk_k  in {0,1}  member k starts a new bucket (brk_0 = 1)
+    I_k    anchor    issue anchor of k's bucket;  y_{k,a} = [I_k <= a]
+    W_k    anchor    wait anchor (reduce-scatters); z_{k,a} = [W_k <= a]
+    R_k    us        duration accumulated in k's bucket up to k
+    C_k, X_k us      start and end of k's bucket on its stream
+    T_a, U_a us      compute stream arrives at / leaves anchor a
+    mrg_k  in {0,1}  k's bucket has at least two members
+
+Objective: minimise U_m (step time); a second phase then minimises peak memory and the number
+of buckets with the step time held at its optimum.
+
+Constraints (each group is one function)
+    (1) timeline          T_0 = 0, U_a >= T_a + copy_a, T_{a+1} = U_a + seg_a
+                          -> :func:`_add_timeline`
+    (2) buckets           brk_k = 0 => I_k = I_{k-1}, W_k = W_{k-1}, C_k = C_{k-1};
+                          R_k = d_k + (1 - brk_k) R_{k-1}; X_k = C_k + alpha + R_k when k is the
+                          last member, else X_k = X_{k+1}; I_k >= I_{k-1}, W_k >= W_{k-1}
+                          -> :func:`_add_buckets`
+    (3) issue window      lo_k <= I_k <= hi_k; I_k >= a => C_k >= T_a
+                          -> :func:`_add_issue`
+    (4) waits             all-gather: U_{need(k)} >= X_k; reduce-scatter: W_k >= I_k,
+                          W_k <= a => U_a >= X_k -> :func:`_add_waits`
+    (5) streams           buckets of one process group do not overlap (NoOverlap over optional
+                          intervals [C_k, X_k) present when k closes its bucket); a chain's buckets
+                          run in chain order (brk_k => C_k >= X_{k-1}) -> :func:`_add_streams`
+    (6) merge cost        copy_a = sum over members charged at a of mrg_k * copy_k (copy-in and,
+                          for all-gathers, copy-out) -> :func:`_add_copy_costs`
+    (7) memory            for every anchor a:
+                          base_a + sum_AG out_k y_{k,a}
+                                 + sum_RS [grad_k (1 - y_{k,a}) + pay_k (y_{k,a} - z_{k,a}) + out_k y_{k,a}]
+                          <= budget and <= P (peak) -> :func:`_add_memory`
+                          base_a is the traced run's simulated memory minus these terms at the
+                          traced positions, so the model shares the simulator's memory model.
+
+The solution is checked by the simulator; if its simulated peak exceeds the budget (the model
+prices merge transients only approximately) the budget is tightened by the excess and the model
+re-solved, so a schedule returned as feasible never simulates above its budget.
+Determinism: one worker, fixed seed and a deterministic time limit (the same work on every
+rank); a wall-clock cap far above it only guards against a stuck process and is reported.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+import time
+from collections import defaultdict
+
+from ortools.sat.python import cp_model
+
+from solvers.dispatch import register
+from solvers.problem import Problem
+from solvers.schedule import (
+    Bucket,
+    InfeasibleBudgetError,
+    Schedule,
+    ScheduleError,
+    SolveResult,
+    SolveStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+_US_PER_MS = 1000.0
+_KIB = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpSatConfig:
+    """Knobs of the CP-SAT model."""
+
+    #: how many anchors before its first use an all-gather may be issued (and how far after
+    #: its gradient a reduce-scatter may be issued); about two transformer blocks by default
+    window_anchors: int = 24
+    #: how many anchors after its issue a reduce-scatter may be waited
+    wait_window_anchors: int = 24
+    #: largest bucket payload in bytes (None: no cap beyond the windows)
+    max_bucket_bytes: int | None = None
+    #: run the second phase (peak memory, then fewer collectives, at the optimal step time)
+    secondary_objective: bool = True
+    #: fraction of the time limit given to the first phase
+    primary_share: float = 0.75
+    #: how many times to re-solve with a tighter budget when the simulated peak exceeds it
+    memory_repair_rounds: int = 4
+    #: CP-SAT deterministic time units per wall-clock second of the time limit. Its deterministic
+    #: clock runs about 4x slower than wall time on the 2-core CI machine (measured: 6 units took
+    #: 24 s on llama-like graphs), so a limit of T s becomes 0.25 T units: about T s here, and
+    #: the same amount of search (hence the same schedule) on every rank and machine
+    deterministic_units_per_second: float = 0.25
+    #: wall-clock safety cap, as a multiple of the time limit (only against a stuck process;
+    #: hitting it is logged, since it breaks cross-rank determinism)
+    wall_clock_factor: float = 4.0
+    #: graphs with at most this many movable collectives are solved as one model; larger ones
+    #: by rolling-window neighbourhood search (exploits the per-layer repetition)
+    full_model_max_members: int = 64
+    #: collectives freed together in one window of the neighbourhood search (about 3 blocks)
+    lns_window_members: int = 27
+    #: fraction of the time limit spent on the first full-model solve before the windows
+    lns_initial_share: float = 0.2
+    #: at most this many sweeps over the graph
+    lns_max_sweeps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.window_anchors < 1 or self.wait_window_anchors < 0:
+            raise ValueError("window_anchors must be >= 1 and wait_window_anchors >= 0")
+        if not 0.1 <= self.primary_share <= 1.0:
+            raise ValueError("primary_share must be in [0.1, 1]")
+        if self.max_bucket_bytes is not None and self.max_bucket_bytes <= 0:
+            raise ValueError("max_bucket_bytes must be > 0 or None")
+        if self.full_model_max_members < 0 or self.lns_window_members < 2:
+            raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
+        if not 0.0 < self.lns_initial_share < 1.0:
+            raise ValueError("lns_initial_share must be in (0, 1)")
+
+
+class _Anchors:
+    """Anchor gaps and the segments between them."""
+
+    def __init__(self, problem: Problem):
+        n = problem.n
+        gaps = {0, n}
+        for c in problem.colls.values():
+            gaps.update((c.ready, c.needed, c.traced_issue, c.traced_wait))
+        dag = problem.dag
+        for p, name in enumerate(problem.seq):
+            if dag.nodes[name].get("flops", 0) > 0:
+                gaps.add(p)
+        self.gaps = sorted(gaps)
+        self.m = len(self.gaps) - 1
+        cm = problem.compute_ms
+        prefix = [0.0]
+        for v in cm:
+            prefix.append(prefix[-1] + v)
+        self.seg_us = [
+            int(round((prefix[self.gaps[a + 1]] - prefix[self.gaps[a]]) * _US_PER_MS)) for a in range(self.m)
+        ]
+
+    def at_or_before(self, gap: int) -> int:
+        """Index of the last anchor whose gap is <= gap."""
+        return bisect.bisect_right(self.gaps, gap) - 1
+
+    def exact(self, gap: int) -> int:
+        a = self.at_or_before(gap)
+        assert self.gaps[a] == gap, gap
+        return a
+
+
+@dataclasses.dataclass
+class _Member:
+    name: str
+    chain: int
+    idx: int
+    coll_type: str
+    lo: int
+    hi: int  # issue window (anchors)
+    need: int  # anchor of first use (all-gathers wait there)
+    wlo: int = 0
+    whi: int = 0  # wait window (reduce-scatters)
+    d_us: int = 0
+    out_kib: int = 0
+    pay_kib: int = 0
+    grad_kib: int = 0
+    copy_us: int = 0
+    copy_fixed_us: int = 0  # per merged bucket (kernel overheads), charged at its first member
+    prologue_us: int = 0  # casts run at issue whether merged or not
+    charge: int = 0  # anchor charged with the merge copies
+
+
+class _CpSatModel:
+    def __init__(self, problem: Problem, cfg: CpSatConfig, budget_kib: int | None):
+        self.p = problem
+        self.cfg = cfg
+        self.budget_kib = budget_kib
+        self.anchors = _Anchors(problem)
+        self.model = cp_model.CpModel()
+        self.horizon = int(
+            (problem.total_compute_ms + sum(c.runtime_ms for c in problem.colls.values())) * _US_PER_MS * 2
+            + 10 * _US_PER_MS
+        )
+        self._build_members()
+        self._add_timeline()
+        self._add_buckets()
+        self._add_issue()
+        self._add_waits()
+        self._add_streams()
+        self._add_copy_costs()
+        self._add_memory()
+
+    # -- data --------------------------------------------------------------------------------
+    def _build_members(self) -> None:
+        p, A, cfg = self.p, self.anchors, self.cfg
+        self.chains: list[list[_Member]] = []
+        self.alpha_us: list[int] = []
+        dag = p.dag
+        for ci, (key, names) in enumerate(sorted(p.chains.items(), key=lambda kv: str(kv[0]))):
+            coll_type, group = key[0], key[1]
+            cm = p.comm_model.get(f"{coll_type}|{group}", {"alpha_ms": 0.0, "beta_ms_per_byte": 0.0})
+            self.alpha_us.append(int(round(cm["alpha_ms"] * _US_PER_MS)))
+            members = []
+            for k, name in enumerate(names):
+                c = p.colls[name]
+                ready_a = A.exact(c.ready)
+                need_a = A.exact(c.needed)
+                ti, tw = A.exact(c.traced_issue), A.exact(c.traced_wait)
+                if coll_type == "all_gather":
+                    lo = min(ti, max(ready_a, need_a - cfg.window_anchors))
+                    hi = need_a
+                else:
+                    lo = ready_a
+                    hi = max(ti, min(need_a, ready_a + cfg.window_anchors))
+                mem = _Member(name=name, chain=ci, idx=k, coll_type=coll_type, lo=lo, hi=hi, need=need_a)
+                if coll_type == "reduce_scatter":
+                    mem.wlo = lo
+                    mem.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
+                mem.d_us = int(round(cm["beta_ms_per_byte"] * c.payload_bytes * _US_PER_MS))
+                mem.out_kib = -(-c.out_bytes // _KIB)
+                mem.pay_kib = -(-c.payload_bytes // _KIB)
+                head = c.prologue[0] if c.prologue else name
+                grad = sum(dag.nodes[u]["size_bytes"] for u in dag.predecessors(head))
+                mem.grad_kib = -(-grad // _KIB)
+                copy_bytes = c.payload_bytes + (c.out_bytes if coll_type == "all_gather" else 0)
+                mem.copy_us = int(round(p.copy_ms_per_byte * copy_bytes * _US_PER_MS))
+                n_copies = 2 if coll_type == "all_gather" else 1
+                mem.copy_fixed_us = int(round(p.copy_ms_fixed * n_copies * _US_PER_MS))
+                mem.prologue_us = int(round(c.prologue_ms * _US_PER_MS))
+                mem.charge = need_a if coll_type == "all_gather" else ready_a
+                members.append(mem)
+            self.chains.append(members)
+
+    # -- (1) ---------------------------------------------------------------------------------
+    def _add_timeline(self) -> None:
+        """(1) T_0 = 0; U_a >= T_a + copy_a; T_{a+1} = U_a + seg_a."""
+        m, H = self.model, self.horizon
+        A = self.anchors
+        self.T = [m.NewIntVar(0, H, f"T{a}") for a in range(A.m + 1)]
+        self.U = [m.NewIntVar(0, H, f"U{a}") for a in range(A.m + 1)]
+        m.Add(self.T[0] == 0)
+        self.copy_terms: dict[int, list] = defaultdict(list)
+        for a in range(A.m):
+            m.Add(self.T[a + 1] == self.U[a] + A.seg_us[a])
+        for a in range(A.m + 1):
+            m.Add(self.U[a] >= self.T[a])
+
+    # -- (2) ---------------------------------------------------------------------------------
+    def _add_buckets(self) -> None:
+        """(2) brk_k = 0 => k shares I, W, C with k-1; R_k accumulates durations; X_k is the end
+        of k's bucket; issue and wait anchors never decrease along a chain."""
+        m, H = self.model, self.horizon
+        cap = self.cfg.max_bucket_bytes
+        self.brk: dict[str, cp_model.IntVar] = {}
+        self.I: dict[str, cp_model.IntVar] = {}
+        self.W: dict[str, cp_model.IntVar] = {}
+        self.C: dict[str, cp_model.IntVar] = {}
+        self.X: dict[str, cp_model.IntVar] = {}
+        self.R: dict[str, cp_model.IntVar] = {}
+        self.last: dict[str, cp_model.IntVar] = {}
+        for ci, chain in enumerate(self.chains):
+            alpha = self.alpha_us[ci]
+            total_d = sum(x.d_us for x in chain)
+            Q = None
+            for k, mem in enumerate(chain):
+                n = mem.name
+                self.brk[n] = m.NewBoolVar(f"brk_{n}")
+                self.I[n] = m.NewIntVar(mem.lo, mem.hi, f"I_{n}")
+                if mem.coll_type == "reduce_scatter":
+                    self.W[n] = m.NewIntVar(mem.wlo, mem.whi, f"W_{n}")
+                self.C[n] = m.NewIntVar(0, H, f"C_{n}")
+                self.X[n] = m.NewIntVar(0, H, f"X_{n}")
+                self.R[n] = m.NewIntVar(mem.d_us, total_d, f"R_{n}")
+                if cap is not None:
+                    q = m.NewIntVar(0, sum(self.p.colls[x.name].payload_bytes for x in chain), f"Q_{n}")
+                    pay = self.p.colls[n].payload_bytes
+                    m.Add(q <= max(cap, pay))
+                if k == 0:
+                    m.Add(self.brk[n] == 1)
+                    m.Add(self.R[n] == mem.d_us)
+                    if cap is not None:
+                        m.Add(q == self.p.colls[n].payload_bytes)
+                else:
+                    prev = chain[k - 1].name
+                    b = self.brk[n]
+                    m.Add(self.R[n] == mem.d_us).OnlyEnforceIf(b)
+                    m.Add(self.R[n] == self.R[prev] + mem.d_us).OnlyEnforceIf(b.Not())
+                    m.Add(self.I[n] == self.I[prev]).OnlyEnforceIf(b.Not())
+                    m.Add(self.C[n] == self.C[prev]).OnlyEnforceIf(b.Not())
+                    m.Add(self.I[n] >= self.I[prev])
+                    if mem.coll_type == "reduce_scatter":
+                        m.Add(self.W[n] == self.W[prev]).OnlyEnforceIf(b.Not())
+                        m.Add(self.W[n] >= self.W[prev])
+                    if cap is not None:
+                        m.Add(q == self.p.colls[n].payload_bytes).OnlyEnforceIf(b)
+                        m.Add(q == Q + self.p.colls[n].payload_bytes).OnlyEnforceIf(b.Not())
+                Q = q if cap is not None else None
+            for k, mem in enumerate(chain):
+                n = mem.name
+                if k + 1 < len(chain):
+                    nxt = chain[k + 1].name
+                    last = self.brk[nxt]
+                    m.Add(self.X[n] == self.C[n] + alpha + self.R[n]).OnlyEnforceIf(last)
+                    m.Add(self.X[n] == self.X[nxt]).OnlyEnforceIf(last.Not())
+                else:
+                    last = m.NewConstant(1)
+                    m.Add(self.X[n] == self.C[n] + alpha + self.R[n])
+                self.last[n] = last
+
+    # -- (3) ---------------------------------------------------------------------------------
+    def _add_issue(self) -> None:
+        """(3) y_{k,a} = [I_k <= a]; I_k >= a => C_k >= T_a (so C_k >= T_{I_k})."""
+        m = self.model
+        self.y: dict[str, dict[int, cp_model.IntVar]] = {}
+        for chain in self.chains:
+            for mem in chain:
+                n = mem.name
+                ys = _order_encoding(m, self.I[n], mem.lo, mem.hi, f"y_{n}")
+                self.y[n] = ys
+                m.Add(self.C[n] >= self.T[mem.lo])
+                for a in range(mem.lo + 1, mem.hi + 1):
+                    m.Add(self.C[n] >= self.T[a]).OnlyEnforceIf(ys[a - 1].Not())
+
+    # -- (4) ---------------------------------------------------------------------------------
+    def _add_waits(self) -> None:
+        """(4) all-gathers are waited at their first use: U_{need(k)} >= X_k; reduce-scatters at
+        W_k >= I_k with z_{k,a} = [W_k <= a] and z_{k,a} => U_a >= X_k."""
+        m = self.model
+        self.z: dict[str, dict[int, cp_model.IntVar]] = {}
+        for chain in self.chains:
+            for mem in chain:
+                n = mem.name
+                if mem.coll_type == "all_gather":
+                    m.Add(self.U[mem.need] >= self.X[n])
+                    continue
+                m.Add(self.W[n] >= self.I[n])
+                zs = _order_encoding(m, self.W[n], mem.wlo, mem.whi, f"z_{n}")
+                self.z[n] = zs
+                for a in range(mem.wlo, mem.whi):
+                    m.Add(self.U[a] >= self.X[n]).OnlyEnforceIf(zs[a])
+                m.Add(self.U[mem.whi] >= self.X[n])
+
+    # -- (5) ---------------------------------------------------------------------------------
+    def _add_streams(self) -> None:
+        """(5) one stream per process group: bucket intervals do not overlap; a chain's buckets
+        keep chain order; fixed collectives occupy their traced slots."""
+        m, p, A = self.model, self.p, self.anchors
+        per_group: dict[str, list] = defaultdict(list)
+        for ci, chain in enumerate(self.chains):
+            alpha = self.alpha_us[ci]
+            for k, mem in enumerate(chain):
+                n = mem.name
+                end = m.NewIntVar(0, self.horizon, f"E_{n}")
+                m.Add(end == self.C[n] + alpha + self.R[n])
+                iv = m.NewOptionalIntervalVar(self.C[n], alpha + self.R[n], end, self.last[n], f"iv_{n}")
+                per_group[p.colls[n].group_name].append(iv)
+                if k > 0:
+                    m.Add(self.C[n] >= self.X[chain[k - 1].name]).OnlyEnforceIf(self.brk[n])
+        self.fixed: list[str] = []
+        for name, c in p.colls.items():
+            if c.movable:
+                continue
+            self.fixed.append(name)
+            dur = int(round(c.runtime_ms * _US_PER_MS))
+            start = m.NewIntVar(0, self.horizon, f"Cf_{name}")
+            m.Add(start >= self.T[A.exact(c.traced_issue)])
+            m.Add(self.U[A.exact(c.traced_wait)] >= start + dur)
+            per_group[c.group_name].append(m.NewFixedSizeIntervalVar(start, dur, f"ivf_{name}"))
+        for ivs in per_group.values():
+            if len(ivs) > 1:
+                m.AddNoOverlap(ivs)
+
+    # -- (6) ---------------------------------------------------------------------------------
+    def _add_copy_costs(self) -> None:
+        """(6) merged buckets copy their payload in (and all-gathers out) on the compute stream:
+        mrg_k = [k's bucket has >= 2 members]; U_a >= T_a + sum_{k charged at a} mrg_k copy_k."""
+        m = self.model
+        self.mrg: dict[str, cp_model.IntVar] = {}
+        for chain in self.chains:
+            for k, mem in enumerate(chain):
+                n = mem.name
+                starts = self.brk[n]
+                ends = self.last[n]
+                mrg = m.NewBoolVar(f"mrg_{n}")
+                # alone <=> starts a bucket and closes it
+                m.AddBoolOr([starts.Not(), ends.Not()]).OnlyEnforceIf(mrg)
+                m.AddBoolAnd([starts, ends]).OnlyEnforceIf(mrg.Not())
+                self.mrg[n] = mrg
+                if mem.copy_us > 0:
+                    self.copy_terms[mem.charge].append(mem.copy_us * mrg)
+                if mem.copy_fixed_us > 0:
+                    lead = m.NewBoolVar(f"lead_{n}")  # first member of a merged bucket
+                    m.AddBoolAnd([starts, mrg]).OnlyEnforceIf(lead)
+                    m.AddBoolOr([starts.Not(), mrg.Not()]).OnlyEnforceIf(lead.Not())
+                    self.copy_terms[mem.charge].append(mem.copy_fixed_us * lead)
+                if mem.prologue_us > 0:
+                    self.copy_terms[mem.charge].append(mem.prologue_us)
+        for a, terms in self.copy_terms.items():
+            m.Add(self.U[a] >= self.T[a] + sum(terms))
+
+    # -- (7) ---------------------------------------------------------------------------------
+    def _add_memory(self) -> None:
+        """(7) live memory at every anchor <= budget and <= P (peak variable)."""
+        from scheduler.simulator import simulate  # torch-free; shares the memory model
+
+        m, p, A = self.model, self.p, self.anchors
+        traced = p.traced_schedule()
+        sim = simulate(p.dag, traced, problem=p)
+        # live bytes at node steps, max per segment
+        seg_live = [0] * (A.m + 1)
+        nodes_seen = 0
+        for step, live in zip(traced.steps, sim.step_live_bytes):
+            seg = A.at_or_before(nodes_seen)
+            if step.kind == "node":
+                nodes_seen += 1
+            seg_live[seg] = max(seg_live[seg], -(-live // _KIB))
+        terms: dict[int, list] = defaultdict(list)
+        traced_dep = [0] * (A.m + 1)
+        for chain in self.chains:
+            for mem in chain:
+                c = p.colls[mem.name]
+                ti, tw = A.exact(c.traced_issue), A.exact(c.traced_wait)
+                y = self.y[mem.name]
+                if mem.coll_type == "all_gather":
+                    for a in range(mem.lo, mem.need):
+                        terms[a].append(mem.out_kib * y[a])
+                        traced_dep[a] += mem.out_kib * (ti <= a)
+                else:
+                    z = self.z[mem.name]
+                    for a in range(mem.lo, mem.whi):
+                        ya = y[a] if a < mem.hi else 1
+                        za = z[a]
+                        terms[a].append(mem.grad_kib * (1 - ya) + mem.pay_kib * (ya - za) + mem.out_kib * ya)
+                        traced_dep[a] += (
+                            mem.grad_kib * (ti > a) + mem.pay_kib * ((ti <= a) - (tw <= a)) + mem.out_kib * (ti <= a)
+                        )
+        self.base_kib = [max(0, seg_live[a] - traced_dep[a]) for a in range(A.m + 1)]
+        ub = max(seg_live) * 4 + sum(
+            mem.out_kib + mem.pay_kib + mem.grad_kib for chain in self.chains for mem in chain
+        )
+        self.P = m.NewIntVar(0, ub, "peak_kib")
+        self.mem_expr = {}
+        for a in range(A.m + 1):
+            expr = self.base_kib[a] + sum(terms[a])
+            self.mem_expr[a] = expr
+            m.Add(self.P >= expr)
+        if self.budget_kib is not None:
+            m.Add(self.P <= self.budget_kib)
+
+    # -- hints and extraction ----------------------------------------------------------------
+    def add_hint(self, schedule: Schedule) -> None:
+        """Warm start: bucket breaks, issue and wait anchors of ``schedule`` (snapped into the
+        model's windows)."""
+        A = self.anchors
+        bucket_of = schedule.bucket_of()
+        issue, wait = schedule.positions()
+        for chain in self.chains:
+            prev_b = None
+            for mem in chain:
+                n = mem.name
+                b = bucket_of.get(n)
+                if b is None:
+                    continue
+                self.model.AddHint(self.brk[n], int(b != prev_b))
+                prev_b = b
+                self.model.AddHint(self.I[n], min(mem.hi, max(mem.lo, A.at_or_before(issue[b]))))
+                if n in self.W:
+                    self.model.AddHint(self.W[n], min(mem.whi, max(mem.wlo, A.at_or_before(wait[b]))))
+
+    def decision_vars(self, name: str) -> list:
+        vs = [self.brk[name], self.I[name]]
+        if name in self.W:
+            vs.append(self.W[name])
+        return vs
+
+    def window_members(self) -> list[str]:
+        """All movable collectives ordered by the anchor where they matter (need for
+        all-gathers, gradient ready for reduce-scatters)."""
+        ms = [mem for chain in self.chains for mem in chain]
+        ms.sort(key=lambda mem: (mem.need if mem.coll_type == "all_gather" else mem.lo, mem.chain, mem.idx))
+        return [mem.name for mem in ms]
+
+    def extract(self, solver: cp_model.CpSolver) -> Schedule:
+        p, A = self.p, self.anchors
+        buckets: list[Bucket] = []
+        issue_at: list[int] = []
+        wait_at: list[int] = []
+        for chain in self.chains:
+            cur: list[str] = []
+            for k, mem in enumerate(chain):
+                if k > 0 and solver.Value(self.brk[mem.name]):
+                    self._close(cur, solver, buckets, issue_at, wait_at)
+                    cur = []
+                cur.append(mem.name)
+            if cur:
+                self._close(cur, solver, buckets, issue_at, wait_at)
+        for name in self.fixed:
+            c = p.colls[name]
+            buckets.append(Bucket((name,)))
+            issue_at.append(c.traced_issue)
+            wait_at.append(c.traced_wait)
+        # issue order on the streams: by issue gap, then by start time
+        order = sorted(range(len(buckets)), key=lambda i: (issue_at[i], wait_at[i]))
+        return Schedule.from_positions(
+            p.seq, [buckets[i] for i in order], [issue_at[i] for i in order], [wait_at[i] for i in order]
+        )
+
+    def _close(self, members, solver, buckets, issue_at, wait_at) -> None:
+        A, p = self.anchors, self.p
+        first = members[0]
+        gi = A.gaps[solver.Value(self.I[first])]
+        if first in self.W:
+            gw = A.gaps[solver.Value(self.W[first])]
+        else:
+            gw = min(p.colls[x].needed for x in members)
+        buckets.append(Bucket(tuple(members)))
+        issue_at.append(gi)
+        wait_at.append(max(gi, gw))
+
+
+def _order_encoding(m: cp_model.CpModel, var, lo: int, hi: int, name: str) -> dict[int, object]:
+    """Booleans b_a = [var <= a] for a in [lo, hi); b_{hi} is the constant 1."""
+    bs: dict[int, object] = {}
+    prev = None
+    for a in range(lo, hi):
+        b = m.NewBoolVar(f"{name}_{a}")
+        m.Add(var <= a).OnlyEnforceIf(b)
+        m.Add(var >= a + 1).OnlyEnforceIf(b.Not())
+        if prev is not None:
+            m.AddImplication(prev, b)
+        bs[a] = b
+        prev = b
+    bs[hi] = 1  # type: ignore[assignment]
+    return bs
+
+
+def _make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConfig) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    prm = solver.parameters
+    prm.max_deterministic_time = float(time_limit_s) * cfg.deterministic_units_per_second
+    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor
+    prm.random_seed = int(seed)
+    prm.num_workers = int(num_workers)
+    prm.log_search_progress = False
+    # the root LP costs more than it helps on these models (measured: 84.8 vs 90.9 ms found on
+    # a 32-layer graph for the same deterministic time)
+    prm.linearization_level = 0
+    return solver
+
+
+_STATUS_NAMES = {
+    cp_model.OPTIMAL: "OPTIMAL",
+    cp_model.FEASIBLE: "FEASIBLE",
+    cp_model.INFEASIBLE: "INFEASIBLE",
+    cp_model.MODEL_INVALID: "MODEL_INVALID",
+    cp_model.UNKNOWN: "UNKNOWN",
+}
+
+
+def solve_cpsat(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+    config: CpSatConfig | None = None,
+) -> SolveResult:
+    """Solve the joint model (see module docstring).
+
+    Small graphs are solved as one model (proven optimal when the limit allows). Larger graphs:
+    a short full-model solve from the warm start gives an incumbent inside the model, then a
+    rolling window of ``lns_window_members`` collectives (in order of need) is freed while all
+    others stay fixed, each window solved by CP-SAT, sweeping the graph until a sweep brings
+    nothing or the time is spent. Every candidate is simulated; only simulated improvements that
+    fit the budget are kept. All of it is deterministic.
+
+    Raises:
+        InfeasibleBudgetError: no schedule fits the budget (proven, or none found in the limit);
+            ``min_peak_bytes`` is the smallest simulated peak found.
+        ScheduleError: the solver failed without a schedule.
+    """
+    from scheduler.simulator import simulate
+
+    cfg = config or CpSatConfig()
+    t0 = time.perf_counter()
+    if not problem.chains:
+        sched = problem.traced_schedule()
+        sim = simulate(problem.dag, sched, problem=problem)
+        return SolveResult(
+            sched, SolveStatus.OPTIMAL, "cpsat", sim.step_ms, sim.step_ms, time.perf_counter() - t0, sim.peak_bytes,
+            ("no movable collectives: traced order kept",),
+        )
+    warm = _best_warm_start(problem, hint, mem_budget_bytes, time_limit_s, seed)
+    start_hint = warm.schedule if warm is not None else problem.traced_schedule()
+    budget = mem_budget_bytes
+    notes: list[str] = []
+    n_members = sum(len(c) for c in problem.chains.values())
+    deadline = t0 + time_limit_s
+    for round_ in range(cfg.memory_repair_rounds + 1):
+        remaining = max(0.5, deadline - time.perf_counter())
+        budget_kib = None if budget is None else budget // _KIB
+        t_build = time.perf_counter()
+        built = _CpSatModel(problem, cfg, budget_kib)
+        built.add_hint(start_hint)
+        build_s = time.perf_counter() - t_build
+        full = n_members <= cfg.full_model_max_members
+        phase1 = remaining * (cfg.primary_share if full else cfg.lns_initial_share)
+        solver = _make_solver(phase1, seed, num_workers, cfg)
+        built.model.Minimize(built.U[built.anchors.m])
+        status = solver.Solve(built.model)
+        logger.info(
+            "cpsat round %d (%s, %d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
+            round_,
+            "full model" if full else "initial solve before windows",
+            n_members,
+            _STATUS_NAMES.get(status, status),
+            solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
+            solver.BestObjectiveBound() / _US_PER_MS,
+            solver.WallTime(),
+            build_s,
+        )
+        if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
+            if budget is None:
+                raise ScheduleError(f"CP-SAT found no schedule ({_STATUS_NAMES.get(status)}) within {phase1:.1f} s")
+            min_peak = _min_peak(problem, cfg, seed, num_workers, max(1.0, phase1 / 2))
+            raise InfeasibleBudgetError(
+                f"no schedule keeps peak memory under {(mem_budget_bytes or budget) / 2**30:.3f} GiB "
+                f"({'proven infeasible' if status == cp_model.INFEASIBLE else 'none found in the time limit'}); "
+                f"the smallest peak found is {min_peak / 2**30:.3f} GiB: raise mem_budget to at least that",
+                budget_bytes=mem_budget_bytes or budget,
+                min_peak_bytes=min_peak,
+            )
+        if status == cp_model.MODEL_INVALID:
+            raise ScheduleError(f"CP-SAT model invalid: {built.model.Validate()}")
+        model_obj = solver.ObjectiveValue() / _US_PER_MS
+        bound = solver.BestObjectiveBound() / _US_PER_MS
+        proven = full and status == cp_model.OPTIMAL
+        schedule = built.extract(solver)
+        sim = simulate(problem.dag, schedule, problem=problem)
+        if full:
+            left = deadline - time.perf_counter()
+            if cfg.secondary_objective and left > 0.5:
+                sched2 = _secondary(built, solver, schedule, left, seed, num_workers, cfg)
+                if sched2 is not None:
+                    sim2 = simulate(problem.dag, sched2, problem=problem)
+                    if sim2.step_ms <= sim.step_ms + 1e-9:
+                        schedule, sim = sched2, sim2
+        else:
+            values = {v.Index(): solver.Value(v) for n in built.brk for v in built.decision_vars(n)}
+            schedule, sim, sweeps = _window_search(built, values, schedule, sim, deadline, seed, num_workers, mem_budget_bytes)
+            notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
+        if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
+            notes.append(
+                f"model step {model_obj:.3f} ms, model bound {bound:.3f} ms ({'full model' if full else 'initial solve'}), "
+                f"status {_STATUS_NAMES[status]}"
+            )
+            if round_:
+                notes.append(f"memory repaired in {round_} round(s)")
+            analytic = problem.lower_bound_ms()
+            if warm is not None and warm.objective_ms < sim.step_ms - 1e-9:
+                # the model prices copies and transients approximately; never return a schedule
+                # that simulates worse than the warm start it was given
+                schedule, sim = warm.schedule, simulate(problem.dag, warm.schedule, problem=problem)
+                proven = False
+                notes.append(f"kept the warm start ({warm.solver}): the model's schedule simulated slower")
+            # the model's bound holds for schedules in its search space (anchors, windows) and
+            # only when the whole model was solved; the analytic bound holds for every schedule
+            best_bound = min(max(bound, analytic) if full else analytic, sim.step_ms)
+            return SolveResult(
+                schedule=schedule,
+                status=SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE,
+                solver="cpsat",
+                objective_ms=sim.step_ms,
+                best_bound_ms=best_bound,
+                solve_time_s=time.perf_counter() - t0,
+                peak_bytes=sim.peak_bytes,
+                notes=tuple(notes),
+            )
+        excess = sim.peak_bytes - mem_budget_bytes
+        budget = (budget or mem_budget_bytes) - excess - _KIB
+        notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
+        start_hint = schedule
+        if deadline - time.perf_counter() <= 0.5 or budget <= 0:
+            break
+    raise InfeasibleBudgetError(
+        f"CP-SAT schedules kept exceeding the memory budget in simulation after {cfg.memory_repair_rounds} "
+        "repair rounds; raise mem_budget or the time limit",
+        budget_bytes=mem_budget_bytes or 0,
+        min_peak_bytes=None,
+    )
+
+
+def _best_warm_start(problem: Problem, hint: Schedule | None, budget: int | None, time_limit_s: float, seed: int):
+    """The best (simulated) schedule among the user's hint and the registered heuristics that
+    fit the budget; None when none fits."""
+    from scheduler.simulator import simulate
+    from solvers import heuristics
+    from solvers.dispatch import _SOLVERS
+
+    best = None
+    if hint is not None:
+        sim = simulate(problem.dag, hint, problem=problem)
+        if budget is None or sim.peak_bytes <= budget:
+            best = SolveResult(hint, SolveStatus.HEURISTIC, "hint", sim.step_ms, 0.0, 0.0, sim.peak_bytes)
+    for name in heuristics.WARM_START_HEURISTICS:
+        try:
+            r = _SOLVERS[name](problem, mem_budget_bytes=budget, time_limit_s=time_limit_s, seed=seed, hint=None, num_workers=1)
+        except InfeasibleBudgetError:
+            continue
+        if budget is not None and r.peak_bytes > budget:
+            continue
+        if best is None or r.objective_ms < best.objective_ms:
+            best = r
+    if best is not None:
+        logger.info("cpsat warm start: %s, %.3f ms", best.solver, best.objective_ms)
+    return best
+
+
+def _window_search(built: _CpSatModel, values: dict[int, int], schedule: Schedule, sim, deadline: float,
+                   seed: int, num_workers: int, budget_bytes: int | None):
+    """Rolling-window neighbourhood search (see :func:`solve_cpsat`). Returns the best
+    schedule, its simulation and the number of sweeps."""
+    from scheduler.simulator import simulate
+
+    cfg, p = built.cfg, built.p
+    order = built.window_members()
+    k = cfg.lns_window_members
+    stride = max(1, k // 2)
+    starts = list(range(0, max(1, len(order) - k + stride), stride))
+    sweeps = 0
+    for sweep in range(cfg.lns_max_sweeps):
+        improved = False
+        sweeps += 1
+        for i, s0 in enumerate(starts):
+            left = deadline - time.perf_counter()
+            if left <= 0.2:
+                return schedule, sim, sweeps
+            # share what is left evenly over the windows still to do in this sweep
+            limit = max(0.2, left / (len(starts) - i) * 0.8)
+            free = set(order[s0 : s0 + k])
+            sub = built.model.clone()
+            sub.clear_hints()
+            for name in built.brk:
+                for v in built.decision_vars(name):
+                    sv = sub.get_int_var_from_proto_index(v.Index())
+                    if name in free:
+                        sub.add_hint(sv, values[v.Index()])
+                    else:
+                        sub.add(sv == values[v.Index()])
+            solver = _make_solver(limit, seed, num_workers, cfg)
+            status = solver.Solve(sub)
+            logger.debug(
+                "window %d/%d: %s obj %.3f ms in %.2f s (limit %.2f)", i + 1, len(starts), _STATUS_NAMES.get(status),
+                solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
+                solver.WallTime(), limit,
+            )
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                continue
+            cand = built.extract(solver)
+            csim = simulate(p.dag, cand, problem=p)
+            fits = budget_bytes is None or csim.peak_bytes <= budget_bytes
+            if fits and (csim.step_ms < sim.step_ms - 1e-6 or (abs(csim.step_ms - sim.step_ms) <= 1e-6 and csim.peak_bytes < sim.peak_bytes)):
+                schedule, sim = cand, csim
+                values = {v.Index(): solver.Value(v) for n in built.brk for v in built.decision_vars(n)}
+                improved = True
+        logger.info("cpsat window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)
+        if not improved:
+            break
+    return schedule, sim, sweeps
+
+
+def _secondary(built: _CpSatModel, solver1, schedule1: Schedule, limit_s: float, seed, num_workers, cfg):
+    """Phase 2: keep the step time, minimise peak memory then the number of buckets."""
+    m = built.model
+    best = int(round(solver1.ObjectiveValue()))
+    # hint the phase-1 solution
+    m.ClearHints()
+    for v in list(built.brk.values()) + list(built.I.values()) + list(built.W.values()):
+        m.AddHint(v, solver1.Value(v))
+    m.Add(built.U[built.anchors.m] <= best)
+    n_buckets = sum(built.brk.values())
+    m.Minimize(built.P * (len(built.brk) + 1) + n_buckets)
+    solver = _make_solver(max(0.5, limit_s), seed, num_workers, cfg)
+    status = solver.Solve(m)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return built.extract(solver)
+    return None
+
+
+def _min_peak(problem: Problem, cfg: CpSatConfig, seed: int, num_workers: int, limit_s: float) -> int | None:
+    """Smallest simulated peak the model finds without a budget (for infeasibility errors)."""
+    from scheduler.simulator import simulate
+
+    built = _CpSatModel(problem, cfg, None)
+    built.add_hint(problem.traced_schedule())
+    built.model.Minimize(built.P)
+    solver = _make_solver(limit_s, seed, num_workers, cfg)
+    status = solver.Solve(built.model)
+    peaks = [simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes]
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        peaks.append(simulate(problem.dag, built.extract(solver), problem=problem).peak_bytes)
+    return min(peaks)
+
+
+@register("cpsat")
+def _cpsat_entry(problem: Problem, **kw) -> SolveResult:
+    return solve_cpsat(problem, **kw)
+
+
+del math

@@ -1,0 +1,575 @@
+"""Baseline heuristics: the schedules that today's FSDP stacks would produce, on our model.
+
+Each heuristic is registered with :func:`solvers.dispatch.register` and returns a
+:class:`SolveResult` with status ``HEURISTIC``, its objective and peak from the simulator
+(:mod:`scheduler.simulator`, torch-free) and the analytic lower bound as best bound:
+
+- ``"traced"``: the graph as traced (every collective alone, where it was).
+- ``"fsdp2"``: FSDP2 eager: one bucket per transformer block per chain, all-gathers prefetched
+  one block ahead (the first one exposed), each block's reduce-scatter issued after its last
+  gradient and waited just before the next block's is issued.
+- ``"simplefsdp"``: torchtitan SimpleFSDP greedy auto-bucketing: adjacent chain members merged
+  up to a size cap, issued where the earliest member was traced, waited before first use.
+- ``"autoparallel"``: AutoParallel auto-bucketing on torch's overlap scheduler: primary-group
+  bucketing by size cap, all-gathers prefetched up to 50 compute nodes ahead, reduce-scatters
+  in flight over at most 8 compute nodes.
+
+Memory budget: when the simulated peak of a heuristic's schedule exceeds ``mem_budget_bytes``,
+it walks down a ladder of less memory-hungry settings (less prefetch, shorter reduce-scatter
+overlap, smaller buckets) and returns the first that fits, or raises
+:class:`InfeasibleBudgetError` with the smallest peak it reached.
+
+Buckets are always runs of consecutive members of one chain (:attr:`Problem.chains`) whose
+windows intersect (``max ready <= min needed``); positions are clamped into that window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from solvers.dispatch import register
+from solvers.problem import Problem
+from solvers.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step
+
+logger = logging.getLogger(__name__)
+
+#: torch 2.13 ``fx_passes.bucketing.bucket_cap_mb_by_bucket_idx_default``: 2000 MiB, the cap
+#: that ``greedy_bucket_collective_by_mb`` uses (bucketing_*_fx passes, SimpleFSDP) when no
+#: ``bucket_size_determinator`` is configured. Each member counts max(input, output) bytes.
+TORCH_GREEDY_BUCKET_CAP_BYTES = 2000 * 1024 * 1024
+#: torch 2.13 ``OverlapScheduler`` buckets with ``OverlapPreservingBucketer(max_bucket_memory_gb=2.0)``
+#: (hard-coded), which AutoParallel's aten mode uses.
+TORCH_OVERLAP_BUCKET_CAP_BYTES = 2 * 1024**3
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------------------------
+# shared helpers
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlannedBucket:
+    """A bucket with its issue and wait gaps (see :mod:`solvers.schedule`).
+
+    ``wait_first``: in its wait gap, the wait runs before that gap's issues (FSDP2 waits the
+    previous reduce-scatter before issuing the next); otherwise issues come first.
+    """
+
+    members: tuple[str, ...]
+    issue_at: int
+    wait_at: int
+    wait_first: bool = False
+
+
+def evaluate(
+    problem: Problem,
+    schedule: Schedule,
+    solver_name: str,
+    status: SolveStatus,
+    t0: float,
+    notes: Sequence[str] = (),
+) -> SolveResult:
+    """Simulate ``schedule`` and wrap it as a :class:`SolveResult`.
+
+    Args:
+        t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
+        notes: remarks stored on the result.
+    """
+    from scheduler.simulator import simulate
+
+    sim = simulate(problem.dag, schedule, problem=problem)
+    return SolveResult(
+        schedule=schedule,
+        status=status,
+        solver=solver_name,
+        objective_ms=sim.step_ms,
+        best_bound_ms=problem.lower_bound_ms(),
+        solve_time_s=time.perf_counter() - t0,
+        peak_bytes=sim.peak_bytes,
+        notes=tuple(notes),
+    )
+
+
+def window(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
+    """(earliest issue gap, latest wait gap) of a bucket: ``(max ready, min needed)``."""
+    return (
+        max(problem.colls[m].ready for m in members),
+        min(problem.colls[m].needed for m in members),
+    )
+
+
+def split_feasible(problem: Problem, members: Sequence[str]) -> list[tuple[str, ...]]:
+    """Split a run of chain members greedily into runs whose windows intersect."""
+    runs: list[tuple[str, ...]] = []
+    cur: list[str] = []
+    for m in members:
+        if cur:
+            lo, hi = window(problem, [*cur, m])
+            if lo > hi:
+                runs.append(tuple(cur))
+                cur = []
+        cur.append(m)
+    if cur:
+        runs.append(tuple(cur))
+    return runs
+
+
+def split_by_bytes(problem: Problem, members: Sequence[str], cap_bytes: int) -> list[tuple[str, ...]]:
+    """Greedy runs of at most ``cap_bytes`` (each member counts max(input, output) bytes, as
+    torch's ``greedy_bucket_collective_by_mb``); a member larger than the cap is alone."""
+    runs: list[tuple[str, ...]] = []
+    cur: list[str] = []
+    size = 0
+    for m in members:
+        c = problem.colls[m]
+        b = max(c.payload_bytes, c.out_bytes)
+        if cur and size + b > cap_bytes:
+            runs.append(tuple(cur))
+            cur, size = [], 0
+        cur.append(m)
+        size += b
+    if cur:
+        runs.append(tuple(cur))
+    return runs
+
+
+def fixed_buckets(problem: Problem) -> list[PlannedBucket]:
+    """Collectives the scheduler may not move: alone, at their traced gaps."""
+    return [
+        PlannedBucket((c.name,), c.traced_issue, c.traced_wait)
+        for c in problem.colls.values()
+        if not c.movable
+    ]
+
+
+def compute_gaps(problem: Problem) -> list[int]:
+    """``cnt[p]`` = number of compute nodes (kind "compute", not views) in ``seq[:p]``, so that
+    distances between gaps can be counted in compute nodes, as torch's overlap scheduler does."""
+    cnt = [0]
+    for name in problem.seq:
+        cnt.append(cnt[-1] + (problem.dag.nodes[name]["kind"] == "compute"))
+    return cnt
+
+
+def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Schedule:
+    """Turn planned buckets into a :class:`Schedule`.
+
+    Buckets are numbered by (issue gap, traced issue of the first member). Inside a gap the
+    steps run as: ``wait_first`` waits, issues (earliest needed first, so the FIFO stream
+    serves the nearest consumer first), other waits; a data dependency between two steps of
+    one gap (a fixed collective reading another's wait) overrides that order.
+    """
+    n = problem.n
+    plan = sorted(plan, key=lambda b: (b.issue_at, problem.colls[b.members[0]].traced_issue, b.members))
+    for b in plan:
+        lo, hi = window(problem, b.members)
+        if not (0 <= b.issue_at <= b.wait_at <= n):
+            raise ValueError(f"bucket {b.members[:2]}...: bad positions issue={b.issue_at} wait={b.wait_at}")
+        if problem.colls[b.members[0]].movable and not (lo <= b.issue_at and b.wait_at <= hi):
+            raise ValueError(
+                f"bucket {b.members[:2]}...: positions ({b.issue_at}, {b.wait_at}) outside its window ({lo}, {hi})"
+            )
+    order_idx = {name: i for i, name in enumerate(problem.dag.graph["order"])}
+    bucket_of = {m: i for i, b in enumerate(plan) for m in b.members}
+    wait_owner = {problem.colls[m].wait: bucket_of[m] for m in bucket_of}
+    # events per gap: ("issue" | "wait", bucket index)
+    per_gap: list[list[tuple[str, int]]] = [[] for _ in range(n + 1)]
+    for i, b in enumerate(plan):
+        per_gap[b.issue_at].append(("issue", i))
+        per_gap[b.wait_at].append(("wait", i))
+
+    def priority(ev: tuple[str, int]) -> tuple:
+        kind, i = ev
+        b = plan[i]
+        c0 = problem.colls[b.members[0]]
+        phase = 1 if kind == "issue" else (0 if b.wait_first else 2)
+        return (phase, window(problem, b.members)[1], order_idx[c0.name], i)
+
+    def deps(i: int) -> set[int]:
+        """Buckets whose wait an issue of bucket ``i`` reads (directly or via its prologue)."""
+        out: set[int] = set()
+        for m in plan[i].members:
+            c = problem.colls[m]
+            for reader in (*c.prologue, m):
+                for u in problem.dag.predecessors(reader):
+                    if u in wait_owner and wait_owner[u] != i:
+                        out.add(wait_owner[u])
+        return out
+
+    steps: list[Step] = []
+    for p in range(n + 1):
+        events = per_gap[p]
+        if events:
+            steps.extend(_order_gap(events, priority, deps))
+        if p < n:
+            steps.append(Step("node", problem.seq[p]))
+    return Schedule(tuple(Bucket(b.members) for b in plan), tuple(steps))
+
+
+def _order_gap(
+    events: list[tuple[str, int]],
+    priority: Callable[[tuple[str, int]], tuple],
+    deps: Callable[[int], set[int]],
+) -> list[Step]:
+    """Topological order of one gap's events, smallest priority first."""
+    present = set(events)
+    preds: dict[tuple[str, int], set[tuple[str, int]]] = {e: set() for e in events}
+    for e in events:
+        kind, i = e
+        if kind == "wait" and ("issue", i) in present:
+            preds[e].add(("issue", i))
+        if kind == "issue":
+            preds[e] |= {("wait", j) for j in deps(i) if ("wait", j) in present}
+    succs: dict[tuple[str, int], list[tuple[str, int]]] = {e: [] for e in events}
+    for e, ps in preds.items():
+        for q in ps:
+            succs[q].append(e)
+    indeg = {e: len(ps) for e, ps in preds.items()}
+    heap = [(priority(e), e) for e in events if indeg[e] == 0]
+    heapq.heapify(heap)
+    out: list[Step] = []
+    while heap:
+        _, e = heapq.heappop(heap)
+        out.append(Step(e[0], e[1]))
+        for s in succs[e]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, (priority(s), s))
+    if len(out) != len(events):  # a cycle: only possible for an inconsistent graph
+        raise ValueError("collectives of one gap depend on each other in a cycle")
+    return out
+
+
+def _clamp(v: int, lo: int, hi: int) -> int:
+    return max(lo, min(v, hi))
+
+
+def _with_budget(
+    problem: Problem,
+    name: str,
+    configs: Iterable[object],
+    build: Callable[[Problem, object], Schedule],
+    mem_budget_bytes: int | None,
+    t0: float,
+) -> SolveResult:
+    """Return the first config's result whose simulated peak fits the budget.
+
+    Raises:
+        InfeasibleBudgetError: no config fits; ``min_peak_bytes`` is the smallest peak seen.
+    """
+    best_peak: int | None = None
+    first = True
+    for cfg in configs:
+        sched = build(problem, cfg)
+        res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",))
+        if mem_budget_bytes is None or res.peak_bytes <= mem_budget_bytes:
+            if not first:
+                logger.info("%s: fits %d B with %s (peak %d B)", name, mem_budget_bytes, cfg, res.peak_bytes)
+            return res
+        best_peak = res.peak_bytes if best_peak is None else min(best_peak, res.peak_bytes)
+        first = False
+    raise InfeasibleBudgetError(
+        f"heuristic {name!r} cannot keep peak memory under {mem_budget_bytes} B (smallest peak "
+        f"{best_peak} B); raise the budget to at least that, or use solver='cpsat'",
+        budget_bytes=int(mem_budget_bytes or 0),
+        min_peak_bytes=best_peak,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# traced
+# --------------------------------------------------------------------------------------------
+@register("traced")
+def solve_traced(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+) -> SolveResult:
+    """The graph as traced; raises :class:`InfeasibleBudgetError` if its peak exceeds the budget."""
+    t0 = time.perf_counter()
+    return _with_budget(problem, "traced", [None], lambda p, _: p.traced_schedule(), mem_budget_bytes, t0)
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDP2Config:
+    """Settings of the FSDP2-like schedule."""
+
+    prefetch_blocks: int = 1
+    """All-gather buckets issued this many buckets ahead of need (FSDP2: 1; 0: none)."""
+    overlap_reduce_scatter: bool = True
+    """Wait each reduce-scatter when the next is issued (FSDP2); False: wait right at issue."""
+    block_buckets: bool = True
+    """One bucket per block; False: every collective alone (smallest buffers)."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
+
+
+def fsdp2_blocks(problem: Problem) -> dict[str, str]:
+    """Block id of every collective: ``"layers.N"`` for a transformer block's parameters,
+    ``"root"`` for other module parameters (tok_embeddings, norm, output: FSDP2's root
+    group), ``"coll:<name>"`` (its own block) when the collective has no module FQN (e.g. only
+    a placeholder name)."""
+    out: dict[str, str] = {}
+    for name, c in problem.colls.items():
+        fqn = c.fqns[0] if c.fqns else ""
+        m = _LAYER_RE.search(fqn)
+        if m:
+            out[name] = f"layers.{m.group(1)}"
+        elif "." in fqn:
+            out[name] = "root"
+        else:
+            out[name] = f"coll:{name}"
+    return out
+
+
+def _runs_by_block(problem: Problem, members: Sequence[str], blocks: dict[str, str]) -> list[tuple[str, ...]]:
+    runs: list[list[str]] = []
+    for m in members:
+        if runs and blocks[runs[-1][-1]] == blocks[m]:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return [r for run in runs for r in split_feasible(problem, run)]
+
+
+def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Schedule:
+    """The FSDP2-like schedule of ``problem`` (see :class:`FSDP2Config`)."""
+    blocks = fsdp2_blocks(problem)
+    plan = fixed_buckets(problem)
+    for key, chain in problem.chains.items():
+        if config.block_buckets:
+            runs = _runs_by_block(problem, chain, blocks)
+        else:
+            runs = [(m,) for m in chain]
+        wins = [window(problem, r) for r in runs]
+        if key[0] == "all_gather":
+            for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
+                # issued where the bucket `prefetch_blocks` earlier is needed
+                j = i - config.prefetch_blocks
+                at = wins[j][1] if j >= 0 else hi
+                plan.append(PlannedBucket(run, _clamp(at, lo, hi), hi))
+        else:
+            issue = [lo for lo, _ in wins]
+            for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
+                if config.overlap_reduce_scatter:
+                    wait = _clamp(issue[i + 1], issue[i], hi) if i + 1 < len(runs) else hi
+                else:
+                    wait = issue[i]
+                plan.append(PlannedBucket(run, issue[i], wait, wait_first=True))
+    return schedule_from_plan(problem, plan)
+
+
+def _fsdp2_ladder(start: FSDP2Config) -> list[FSDP2Config]:
+    out = [dataclasses.replace(start, prefetch_blocks=d) for d in range(start.prefetch_blocks, -1, -1)]
+    last = out[-1]
+    if last.overlap_reduce_scatter:
+        last = dataclasses.replace(last, overlap_reduce_scatter=False)
+        out.append(last)
+    if last.block_buckets:
+        out.append(dataclasses.replace(last, block_buckets=False))
+    return out
+
+
+@register("fsdp2")
+def solve_fsdp2(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+    config: FSDP2Config = FSDP2Config(),
+) -> SolveResult:
+    """FSDP2 eager's schedule, shrunk (prefetch, reduce-scatter overlap, buckets) to fit the budget."""
+    t0 = time.perf_counter()
+    return _with_budget(problem, "fsdp2", _fsdp2_ladder(config), fsdp2_schedule, mem_budget_bytes, t0)
+
+
+# --------------------------------------------------------------------------------------------
+# SimpleFSDP
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimpleFSDPConfig:
+    """Settings of the SimpleFSDP-like greedy auto-bucketing."""
+
+    bucket_cap_bytes: int = TORCH_GREEDY_BUCKET_CAP_BYTES
+    """Size cap of a bucket (bytes, each member counted as max(input, output) bytes)."""
+    wait_reduce_scatter_at_use: bool = True
+    """Wait reduce-scatter buckets before first use (end of graph for gradients); False: at
+    the issue (as traced), which frees their full-size inputs at once."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_bytes < 0:
+            raise ValueError(f"bucket_cap_bytes must be >= 0, got {self.bucket_cap_bytes}")
+
+
+def simplefsdp_schedule(problem: Problem, config: SimpleFSDPConfig = SimpleFSDPConfig()) -> Schedule:
+    """Greedy size-capped buckets of adjacent chain members; all-gathers issued at the earliest
+    member's traced issue (no prefetch beyond it), reduce-scatters after their last gradient;
+    every bucket waited before its first use."""
+    plan = fixed_buckets(problem)
+    for key, chain in problem.chains.items():
+        for capped in split_by_bytes(problem, chain, config.bucket_cap_bytes):
+            for run in split_feasible(problem, capped):
+                lo, hi = window(problem, run)
+                traced = min(problem.colls[m].traced_issue for m in run)
+                issue = _clamp(traced, lo, hi)
+                wait = hi if (key[0] == "all_gather" or config.wait_reduce_scatter_at_use) else issue
+                plan.append(PlannedBucket(run, issue, wait))
+    return schedule_from_plan(problem, plan)
+
+
+def _simplefsdp_ladder(problem: Problem, start: SimpleFSDPConfig) -> list[SimpleFSDPConfig]:
+    out = [start]
+    smallest = min((max(c.payload_bytes, c.out_bytes) for c in problem.colls.values()), default=0)
+    cap = start.bucket_cap_bytes
+    while cap >= smallest and cap > 0:
+        cap //= 2
+        out.append(dataclasses.replace(start, bucket_cap_bytes=cap))
+    if start.wait_reduce_scatter_at_use:
+        out.append(dataclasses.replace(out[-1], wait_reduce_scatter_at_use=False))
+    return out
+
+
+@register("simplefsdp")
+def solve_simplefsdp(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+    config: SimpleFSDPConfig = SimpleFSDPConfig(),
+) -> SolveResult:
+    """SimpleFSDP's greedy bucketing, with the cap halved until the budget fits."""
+    t0 = time.perf_counter()
+    return _with_budget(
+        problem, "simplefsdp", _simplefsdp_ladder(problem, config), simplefsdp_schedule, mem_budget_bytes, t0
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# AutoParallel
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoParallelConfig:
+    """Settings of the AutoParallel-like schedule.
+
+    Reading of AutoParallel's auto-bucketing (torch ``schedule_overlap_bucketing`` with
+    ``max_compute_pre_fetch`` raised from 5 to 50, and consecutive compute between
+    reduce-scatters capped at 8): an all-gather bucket is issued at most
+    ``max_prefetch_compute_nodes`` compute nodes before its first consumer; a reduce-scatter
+    bucket is issued after its last gradient and stays in flight over at most
+    ``max_rs_compute_nodes`` compute nodes before it is waited, which bounds how long its
+    full-size gradient input stays alive. Only the primary process group (most payload bytes)
+    is bucketed, by size cap.
+    """
+
+    max_prefetch_compute_nodes: int = 50
+    """All-gather prefetch distance, in compute nodes (views do not count)."""
+    max_rs_compute_nodes: int = 8
+    """Compute nodes a reduce-scatter bucket may overlap before its wait."""
+    bucket_cap_bytes: int = TORCH_OVERLAP_BUCKET_CAP_BYTES
+    """Size cap of a bucket (bytes, each member counted as max(input, output) bytes)."""
+    primary_group_only: bool = True
+    """Bucket only the process group with the most collective payload; others stay alone."""
+
+    def __post_init__(self) -> None:
+        for f in ("max_prefetch_compute_nodes", "max_rs_compute_nodes", "bucket_cap_bytes"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"AutoParallelConfig.{f} must be >= 0, got {getattr(self, f)}")
+
+
+def _gap_back(cnt: list[int], hi: int, k: int) -> int:
+    """Earliest gap p <= hi with at most k compute nodes in seq[p:hi]."""
+    p = hi
+    while p > 0 and cnt[hi] - cnt[p - 1] <= k:
+        p -= 1
+    return p
+
+
+def _gap_forward(cnt: list[int], lo: int, k: int) -> int:
+    """Latest gap p >= lo with at most k compute nodes in seq[lo:p]."""
+    n = len(cnt) - 1
+    p = lo
+    while p < n and cnt[p + 1] - cnt[lo] <= k:
+        p += 1
+    return p
+
+
+def autoparallel_schedule(problem: Problem, config: AutoParallelConfig = AutoParallelConfig()) -> Schedule:
+    """The AutoParallel-like schedule of ``problem`` (see :class:`AutoParallelConfig`)."""
+    cnt = compute_gaps(problem)
+    payload: dict[str, int] = {}
+    for c in problem.colls.values():
+        payload[c.group_name] = payload.get(c.group_name, 0) + c.payload_bytes
+    primary = max(sorted(payload), key=lambda g: payload[g]) if payload else None
+    plan = fixed_buckets(problem)
+    for key, chain in problem.chains.items():
+        if config.primary_group_only and key[1] != primary:
+            capped = [(m,) for m in chain]
+        else:
+            capped = split_by_bytes(problem, chain, config.bucket_cap_bytes)
+        for run in (r for c in capped for r in split_feasible(problem, c)):
+            lo, hi = window(problem, run)
+            if key[0] == "all_gather":
+                issue = _clamp(_gap_back(cnt, hi, config.max_prefetch_compute_nodes), lo, hi)
+                plan.append(PlannedBucket(run, issue, hi))
+            else:
+                wait = _clamp(_gap_forward(cnt, lo, config.max_rs_compute_nodes), lo, hi)
+                plan.append(PlannedBucket(run, lo, wait))
+    return schedule_from_plan(problem, plan)
+
+
+def _autoparallel_ladder(start: AutoParallelConfig) -> list[AutoParallelConfig]:
+    out = [start]
+    cfg = start
+    while cfg.max_prefetch_compute_nodes > 0 or cfg.max_rs_compute_nodes > 0:
+        cfg = dataclasses.replace(
+            cfg,
+            max_prefetch_compute_nodes=cfg.max_prefetch_compute_nodes // 2,
+            max_rs_compute_nodes=cfg.max_rs_compute_nodes // 2,
+        )
+        out.append(cfg)
+    while cfg.bucket_cap_bytes > 0:
+        cfg = dataclasses.replace(cfg, bucket_cap_bytes=cfg.bucket_cap_bytes // 4)
+        out.append(cfg)
+    return out
+
+
+@register("autoparallel")
+def solve_autoparallel(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+    config: AutoParallelConfig = AutoParallelConfig(),
+) -> SolveResult:
+    """AutoParallel's schedule, prefetch / overlap / bucket cap shrunk until the budget fits."""
+    t0 = time.perf_counter()
+    return _with_budget(
+        problem, "autoparallel", _autoparallel_ladder(config), autoparallel_schedule, mem_budget_bytes, t0
+    )
+
+
+#: heuristics tried as warm starts of the exact solvers (cheap: a few simulations each)
+WARM_START_HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")

@@ -1,0 +1,186 @@
+"""Run a function on every rank of a real gloo process group of local processes.
+
+Not a test module: a helper for tests and benchmarks that need real collectives on CPU::
+
+    def body(rank, world_size, n):          # module level, so that it pickles
+        ...                                 # the gloo group is initialised here
+        return result                       # must pickle
+
+    results = run_multiprocess(body, 2, 16, timeout_s=60)   # [rank 0's result, rank 1's]
+
+Processes are started with the ``spawn`` method (no fork of the parent's threads or CUDA
+state), find each other through ``MASTER_ADDR=127.0.0.1`` and a free port, and destroy their
+process group before they exit. The parent never leaves a child behind: on success, on a
+child's exception (re-raised with that child's traceback), on a child that dies, and on a
+timeout (raised naming the ranks that did not finish), every child is terminated and joined.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+#: seconds a finished child is given to deliver its result before it counts as lost
+_RESULT_GRACE_S = 5.0
+#: seconds between SIGTERM and SIGKILL when stopping children
+_TERMINATE_GRACE_S = 5.0
+
+
+class ChildProcessFailed(RuntimeError):
+    """A rank raised or died; the message holds its traceback or exit code."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+class MultiprocessTimeout(TimeoutError):
+    """Some ranks did not finish within the timeout (hung); ``ranks`` lists them."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_multiprocess(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    threads_per_process: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes of one gloo group.
+
+    Args:
+        fn: a picklable (module-level) function; its return value must pickle.
+        world_size: number of processes (ranks).
+        args: passed to ``fn`` after rank and world size; must pickle.
+        timeout_s: wall-clock limit for the whole run, seconds; also the gloo timeout.
+        threads_per_process: ``torch.set_num_threads`` in each child; default
+            ``cpu_count // world_size`` (at least 1), so that the ranks do not oversubscribe.
+
+    Returns:
+        The return values of ``fn``, indexed by rank.
+
+    Raises:
+        ChildProcessFailed: a rank raised (its traceback is in the message) or exited without a
+            result.
+        MultiprocessTimeout: ranks did not finish within ``timeout_s``; all children are killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    threads = threads_per_process or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, timeout_s, threads, results_q, args),
+            name=f"gloo-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        dead_since: dict[int, float] = {}
+        while len(results) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                hung = [r for r in range(world_size) if r not in results]
+                raise MultiprocessTimeout(
+                    hung,
+                    f"rank(s) {hung} of {world_size} did not finish within {timeout_s:g} s "
+                    f"(hung in a collective?); finished: {sorted(results)}. All ranks were killed.",
+                )
+            try:
+                rank, ok, payload = results_q.get(timeout=min(0.2, max(deadline - now, 0.01)))
+            except queue_module.Empty:
+                _check_dead(procs, results, dead_since)
+                continue
+            if not ok:
+                raise ChildProcessFailed(rank, f"rank {rank} of {world_size} raised:\n{payload}")
+            results[rank] = pickle.loads(payload)
+    finally:
+        _stop(procs)
+        results_q.close()
+        results_q.join_thread()
+    return [results[r] for r in range(world_size)]
+
+
+def _check_dead(procs: list[Any], results: dict[int, Any], dead_since: dict[int, float]) -> None:
+    """Raise for a child that exited without a result (after a grace period for the queue)."""
+    now = time.monotonic()
+    for rank, p in enumerate(procs):
+        if rank in results or p.is_alive():
+            continue
+        first_seen = dead_since.setdefault(rank, now)
+        if p.exitcode != 0 or now - first_seen > _RESULT_GRACE_S:
+            raise ChildProcessFailed(
+                rank, f"rank {rank} exited with code {p.exitcode} without a result (crashed or killed)"
+            )
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate, then kill, and join every child that was started."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.terminate()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(_TERMINATE_GRACE_S)
+        if p.is_alive():
+            logger.warning("%s did not stop on SIGTERM; killing it", p.name)
+            p.kill()
+            p.join()
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    threads: int,
+    results_q: Any,
+    args: tuple,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        message = (rank, False, traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results_q.put(message)

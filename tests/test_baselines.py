@@ -1,0 +1,178 @@
+"""torch's overlap scheduler as a baseline, and torch's memory estimator against our simulator."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from scheduler import baselines  # noqa: E402
+from scheduler.baselines import (  # noqa: E402
+    TorchBaselineError,
+    simulate_torch_baseline,
+    torch_memory_peak,
+    torch_memory_profile,
+    torch_overlap_schedule,
+)
+from scheduler.dag import export_dag  # noqa: E402
+from scheduler.simulator import simulate  # noqa: E402
+from scheduler.validator import validate_schedule  # noqa: E402
+from solvers.problem import Problem  # noqa: E402
+
+WORLD = 4
+DIM, TOKENS = 256, 512
+
+
+@pytest.fixture(scope="module")
+def group_name():
+    """A fake process group of 4 ranks (moves no data; for tracing only)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield dist.group.WORLD.group_name
+    if owned:
+        dist.destroy_process_group()
+
+
+def _three_layers(gname: str):
+    """Three FSDP all-gathers (bf16 casts of fp32 shards) and two reduce-scatters::
+
+        primals_i -> _to_copy -> AG_i -> wait -> mm(h_{i-1}, .) -> h_i        (i = 1, 2, 3; h_0 = x)
+        mm(h_1.T, h_2) -> _to_copy (fp32) -> RS_1 -> wait ->  output
+        mm(h_2.T, h_3) -> _to_copy (fp32) -> RS_2 -> wait ->  output
+        h_3 (via _unsafe_view)                             ->  output
+
+    Every wait follows its collective directly, as in traced FSDP graphs.
+    """
+    ops = torch.ops._c10d_functional
+
+    def gather(shard):
+        return ops.wait_tensor(ops.all_gather_into_tensor(shard.to(torch.bfloat16), WORLD, gname))
+
+    def reduce(grad):
+        return ops.wait_tensor(ops.reduce_scatter_tensor(grad.float(), "sum", WORLD, gname))
+
+    def f(primals_1, primals_2, primals_3, x):
+        h1 = torch.mm(x, gather(primals_1))
+        h2 = torch.mm(h1, gather(primals_2))
+        h3 = torch.mm(h2, gather(primals_3))
+        g1 = reduce(torch.mm(h1.t(), h2))
+        g2 = reduce(torch.mm(h2.t(), h3))
+        return torch.ops.aten._unsafe_view(h3, [TOKENS * DIM]), g1, g2
+
+    return f
+
+
+@pytest.fixture(scope="module")
+def traced(group_name):
+    with FakeTensorMode():
+        shards = [torch.randn(DIM // WORLD, DIM) for _ in range(3)]
+        x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
+    return make_fx(_three_layers(group_name), tracing_mode="fake")(*shards, x)
+
+
+def _collectives(gm) -> Counter:
+    """collective op -> total input bytes (merged all-gathers use the ``_out`` variant)."""
+    out: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional":
+            if n.target is not torch.ops._c10d_functional.wait_tensor.default:
+                inp = n.args[0].meta["val"]
+                out[n.target._schema.name.removesuffix("_out")] += inp.numel() * inp.element_size()
+    return out
+
+
+def _n_collectives(gm) -> int:
+    return baselines._collective_count(gm)
+
+
+# --------------------------------------------------------------------------------------------
+# torch's overlap scheduler
+# --------------------------------------------------------------------------------------------
+def test_torch_schedule_is_valid_and_keeps_bytes(traced):
+    """torch's pass runs on CPU, leaves the input alone, returns a lint-clean graph with no more
+    collectives and the same bytes per collective type, and our simulator accepts it."""
+    before = traced.print_readable(print_output=False)
+    out = torch_overlap_schedule(traced)
+
+    assert traced.print_readable(print_output=False) == before  # worked on a copy
+    out.graph.lint()
+    assert _n_collectives(traced) == 5
+    assert 1 <= _n_collectives(out) <= _n_collectives(traced)
+    assert _collectives(out) == _collectives(traced)
+
+    problem = Problem.from_dag(export_dag(out))
+    result = validate_schedule(problem, problem.traced_schedule())
+    assert result.n_collectives == _n_collectives(out)
+    assert result.step_ms > 0
+
+
+def test_simulate_torch_baseline_matches_validated_run(traced):
+    """simulate_torch_baseline = export of torch's rewrite + simulation in graph order."""
+    result = simulate_torch_baseline(traced)
+    problem = Problem.from_dag(export_dag(torch_overlap_schedule(traced)))
+    expected = validate_schedule(problem, problem.traced_schedule())
+    assert result.step_ms == pytest.approx(expected.step_ms)
+    assert result.peak_bytes == expected.peak_bytes
+    assert result.n_collectives <= _n_collectives(traced)
+
+
+def test_torch_failure_is_reported_as_unavailable_baseline(traced, monkeypatch):
+    """A failure inside torch's pass surfaces as TorchBaselineError naming torch's message."""
+    from torch._inductor.fx_passes import overlap_scheduling
+
+    def fail(gm, **kw):
+        raise RuntimeError("detected 2 cyclic extra dep(s)")
+
+    monkeypatch.setattr(overlap_scheduling, "schedule_overlap_bucketing", fail)
+    with pytest.raises(TorchBaselineError, match="cyclic extra dep.*baseline is unavailable"):
+        torch_overlap_schedule(traced)
+
+
+def test_gpu_estimators_are_restored_after_the_pass(traced):
+    """The CPU patches of torch's GPU queries do not leak out of the call."""
+    import torch.utils._runtime_estimation as rte
+    from torch._inductor import comm_analysis, config
+
+    saved = (rte.get_gpu_dram_gbps, rte.get_device_tflops, comm_analysis.get_gpu_type, config.intra_node_bw)
+    torch_overlap_schedule(traced)
+    assert (rte.get_gpu_dram_gbps, rte.get_device_tflops, comm_analysis.get_gpu_type, config.intra_node_bw) == saved
+
+
+# --------------------------------------------------------------------------------------------
+# memory: our simulator vs torch's memory_estimator
+# --------------------------------------------------------------------------------------------
+def test_peak_memory_agrees_with_torch_estimator(traced):
+    """On the traced graph (each wait right after its collective) the two models agree exactly:
+    same allocations (CPU tensors counted, _unsafe_view an alias), same frees."""
+    ours = simulate(export_dag(traced)).peak_bytes
+    assert ours > 0
+    assert ours == torch_memory_peak(traced)
+
+
+def test_torch_raw_estimate_double_counts_at_waits(traced):
+    """Without the wait-alias correction torch allocates a collective's output again at its
+    wait (fake wait_tensor returns a fresh storage): after each wait's allocation, torch's raw
+    profile exceeds the corrected one by exactly that collective's output bytes."""
+    corrected = torch_memory_profile(traced)
+    raw = torch_memory_profile(traced, wait_aliases_input=False)
+    body = [n for n in traced.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    waits = 0
+    for i, node in enumerate(body):
+        after_alloc = 1 + 2 * i
+        if node.target is wait:
+            out = node.meta["val"]
+            assert raw[after_alloc] - corrected[after_alloc] == out.numel() * out.element_size()
+            waits += 1
+        else:
+            assert raw[after_alloc] == corrected[after_alloc]
+    assert waits == 5
+    assert max(raw) >= max(corrected)

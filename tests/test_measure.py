@@ -1,0 +1,179 @@
+"""Tests of scheduler/measure.py (measured costs) and of tests/gloo_harness.py.
+
+Compute timing runs on graphs traced with make_fx in fake mode (meta['val'] holds FakeTensors,
+as in captured FSDP graphs). Collective fitting and the harness run real 2-process gloo groups.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module in spawned ranks
+
+from gloo_harness import ChildProcessFailed, MultiprocessTimeout, run_multiprocess  # noqa: E402
+
+from scheduler.costs import AnalyticCostModel, GroupInfo  # noqa: E402
+from scheduler.measure import MeasuredCostModel, fit_collectives  # noqa: E402
+
+COMPUTE_ATTRS = {"kind": "compute", "flops": 10**9, "bytes_accessed": 10**6, "dtype": "float32"}
+
+
+def traced_node(fn, *example_inputs, target):
+    """The first node calling ``target`` in ``fn`` traced with fake tensors."""
+    gm = make_fx(fn, tracing_mode="fake")(*example_inputs)
+    return next(n for n in gm.graph.nodes if n.target is target)
+
+
+def mm_node(n: int):
+    return traced_node(torch.mm, torch.empty(n, n), torch.empty(n, n), target=torch.ops.aten.mm.default)
+
+
+def test_mm_time_is_positive_and_grows_with_size(tmp_path):
+    """mm(n x n, n x n) for n = 16 and n = 256: 4096x the FLOPs must take longer."""
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, repeats=3, warmup=1)
+    small = model.compute_ms(COMPUTE_ATTRS, mm_node(16))
+    large = model.compute_ms(COMPUTE_ATTRS, mm_node(256))
+    assert 0 < small < large
+    assert model.stats == {"measured": 2, "cache_hits": 0, "fallbacks": 0}
+
+
+def test_repeated_signature_is_timed_once_and_cached_on_disk(tmp_path, monkeypatch):
+    """Same op and shapes: timed once per process; a fresh model reads the JSON cache."""
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, repeats=1, warmup=0)
+    first = model.compute_ms(COMPUTE_ATTRS, mm_node(32))
+    again = model.compute_ms(COMPUTE_ATTRS, mm_node(32))  # another node, same signature
+    assert again == first
+    assert model.stats["measured"] == 1 and model.stats["cache_hits"] == 1
+    assert (tmp_path / "measured_compute_ms.json").exists()
+
+    fresh = MeasuredCostModel("cpu", cache_dir=tmp_path)
+
+    def no_timing(node):
+        raise AssertionError(f"{node} was timed again despite the cache")
+
+    monkeypatch.setattr(fresh, "_time_node", no_timing)
+    assert fresh.compute_ms(COMPUTE_ATTRS, mm_node(32)) == first
+    assert fresh.stats == {"measured": 0, "cache_hits": 1, "fallbacks": 0}
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path / "env-cache"))
+    assert MeasuredCostModel("cpu").cache_path.parent == tmp_path / "env-cache"
+
+
+def test_index_inputs_are_valid_for_embedding(tmp_path):
+    """embedding(weight (10, 8), idx (4, 6)) runs: random indices stay below 10."""
+    node = traced_node(
+        lambda idx, weight: torch.nn.functional.embedding(idx, weight),
+        torch.zeros(4, 6, dtype=torch.long),
+        torch.empty(10, 8),
+        target=torch.ops.aten.embedding.default,
+    )
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, repeats=1, warmup=0)
+    assert model.compute_ms(COMPUTE_ATTRS, node) > 0
+    assert model.stats["measured"] == 1
+
+
+@pytest.mark.parametrize(
+    "fn, target",
+    [
+        (lambda x: torch.nn.functional.dropout(x, 0.5), torch.ops.aten.bernoulli_.float),  # random
+        (lambda x: x.t(), torch.ops.aten.t.default),  # view
+    ],
+    ids=["random", "view"],
+)
+def test_unsupported_ops_fall_back(tmp_path, fn, target):
+    node = traced_node(fn, torch.empty(8, 8), target=target)
+    fallback = AnalyticCostModel()
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, fallback=fallback)
+    assert model.compute_ms(COMPUTE_ATTRS, node) == fallback.compute_ms(COMPUTE_ATTRS, node)
+    assert model.stats == {"measured": 0, "cache_hits": 0, "fallbacks": 1}
+
+
+def test_op_that_raises_falls_back(tmp_path, monkeypatch):
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path)
+    monkeypatch.setattr(model, "_time_node", lambda node: 1 / 0)
+    assert model.compute_ms(COMPUTE_ATTRS, mm_node(8)) == AnalyticCostModel().compute_ms(COMPUTE_ATTRS)
+    assert model.stats["fallbacks"] == 1
+
+
+def test_collective_uses_fit_of_matching_group_size(tmp_path):
+    fit = {
+        "group_name": "0", "group_size": 2,
+        "all_gather": {"alpha_ms": 0.5, "beta_ms_per_byte": 1e-6},
+        "reduce_scatter": {"alpha_ms": 0.25, "beta_ms_per_byte": 2e-6},
+    }
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, collective_fit=fit)
+    assert model.collective_ms("all_gather", 1000, GroupInfo("other", 2)) == pytest.approx(0.501)
+    assert model.collective_ms("reduce_scatter", 1000, GroupInfo("0", 2)) == pytest.approx(0.252)
+    analytic = AnalyticCostModel()
+    g8 = GroupInfo("0", 8)
+    assert model.collective_ms("all_gather", 1000, g8) == analytic.collective_ms("all_gather", 1000, g8)
+
+
+def test_copy_ms_is_affine_and_grows(tmp_path):
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, repeats=1, warmup=0)
+    assert 0 <= model.copy_ms(0) < model.copy_ms(1 << 30)
+
+
+# --------------------------------------------------------------------------------------------
+# multi-process: bodies are module-level so that spawned ranks can unpickle them
+def _fit_body(rank: int, world_size: int) -> tuple[int, dict]:
+    return os.getpid(), fit_collectives(sizes=(1 << 10, 256 << 10, 2 << 20), repeats=3, warmup=1)
+
+
+def _hang_on_rank1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return os.getpid()
+
+
+def _raise_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+
+
+def _assert_no_children_left(pids: list[int] = ()) -> None:
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_fit_collectives_on_two_gloo_ranks_agrees():
+    """Also checks the harness: one result per rank, in rank order, from two child processes."""
+    pids, fits = zip(*run_multiprocess(_fit_body, 2, timeout_s=60))
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert fits[0] == fits[1]
+    for coll in ("all_gather", "reduce_scatter"):
+        assert fits[0][coll]["alpha_ms"] >= 0
+        assert fits[0][coll]["beta_ms_per_byte"] > 0
+    assert fits[0]["group_size"] == 2
+    _assert_no_children_left(pids)
+
+
+@pytest.mark.slow
+def test_harness_kills_hung_rank_and_names_it():
+    start = time.monotonic()
+    with pytest.raises(MultiprocessTimeout, match=r"rank\(s\) \[1\]") as info:
+        run_multiprocess(_hang_on_rank1, 2, timeout_s=10)
+    assert info.value.ranks == [1]
+    assert time.monotonic() - start < 10 + 10  # timeout + terminate/join grace
+    _assert_no_children_left()
+
+
+@pytest.mark.slow
+def test_harness_propagates_child_traceback():
+    with pytest.raises(ChildProcessFailed, match="(?s)rank 1 of 2 raised.*ValueError: boom from rank 1") as info:
+        run_multiprocess(_raise_on_rank1, 2, timeout_s=60)
+    assert info.value.rank == 1
+    _assert_no_children_left()
