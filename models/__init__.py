@@ -5,10 +5,10 @@ Step 1 of the fsdp-sched pipeline (see DESIGN.md): a LLaMA-3-style decoder famil
 (:mod:`models.fsdp`), and graph capture on a fake process group (:mod:`models.capture`).
 """
 
+from models.build import build_model, build_reference_model
 from models.capture import CapturedGraphs, capture_fsdp_graphs
 from models.fsdp import FSDPOptions
 from models.llama import PRESETS, LlamaConfig, list_presets
-from models.build import build_model, build_reference_model
 
 __all__ = [
     "CapturedGraphs",

@@ -59,7 +59,8 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> t
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, n_heads).float())
-    return out.to(q.dtype), lse
+    # same layout as the fake kernel (empty_like): compiled graphs view the output with its strides
+    return torch.empty_like(q).copy_(out), lse
 
 
 @flash_attn.register_fake
@@ -88,7 +89,7 @@ def flash_attn_backward(
         b, s, _, d = g.shape
         return g.view(b, s, n_kv, n_heads // n_kv, d).sum(3)
 
-    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+    return torch.empty_like(q).copy_(dq), torch.empty_like(k).copy_(fold(dk)), torch.empty_like(v).copy_(fold(dv))
 
 
 @flash_attn_backward.register_fake

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from models.capture import _split_options
 from models.fsdp import FSDPOptions, parallelize
-from models.llama import Transformer, get_config
+from models.llama import LlamaConfig, Transformer, get_config
+
+
+def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword options into (FSDPOptions fields, LlamaConfig overrides); TypeError if unknown."""
+    fsdp_fields = {f.name for f in dataclasses.fields(FSDPOptions)}
+    cfg_fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"name"}
+    unknown = set(options) - fsdp_fields - cfg_fields
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}; FSDP options: {sorted(fsdp_fields)}, "
+                        f"config fields: {sorted(cfg_fields)}")
+    return ({k: v for k, v in options.items() if k in fsdp_fields},
+            {k: v for k, v in options.items() if k in cfg_fields})
 
 
 def build_reference_model(name: str, *, device: str | torch.device = "cpu", seed: int = 0,
@@ -36,6 +48,6 @@ def build_model(name: str, *, mesh: DeviceMesh, device: str | torch.device = "cp
     pass ``param_dtype=None`` (fp32 compute; the default is bf16). Gradients are summed
     over data-parallel ranks (see :mod:`models.fsdp`).
     """
-    fsdp_kwargs, cfg_kwargs = _split_options(options)
+    fsdp_kwargs, cfg_kwargs = split_options(options)
     model = build_reference_model(name, device=device, seed=seed, n_layers=n_layers, **cfg_kwargs)
     return parallelize(model, mesh, FSDPOptions(**fsdp_kwargs))

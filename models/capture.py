@@ -30,7 +30,6 @@ saved forward value of the same name, and from there to a primal.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -38,11 +37,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import fx, nn
+from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_compiler
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from models.build import split_options
 from models.fsdp import FSDPOptions, make_mesh, parallelize
 from models.llama import LlamaConfig, Transformer, get_config
 
@@ -258,17 +258,6 @@ class _Annotator:
 # ---------------------------------------------------------------------------------------------
 
 
-def _split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    fsdp_fields = {f.name for f in dataclasses.fields(FSDPOptions)}
-    cfg_fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"name"}
-    unknown = set(options) - fsdp_fields - cfg_fields
-    if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)}; FSDP options: {sorted(fsdp_fields)}, "
-                        f"config fields: {sorted(cfg_fields)}")
-    return ({k: v for k, v in options.items() if k in fsdp_fields},
-            {k: v for k, v in options.items() if k in cfg_fields})
-
-
 def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = None,
                         **options: Any) -> CapturedGraphs:
     """Trace one FSDP training step of preset ``name`` on a fake group of ``world_size`` ranks.
@@ -281,7 +270,7 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
 
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
-    fsdp_kwargs, cfg_kwargs = _split_options(options)
+    fsdp_kwargs, cfg_kwargs = split_options(options)
     config = get_config(name, n_layers=n_layers, **cfg_kwargs)
     fsdp_options = FSDPOptions(**fsdp_kwargs)
     if world_size < 2:

@@ -550,7 +550,10 @@ def _solve_and_broadcast(solve_here, problem: Problem, budget: int | None, src: 
             payload[0] = {"infeasible": str(e), "budget": e.budget_bytes, "min_peak": e.min_peak_bytes}
         except Exception as e:  # every rank must learn that the solve failed, or they hang
             payload[0] = {"error": f"{type(e).__name__}: {e}"}
-    dist.broadcast_object_list(payload, src=src)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # compilers run under aot_autograd's fake mode: use real tensors
+        dist.broadcast_object_list(payload, src=src)
     data = payload[0]
     if "infeasible" in data:
         raise InfeasibleBudgetError(data["infeasible"], budget_bytes=data["budget"], min_peak_bytes=data["min_peak"])
@@ -631,8 +634,10 @@ def inductor_post_grad_pass(**options: Any):
     ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
     True here, so that inductor's own reordering keeps the chosen overlap. The pass wraps the
     ``fx.Graph`` it receives in its owning GraphModule (or a fresh one) and rewrites it in
-    place; reports are collected in the pass's ``reports`` list. Its ``uuid()`` hashes the
-    options, so inductor's FX graph cache distinguishes differently configured passes.
+    place; reports are collected in the pass's ``reports`` list. Its ``uuid()`` is built from
+    the options, so inductor's FX graph cache tells differently configured passes apart
+    (objects such as a cost model enter by ``repr``; give them a stable one to get cache hits
+    across processes).
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
 

@@ -3,10 +3,12 @@
 torch's scheduler (``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``)
 is the anchor our schedules must beat (DESIGN.md). What it does, in order:
 
-1. Pre-bucketing (``pre_bucketing_fsdp_collectives=True``, default): ``fsdp.pre_bucket_fsdp_collectives``
-   merges FSDP all-gathers (and reduce-scatters) that are adjacent in the graph into buckets of
-   a bandwidth-saturating size (about 61 MB for 8 ranks, from the NCCL model; cap with
-   ``pre_bucketing_fsdp_collectives_bucket_cap_mb``).
+1. Pre-bucketing (``pre_bucketing_fsdp_collectives=True``, default):
+   ``fsdp.pre_bucket_fsdp_collectives`` finds the FSDP process groups structurally and merges
+   their all-gathers, reduce-scatters and all-reduces into buckets up to a bandwidth-saturating
+   cap (``compute_pre_bucket_cap_mb`` from the NCCL model: 89.6 MB for 8 ranks on the default
+   cluster; override with ``pre_bucketing_fsdp_collectives_bucket_cap_mb``). This step has no
+   memory limit.
 2. Overlap scheduling (``OverlapScheduler``): a greedy list scheduler that keeps the compute
    order as traced and moves collectives: each collective is started as early as its inputs,
    the in-flight limit (``max_in_flight_gb``, default 5), the prefetch count limit
@@ -16,9 +18,10 @@ is the anchor our schedules must beat (DESIGN.md). What it does, in order:
    roofline from FLOPs and bytes; "benchmark": runs the op on a GPU), scaled by
    ``compute_overlap_multipler``; collective time from ``collective_estimator`` ("analytical":
    NCCL tuning model of ``comm_analysis``; "benchmark": CUDA events).
-   Memory limit: the original peak (``memory_estimator``) plus
-   ``min(max_memory_increase_gb, max_memory_increase_ratio * peak)``; ``None`` drops a limit,
-   at least one must be set.
+   Memory limit: the original peak (``memory_estimator.MemoryTracker``) plus
+   ``max(max_memory_increase_gb, max_memory_increase_ratio * peak)`` (the code takes the
+   larger allowance, although torch's docstring says the smaller); ``None`` drops one term,
+   at least one must be set. Only prefetches are checked against it.
 3. Bucketing after scheduling (``collective_bucketing=True``): collectives whose overlap
    windows allow it are merged with ``bucketing.merge_all_gather_bucket`` /
    ``merge_reduce_scatter_bucket`` (``max_off_bucket_gb`` caps the bytes a bucket may add
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -79,10 +83,10 @@ def torch_overlap_schedule(
         gm: a partitioned forward or backward graph with FakeTensor ``meta['val']`` and
             functional collectives (as from ``models.capture_fsdp_graphs`` or ``make_fx``).
         cluster: hardware the estimators describe.
-        max_memory_increase_gb: the scheduler may raise the graph's peak memory by at most this
-            many GB (torch default 1.0; None: no absolute limit).
-        max_memory_increase_ratio: ... and by at most this fraction of the original peak
-            (torch default 0.05; None: no ratio limit). The tighter of the two applies.
+        max_memory_increase_gb: prefetching may raise the graph's peak memory (as torch's
+            estimator sees it) by this many GB (torch default 1.0; None: no absolute term).
+        max_memory_increase_ratio: ... or by this fraction of the original peak (torch default
+            0.05; None: no ratio term). torch allows the larger of the two.
         **kw: any other keyword of ``schedule_overlap_bucketing`` (``max_in_flight_gb``,
             ``max_compute_pre_fetch``, ``max_coll_distance``, ``compute_overlap_multipler``,
             ``pre_bucketing_fsdp_collectives``, ``bucket_mode``, ...); they override the
@@ -288,7 +292,9 @@ def _cpu_estimator_patches(cluster: "Cluster") -> Iterator[None]:
     - roofline: ``torch.utils._runtime_estimation.get_gpu_dram_gbps`` / ``get_device_tflops``
       (bf16/fp16 -> tensor-core peak, anything else the fp32 peak);
     - NCCL model: ``config.intra_node_bw`` / ``inter_node_bw`` from the cluster,
-      ``comm_analysis.get_gpu_type`` from the GPU preset, ``_has_nvlink`` True.
+      ``comm_analysis.get_gpu_type`` from the GPU preset, ``_has_nvlink`` True;
+    - memory: the scheduler's ``MemoryTracker`` counts tensors on every device (its default
+      skips CPU tensors, so a graph traced on CPU would look like it uses no memory).
     torch assumes 8 GPUs per node without CUDA; a cluster with another figure is warned about.
     """
     from unittest import mock
@@ -296,6 +302,8 @@ def _cpu_estimator_patches(cluster: "Cluster") -> Iterator[None]:
     import torch
     import torch.utils._runtime_estimation as rte
     from torch._inductor import comm_analysis, config
+    from torch._inductor.fx_passes import overlap_scheduling
+    from torch._inductor.fx_passes.memory_estimator import MemoryTracker
 
     gpu = cluster.gpu_spec
     generation = getattr(comm_analysis.NVIDIA_GPU_TYPE, _GPU_GENERATION.get(gpu.name, "HOPPER"))
@@ -314,4 +322,9 @@ def _cpu_estimator_patches(cluster: "Cluster") -> Iterator[None]:
         stack.enter_context(mock.patch.object(comm_analysis, "get_gpu_type", lambda: generation))
         stack.enter_context(mock.patch.object(comm_analysis, "_has_nvlink", lambda: True))
         stack.enter_context(config.patch(intra_node_bw=cluster.intra_node_gbps, inter_node_bw=cluster.inter_node_gbps))
+        stack.enter_context(
+            mock.patch.object(
+                overlap_scheduling, "MemoryTracker", functools.partial(MemoryTracker, device_filter=lambda d: True)
+            )
+        )
         yield

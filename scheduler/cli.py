@@ -460,19 +460,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(json.dumps({"dag_hash": key, "solver": args.solver, "points": rows, "pareto_png": str(png),
                           "baselines": {k: v.summary() for k, v in baselines.items()}}))
         return 0
-    head = f"{'budget':>12}{'status':>12}{'step':>12}{'exposed comm':>14}{'peak':>13}{'#coll':>7}{'solve':>9}{'gap':>7}"
+    head = f"{'budget':>14}{'status':>12}{'step':>12}{'exposed comm':>14}{'peak':>13}{'#coll':>7}{'solve':>9}{'gap':>7}"
     print(head)
     print("-" * len(head))
     for r in rows:
         if r["step_ms"] is None:
-            print(f"{fmt_bytes(r['budget_bytes']):>12}{r['status']:>12}  min peak found {fmt_bytes(r['peak_bytes'])}"
-                  if r["peak_bytes"] else f"{fmt_bytes(r['budget_bytes']):>12}{r['status']:>12}")
+            print(f"{fmt_bytes(r['budget_bytes']):>14}{r['status']:>12}  min peak found {fmt_bytes(r['peak_bytes'])}"
+                  if r["peak_bytes"] else f"{fmt_bytes(r['budget_bytes']):>14}{r['status']:>12}")
             continue
-        print(f"{fmt_bytes(r['budget_bytes']):>12}{r['status']:>12}{fmt_ms(r['step_ms']):>12}"
+        print(f"{fmt_bytes(r['budget_bytes']):>14}{r['status']:>12}{fmt_ms(r['step_ms']):>12}"
               f"{fmt_ms(r['exposed_comm_ms']):>14}{fmt_bytes(r['peak_bytes']):>13}{r['n_collectives']:>7}"
               f"{r['solve_time_s']:>8.2f}s{r['gap']:>7.1%}")
     for name, s in baselines.items():
-        print(f"{'(' + name + ')':>12}{'':>12}{fmt_ms(s.step_ms):>12}{fmt_ms(s.exposed_comm_ms):>14}"
+        print(f"{'(' + name + ')':>14}{'':>12}{fmt_ms(s.step_ms):>12}{fmt_ms(s.exposed_comm_ms):>14}"
               f"{fmt_bytes(s.peak_bytes):>13}{s.n_collectives:>7}")
     print(f"Pareto plot: {png}; results: {db_path}")
     return 0

@@ -14,11 +14,12 @@ Ops that cannot be timed in isolation fall back to another model (default:
 :class:`~scheduler.costs.AnalyticCostModel`): random ops, collectives, views, ops on opaque
 script objects or symbolic shapes, ops larger than ``max_op_bytes``, and ops that raise.
 
-Multi-rank use: schedules must be identical on every rank, but timings differ between
-processes. :meth:`MeasuredCostModel.from_live_group` therefore makes rank 0 of the group the
-only one that times compute ops; every other rank receives rank 0's value. Every rank must then
-call ``compute_ms`` in the same order (as :func:`scheduler.costs.annotate_costs` does on the
-identical graph), since each call is one broadcast.
+Multi-rank use: the collective fit is identical on every rank (broadcast from rank 0), but
+compute timings are taken by each process and differ slightly. Schedules must be identical on
+every rank, so solve on one rank and broadcast the schedule
+(``optimize_schedule(..., broadcast_from=0)``, also an option of ``scheduler.backend``).
+Per-op collectives inside a compiler were tried for this and hung in gloo; one broadcast per
+graph is also far cheaper.
 """
 
 from __future__ import annotations
@@ -79,8 +80,6 @@ class MeasuredCostModel:
         collective_fit: result(s) of :func:`fit_collectives`; a collective on a group of the
             fitted size uses ``alpha_ms + beta_ms_per_byte * payload_bytes``. Others fall back.
         fallback: model for everything not measured (default: ``AnalyticCostModel()``).
-        sync_group: a process group whose rank 0 times compute ops and broadcasts the result
-            (see the module docstring); None times locally.
     """
 
     name = "measured"
@@ -96,7 +95,6 @@ class MeasuredCostModel:
         max_op_bytes: int = 2 << 30,
         collective_fit: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         fallback: CostModel | None = None,
-        sync_group: Any = None,
     ):
         if repeats < 1 or warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -115,7 +113,6 @@ class MeasuredCostModel:
         else:
             self.collective_fits = list(collective_fit)
         self.fallback = fallback or AnalyticCostModel()
-        self.sync_group = sync_group
         self.device_name = _device_name(self.device)
         #: counters: ops timed, cache hits, fallbacks
         self.stats = {"measured": 0, "cache_hits": 0, "fallbacks": 0}
@@ -132,34 +129,19 @@ class MeasuredCostModel:
         *,
         sizes: Sequence[int] = DEFAULT_COLLECTIVE_SIZES,
         collective_repeats: int = 5,
-        sync_compute: bool = True,
         **kwargs: Any,
     ) -> "MeasuredCostModel":
         """Fit collectives on ``group`` (default: the world) and build the model.
 
-        Every rank of the group must call it together. The copy cost is fitted on rank 0 and
-        broadcast as well, so that all ranks hold identical costs. ``sync_compute`` (default
-        True) makes rank 0 the only timer of compute ops (see the module docstring).
+        Every rank of the group must call it together; ``kwargs`` go to the constructor.
         """
-        import torch.distributed as dist
-
-        group = group or dist.group.WORLD
-        fit = fit_collectives(group, sizes=sizes, repeats=collective_repeats)
-        model = cls(collective_fit=fit, sync_group=group if sync_compute else None, **kwargs)
-        copy_fit = model._fit_copy() if dist.get_rank(group) == 0 else None
-        model._copy_fit = tuple(_broadcast_from_rank0(copy_fit, group))
-        return model
+        return cls(collective_fit=fit_collectives(group, sizes=sizes, repeats=collective_repeats), **kwargs)
 
     # ------------------------------------------------------------------ CostModel protocol
     def compute_ms(self, attrs: Mapping[str, Any], fx_node: "torch.fx.Node | None" = None) -> float:
         """Median time of the node's op on :attr:`device`, in ms (cached), else the fallback's."""
         with _real_tensors():
-            if self.sync_group is None:
-                return self._compute_ms_local(attrs, fx_node)
-            import torch.distributed as dist
-
-            value = self._compute_ms_local(attrs, fx_node) if dist.get_rank(self.sync_group) == 0 else None
-            return _broadcast_from_rank0(value, self.sync_group)
+            return self._compute_ms_local(attrs, fx_node)
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
         """``alpha + beta * payload`` from a fit on a group of ``group.size`` ranks (the same

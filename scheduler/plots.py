@@ -21,7 +21,7 @@ from solvers.problem import Problem
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: colour of collectives / buckets outside the repeated layers (embeddings, final norm, output)
 _OTHER_COLOUR = "#7f7f7f"
-_COMPUTE_COLOUR = "#4c72b0"
+_COMPUTE_COLOUR = "#a6b8d4"
 
 
 def layer_of(fqns: Sequence[str]) -> int | None:
@@ -49,9 +49,11 @@ def _save(fig: Figure, path: str | Path) -> Path:
 def _layer_colours(n_layers: int):
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10" if n_layers <= 10 else "viridis"]
-    if n_layers <= 10:
-        return lambda i: cmap(i % 10)
+    if n_layers <= 8:  # tab10 without red (blocked time) and grey (other parameters)
+        tab10 = colormaps["tab10"]
+        palette = [tab10(i) for i in (0, 1, 2, 4, 5, 6, 8, 9)]
+        return lambda i: palette[i]
+    cmap = colormaps["viridis"]
     return lambda i: cmap(i / max(n_layers - 1, 1))
 
 
@@ -59,8 +61,9 @@ def gantt(sim: SimResult, problem: Problem, path: str | Path, *, title: str | No
     """Gantt chart of one simulated schedule.
 
     Rows: the compute stream (nodes, with the time blocked in waits drawn in red), then one
-    row per communication stream (process group). Buckets are coloured by the decoder layer
-    of their members (``layers.N.`` in the parameter FQNs); grey for other parameters.
+    row per communication stream (process group). Buckets are coloured by the first decoder
+    layer of their members (``layers.N.`` in the parameter FQNs; grey for other parameters)
+    and labelled with their member count and, when they span layers, the layer range.
 
     Args:
         sim: :func:`scheduler.simulator.simulate` result (its ``schedule`` names the buckets).
@@ -70,7 +73,7 @@ def gantt(sim: SimResult, problem: Problem, path: str | Path, *, title: str | No
     """
     schedule = sim.schedule
     groups: list[str] = []
-    bars: list[tuple[str, float, float, int | None, int]] = []  # group, start, end, layer, n members
+    bars: list[tuple[str, float, float, int | None, str]] = []  # group, start, end, layer, label
     for b, (_issue, start, end, _done) in sorted(sim.bucket_times.items()):
         members = schedule.buckets[b].members if schedule is not None else ()
         colls = [problem.colls[m] for m in members if m in problem.colls]
@@ -78,7 +81,11 @@ def gantt(sim: SimResult, problem: Problem, path: str | Path, *, title: str | No
         if group not in groups:
             groups.append(group)
         fqns = [f for c in colls for f in c.fqns]
-        bars.append((group, start, end, layer_of(fqns), len(members)))
+        span = sorted({lay for f in fqns if (lay := layer_of([f])) is not None})
+        label = f"x{len(members)}" if len(members) > 1 else ""
+        if len(span) > 1:  # coloured by its first layer; say which layers it spans
+            label += f" L{span[0]}-{span[-1]}"
+        bars.append((group, start, end, layer_of(fqns), label.strip()))
     layers = sorted({lay for *_, lay, _n in bars if lay is not None})
     colour = _layer_colours(len(layers))
     layer_colour = {lay: colour(i) for i, lay in enumerate(layers)}
@@ -100,11 +107,11 @@ def gantt(sim: SimResult, problem: Problem, path: str | Path, *, title: str | No
         gaps.append((t, sim.step_ms - t))
     if gaps:
         ax.broken_barh(gaps, (y["compute"] - h / 2, h), facecolors="#d62728", alpha=0.8)
-    for group, s, e, lay, n in bars:
+    for group, s, e, lay, label in bars:
         fc = layer_colour.get(lay, _OTHER_COLOUR) if lay is not None else _OTHER_COLOUR
         ax.broken_barh([(s, e - s)], (y[group] - h / 2, h), facecolors=fc, edgecolors="black", linewidth=0.4)
-        if n > 1 and (e - s) > 0.04 * max(sim.step_ms, 1e-9):
-            ax.text((s + e) / 2, y[group], f"x{n}", ha="center", va="center", fontsize=7)
+        if label and (e - s) > 0.04 * max(sim.step_ms, 1e-9):
+            ax.text((s + e) / 2, y[group], label, ha="center", va="center", fontsize=7)
     ax.set_yticks([y[r] for r in rows], rows)
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, max(sim.step_ms, 1e-6) * 1.01)

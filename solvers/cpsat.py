@@ -3,13 +3,13 @@
 Compute order is fixed (as traced). Decisions are taken at *anchors*: a subset of gaps of the
 compute sequence (gap 0, the end, every collective's ready / needed / traced positions, and the
 gap before every FLOP-carrying node). Between two anchors lies a *segment* of compute whose
-duration is fixed. Times are integers in microseconds, memory in KiB.
+duration is fixed. Times are integers in microseconds, memory in bytes.
 
 Sets and data
     a = 0..m         anchors (gap g_a), segment a = seq[g_a : g_{a+1}] lasting seg_a
     chains           per bucket key (type, group, dtype, reduce op), members k in need order
     d_k              beta * payload_k of member k (us); alpha_c the per-collective latency
-    out_k, pay_k, grad_k   output / input / unreduced-gradient bytes (KiB)
+    out_k, pay_k, grad_k   output / input / unreduced-gradient bytes
     [lo_k, hi_k]     issue window of k in anchors; reduce-scatters also a wait window
 
 Variables
@@ -43,7 +43,8 @@ Constraints (each group is one function)
     (7) memory            for every anchor a:
                           base_a + sum_AG out_k y_{k,a}
                                  + sum_RS [grad_k (1 - y_{k,a}) + pay_k (y_{k,a} - z_{k,a}) + out_k y_{k,a}]
-                          <= budget and <= P (peak) -> :func:`_add_memory`
+                                 + sum_RS grad_k e_{k,a}   (e = issued at a and merged: copy-in)
+                          <= P (peak) <= budget -> :func:`_add_memory`
                           base_a is the traced run's simulated memory minus these terms at the
                           traced positions, so the model shares the simulator's memory model.
 
@@ -79,7 +80,9 @@ from solvers.schedule import (
 logger = logging.getLogger(__name__)
 
 _US_PER_MS = 1000.0
-_KIB = 1024
+#: memory unit of the model (bytes): exact, so that the model and the simulator agree to the
+#: byte on schedules without merge transients (sums stay far below CP-SAT's int64 range)
+_KIB = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,9 +91,9 @@ class CpSatConfig:
 
     #: how many anchors before its first use an all-gather may be issued (and how far after
     #: its gradient a reduce-scatter may be issued); about two transformer blocks by default
-    window_anchors: int = 24
+    window_anchors: int = 64
     #: how many anchors after its issue a reduce-scatter may be waited
-    wait_window_anchors: int = 24
+    wait_window_anchors: int = 32
     #: largest bucket payload in bytes (None: no cap beyond the windows)
     max_bucket_bytes: int | None = None
     #: run the second phase (peak memory, then fewer collectives, at the optimal step time)
@@ -424,9 +427,12 @@ class _CpSatModel:
         nodes_seen = 0
         for step, live in zip(traced.steps, sim.step_live_bytes):
             seg = A.at_or_before(nodes_seen)
-            if step.kind == "node":
-                nodes_seen += 1
-            seg_live[seg] = max(seg_live[seg], -(-live // _KIB))
+            if step.kind != "node":
+                continue  # issue / wait instants are transients, priced by their own terms
+            nodes_seen += 1
+            seg_live[seg] = max(seg_live[seg], live // _KIB)
+        # the end anchor runs no node: what is live there is at most what the last node saw
+        seg_live[A.m] = seg_live[A.m - 1] if A.m else seg_live[0]
         terms: dict[int, list] = defaultdict(list)
         traced_dep = [0] * (A.m + 1)
         for chain in self.chains:
@@ -448,6 +454,22 @@ class _CpSatModel:
                             mem.grad_kib * (ti > a) + mem.pay_kib * ((ti <= a) - (tw <= a)) + mem.out_kib * (ti <= a)
                         )
         self.base_kib = [max(0, seg_live[a] - traced_dep[a]) for a in range(A.m + 1)]
+        # merge transient of reduce-scatters: while a merged bucket copies in at its issue
+        # anchor, the members' gradients and the new bucket buffer are alive together
+        transient: dict[int, list] = defaultdict(list)
+        for chain in self.chains:
+            for mem in chain:
+                if mem.coll_type != "reduce_scatter" or mem.grad_kib == 0:
+                    continue
+                y = self.y[mem.name]
+                for a in range(mem.lo, mem.hi + 1):
+                    e = m.NewBoolVar(f"e_{mem.name}_{a}")  # issued at a, merged
+                    at_a = [y[a]] if a == mem.lo else [y[a], y[a - 1].Not()]
+                    if isinstance(at_a[0], int):
+                        at_a = at_a[1:]
+                    m.AddBoolAnd(at_a + [self.mrg[mem.name]]).OnlyEnforceIf(e)
+                    m.AddBoolOr([lit.Not() for lit in at_a] + [self.mrg[mem.name].Not(), e])
+                    transient[a].append(mem.grad_kib * e)
         ub = max(seg_live) * 4 + sum(
             mem.out_kib + mem.pay_kib + mem.grad_kib for chain in self.chains for mem in chain
         )
@@ -456,7 +478,7 @@ class _CpSatModel:
         for a in range(A.m + 1):
             expr = self.base_kib[a] + sum(terms[a])
             self.mem_expr[a] = expr
-            m.Add(self.P >= expr)
+            m.Add(self.P >= expr + sum(transient[a]))
         if self.budget_kib is not None:
             m.Add(self.P <= self.budget_kib)
 
@@ -479,6 +501,38 @@ class _CpSatModel:
                 self.model.AddHint(self.I[n], min(mem.hi, max(mem.lo, A.at_or_before(issue[b]))))
                 if n in self.W:
                     self.model.AddHint(self.W[n], min(mem.whi, max(mem.wlo, A.at_or_before(wait[b]))))
+
+    def hint_values(self, schedule: Schedule) -> dict[int, int]:
+        """Decision variable values (by index) of ``schedule`` snapped into the model."""
+        A = self.anchors
+        bucket_of = schedule.bucket_of()
+        issue, wait = schedule.positions()
+        vals: dict[int, int] = {}
+        for chain in self.chains:
+            prev_b = None
+            for mem in chain:
+                n = mem.name
+                b = bucket_of[n]
+                vals[self.brk[n].Index()] = int(b != prev_b) if prev_b is not None else 1
+                prev_b = b
+                vals[self.I[n].Index()] = min(mem.hi, max(mem.lo, A.at_or_before(issue[b])))
+                if n in self.W:
+                    vals[self.W[n].Index()] = min(mem.whi, max(mem.wlo, A.at_or_before(wait[b])))
+        return vals
+
+    def complete(self, schedule: Schedule, limit_s: float, seed: int, num_workers: int) -> list[int] | None:
+        """A full solution of the model (every variable) that takes ``schedule``'s decisions, or
+        None when they do not fit the model (windows, budget)."""
+        sub = self.model.clone()
+        sub.clear_hints()
+        for idx, val in self.hint_values(schedule).items():
+            sub.add(sub.get_int_var_from_proto_index(idx) == val)
+        solver = _make_solver(limit_s, seed, num_workers, self.cfg)
+        status = solver.Solve(sub)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return list(solver.ResponseProto().solution)
+        logger.debug("warm start does not fit the model: %s", _STATUS_NAMES.get(status))
+        return None
 
     def decision_vars(self, name: str) -> list:
         vs = [self.brk[name], self.I[name]]
@@ -605,7 +659,7 @@ def solve_cpsat(
             sched, SolveStatus.OPTIMAL, "cpsat", sim.step_ms, sim.step_ms, time.perf_counter() - t0, sim.peak_bytes,
             ("no movable collectives: traced order kept",),
         )
-    warm = _best_warm_start(problem, hint, mem_budget_bytes, time_limit_s, seed)
+    warm = _best_warm_start(problem, hint, mem_budget_bytes, time_limit_s, seed, cfg)
     start_hint = warm.schedule if warm is not None else problem.traced_schedule()
     budget = mem_budget_bytes
     notes: list[str] = []
@@ -616,12 +670,18 @@ def solve_cpsat(
         budget_kib = None if budget is None else budget // _KIB
         t_build = time.perf_counter()
         built = _CpSatModel(problem, cfg, budget_kib)
-        built.add_hint(start_hint)
+        built.model.Minimize(built.U[built.anchors.m])
         build_s = time.perf_counter() - t_build
         full = n_members <= cfg.full_model_max_members
-        phase1 = remaining * (cfg.primary_share if full else cfg.lns_initial_share)
+        # a complete, feasible starting point: the warm start's decisions with the model's times
+        start_values = built.complete(start_hint, max(0.5, remaining * 0.1), seed, num_workers)
+        if start_values is not None:
+            for idx, val in enumerate(start_values):
+                built.model.add_hint(built.model.get_int_var_from_proto_index(idx), val)
+        else:
+            built.add_hint(start_hint)
+        phase1 = max(0.5, deadline - time.perf_counter()) * (cfg.primary_share if full else cfg.lns_initial_share)
         solver = _make_solver(phase1, seed, num_workers, cfg)
-        built.model.Minimize(built.U[built.anchors.m])
         status = solver.Solve(built.model)
         logger.info(
             "cpsat round %d (%s, %d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
@@ -634,6 +694,23 @@ def solve_cpsat(
             solver.WallTime(),
             build_s,
         )
+        if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN) and warm is not None:
+            # the model restricts positions to anchors and prices memory conservatively, so its
+            # infeasibility proves nothing while a heuristic schedule fits: return that
+            sim = simulate(problem.dag, warm.schedule, problem=problem)
+            notes.append(
+                f"model {_STATUS_NAMES.get(status)} under the budget; returned the best warm start ({warm.solver})"
+            )
+            return SolveResult(
+                schedule=warm.schedule,
+                status=SolveStatus.FEASIBLE,
+                solver="cpsat",
+                objective_ms=sim.step_ms,
+                best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
+                solve_time_s=time.perf_counter() - t0,
+                peak_bytes=sim.peak_bytes,
+                notes=tuple(notes),
+            )
         if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
             if budget is None:
                 raise ScheduleError(f"CP-SAT found no schedule ({_STATUS_NAMES.get(status)}) within {phase1:.1f} s")
@@ -661,8 +738,8 @@ def solve_cpsat(
                     if sim2.step_ms <= sim.step_ms + 1e-9:
                         schedule, sim = sched2, sim2
         else:
-            values = {v.Index(): solver.Value(v) for n in built.brk for v in built.decision_vars(n)}
-            schedule, sim, sweeps = _window_search(built, values, schedule, sim, deadline, seed, num_workers, mem_budget_bytes)
+            full_values = list(solver.ResponseProto().solution)
+            schedule, sim, sweeps = _window_search(built, full_values, schedule, sim, deadline, seed, num_workers, mem_budget_bytes)
             notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
         if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
             notes.append(
@@ -697,17 +774,33 @@ def solve_cpsat(
         start_hint = schedule
         if deadline - time.perf_counter() <= 0.5 or budget <= 0:
             break
+    if warm is not None:
+        # the model's memory terms could not be repaired to the simulator's in time (merge
+        # transients): the best heuristic that fits is the answer, and says so
+        sim = simulate(problem.dag, warm.schedule, problem=problem)
+        notes.append(f"memory repair did not converge; returned the best warm start ({warm.solver})")
+        return SolveResult(
+            schedule=warm.schedule,
+            status=SolveStatus.FEASIBLE,
+            solver="cpsat",
+            objective_ms=sim.step_ms,
+            best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
+            solve_time_s=time.perf_counter() - t0,
+            peak_bytes=sim.peak_bytes,
+            notes=tuple(notes),
+        )
     raise InfeasibleBudgetError(
         f"CP-SAT schedules kept exceeding the memory budget in simulation after {cfg.memory_repair_rounds} "
-        "repair rounds; raise mem_budget or the time limit",
+        "repair rounds and no heuristic fits; raise mem_budget or the time limit",
         budget_bytes=mem_budget_bytes or 0,
         min_peak_bytes=None,
     )
 
 
-def _best_warm_start(problem: Problem, hint: Schedule | None, budget: int | None, time_limit_s: float, seed: int):
+def _best_warm_start(problem: Problem, hint: Schedule | None, budget: int | None, time_limit_s: float, seed: int,
+                     cfg: CpSatConfig):
     """The best (simulated) schedule among the user's hint and the registered heuristics that
-    fit the budget; None when none fits."""
+    fit the budget and the bucket cap; None when none fits."""
     from scheduler.simulator import simulate
     from solvers import heuristics
     from solvers.dispatch import _SOLVERS
@@ -724,6 +817,11 @@ def _best_warm_start(problem: Problem, hint: Schedule | None, budget: int | None
             continue
         if budget is not None and r.peak_bytes > budget:
             continue
+        if cfg.max_bucket_bytes is not None and any(
+            len(b.members) > 1 and sum(problem.colls[m].payload_bytes for m in b.members) > cfg.max_bucket_bytes
+            for b in r.schedule.buckets
+        ):
+            continue
         if best is None or r.objective_ms < best.objective_ms:
             best = r
     if best is not None:
@@ -731,9 +829,11 @@ def _best_warm_start(problem: Problem, hint: Schedule | None, budget: int | None
     return best
 
 
-def _window_search(built: _CpSatModel, values: dict[int, int], schedule: Schedule, sim, deadline: float,
+def _window_search(built: _CpSatModel, values: list[int], schedule: Schedule, sim, deadline: float,
                    seed: int, num_workers: int, budget_bytes: int | None):
-    """Rolling-window neighbourhood search (see :func:`solve_cpsat`). Returns the best
+    """Rolling-window neighbourhood search (see :func:`solve_cpsat`). ``values`` is a complete
+    solution of ``built.model`` (every variable, by index): each window's sub-model is hinted
+    with all of it, so it starts from a feasible point and can only improve. Returns the best
     schedule, its simulation and the number of sweeps."""
     from scheduler.simulator import simulate
 
@@ -742,6 +842,7 @@ def _window_search(built: _CpSatModel, values: dict[int, int], schedule: Schedul
     k = cfg.lns_window_members
     stride = max(1, k // 2)
     starts = list(range(0, max(1, len(order) - k + stride), stride))
+    decision_idx = {n: [v.Index() for v in built.decision_vars(n)] for n in built.brk}
     sweeps = 0
     for sweep in range(cfg.lns_max_sweeps):
         improved = False
@@ -755,13 +856,12 @@ def _window_search(built: _CpSatModel, values: dict[int, int], schedule: Schedul
             free = set(order[s0 : s0 + k])
             sub = built.model.clone()
             sub.clear_hints()
-            for name in built.brk:
-                for v in built.decision_vars(name):
-                    sv = sub.get_int_var_from_proto_index(v.Index())
-                    if name in free:
-                        sub.add_hint(sv, values[v.Index()])
-                    else:
-                        sub.add(sv == values[v.Index()])
+            for idx, val in enumerate(values):
+                sub.add_hint(sub.get_int_var_from_proto_index(idx), val)
+            for name, idxs in decision_idx.items():
+                if name not in free:
+                    for idx in idxs:
+                        sub.add(sub.get_int_var_from_proto_index(idx) == values[idx])
             solver = _make_solver(limit, seed, num_workers, cfg)
             status = solver.Solve(sub)
             logger.debug(
@@ -774,9 +874,12 @@ def _window_search(built: _CpSatModel, values: dict[int, int], schedule: Schedul
             cand = built.extract(solver)
             csim = simulate(p.dag, cand, problem=p)
             fits = budget_bytes is None or csim.peak_bytes <= budget_bytes
-            if fits and (csim.step_ms < sim.step_ms - 1e-6 or (abs(csim.step_ms - sim.step_ms) <= 1e-6 and csim.peak_bytes < sim.peak_bytes)):
+            better = csim.step_ms < sim.step_ms - 1e-6 or (
+                abs(csim.step_ms - sim.step_ms) <= 1e-6 and csim.peak_bytes < sim.peak_bytes
+            )
+            if fits and better:
                 schedule, sim = cand, csim
-                values = {v.Index(): solver.Value(v) for n in built.brk for v in built.decision_vars(n)}
+                values = list(solver.ResponseProto().solution)
                 improved = True
         logger.info("cpsat window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)
         if not improved:

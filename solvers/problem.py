@@ -259,15 +259,30 @@ class Problem:
             # any all-gather on it remains (reduce-scatters are needed only at the end)
             tail = min(prefix[self.n] - prefix[c.needed] for c in cs)
             bounds.append(start + busy + tail)
-        for key, names in self.chains.items():
-            if key[0] != "all_gather":
+        # exposed first all-gather: nothing from its first use on can start before it is done;
+        # that delay D also postpones every later gradient, so each reduce-scatter ends at least
+        # at (its gradient's time + D + its own transfer)
+        delay, first_need = 0.0, self.n
+        ags = [c for c in self.colls.values() if c.coll_type == "all_gather"]
+        if ags:
+            c = min(ags, key=lambda c: (c.needed, c.ready))
+            first_need = c.needed
+            delay = max(0.0, prefix[c.ready] + self._alone_ms(c) - prefix[c.needed])
+            bounds.append(total + delay)
+        for c in self.colls.values():
+            if c.coll_type != "reduce_scatter":
                 continue
-            c = self.colls[names[0]]
-            m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
-            alone = c.runtime_ms if m is None else min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
-            first_done = prefix[c.ready] + alone
-            bounds.append(max(prefix[c.needed], first_done) + (prefix[self.n] - prefix[c.needed]))
+            shift = delay if c.ready >= first_need else 0.0
+            bounds.append(prefix[c.ready] + shift + self._alone_ms(c) + c.epilogue_ms + (prefix[self.n] - prefix[c.needed]))
         return max(bounds)
+
+    def _alone_ms(self, c: Collective) -> float:
+        """Least time collective ``c`` can take: alone, or its share ``beta * payload`` plus one
+        ``alpha`` of a bucket (a bucket finishes no earlier than that)."""
+        m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
+        if m is None or not c.movable:
+            return c.runtime_ms
+        return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
 
 
 def _readers(dag: nx.DiGraph, name: str) -> list[str]:

@@ -110,8 +110,11 @@ class Schedule:
     ) -> "Schedule":
         """Build a schedule from gap positions (see module docstring).
 
-        Inside a gap, issues come first (in bucket order), then waits (in bucket order): issuing
-        before blocking on a wait lets the communication stream start as early as possible.
+        Inside a gap: first the waits of buckets issued in earlier gaps, then the issues, then
+        the waits of buckets issued in this gap (each in bucket order). Waiting first frees
+        reduce-scatter inputs before new buckets allocate; on one FIFO stream it costs no
+        communication time, since the waited bucket finishes before a newly issued one could
+        start anyway.
         """
         n = len(seq)
         if not (len(buckets) == len(issue_at) == len(wait_at)):
@@ -125,8 +128,10 @@ class Schedule:
             per_gap_wait[w].append(b)
         steps: list[Step] = []
         for p in range(n + 1):
+            issued_here = set(per_gap_issue[p])
+            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b not in issued_here)
             steps.extend(Step("issue", b) for b in per_gap_issue[p])
-            steps.extend(Step("wait", b) for b in per_gap_wait[p])
+            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b in issued_here)
             if p < n:
                 steps.append(Step("node", seq[p]))
         return Schedule(tuple(buckets), tuple(steps))

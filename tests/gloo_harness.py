@@ -22,7 +22,9 @@ import logging
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -105,6 +107,7 @@ def run_multiprocess(
     ]
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    restore_sigterm = _raise_on_sigterm()
     try:
         for p in procs:
             p.start()
@@ -130,7 +133,21 @@ def run_multiprocess(
         _stop(procs)
         results_q.close()
         results_q.join_thread()
+        restore_sigterm()
     return [results[r] for r in range(world_size)]
+
+
+def _raise_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM (e.g. from ``timeout``) raise SystemExit in the parent, so that the cleanup
+    in ``finally`` still stops the children; returns the function restoring the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _check_dead(procs: list[Any], results: dict[int, Any], dead_since: dict[int, float]) -> None:

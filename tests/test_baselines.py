@@ -176,3 +176,26 @@ def test_torch_raw_estimate_double_counts_at_waits(traced):
             assert raw[after_alloc] == corrected[after_alloc]
     assert waits == 5
     assert max(raw) >= max(corrected)
+
+
+def test_collective_input_held_until_wait_is_the_only_difference(group_name):
+    """With compute between a collective and its wait, our model keeps the collective's input
+    (the bf16 cast of the shard) until the wait, torch frees it after the collective::
+
+        primals_1 -> _to_copy -> AG ............ wait -> mm_1(y, .)
+        x -> mm(x, x) = y   (runs while AG is in flight: the peak)
+
+    so our peak exceeds torch's by exactly the cast's bytes."""
+    ops = torch.ops._c10d_functional
+
+    def f(primals_1, x):
+        shard = primals_1.to(torch.bfloat16)
+        gathered = ops.all_gather_into_tensor(shard, WORLD, group_name)
+        y = torch.mm(x, x)
+        return torch.mm(y, ops.wait_tensor(gathered))
+
+    with FakeTensorMode():
+        args = (torch.randn(DIM // WORLD, DIM), torch.randn(DIM, DIM, dtype=torch.bfloat16))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    cast_bytes = (DIM // WORLD) * DIM * 2
+    assert simulate(export_dag(gm)).peak_bytes - torch_memory_peak(gm) == cast_bytes

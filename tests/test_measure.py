@@ -163,10 +163,12 @@ def test_fit_collectives_on_two_gloo_ranks_agrees():
 
 @pytest.mark.slow
 def test_harness_kills_hung_rank_and_names_it():
+    """Rank 1 sleeps forever. Rank 0 normally finishes too, but on a loaded machine the start
+    of a spawned process alone may exceed the timeout, so only rank 1 is required in the list."""
     start = time.monotonic()
-    with pytest.raises(MultiprocessTimeout, match=r"rank\(s\) \[1\]") as info:
+    with pytest.raises(MultiprocessTimeout, match=r"rank\(s\) \[(0, )?1\] of 2 did not finish within 10 s") as info:
         run_multiprocess(_hang_on_rank1, 2, timeout_s=10)
-    assert info.value.ranks == [1]
+    assert 1 in info.value.ranks
     assert time.monotonic() - start < 10 + 10  # timeout + terminate/join grace
     _assert_no_children_left()
 

@@ -246,6 +246,16 @@ def test_repeated_capture_restores_process_group(default_capture):
     again = capture_fsdp_graphs(DEBUG, world_size=2, n_layers=1)
     assert len(collectives(again.forward, ALL_GATHER)) == len(again.param_fqns) == 12
     assert not dist.is_initialized()
+    # a fake group of another size is replaced for the capture, then restored
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    try:
+        third = capture_fsdp_graphs(DEBUG, world_size=2, n_layers=1)
+        assert all(n.args[1] == 2 for n in collectives(third.forward, ALL_GATHER))
+        assert dist.is_initialized() and dist.get_world_size() == 3 and dist.get_rank() == 1
+    finally:
+        dist.destroy_process_group()
 
 
 def test_2d_mesh_collectives_on_two_groups():

@@ -1,0 +1,114 @@
+"""The fsdp-sched command line: demo, trace -> solve round trip, sweep resume, user errors."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from scheduler.cli import budget_arg, main, resolve_budget
+
+TINY = ["--model", "llama3-debug", "--n-layers", "2", "--world-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """llama3-debug (2 layers, 16 ranks) traced once to DAG JSON files."""
+    out = tmp_path_factory.mktemp("trace")
+    assert main(["-q", "trace", *TINY, "--out", str(out)]) == 0
+    return out / "llama3-debug-forward.dag.json", out / "llama3-debug-backward.dag.json"
+
+
+def test_budget_arg_parses_sizes_and_multiples():
+    assert budget_arg("40GiB") == 40 << 30
+    assert budget_arg("1.5 GB") == 1_500_000_000
+    assert budget_arg("auto") == "auto" and budget_arg("0.8x") == "0.8x"
+    assert resolve_budget("0.5x", 1000) == 500
+    assert resolve_budget("auto", 1000, floor_bytes=950) == 950  # never below a reachable peak
+    assert resolve_budget("none", 1000) is None
+
+
+@pytest.mark.slow
+def test_demo_prints_comparison_table(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["-q", "demo", *TINY, "--time-limit", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for graph in ("forward", "backward"):
+        assert f"== {graph} graph" in text
+    for row in ("traced", "fsdp2", "simplefsdp", "autoparallel", "torch", "fsdp-sched"):
+        assert row in text
+    assert "step" in text and "exposed comm" in text and "peak" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"forward", "backward"}
+    assert any(p.name.endswith("_gantt.png") for p in out.iterdir())
+
+
+def test_trace_solve_round_trip(traced, tmp_path, capsys):
+    _, backward = traced
+    out = tmp_path / "solve"
+    assert main(["-q", "solve", str(backward), "--budget", "none", "--time-limit", "2", "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    report = data["report"]
+    assert report["graph_name"] == "backward"
+    assert report["step_ms_after"] <= report["step_ms_before"]
+    for f in data["files"]:
+        assert (out / f.split("/")[-1]).stat().st_size > 0
+    assert {"backward_schedule.json", "backward_gantt.png", "backward_trace.json"} <= {p.name for p in out.iterdir()}
+
+
+def test_solve_human_output(traced, tmp_path, capsys):
+    forward, _ = traced
+    assert main(["-q", "solve", str(forward), "--solver", "fsdp2", "--out", str(tmp_path)]) == 0
+    assert "fsdp-sched report: forward" in capsys.readouterr().out
+
+
+def test_sweep_resumes_from_sqlite(traced, tmp_path, capsys):
+    _, backward = traced
+    args = ["-q", "sweep", str(backward), "--budgets", "1.0x", "2MiB", "--time-limit", "1", "--out", str(tmp_path), "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(first["points"]) == 2
+    assert (tmp_path / "backward_pareto.png").stat().st_size > 0
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "budget" not in captured.err  # no progress line: every point came from the database
+    assert json.loads(captured.out)["points"] == first["points"]
+    n = sqlite3.connect(tmp_path / "sweep.sqlite").execute("SELECT count(*) FROM results").fetchone()[0]
+    assert n == 2
+
+
+def test_bad_budget_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["solve", "x.json", "--budget", "40 furlongs"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budget" in err and "cannot parse memory size" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    assert main(["solve", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no such DAG file" in err and "missing.json" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_corrupt_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["solve", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_unknown_model_exits_2(capsys):
+    assert main(["trace", "--model", "gpt-5"]) == 2
+    assert "unknown model 'gpt-5'" in capsys.readouterr().err
+
+
+def test_console_script_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--budget" in text and "--time-limit" in text and "--n-layers" in text

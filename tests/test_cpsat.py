@@ -1,0 +1,246 @@
+"""The CP-SAT model: optimum equals brute force on tiny graphs, constraint families, budgets,
+real traced graphs, determinism across processes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from scheduler.dag import save_dag
+from scheduler.simulator import simulate
+from scheduler.validator import validate_schedule
+from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, SolveStatus, solve
+from solvers.cpsat import CpSatConfig, _Anchors, solve_cpsat
+from solvers.synthetic import DagBuilder, make_fsdp_dag
+
+MB = 1 << 20
+
+
+def _forward_chain(n_params: int = 3, compute_ms: float = 1.0, act_bytes: int = MB) -> Problem:
+    """x -> c0 -> [ag_i used by c_{2i+1}] ...
+
+        p0   p1   p2        (pinned shards, 1 MiB each, all-gathered to 4 MiB)
+        |    |    |
+        ag0  ag1  ag2       (alpha 1 ms + 0.5 ms per MiB of shard: 1.5 ms alone)
+        |    |    |
+    x - c0 - c1 - c2 - c3 - c4 - c5 -> out      (1 ms each; c1, c3, c5 read ag0, ag1, ag2)
+    """
+    b = DagBuilder("chain", graph_kind="forward", group_size=4)
+    b.add_input("x", size_bytes=act_bytes, releasable=False)
+    prev = b.add_compute("c0", "x", runtime_ms=compute_ms, size_bytes=act_bytes, flops=1)
+    for i in range(n_params):
+        b.add_input(f"p{i}", size_bytes=MB, releasable=False)
+        w = b.add_collective(
+            f"ag{i}", f"p{i}", payload_bytes=MB, size_bytes=4 * MB, runtime_ms=1.5, fqn=f"layers.{i}.w", param_index=i
+        )
+        prev = b.add_compute(f"c{2 * i + 1}", prev, w, runtime_ms=compute_ms, size_bytes=act_bytes, flops=1)
+        if i + 1 < n_params:
+            prev = b.add_compute(f"c{2 * i + 2}", prev, runtime_ms=compute_ms, size_bytes=act_bytes, flops=1)
+    b.add_output(prev)
+    dag = b.build(comm_model={"all_gather|0": (1.0, 0.5 / MB)}, copy_ms_per_byte=0.0, copy_ms_fixed=0.0)
+    return Problem.from_dag(dag)
+
+
+def _backward_chain(n_params: int = 3, compute_ms: float = 1.0) -> Problem:
+    """Gradients g_i come out of a compute chain and are reduce-scattered to the output.
+
+    x - c0 - c1 - c2 -> out (activation)      c_i also produces g_i (4 MiB); each reduce-
+                                              scatter costs 1 ms + 0.25 ms per MiB (2 ms alone)
+             |    |    |
+             g0   g1   g2 -> rs_i -> output
+    """
+    b = DagBuilder("bchain", graph_kind="backward", group_size=4)
+    b.add_input("x", size_bytes=MB)
+    prev = "x"
+    outs = []
+    for i in range(n_params):
+        prev = b.add_compute(f"c{i}", prev, runtime_ms=compute_ms, size_bytes=MB, flops=1)
+        g = b.add_compute(f"g{i}", prev, runtime_ms=compute_ms, size_bytes=4 * MB, flops=1)
+        outs.append(
+            b.add_collective(
+                f"rs{i}", g, coll_type="reduce_scatter", reduce_op="sum", payload_bytes=4 * MB, size_bytes=MB,
+                runtime_ms=2.0, fqn=f"layers.{i}.w", param_index=i,
+            )
+        )
+    b.add_output(prev, *outs)
+    dag = b.build(comm_model={"reduce_scatter|0": (1.0, 0.25 / MB)}, copy_ms_per_byte=0.0, copy_ms_fixed=0.0)
+    return Problem.from_dag(dag)
+
+
+def _partitions(members: list[str]):
+    """All ways to cut a chain into runs of consecutive members."""
+    n = len(members)
+    for cuts in itertools.product([0, 1], repeat=n - 1):
+        runs, cur = [], [members[0]]
+        for m, cut in zip(members[1:], cuts):
+            if cut:
+                runs.append(tuple(cur))
+                cur = []
+            cur.append(m)
+        runs.append(tuple(cur))
+        yield runs
+
+
+def _all_schedules(problem: Problem):
+    """Every schedule of the model's decision space with its simulation: every bucketing, every
+    issue anchor in the window (and for reduce-scatters every wait anchor), issues following
+    the chain order."""
+    (key, members), = problem.chains.items()
+    gaps = _Anchors(problem).gaps
+    for runs in _partitions(members):
+        choices = []
+        for run in runs:
+            cs = [problem.colls[m] for m in run]
+            lo, hi = max(c.ready for c in cs), min(c.needed for c in cs)
+            issues = [g for g in gaps if lo <= g <= hi]
+            if key[0] == "all_gather":
+                choices.append([(i, hi) for i in issues])
+            else:
+                choices.append([(i, w) for i in issues for w in gaps if i <= w <= hi])
+        for pick in itertools.product(*choices):
+            if any(pick[j][0] > pick[j + 1][0] for j in range(len(pick) - 1)):
+                continue  # FIFO chain order, as in the model
+            s = Schedule.from_positions(problem.seq, [Bucket(r) for r in runs], [p[0] for p in pick], [p[1] for p in pick])
+            yield s, simulate(problem.dag, s, problem=problem)
+
+
+def _brute_force(problem: Problem, budget: int | None = None) -> float:
+    """Best simulated step time over the decision space, under ``budget``."""
+    return min(sim.step_ms for _, sim in _all_schedules(problem) if budget is None or sim.peak_bytes <= budget)
+
+
+@pytest.mark.parametrize("make", [_forward_chain, _backward_chain], ids=["all-gathers", "reduce-scatters"])
+def test_optimum_equals_brute_force(make):
+    problem = make()
+    expected = _brute_force(problem)
+    res = solve_cpsat(problem, time_limit_s=20.0)
+    assert res.status == SolveStatus.OPTIMAL
+    assert res.objective_ms == pytest.approx(expected, abs=1e-6)
+    validate_schedule(problem, res.schedule)
+
+
+@pytest.mark.parametrize("make", [_forward_chain, _backward_chain], ids=["all-gathers", "reduce-scatters"])
+def test_optimum_under_budget_equals_brute_force(make):
+    """The budget sits just under the peak of every unconstrained optimum, so memory binds."""
+    problem = make()
+    runs = [(sim.step_ms, sim.peak_bytes) for _, sim in _all_schedules(problem)]
+    free_best = min(step for step, _ in runs)
+    budget = min(peak for step, peak in runs if step <= free_best + 1e-9) - 1
+    assert any(peak <= budget for _, peak in runs), "some schedule must fit"
+    expected = min(step for step, peak in runs if peak <= budget)
+    assert expected > free_best + 1e-9, "the budget must cost step time"
+    res = solve_cpsat(problem, mem_budget_bytes=budget, time_limit_s=20.0)
+    assert res.peak_bytes <= budget
+    assert res.objective_ms == pytest.approx(expected, abs=1e-6)
+
+
+def test_memory_family_infeasible_budget_names_min_peak():
+    problem = _forward_chain()
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, time_limit_s=5.0)
+    assert err.value.min_peak_bytes == traced_peak
+    assert "raise mem_budget" in str(err.value)
+
+
+def test_memory_family_budget_at_traced_peak_is_feasible():
+    problem = _forward_chain()
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=5.0)
+    assert res.peak_bytes <= traced_peak
+
+
+def test_bucket_family_cap_splits_buckets():
+    """With little compute to hide behind, alpha dominates and all-gathers merge; a cap of one
+    payload keeps them apart."""
+    problem = _forward_chain(compute_ms=0.2)
+    merged = solve_cpsat(problem, time_limit_s=10.0)
+    assert max(len(b.members) for b in merged.schedule.buckets) >= 2
+    capped = solve_cpsat(problem, time_limit_s=10.0, config=CpSatConfig(max_bucket_bytes=MB))
+    assert all(len(b.members) == 1 for b in capped.schedule.buckets)
+    assert capped.objective_ms >= merged.objective_ms
+
+
+def test_window_family_no_issue_before_ready_or_wait_after_need():
+    problem = _backward_chain()
+    res = solve_cpsat(problem, time_limit_s=10.0)
+    issue, wait = res.schedule.positions()
+    for b, bucket in enumerate(res.schedule.buckets):
+        for m in bucket.members:
+            c = problem.colls[m]
+            assert c.ready <= issue[b] <= wait[b] <= c.needed
+
+
+def test_stream_family_one_stream_serialises():
+    problem = _forward_chain()
+    res = solve_cpsat(problem, time_limit_s=10.0)
+    sim = simulate(problem.dag, res.schedule, problem=problem)
+    spans = sorted((s, e) for _, s, e, _ in sim.bucket_times.values())
+    for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+        assert s1 >= e0 - 1e-9
+
+
+def test_lower_bound_never_exceeds_result():
+    for make in (_forward_chain, _backward_chain):
+        problem = make()
+        res = solve_cpsat(problem, time_limit_s=10.0)
+        assert problem.lower_bound_ms() <= res.objective_ms + 1e-9
+        assert res.best_bound_ms <= res.objective_ms + 1e-9
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_window_search_on_larger_graph_is_valid_and_not_worse(kind):
+    """A graph above full_model_max_members goes through the rolling windows."""
+    dag = make_fsdp_dag(n_layers=6, graph_kind=kind, reshard_after_forward=True, seed=3)
+    problem = Problem.from_dag(dag)
+    cfg = CpSatConfig(full_model_max_members=4, lns_window_members=8)
+    res = solve_cpsat(problem, time_limit_s=15.0, config=cfg)
+    validate_schedule(problem, res.schedule)
+    best_heuristic = min(solve(problem, solver=h).objective_ms for h in ("traced", "fsdp2"))
+    assert res.objective_ms <= best_heuristic + 1e-9
+    assert any("rolling-window" in n or "warm start" in n for n in res.notes)
+
+
+def test_same_schedule_in_two_processes(tmp_path):
+    dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=1)
+    path = tmp_path / "dag.json"
+    save_dag(dag, path)
+    code = textwrap.dedent(
+        f"""
+        from scheduler.dag import load_dag
+        from solvers import Problem, solve
+        p = Problem.from_dag(load_dag({str(path)!r}))
+        print(solve(p, solver="cpsat", time_limit_s=4.0).schedule.digest())
+        """
+    )
+    digests = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout.strip()
+        for _ in range(2)
+    ]
+    assert digests[0] == digests[1] and len(digests[0]) == 64
+
+
+@pytest.fixture(scope="module")
+def debug_graphs():
+    from models import capture_fsdp_graphs
+
+    return capture_fsdp_graphs("llama3-debug", world_size=4)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_traced_llama_debug_respects_budget(debug_graphs, kind):
+    from scheduler import export_dag
+
+    problem = Problem.from_dag(export_dag(getattr(debug_graphs, kind)))
+    free = solve(problem, solver="cpsat", time_limit_s=8.0)
+    validate_schedule(problem, free.schedule)
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=8.0)
+    sim = validate_schedule(problem, res.schedule, mem_budget_bytes=traced_peak)
+    assert sim.peak_bytes <= traced_peak
+    assert json.dumps(res.schedule.to_json())

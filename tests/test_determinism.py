@@ -1,0 +1,82 @@
+"""Rank determinism of fsdp-sched schedules on a real gloo group.
+
+FSDP ranks must run the same collectives in the same order, or they hang (or silently mix
+up buckets). When every rank solves for itself, the solve must therefore be deterministic:
+
+- every rank's schedule digests (``ScheduleReport.digest`` of each graph the backend
+  compiled, from ``backend.reports``) are gathered with ``dist.all_gather_object`` and must
+  all be equal;
+- ``optimize_schedule(..., broadcast_from=0)`` (rank 0 solves and broadcasts) must give the
+  same schedule (digest) as solving on every rank;
+- the same DAG solved with CP-SAT in two separate processes gives an identical
+  ``Schedule.digest()`` (and the same one as inside training).
+
+The first two read the multi-process training runs of tests/test_numerics_gloo.py (run once
+per session and world size); the third starts two fresh processes on the DAGs exported there.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import test_numerics_gloo as numerics  # noqa: E402
+from gloo_harness import run_multiprocess  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", numerics._params())
+def test_every_rank_solves_the_same_schedule(world_size, case):
+    per_rank = numerics.case_results(world_size, case)
+    gathered = [r["all_digests"] for r in per_rank]
+    own = [{k: rep["digest"] for k, rep in r["reports"].items()} for r in per_rank]
+    for rank, g in enumerate(gathered):
+        assert len(g) == world_size
+        assert all(d == g[0] for d in g), f"rank {rank} gathered different schedules: {g}"
+        assert g[rank] == own[rank]
+    assert gathered[0][0].keys() == {"forward", "backward"}
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", numerics._params())
+def test_broadcast_from_rank0_gives_the_same_schedule(world_size, case):
+    for rank, r in enumerate(numerics.case_results(world_size, case)):
+        own = {k: rep["digest"] for k, rep in r["reports"].items()}
+        assert r["broadcast_digests"] == own, f"rank {rank}: broadcast {r['broadcast_digests']} != solved {own}"
+    assert multiprocessing.active_children() == []
+
+
+def _solve_body(rank: int, world_size: int, dags: dict[str, Any], budgets: dict[str, Any]) -> dict[str, str]:
+    import os
+
+    from scheduler import solve_dag
+    from scheduler.dag import dag_from_json
+
+    out = {"pid": str(os.getpid())}
+    for kind, data in dags.items():
+        schedule, report = solve_dag(dag_from_json(data), budgets[kind], solver="cpsat",
+                                     time_limit_s=numerics.SOLVER_TIME_LIMIT_S, seed=0)
+        assert report.digest == schedule.digest()
+        out[kind] = schedule.digest()
+    return out
+
+
+@pytest.mark.slow
+def test_same_dag_same_digest_in_two_processes():
+    res = numerics.case_results(2, "fp32_reshard")[0]
+    dags, budgets = res["dags"], res["budgets"]
+    assert set(dags) == {"forward", "backward"}
+    a, b = run_multiprocess(_solve_body, 2, dags, budgets, timeout_s=300, threads_per_process=1)
+    assert multiprocessing.active_children() == []
+    assert a["pid"] != b["pid"]
+    for kind in dags:
+        assert a[kind] == b[kind], f"{kind}: two processes found different schedules"
+        # and the schedule the backend found while training, from the graph itself
+        assert a[kind] == res["reports"][kind]["digest"]

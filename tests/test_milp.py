@@ -1,0 +1,180 @@
+"""The MILP twin (solvers/milp.py) against the CP-SAT model it linearises.
+
+Both models are solved to proven optimality on tiny graphs and must agree on the model step time
+(integer microseconds), with and without a memory budget; the MILP's schedules must pass the
+validator, its LP relaxation must bound its optimum, and an impossible budget must raise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pulp")
+pytest.importorskip("ortools")
+
+from scheduler.simulator import simulate  # noqa: E402
+from scheduler.validator import validate_schedule  # noqa: E402
+from solvers import InfeasibleBudgetError, Problem, SolveStatus, solve  # noqa: E402
+from solvers import milp  # noqa: E402
+from solvers.cpsat import CpSatConfig, _CpSatModel, _make_solver  # noqa: E402
+from solvers.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
+
+_LIMIT_S = 20.0
+
+
+def _two_gathers_one_scatter() -> Problem:
+    """Two all-gathers and a reduce-scatter on one stream (two chains share process group 0)::
+
+        p0 -> ag0 -> mm0 -> mm1 -> grad -> rs -> output
+        p1 -> ag1 ------^       \\-> tail ----------^
+
+    ag0 / ag1 cost 2 ms alone and 1.5 + 0.02 * 50 = 2.5 ms merged; compute nodes 1 ms; copies
+    free. Optimal: ag0 + ag1 merged at gap 0 (0-2.5), mm0, mm1, grad (to 5.5), rs (5.5-7.0) over
+    tail (5.5-6.5): 7.0 ms; issued separately ag1 ends at 4 and the step is 7.5 ms.
+    """
+    b = DagBuilder()
+    b.add_input("x", size_bytes=100)
+    b.add_input("p0", size_bytes=25, releasable=False)
+    b.add_input("p1", size_bytes=25, releasable=False)
+    w0 = b.add_collective("ag0", "p0", runtime_ms=2.0, payload_bytes=25, size_bytes=100)
+    mm0 = b.add_compute("mm0", "x", w0, runtime_ms=1.0, size_bytes=100)
+    w1 = b.add_collective("ag1", "p1", runtime_ms=2.0, payload_bytes=25, size_bytes=100)
+    mm1 = b.add_compute("mm1", mm0, w1, runtime_ms=1.0, size_bytes=100)
+    g = b.add_compute("grad", mm1, runtime_ms=1.0, size_bytes=100)
+    rs = b.add_collective("rs", g, coll_type="reduce_scatter", runtime_ms=1.5, payload_bytes=100, size_bytes=25)
+    t = b.add_compute("tail", mm1, runtime_ms=1.0, size_bytes=100)
+    b.add_output(rs, t)
+    dag = b.build(
+        comm_model={"all_gather|0": (1.5, 0.02), "reduce_scatter|0": (0.5, 0.01)},
+        copy_ms_per_byte=0.0,
+        copy_ms_fixed=0.0,
+    )
+    return Problem.from_dag(dag)
+
+
+def _fsdp(**kw) -> Problem:
+    return Problem.from_dag(make_fsdp_dag(**kw))
+
+
+#: tiny graphs: forward all-gather chains, and a backward graph with re-gathers whose all-gather
+#: and reduce-scatter chains share one stream (exercises the pairwise order binaries)
+GRAPHS = {
+    "fwd-1x2": lambda: _fsdp(n_layers=1, params_per_layer=2, with_embeddings=False),
+    "fwd-1": lambda: _fsdp(n_layers=1),
+    "bwd-reshard-1x2": lambda: _fsdp(n_layers=1, params_per_layer=2, graph_kind="backward", reshard_after_forward=True),
+    "bwd-3x1": lambda: _fsdp(n_layers=3, params_per_layer=1, with_embeddings=False, graph_kind="backward"),
+    "builder-ag-rs": _two_gathers_one_scatter,
+}
+
+
+def _cpsat_optimum_us(problem: Problem, budget_units: int | None, cfg: CpSatConfig = CpSatConfig()) -> int | None:
+    """Proven optimum of CP-SAT's model (min U_m), None when proven infeasible."""
+    cp = _CpSatModel(problem, cfg, budget_units)
+    cp.model.Minimize(cp.U[cp.anchors.m])
+    solver = _make_solver(_LIMIT_S, 0, 1, cfg)
+    status = solver.Solve(cp.model)
+    if solver.StatusName(status) == "INFEASIBLE":
+        return None
+    assert solver.StatusName(status) == "OPTIMAL"
+    return int(round(solver.ObjectiveValue()))
+
+
+def _milp_optimum(problem: Problem, budget_units: int | None, cfg: milp.MilpConfig = milp.MilpConfig()):
+    """Proven optimum of the MILP (warm-started from the traced schedule) and its model."""
+    _, values, model = milp._build(problem, cfg, budget_units, problem.traced_schedule(), 2.0, 0, 1)
+    if values is not None:
+        model.set_initial(values)
+    out = milp._solve_lp(model, _LIMIT_S, 0, cfg, warm=values is not None)
+    if out.status == "infeasible":
+        return None, model
+    assert out.status == "optimal", out
+    return int(round(out.objective_us)), model
+
+
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+def test_milp_optimum_equals_cpsat_optimum(graph):
+    problem = GRAPHS[graph]()
+    opt_us, model = _milp_optimum(problem, None)
+    assert opt_us == _cpsat_optimum_us(problem, None)
+    # the extracted schedule is valid and simulates close to the model (anchors, rounding)
+    sim = validate_schedule(problem, model.extract())
+    assert sim.step_ms == pytest.approx(opt_us / 1000.0, rel=0.01)
+
+
+def test_builder_graph_known_optimum():
+    """See :func:`_two_gathers_one_scatter`: both all-gathers merge, 7.0 ms."""
+    problem = _two_gathers_one_scatter()
+    result = solve(problem, solver="milp", time_limit_s=_LIMIT_S)
+    assert result.status == SolveStatus.OPTIMAL
+    assert result.objective_ms == pytest.approx(7.0)
+    assert ("ag0", "ag1") in [b.members for b in result.schedule.buckets]
+
+
+def test_milp_optimum_equals_cpsat_with_bucket_cap():
+    """A bucket cap of one parameter's payload forbids every merge: same optimum in both."""
+    problem = GRAPHS["fwd-1"]()
+    cap = max(c.payload_bytes for c in problem.colls.values())
+    cp_cfg = CpSatConfig(max_bucket_bytes=cap)
+    opt_us, model = _milp_optimum(problem, None, milp.MilpConfig(model=cp_cfg))
+    assert opt_us == _cpsat_optimum_us(problem, None, cp_cfg)
+    assert all(len(b.members) == 1 for b in model.extract().buckets)
+
+
+@pytest.mark.parametrize("frac", [1.0, 1.1, 1.25])
+def test_milp_optimum_equals_cpsat_under_memory_budget(frac):
+    """Re-gathers in backward: the budget (a fraction of the traced peak) limits prefetching."""
+    problem = GRAPHS["bwd-reshard-1x2"]()
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    budget_units = milp.model_budget(int(traced_peak * frac))
+    opt_us, _ = _milp_optimum(problem, budget_units)
+    assert opt_us == _cpsat_optimum_us(problem, budget_units)
+    free_us, _ = _milp_optimum(problem, None)
+    if frac == 1.0:
+        assert opt_us > free_us  # the budget binds: the test exercises group (7)
+
+
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+def test_milp_schedules_validate_and_match_cpsat(graph):
+    problem = GRAPHS[graph]()
+    result = solve(problem, solver="milp", time_limit_s=_LIMIT_S)
+    sim = validate_schedule(problem, result.schedule)
+    assert result.solver == "milp"
+    assert result.objective_ms == pytest.approx(sim.step_ms)
+    assert result.best_bound_ms <= result.objective_ms + 1e-9
+    assert any(n.startswith("LP relaxation bound") for n in result.notes)
+    reference = solve(problem, solver="cpsat", time_limit_s=_LIMIT_S)
+    # equal model optima; the extracted schedules may be different optimal solutions of the model
+    assert result.objective_ms == pytest.approx(reference.objective_ms, rel=0.01)
+
+
+def test_milp_schedule_under_budget_validates():
+    problem = GRAPHS["bwd-reshard-1x2"]()
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    budget = int(traced_peak * 1.25)
+    result = solve(problem, solver="milp", mem_budget_bytes=budget, time_limit_s=_LIMIT_S)
+    validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
+    assert result.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("graph", ["fwd-1", "bwd-reshard-1x2", "builder-ag-rs"])
+def test_lp_relaxation_bounds_the_optimum(graph):
+    problem = GRAPHS[graph]()
+    opt_us, _ = _milp_optimum(problem, None)
+    lp_ms = milp.lp_relaxation_bound_ms(problem)
+    assert 0 < lp_ms <= opt_us / 1000.0 + 1e-6
+
+
+def test_infeasible_budget_raises():
+    """1 MiB is below the pinned parameter shards alone: neither the model nor any heuristic fits."""
+    problem = GRAPHS["fwd-1x2"]()
+    budget = 1 << 20
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(problem, solver="milp", mem_budget_bytes=budget, time_limit_s=_LIMIT_S)
+    assert info.value.min_peak_bytes is not None and info.value.min_peak_bytes > budget
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        milp.MilpConfig(backend="gurobi")
+    with pytest.raises(ValueError):
+        milp.MilpConfig(abs_gap_us=1.0)

@@ -1,0 +1,357 @@
+"""Numerics of the fsdp-sched backend on a real gloo process group (2 and 4 CPU processes).
+
+Each rank builds llama3-debug (1 layer) with the project's FSDP (:func:`models.build_model`)
+and runs a few SGD training steps three times:
+
+- ``base``: ``torch.compile`` with aot_autograd and identity compilers (the graphs as traced,
+  same min-cut partitioner as the fsdp-sched backend). Its compilers also export each graph
+  and solve it *without* a budget (:func:`scheduler.solve_dag`), which gives the traced peak
+  and the unconstrained peak of the graph;
+- ``sched``: ``torch.compile(backend=scheduler.backend(fw_mem_budget=..., bw_mem_budget=...))``
+  with each graph's budget halfway between its traced peak and its unconstrained peak, so
+  that the solver must trade bucketing against memory (the test asserts that the reports show
+  at least one merged bucket and one prefetched all-gather);
+- ``ref``: the unsharded eager model (:func:`models.build_reference_model`) on the global
+  batch (every data-parallel rank's batch concatenated), one process.
+
+Checks: losses, gradients (local shards) and updated parameters of ``sched`` are bitwise equal
+(``torch.equal``) to ``base``; both are close to ``ref`` (tolerances in ``_TOL``: fp32
+``rtol=1e-4, atol=1e-6``, the bf16 all-gather case ``rtol=2e-2, atol=2e-3`` on losses and
+``atol=5e-4`` on parameters after the update; see the constants for why).
+
+Cases: fp32 with reshard-after-forward on and off, mixed precision (bf16 all-gather and
+compute, fp32 reduce-scatter) on 2 ranks; fp32 on 4 ranks, and a 2 x 2 (dp x tp) mesh.
+
+Every case of one world size runs in one multi-process run (module-scoped fixture), so that
+process start-up and imports are paid once; a hung rank is killed by the harness timeout
+(:class:`gloo_harness.MultiprocessTimeout`), and each test checks that no child is left.
+The rank-determinism tests read the same runs (see tests/test_determinism.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module in spawned ranks
+
+from gloo_harness import run_multiprocess  # noqa: E402
+
+MODEL = "llama3-debug"
+#: LlamaConfig overrides: one block keeps tracing fast; the graphs still hold 12 parameters
+OVERRIDES = {"n_layers": 1}
+STEPS = 2
+LR = 0.5
+#: CP-SAT time limit per graph (deterministic time; see solvers/cpsat.py)
+SOLVER_TIME_LIMIT_S = 10.0
+#: wall-clock limit of one multi-process run of all cases of a world size
+TIMEOUT_S = {2: 480.0, 4: 900.0}
+
+#: tolerances against the unsharded eager reference.
+#: fp32: the sharded model sums gradients over ranks in another order and computes the loss of
+#: each rank's batch separately: differences are a few ulps (observed <= 1e-7 absolute).
+#: bf16: parameters and activations are rounded to bf16 (8 bits of mantissa, relative 4e-3)
+#: while the reference computes in fp32; gradients differ by a few % relative, parameters
+#: after ``STEPS`` updates by lr * that.
+_TOL = {
+    "fp32": {"loss": dict(rtol=1e-5, atol=1e-6), "grad": dict(rtol=1e-4, atol=1e-6),
+             "param": dict(rtol=1e-4, atol=1e-6)},
+    "bf16": {"loss": dict(rtol=2e-2, atol=2e-3), "grad": dict(rtol=1e-1, atol=2e-3),
+             "param": dict(rtol=0.0, atol=5e-4)},
+}
+
+CASES_2 = {
+    "fp32_reshard": dict(param_dtype=None, reshard_after_forward=True),
+    "fp32_no_reshard": dict(param_dtype=None, reshard_after_forward=False),
+    "bf16_ag_fp32_rs": dict(param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=True),
+}
+CASES_4 = {
+    "fp32_reshard": dict(param_dtype=None, reshard_after_forward=True),
+    "fp32_2d_tp2": dict(param_dtype=None, reshard_after_forward=True, tp_size=2),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# rank bodies (module level, so that spawned ranks unpickle them)
+# --------------------------------------------------------------------------------------------
+def _fsdp_options(case: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    opts = dict(case)
+    for k in ("param_dtype", "reduce_dtype"):
+        if isinstance(opts.get(k), str):
+            opts[k] = getattr(torch, opts[k])
+    return opts
+
+
+def _batches(cfg, dp_rank: int, dp_size: int):
+    """Per step: this dp rank's (tokens, labels) and the global batch (all dp ranks, in order)."""
+    import torch
+
+    out = []
+    for step in range(STEPS):
+        per_rank = []
+        for r in range(dp_size):
+            g = torch.Generator().manual_seed(1000 * step + r)
+            shape = (cfg.batch_size, cfg.seq_len)
+            per_rank.append((torch.randint(0, cfg.vocab_size, shape, generator=g),
+                             torch.randint(0, cfg.vocab_size, shape, generator=g)))
+        out.append((per_rank[dp_rank],
+                    (torch.cat([t for t, _ in per_rank]), torch.cat([lab for _, lab in per_rank]))))
+    return out
+
+
+def _train(model, compiled, batches, dp_size: int) -> dict[str, Any]:
+    """STEPS SGD steps; per step the loss and every gradient (local shard), then the params."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR, foreach=False)
+    losses, grads = [], []
+    for (tokens, labels), _ in batches:
+        loss = compiled(tokens, labels)
+        (loss / dp_size).backward()  # gradients are summed over dp ranks (models.fsdp)
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    params = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def _reference(cfg_overrides, batches, dp_size: int) -> dict[str, Any]:
+    """The unsharded eager model on the global batch; the loss per dp rank's batch too."""
+    import torch
+
+    import models
+
+    ref = models.build_reference_model(MODEL, seed=0, **cfg_overrides)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, foreach=False)
+    losses, grads = [], []
+    for _, (tokens, labels) in batches:
+        per_rank = [ref(t, lab).detach() for t, lab in zip(tokens.chunk(dp_size), labels.chunk(dp_size))]
+        loss = ref(tokens, labels)
+        loss.backward()
+        losses.append(torch.stack(per_rank))
+        grads.append({n: p.grad.detach().clone() for n, p in ref.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+
+
+def _local_part(fqn_sharded: str, full, dp_mesh, tp_rank: int, tp_size: int):
+    """This rank's local shard of a reference (unsharded) tensor: the tp slice, then the dp chunk."""
+    from models.fsdp import _tp_slice
+
+    fqn = fqn_sharded.replace(".parametrizations.", ".").removesuffix(".original")
+    local = _tp_slice(fqn, full, tp_rank, tp_size)
+    return local.chunk(dp_mesh.size())[dp_mesh.get_local_rank()], fqn
+
+
+def _compare(a: dict, b: dict) -> list[str]:
+    """Names of everything in ``a`` and ``b`` (base vs sched) that is not bitwise equal."""
+    import torch
+
+    bad = [f"loss[{i}]" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
+    for i, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        bad += [f"grad[{i}].{n}" for n in ga if not torch.equal(ga[n], gb[n])]
+    bad += [f"param.{n}" for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    return bad
+
+
+def _compare_ref(run: dict, ref: dict, dp_mesh, dp_rank: int, tp_rank: int, tp_size: int, tol: dict) -> dict:
+    """Max abs differences to the reference and names of tensors outside tolerance."""
+    import torch
+
+    out = {"max_abs": {"loss": 0.0, "grad": 0.0, "param": 0.0}, "bad": []}
+
+    def check(kind: str, name: str, x, y) -> None:
+        out["max_abs"][kind] = max(out["max_abs"][kind], (x.float() - y.float()).abs().max().item())
+        if not torch.allclose(x.float(), y.float(), **tol[kind]):
+            out["bad"].append(f"{name} (max abs diff {(x.float() - y.float()).abs().max().item():.3g})")
+
+    for i, (loss, ref_losses) in enumerate(zip(run["losses"], ref["losses"])):
+        check("loss", f"loss[{i}]", loss, ref_losses[dp_rank])
+    for i, (g, rg) in enumerate(zip(run["grads"], ref["grads"])):
+        for n, x in g.items():
+            y, fqn = _local_part(n, rg[n.replace(".parametrizations.", ".").removesuffix(".original")],
+                                 dp_mesh, tp_rank, tp_size)
+            check("grad", f"grad[{i}].{fqn}", x, y)
+    for n, x in run["params"].items():
+        y, fqn = _local_part(n, ref["params"][n.replace(".parametrizations.", ".").removesuffix(".original")],
+                             dp_mesh, tp_rank, tp_size)
+        check("param", f"param.{fqn}", x, y)
+    return out
+
+
+def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_compiler
+
+    import models
+    import scheduler
+    from models.fsdp import make_mesh
+    from models.llama import get_config
+    from scheduler.api import REPORT_KEY
+    from scheduler.dag import dag_to_json
+
+    opts = _fsdp_options(case)
+    tp_size = opts.get("tp_size", 1)
+    mesh = make_mesh(world_size, tp_size)
+    dp_mesh = mesh if tp_size == 1 else mesh["dp"]
+    tp_rank = 0 if tp_size == 1 else mesh["tp"].get_local_rank()
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    cfg = get_config(MODEL, **OVERRIDES)
+    batches = _batches(cfg, dp_rank, dp_size)
+
+    # 1. as traced: identity compilers; an unconstrained solve of each graph gives the budgets
+    torch._dynamo.reset()
+    base_graphs: dict[str, Any] = {}
+    unconstrained: dict[str, Any] = {}
+    dags: dict[str, Any] = {}
+
+    def recorder(kind: str):
+        def compile_graph(gm, example_inputs):
+            gm.meta["fsdp_graph_kind"] = kind
+            dag = scheduler.export_dag(gm)
+            dags[kind] = dag_to_json(dag)
+            _, unconstrained[kind] = scheduler.solve_dag(dag, None, time_limit_s=SOLVER_TIME_LIMIT_S)
+            base_graphs[kind] = gm
+            return gm
+
+        return make_boxed_compiler(compile_graph)
+
+    base_backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
+                                partition_fn=min_cut_rematerialization_partition)
+    model = models.build_model(MODEL, mesh=mesh, seed=0, **OVERRIDES, **opts)
+    base = _train(model, torch.compile(model, backend=base_backend, fullgraph=True), batches, dp_size)
+
+    budgets = {}
+    for kind, rep in unconstrained.items():
+        lo, hi = rep.peak_bytes_before, rep.peak_bytes_after
+        budgets[kind] = (lo + hi) // 2 if hi > lo else None
+
+    # 2. the fsdp-sched backend under those budgets; every rank solves by itself
+    torch._dynamo.reset()
+    options = dict(solver="cpsat", time_limit_s=SOLVER_TIME_LIMIT_S, seed=0)
+    sched_backend = scheduler.backend(fw_mem_budget=budgets["forward"], bw_mem_budget=budgets["backward"],
+                                      **options)
+    model = models.build_model(MODEL, mesh=mesh, seed=0, **OVERRIDES, **opts)
+    sched = _train(model, torch.compile(model, backend=sched_backend, fullgraph=True), batches, dp_size)
+    reports = {r.graph_name: r for r in sched_backend.reports}
+
+    # 3. rank determinism: every rank's digests, and the same graphs solved on rank 0 only
+    digests = [None] * world_size
+    dist.all_gather_object(digests, {k: r.digest for k, r in reports.items()})
+    broadcast = {}
+    for kind, gm in base_graphs.items():  # the traced graphs, no longer run: rewrite them now
+        scheduler.optimize_schedule(gm, budgets[kind], broadcast_from=0, **options)
+        broadcast[kind] = gm.meta[REPORT_KEY].digest
+
+    # 4. the eager, unsharded reference on the global batch
+    ref = _reference(OVERRIDES, batches, dp_size)
+    tol = _TOL["bf16" if opts.get("param_dtype") is not None else "fp32"]
+    return {
+        "mismatch": _compare(base, sched),
+        "sched_vs_ref": _compare_ref(sched, ref, dp_mesh, dp_rank, tp_rank, tp_size, tol),
+        "base_vs_ref": _compare_ref(base, ref, dp_mesh, dp_rank, tp_rank, tp_size, tol),
+        "budgets": budgets,
+        "unconstrained": {k: (r.peak_bytes_before, r.peak_bytes_after, r.digest) for k, r in unconstrained.items()},
+        "reports": {k: r.to_json() for k, r in reports.items()},
+        "all_digests": digests,
+        "broadcast_digests": broadcast,
+        "dags": dags if rank == 0 else None,
+        "losses": [x.item() for x in sched["losses"]],
+    }
+
+
+def _run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = _run_case(rank, world_size, case)
+        except Exception:  # one failing case must not hide the others (ranks fail alike)
+            import traceback
+
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# fixtures: one multi-process run per world size, shared by the tests below
+# --------------------------------------------------------------------------------------------
+_RUNS: dict[int, Any] = {}
+
+
+def gloo_runs(world_size: int) -> list[dict[str, Any]]:
+    """Per rank, the results of every case of ``world_size`` (run once per test session)."""
+    if world_size not in _RUNS:
+        cases = CASES_2 if world_size == 2 else CASES_4
+        try:
+            _RUNS[world_size] = run_multiprocess(_run_cases, world_size, cases, timeout_s=TIMEOUT_S[world_size],
+                                                 threads_per_process=1)
+        except Exception as e:  # a timeout or crash: every test of this world size reports it
+            _RUNS[world_size] = e
+        assert multiprocessing.active_children() == []
+    result = _RUNS[world_size]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def case_results(world_size: int, case: str) -> list[dict[str, Any]]:
+    per_rank = [r[case] for r in gloo_runs(world_size)]
+    errors = [f"rank {i}:\n{r['error']}" for i, r in enumerate(per_rank) if "error" in r]
+    if errors:
+        pytest.fail(f"case {case} on {world_size} ranks raised:\n" + "\n".join(errors))
+    return per_rank
+
+
+PARAMS = [(2, c) for c in CASES_2] + [(4, c) for c in CASES_4]
+
+
+def _params():
+    return [pytest.param(ws, c, id=f"w{ws}-{c}") for ws, c in PARAMS]
+
+
+# --------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", _params())
+def test_budget_forces_bucketing_and_prefetch(world_size, case):
+    res = case_results(world_size, case)[0]
+    reports = res["reports"]
+    assert set(reports) == {"forward", "backward"}
+    for kind, rep in reports.items():
+        lo, hi, _ = res["unconstrained"][kind]
+        if res["budgets"][kind] is not None:
+            assert rep["peak_bytes_after"] <= res["budgets"][kind] < hi, (kind, rep, res["budgets"])
+    merged = [b for rep in reports.values() for b in rep["buckets"] if len(b) > 1]
+    prefetched = [p for rep in reports.values() for p in rep["ag_prefetch"] if p > 0]
+    assert merged, f"no merged bucket under budgets {res['budgets']}: {reports}"
+    assert prefetched, f"no prefetched all-gather under budgets {res['budgets']}: {reports}"
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", _params())
+def test_sched_bitwise_equal_to_traced(world_size, case):
+    for rank, res in enumerate(case_results(world_size, case)):
+        assert res["mismatch"] == [], f"rank {rank}: not bitwise equal to the traced graphs: {res['mismatch']}"
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", _params())
+def test_close_to_unsharded_reference(world_size, case):
+    for rank, res in enumerate(case_results(world_size, case)):
+        for what in ("sched_vs_ref", "base_vs_ref"):
+            assert res[what]["bad"] == [], f"rank {rank} {what}: {res[what]}"
+    assert multiprocessing.active_children() == []
