@@ -287,7 +287,7 @@ def _solve_problem(
     candidates = _heuristic_candidates(problem, budget, seed=seed, exclude=solver)
     fitting = [c for c in candidates if budget is None or c.sim.peak_bytes <= budget]
     hint = fitting[0].schedule if fitting else None
-    notes: list[str] = []
+    notes: list[str] = _fixed_collective_notes(problem)
     chosen: _Candidate | None = None
     try:
         result = solve(
@@ -344,6 +344,17 @@ def _solve_problem(
                      solver=pick.name, requested=solver, status=status, best_bound=best_bound, notes=notes,
                      fell_back=fell_back)
     return pick.schedule, report
+
+
+def _fixed_collective_notes(problem: Problem) -> list[str]:
+    """A note naming the collectives left where traced (unmodelled types such as all_to_all,
+    non-FSDP all-reduces, or ones pinned by a dependency on another collective)."""
+    fixed = [c for c in problem.colls.values() if not c.movable]
+    if not fixed:
+        return []
+    names = ", ".join(f"{c.name} ({c.coll_type})" for c in fixed[:5]) + (", ..." if len(fixed) > 5 else "")
+    logger.info("fsdp-sched: %d collective(s) left in place, not scheduled: %s", len(fixed), names)
+    return [f"{len(fixed)} collective(s) left in place, not scheduled (unmodelled or pinned): {names}"]
 
 
 def _heuristic_candidates(problem: Problem, budget: int | None, *, seed: int, exclude: str) -> list[_Candidate]:

@@ -78,6 +78,8 @@ def solve(
         raise ValueError(f"mem_budget_bytes must be > 0, got {mem_budget_bytes}")
     if time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+    if hint is not None:
+        _check_hint_shape(problem, hint)
     result = fn(
         problem,
         mem_budget_bytes=mem_budget_bytes,
@@ -89,3 +91,14 @@ def solve(
     if not result.schedule.buckets and problem.colls:
         raise ScheduleError(f"solver {solver!r} returned an empty schedule for a graph with collectives")
     return result
+
+
+def _check_hint_shape(problem: Problem, hint: Schedule) -> None:
+    """A hint must name this problem's collectives and its own buckets; a malformed one would
+    otherwise fail deep inside a solver (IndexError). Full validity is the validator's job."""
+    members = sorted(m for b in hint.buckets for m in b.members)
+    if members != sorted(problem.colls):
+        raise ValueError("hint is not a schedule of this graph: its buckets do not list each collective once")
+    bad = [s.ref for s in hint.steps if s.kind != "node" and not 0 <= s.ref < len(hint.buckets)]  # type: ignore[operator]
+    if bad:
+        raise ValueError(f"hint is malformed: steps name buckets {bad[:3]} of {len(hint.buckets)}")

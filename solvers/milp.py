@@ -378,7 +378,8 @@ class _MilpModel:
                     (n, self.C[n], self.C[n] + alpha + self.R[n], self.last[n], self.ES[n], self.LF[n], ci)
                 )
         self.Cf: dict[str, pulp.LpVariable] = {}
-        for name in cp.fixed:
+        # the full model's fixed buckets: unmovable collectives, alone, at their traced slots
+        for name in (cp.reference.buckets[b].members[0] for b in cp.fixed_buckets):
             c = p.colls[name]
             dur = int(round(c.runtime_ms * _US_PER_MS))
             ai, aw = A.exact(c.traced_issue), A.exact(c.traced_wait)

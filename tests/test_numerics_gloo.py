@@ -16,8 +16,8 @@ and runs a few SGD training steps three times:
 
 Checks: losses, gradients (local shards) and updated parameters of ``sched`` are bitwise equal
 (``torch.equal``) to ``base``; both are close to ``ref`` (tolerances in ``_TOL``: fp32
-``rtol=1e-4, atol=1e-6``, the bf16 all-gather case ``rtol=2e-2, atol=2e-3`` on losses and
-``atol=5e-4`` on parameters after the update; see the constants for why).
+``rtol=1e-4, atol=1e-6`` (losses ``rtol=1e-5``), the bf16 all-gather case absolute ``1e-3``
+on losses and gradients and ``5e-4`` on parameters after the updates; see the constants).
 
 Cases: fp32 with reshard-after-forward on and off, mixed precision (bf16 all-gather and
 compute, fp32 reduce-scatter) on 2 ranks; fp32 on 4 ranks, and a 2 x 2 (dp x tp) mesh.
@@ -55,12 +55,12 @@ TIMEOUT_S = {2: 480.0, 4: 900.0}
 #: fp32: the sharded model sums gradients over ranks in another order and computes the loss of
 #: each rank's batch separately: differences are a few ulps (observed <= 1e-7 absolute).
 #: bf16: parameters and activations are rounded to bf16 (8 bits of mantissa, relative 4e-3)
-#: while the reference computes in fp32; gradients differ by a few % relative, parameters
-#: after ``STEPS`` updates by lr * that.
+#: while the reference computes in fp32 (observed on 2 ranks: loss 1.5e-4, gradients 2.5e-4,
+#: parameters after 2 updates 1.5e-4 absolute; the tolerances leave 3-6x margin).
 _TOL = {
     "fp32": {"loss": dict(rtol=1e-5, atol=1e-6), "grad": dict(rtol=1e-4, atol=1e-6),
              "param": dict(rtol=1e-4, atol=1e-6)},
-    "bf16": {"loss": dict(rtol=2e-2, atol=2e-3), "grad": dict(rtol=1e-1, atol=2e-3),
+    "bf16": {"loss": dict(rtol=0.0, atol=1e-3), "grad": dict(rtol=0.0, atol=1e-3),
              "param": dict(rtol=0.0, atol=5e-4)},
 }
 
@@ -299,10 +299,26 @@ def gloo_runs(world_size: int) -> list[dict[str, Any]]:
         except Exception as e:  # a timeout or crash: every test of this world size reports it
             _RUNS[world_size] = e
         assert multiprocessing.active_children() == []
+        if not isinstance(_RUNS[world_size], Exception):
+            _print_summary(world_size, _RUNS[world_size])
     result = _RUNS[world_size]
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def _print_summary(world_size: int, per_rank: list[dict[str, Any]]) -> None:
+    """One line per case (rank 0), shown with ``pytest -s``: buckets, prefetch, differences."""
+    for case, res in per_rank[0].items():
+        if "error" in res:
+            print(f"[w{world_size} {case}] error")
+            continue
+        reps = res["reports"]
+        shape = {k: ([f"{t}x{len(b)}" for b, t in zip(r["buckets"], r["bucket_types"]) if len(b) > 1],
+                     sum(p > 0 for p in r["ag_prefetch"]), r["status"])
+                 for k, r in reps.items()}
+        print(f"[w{world_size} {case}] budgets {res['budgets']} merged/prefetched/status {shape} "
+              f"max|sched-ref| {res['sched_vs_ref']['max_abs']} max|base-ref| {res['base_vs_ref']['max_abs']}")
 
 
 def case_results(world_size: int, case: str) -> list[dict[str, Any]]:
