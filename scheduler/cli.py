@@ -5,7 +5,9 @@
 - ``fsdp-sched trace``: model -> DAG JSON files (forward and backward).
 - ``fsdp-sched solve``: DAG JSON (or a model) -> schedule, report, Chrome trace, Gantt chart.
 - ``fsdp-sched sweep``: a list of budgets -> table and Pareto plot; results are kept in SQLite
-  so that an interrupted sweep resumes where it stopped.
+  so that an interrupted sweep resumes where it stopped. Points run sequentially, in local
+  processes (``--workers N``), or on an existing Dask (``--address tcp://HOST:PORT``) or Ray
+  (``--address ray://HOST:PORT``) cluster; progress is shown on stderr.
 
 Sizes are read and written human-readably ("40GiB", "512MB"), times in ms. A bad argument or
 file ends with one line ``fsdp-sched: error: ...`` and exit status 2.
@@ -399,6 +401,108 @@ def solve_point(dag_json: dict, solver: str, budget: int, time_limit_s: float) -
             "solve_time_s": report.solve_time_s, "gap": report.gap, "error": None}
 
 
+def _check_address(address: str | None) -> None:
+    """Fail early (exit 2) when ``--address`` needs a library that is not installed."""
+    if not address:
+        return
+    import importlib.util
+
+    if address.startswith("ray://"):
+        if importlib.util.find_spec("ray") is None:
+            raise CliError("ray is not installed; pip install ray")
+    elif importlib.util.find_spec("distributed") is None:
+        raise CliError("dask is not installed; pip install 'dask[distributed]' (or fsdp-sched[dask])")
+
+
+class _Progress:
+    """Progress of a sweep on stderr: a tqdm bar when tqdm is installed and stderr is a terminal,
+    otherwise one line per finished point (``[i/n] budget ...: ...``)."""
+
+    def __init__(self, total: int, *, enabled: bool = True) -> None:
+        self.total, self.n, self.enabled, self.t0 = total, 0, enabled and total > 0, time.perf_counter()
+        self.bar = None
+        if self.enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, unit="point", desc="sweep", file=sys.stderr, leave=True)
+
+    def update(self, message: str) -> None:
+        self.n += 1
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(message, refresh=True)
+            return
+        print(f"[{self.n}/{self.total}] {message} ({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], time_limit_s: float, store) -> None:
+    """Solve the points on an existing Dask cluster (scheduler at ``address``); ``store(budget, row)``
+    is called for each point as it finishes, so an interrupted sweep keeps what was done.
+    The workers need fsdp-sched installed (``solve_point`` is imported there by name)."""
+    try:
+        from distributed import Client, as_completed
+    except ImportError:
+        raise CliError("dask is not installed; pip install 'dask[distributed]' (or fsdp-sched[dask])") from None
+    try:
+        client = Client(address, timeout="10s", set_as_default=False)
+    except (OSError, TimeoutError, ValueError) as e:
+        raise CliError(f"cannot connect to the Dask scheduler at {address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    futures = []
+    try:
+        n_workers = len(client.scheduler_info().get("workers", {}))
+        logger.info("solving %d points on the Dask cluster at %s (%d workers)", len(budgets), address, n_workers)
+        [data_f] = client.scatter([data], broadcast=True)
+        futs = {client.submit(solve_point, data_f, solver, b, time_limit_s, pure=False,
+                              key=f"fsdp-sched-point-{b}-{time.time_ns()}"): b for b in budgets}
+        futures = list(futs)
+        for fut in as_completed(futures):
+            store(futs[fut], fut.result())
+    finally:
+        for f in futures:
+            if not f.done():
+                f.cancel()
+        client.close()
+
+
+def _sweep_on_ray(address: str, data: dict, solver: str, budgets: list[int], time_limit_s: float, store) -> None:
+    """Like :func:`_sweep_on_dask` on an existing Ray cluster (``ray://HOST:PORT``)."""
+    try:
+        import ray
+    except ImportError:
+        raise CliError("ray is not installed; pip install ray") from None
+    try:
+        ray.init(address=address, ignore_reinit_error=True, logging_level=logging.WARNING)
+    except Exception as e:  # connection errors come in several types
+        raise CliError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    refs: dict = {}
+    try:
+        remote = ray.remote(num_cpus=1)(solve_point)
+        data_ref = ray.put(data)
+        refs = {remote.remote(data_ref, solver, b, time_limit_s): b for b in budgets}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for r in ready:
+                store(refs[r], ray.get(r))
+    finally:
+        for r in refs:
+            try:
+                ray.cancel(r)
+            except Exception:
+                pass
+        ray.shutdown()
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from scheduler import plots
     from scheduler.dag import dag_to_json
@@ -407,6 +511,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.solver not in available_solvers():
         raise CliError(f"unknown solver {args.solver!r}; choose one of {', '.join(available_solvers())}")
+    _check_address(args.address)
     dag = _input_dag(args)
     problem = Problem.from_dag(dag)
     baselines = {}
@@ -430,24 +535,36 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if done & set(budgets):
         logger.info("resuming: %d of %d points already in %s", len(budgets) - len(todo), len(budgets), db_path)
 
-    def store(b: int, row: dict[str, Any], i: int) -> None:
+    progress = _Progress(len(todo), enabled=args.progress)
+
+    def store(b: int, row: dict[str, Any]) -> None:
         db.execute(f"INSERT OR REPLACE INTO results (dag_hash, solver, budget_bytes, time_limit_s, {', '.join(_COLS)}) "
                    f"VALUES (?, ?, ?, ?, {', '.join('?' * len(_COLS))})",
                    (key, args.solver, b, args.time_limit, *(row.get(c) for c in _COLS)))
         db.commit()
         res = (f"step {fmt_ms(row['step_ms'])}, peak {fmt_bytes(row['peak_bytes'])}" if row.get("step_ms") is not None
                else row["status"])
-        print(f"[{i}/{len(todo)}] budget {fmt_bytes(b)}: {res}", file=sys.stderr, flush=True)
+        progress.update(f"budget {fmt_bytes(b)}: {res}")
 
     data = dag_to_json(dag)
-    if args.workers > 1 and len(todo) > 1:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=args.workers) as pool:
-            futs = {pool.submit(solve_point, data, args.solver, b, args.time_limit): b for b in todo}
-            for i, fut in enumerate(concurrent.futures.as_completed(futs), 1):
-                store(futs[fut], fut.result(), i)
-    else:
-        for i, b in enumerate(todo, 1):
-            store(b, solve_point(data, args.solver, b, args.time_limit), i)
+    try:
+        if not todo:
+            pass
+        elif args.address:
+            if args.workers > 1:
+                logger.warning("--workers is ignored with --address: the cluster's workers solve the points")
+            run = _sweep_on_ray if args.address.startswith("ray://") else _sweep_on_dask
+            run(args.address, data, args.solver, todo, args.time_limit, store)
+        elif args.workers > 1 and len(todo) > 1:
+            with concurrent.futures.ProcessPoolExecutor(max_workers=min(args.workers, len(todo))) as pool:
+                futs = {pool.submit(solve_point, data, args.solver, b, args.time_limit): b for b in todo}
+                for fut in concurrent.futures.as_completed(futs):
+                    store(futs[fut], fut.result())
+        else:
+            for b in todo:
+                store(b, solve_point(data, args.solver, b, args.time_limit))
+    finally:
+        progress.close()
 
     q = db.execute(f"SELECT budget_bytes, {', '.join(_COLS)} FROM results WHERE dag_hash=? AND solver=? ORDER BY budget_bytes DESC",
                    (key, args.solver))
@@ -556,6 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="solver time limit per point in seconds (default %(default)s)")
             p.add_argument("--workers", type=positive_int, default=1,
                            help="solve points in N local processes (default 1: sequential)")
+            p.add_argument("--address", default=None, metavar="URL",
+                           help="solve the points on an existing cluster: a Dask scheduler (tcp://HOST:PORT, "
+                                "needs dask[distributed]) or a Ray cluster (ray://HOST:PORT, needs ray); the "
+                                "workers need fsdp-sched installed")
+            p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                           help="show progress on stderr: a tqdm bar if tqdm is installed and stderr is a "
+                                "terminal, else one line per point (default: on)")
             p.add_argument("--db", default=None,
                            help="SQLite results file; finished points are skipped on rerun (default OUT/sweep.sqlite)")
             p.set_defaults(func=cmd_sweep)

@@ -119,6 +119,9 @@ class CpSatConfig:
     lns_initial_share: float = 0.2
     #: at most this many sweeps over the graph
     lns_max_sweeps: int = 4
+    #: anchors modelled on each side of a window's decisions (its model covers only that range;
+    #: the incumbent fixes the state where the range starts)
+    lns_range_margin_anchors: int = 8
 
     def __post_init__(self) -> None:
         if self.window_anchors < 1 or self.wait_window_anchors < 0:
@@ -226,12 +229,16 @@ class _CpSatModel:
             if (free is not None and not (set(bucket.members) & free))
             or (free is None and not any(problem.colls[m].movable for m in bucket.members))
         ]
+        #: anchors modelled: all of them, or a window's range (set in _build_members)
+        self.a_lo, self.a_hi = 0, self.anchors.m
         self.model = cp_model.CpModel()
         self.horizon = int(
             (problem.total_compute_ms + sum(c.runtime_ms for c in problem.colls.values())) * _US_PER_MS * 2
             + 10 * _US_PER_MS
         )
         self._build_members()
+        if free is not None:
+            self._set_range()
         self._add_timeline()
         self._add_buckets()
         self._add_issue()
@@ -286,19 +293,58 @@ class _CpSatModel:
                 members.append(mem)
             self.chains.append(members)
 
+    def _set_range(self) -> None:
+        """A window models only the anchors around its free collectives."""
+        A, margin = self.anchors, self.cfg.lns_range_margin_anchors
+        mems = [mem for chain in self.chains for mem in chain]
+        if not mems:
+            return
+        lo = min(x.lo for x in mems)
+        # all-gathers are waited at their need; reduce-scatters by the end of their wait window
+        hi = max(x.whi if x.coll_type == "reduce_scatter" else x.need for x in mems)
+        for x in mems:
+            gi, gw = self.ref_pos[x.name]
+            lo, hi = min(lo, A.at_or_before(gi)), max(hi, A.at_or_before(gw))
+        self.a_lo, self.a_hi = max(0, lo - margin), min(A.m, hi + margin)
+
+    @property
+    def anchor_range(self) -> range:
+        return range(self.a_lo, self.a_hi + 1)
+
+    @property
+    def objective(self):
+        """Step time for the whole model; for a window, its exit state (see _add_timeline)."""
+        return self.U[self.anchors.m] if self.a_hi == self.anchors.m else self.Z
+
     # -- (1) ---------------------------------------------------------------------------------
     def _add_timeline(self) -> None:
-        """(1) T_0 = 0; U_a >= T_a + copy_a; T_{a+1} = U_a + seg_a."""
+        """(1) T_0 = 0; U_a >= T_a + copy_a; T_{a+1} = U_a + seg_a.
+
+        A window models anchors a_lo..a_hi only: T_{a_lo} is the reference's arrival time there,
+        and its objective Z is its exit state: Z >= U_{a_hi} and Z >= the end of every bucket
+        issued in range (so that no work is pushed past the window unseen)."""
         m, H = self.model, self.horizon
         A = self.anchors
-        self.T = [m.NewIntVar(0, H, f"T{a}") for a in range(A.m + 1)]
-        self.U = [m.NewIntVar(0, H, f"U{a}") for a in range(A.m + 1)]
-        m.Add(self.T[0] == 0)
+        self.T: dict[int, cp_model.IntVar] = {a: m.NewIntVar(0, H, f"T{a}") for a in self.anchor_range}
+        self.U: dict[int, cp_model.IntVar] = {a: m.NewIntVar(0, H, f"U{a}") for a in self.anchor_range}
+        if self.a_lo == 0:
+            m.Add(self.T[0] == 0)
+        else:
+            m.Add(self.T[self.a_lo] == self._ref_arrival_us(self.a_lo))
         self.copy_terms: dict[int, list] = defaultdict(list)
-        for a in range(A.m):
+        for a in range(self.a_lo, self.a_hi):
             m.Add(self.T[a + 1] == self.U[a] + A.seg_us[a])
-        for a in range(A.m + 1):
+        for a in self.anchor_range:
             m.Add(self.U[a] >= self.T[a])
+        self.Z = m.NewIntVar(0, H, "Z")
+        m.Add(self.Z >= self.U[self.a_hi])
+
+    def _ref_arrival_us(self, a: int) -> int:
+        """When the reference's compute stream reaches anchor a (end of the node before it)."""
+        g = self.anchors.gaps[a]
+        if g == 0:
+            return 0
+        return int(round(self.ref_sim.node_times[self.p.seq[g - 1]][1] * _US_PER_MS))
 
     # -- (2) ---------------------------------------------------------------------------------
     def _add_buckets(self) -> None:
@@ -408,27 +454,38 @@ class _CpSatModel:
                 end = m.NewIntVar(0, self.horizon, f"E_{n}")
                 m.Add(end == self.C[n] + alpha + self.R[n])
                 iv = m.NewOptionalIntervalVar(self.C[n], alpha + self.R[n], end, self.last[n], f"iv_{n}")
+                m.Add(self.Z >= end)
                 per_group[p.colls[n].group_name].append(iv)
                 if k > 0:
                     m.Add(self.C[n] >= self.X[chain[k - 1].name]).OnlyEnforceIf(self.brk[n])
         fixed_by_group: dict[str, list] = defaultdict(list)
+        t_lo = self._ref_arrival_us(self.a_lo)
         for b in self.fixed_buckets:
             members = self.reference.buckets[b].members
             c0 = p.colls[members[0]]
             gi, gw = self.ref_pos[members[0]]
+            ai, aw = A.at_or_before(gi), A.at_or_before(gw)
+            ref_start, ref_end = self.ref_sim.bucket_times[b][1:3]
+            if ai > self.a_hi or (ai < self.a_lo and ref_end * _US_PER_MS <= t_lo):
+                continue  # outside the window's range, or done before it starts
             dur = int(round(p.bucket_comm_ms(members) * _US_PER_MS))
             start = m.NewIntVar(0, self.horizon, f"Cf_{b}")
-            fixed_by_group[c0.group_name].append((self.ref_sim.bucket_times[b][1], start, dur))
-            m.Add(start >= self.T[A.at_or_before(gi)])
-            m.Add(self.U[A.at_or_before(gw)] >= start + dur)
+            fixed_by_group[c0.group_name].append((ref_start, start, dur))
+            if ai >= self.a_lo:
+                m.Add(start >= self.T[ai])
+                m.Add(self.Z >= start + dur)
+            else:  # issued before the range: its timing is the reference's
+                m.Add(start == int(round(ref_start * _US_PER_MS)))
+            if self.a_lo <= aw <= self.a_hi:
+                m.Add(self.U[aw] >= start + dur)
             per_group[c0.group_name].append(m.NewFixedSizeIntervalVar(start, dur, f"ivf_{b}"))
             # their compute-stream work (prologues, merge copies, epilogues) is fixed too
             cin = int(round(p.copy_in_ms(members) * _US_PER_MS))
             cout = int(round(p.copy_out_ms(members) * _US_PER_MS))
-            if cin:
-                self.copy_terms[A.at_or_before(gi)].append(cin)
-            if cout:
-                self.copy_terms[A.at_or_before(gw)].append(cout)
+            if cin and self.a_lo <= ai <= self.a_hi:
+                self.copy_terms[ai].append(cin)
+            if cout and self.a_lo <= aw <= self.a_hi:
+                self.copy_terms[aw].append(cout)
         # fixed buckets keep their reference order on each stream (no search among them)
         for items in fixed_by_group.values():
             items.sort(key=lambda t: t[0])
@@ -526,7 +583,7 @@ class _CpSatModel:
         )
         self.P = m.NewIntVar(0, ub, "peak_kib")
         self.mem_expr = {}
-        for a in range(A.m + 1):
+        for a in self.anchor_range:
             expr = self.base_kib[a] + sum(terms[a])
             self.mem_expr[a] = expr
             m.Add(self.P >= expr + sum(transient[a]))
@@ -589,7 +646,7 @@ class _CpSatModel:
         node_start = {n: t0 for n, (t0, _t1) in sim.node_times.items()}
         for a, g in enumerate(A.gaps[:-1]):
             t = node_start.get(p.seq[g])
-            if t is not None:
+            if t is not None and a in self.U:
                 vals[self.U[a].Index()] = int(round(t * _US_PER_MS))
         return vals
 
@@ -861,11 +918,13 @@ def solve_cpsat(
             peak_bytes=sim.peak_bytes,
             notes=tuple(notes),
         )
+    min_peak = _min_peak(problem, cfg, seed, num_workers, max(1.0, time_limit_s / 4))
     raise InfeasibleBudgetError(
-        f"CP-SAT schedules kept exceeding the memory budget in simulation after {cfg.memory_repair_rounds} "
-        "repair rounds and no heuristic fits; raise mem_budget or the time limit",
+        f"no schedule found under {(mem_budget_bytes or 0) / 2**30:.3f} GiB: no heuristic fits and the model's "
+        f"schedules exceeded it in simulation after {cfg.memory_repair_rounds} repair rounds; the smallest peak "
+        f"found is {min_peak / 2**30:.3f} GiB: raise mem_budget to at least that",
         budget_bytes=mem_budget_bytes or 0,
-        min_peak_bytes=None,
+        min_peak_bytes=min_peak,
     )
 
 
@@ -978,7 +1037,7 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_kib: int | None, s
             touched = {bucket_of[n] for n in order[s0 : s0 + k]}
             free = {m for b in touched for m in schedule.buckets[b].members}
             built = _CpSatModel(problem, cfg, budget_kib, free=free, reference=schedule, anchors=anchors)
-            built.model.Minimize(built.U[anchors.m])
+            built.model.Minimize(built.objective)
             # complete the incumbent inside this small model (its decisions fixed, times free),
             # then start the window's search from that full solution
             values = built.complete(schedule, max(0.2, limit * 0.3), seed, num_workers)
@@ -1037,12 +1096,15 @@ def _min_peak(problem: Problem, cfg: CpSatConfig, seed: int, num_workers: int, l
     """Smallest simulated peak the model finds without a budget (for infeasibility errors)."""
     from scheduler.simulator import simulate
 
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    if sum(len(c) for c in problem.chains.values()) > cfg.full_model_max_members:
+        return traced_peak  # too large to minimise as one model; the traced order is the floor found
     built = _CpSatModel(problem, cfg, None)
     built.add_hint(problem.traced_schedule())
     built.model.Minimize(built.P)
     solver = _make_solver(limit_s, seed, num_workers, cfg)
     status = solver.Solve(built.model)
-    peaks = [simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes]
+    peaks = [traced_peak]
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         peaks.append(simulate(problem.dag, built.extract(solver), problem=problem).peak_bytes)
     return min(peaks)
