@@ -11,7 +11,7 @@ For every model and graph (forward, backward), simulated with the analytic cost 
   marked, as a table and a PNG per model and graph.
 
 Traced graphs are cached as DAG JSON under ``--cache-dir`` (default ``benchmarks/cache``), keyed
-by model, layers, world size, GPUs per node and capture options, so reruns do not re-trace
+by model, layers, world size, GPUs per node, capture options and the DAG schema version, so reruns do not re-trace
 (``--no-cache`` forces a trace). torch's scheduler needs the FX GraphModule, so its row is
 computed only when the graph is traced in this run and stored next to the DAG as JSON
 (``<key>-<graph>-torch.json``); a cached run reuses that row.
@@ -52,7 +52,22 @@ DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 # rows
 # --------------------------------------------------------------------------------------------
 def _gib(b: float | None) -> float | None:
-    return None if b is None else round(b / 2**30, 4)
+    return None if b is None else round(b / 2**30, 6)
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= f:
+            return f"{b / f:.3f} {unit}"
+    return f"{int(b)} B"
+
+
+def _mem_unit(max_bytes: float) -> tuple[str, float]:
+    """The binary unit the table's memory columns are written in (GiB down to KiB)."""
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if max_bytes >= f:
+            return unit, float(f)
+    return "KiB", float(1 << 10)
 
 
 def _row(graph: str, budget_label: str, method: str, *, budget: int | None = None, res=None, sim=None,
@@ -94,7 +109,9 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def cache_key(model: str, n_layers: int | None, world_size: int, gpus_per_node: int,
               options: dict[str, Any]) -> str:
-    ident = json.dumps({"v": CACHE_VERSION, "model": model, "n_layers": n_layers, "world_size": world_size,
+    from scheduler.dag import SCHEMA_VERSION
+
+    ident = json.dumps({"v": CACHE_VERSION, "dag_schema": SCHEMA_VERSION, "model": model, "n_layers": n_layers, "world_size": world_size,
                         "gpus_per_node": gpus_per_node, "options": options}, sort_keys=True, default=str)
     digest = hashlib.sha1(ident.encode()).hexdigest()[:10]
     return f"{model}-{n_layers if n_layers is not None else 'all'}l-w{world_size}-g{gpus_per_node}-{digest}"
@@ -151,10 +168,10 @@ def _solve_row(problem, dag, gname: str, label: str, budget: int | None, solver:
     try:
         r = solve(problem, solver=solver, mem_budget_bytes=budget, time_limit_s=time_limit)
     except InfeasibleBudgetError as e:
-        note = f"infeasible (min peak {e.min_peak_bytes / 2**30:.3f} GiB)" if e.min_peak_bytes else "infeasible"
+        note = f"infeasible (min peak {_fmt_bytes(e.min_peak_bytes)})" if e.min_peak_bytes else "infeasible"
         return _row(gname, label, method, budget=budget, note=note), None
     sim = simulate(dag, r.schedule, problem=problem)
-    return _row(gname, label, method, budget=budget, res=r, sim=sim, note="; ".join(r.notes)[:120]), sim
+    return _row(gname, label, method, budget=budget, res=r, sim=sim, note="; ".join(r.notes)), sim
 
 
 def run_graph(gname: str, dag, torch_row: dict, args: argparse.Namespace, model: str) -> tuple[list[dict], list[dict]]:
@@ -223,16 +240,33 @@ def run_graph(gname: str, dag, torch_row: dict, args: argparse.Namespace, model:
     return rows, prows
 
 
-COMPARE_COLS = ["graph", "budget", "budget_gib", "method", "step_ms", "exposed_ms", "peak_gib", "n_coll",
+COMPARE_COLS = ["graph", "budget", "budget_mem", "method", "step_ms", "exposed_ms", "peak_mem", "n_coll",
                 "solve_s", "gap_pct", "note"]
-PARETO_COLS = ["graph", "budget", "budget_gib", "method", "step_ms", "exposed_ms", "peak_gib", "n_coll",
+PARETO_COLS = ["graph", "budget", "budget_mem", "method", "step_ms", "exposed_ms", "peak_mem", "n_coll",
                "solve_s", "on_front", "note"]
+NOTE_CHARS = 120
 
 
 def to_markdown(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    """Markdown table; ``budget_mem`` / ``peak_mem`` are ``budget_bytes`` / ``peak_bytes`` in the
+    binary unit that fits the largest of them (named in the header), notes are shortened."""
+    top = max([r.get(k) or 0 for r in rows for k in ("budget_bytes", "peak_bytes")] + [1])
+    unit, f = _mem_unit(top)
+    names = {"budget_mem": f"budget_{unit}", "peak_mem": f"peak_{unit}"}
+
+    def cell(r: dict, c: str) -> str:
+        if c in ("budget_mem", "peak_mem"):
+            b = r.get("budget_bytes" if c == "budget_mem" else "peak_bytes")
+            return "" if b is None else f"{b / f:.3f}"
+        v = r.get(c)
+        if v is None:
+            return ""
+        v = str(v).replace("|", "/")
+        return v if len(v) <= NOTE_CHARS else v[:NOTE_CHARS - 3] + "..."
+
+    lines = ["| " + " | ".join(names.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+        lines.append("| " + " | ".join(cell(r, c) for c in cols) + " |")
     return "\n".join(lines)
 
 

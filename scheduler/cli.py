@@ -465,7 +465,7 @@ def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], ti
         futs = {client.submit(solve_point, data_f, solver, b, time_limit_s, pure=False,
                               key=f"fsdp-sched-point-{b}-{time.time_ns()}"): b for b in budgets}
         futures = list(futs)
-        for fut in as_completed(futures):
+        for fut in as_completed(futures, loop=client.loop):
             store(futs[fut], fut.result())
     finally:
         for f in futures:
