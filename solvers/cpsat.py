@@ -48,6 +48,14 @@ Constraints (each group is one function)
                           base_a is the traced run's simulated memory minus these terms at the
                           traced positions, so the model shares the simulator's memory model.
 
+Scale: graphs with more movable collectives than ``full_model_max_members`` are solved by a
+rolling-window neighbourhood search. Each window frees the incumbent's buckets that hold a run of
+``lns_window_members`` consecutive collectives (in order of need) and is a small model of the same
+constraint families over its anchor range only: every other bucket is a fixed interval at its
+incumbent position (kept in the incumbent's stream order), the incumbent's simulated state fixes
+the range's entry, and the objective is the range's exit state (its last departure and the end
+of every bucket issued in it). A model's size then depends on the window, not on the graph.
+
 The solution is checked by the simulator; if its simulated peak exceeds the budget (the model
 prices merge transients only approximately) the budget is tightened by the excess and the model
 re-solved, so a schedule returned as feasible never simulates above its budget.
@@ -115,8 +123,6 @@ class CpSatConfig:
     full_model_max_members: int = 64
     #: collectives freed together in one window of the neighbourhood search (about 3 blocks)
     lns_window_members: int = 27
-    #: fraction of the time limit spent on the first full-model solve before the windows
-    lns_initial_share: float = 0.2
     #: at most this many sweeps over the graph
     lns_max_sweeps: int = 4
     #: anchors modelled on each side of a window's decisions (its model covers only that range;
@@ -132,8 +138,6 @@ class CpSatConfig:
             raise ValueError("max_bucket_bytes must be > 0 or None")
         if self.full_model_max_members < 0 or self.lns_window_members < 2:
             raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
-        if not 0.0 < self.lns_initial_share < 1.0:
-            raise ValueError("lns_initial_share must be in (0, 1)")
 
 
 class _Anchors:
@@ -772,12 +776,12 @@ def solve_cpsat(
 ) -> SolveResult:
     """Solve the joint model (see module docstring).
 
-    Small graphs are solved as one model (proven optimal when the limit allows). Larger graphs:
-    a short full-model solve from the warm start gives an incumbent inside the model, then a
-    rolling window of ``lns_window_members`` collectives (in order of need) is freed while all
-    others stay fixed, each window solved by CP-SAT, sweeping the graph until a sweep brings
-    nothing or the time is spent. Every candidate is simulated; only simulated improvements that
-    fit the budget are kept. All of it is deterministic.
+    Graphs with up to ``full_model_max_members`` movable collectives are solved as one model
+    (proven optimal when the limit allows), starting from the best warm start completed inside
+    the model. Larger graphs go straight to the rolling-window search (:func:`_window_search`)
+    from the warm start. Every candidate is simulated; only simulated improvements that fit the
+    budget are kept, and nothing slower than the warm start is returned. All of it is
+    deterministic.
 
     Raises:
         InfeasibleBudgetError: no schedule fits the budget (proven, or none found in the limit);
@@ -824,7 +828,6 @@ def solve_cpsat(
         built = _CpSatModel(problem, cfg, budget_kib)
         built.model.Minimize(built.U[built.anchors.m])
         build_s = time.perf_counter() - t_build
-        full = n_members <= cfg.full_model_max_members
         # a complete, feasible starting point: the warm start's decisions with the model's times
         start_values = built.complete(start_hint, max(0.5, remaining * 0.1), seed, num_workers)
         if start_values is not None:
@@ -832,13 +835,12 @@ def solve_cpsat(
                 built.model.add_hint(built.model.get_int_var_from_proto_index(idx), val)
         else:
             built.add_hint(start_hint)
-        phase1 = max(0.5, deadline - time.perf_counter()) * (cfg.primary_share if full else cfg.lns_initial_share)
+        phase1 = max(0.5, deadline - time.perf_counter()) * cfg.primary_share
         solver = _make_solver(phase1, seed, num_workers, cfg)
         status = solver.Solve(built.model)
         logger.info(
-            "cpsat round %d (%s, %d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
+            "cpsat round %d (full model, %d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
             round_,
-            "full model" if full else "initial solve before windows",
             n_members,
             _STATUS_NAMES.get(status, status),
             solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
@@ -849,19 +851,9 @@ def solve_cpsat(
         if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN) and warm is not None:
             # the model restricts positions to anchors and prices memory conservatively, so its
             # infeasibility proves nothing while a heuristic schedule fits: return that
-            sim = simulate(problem.dag, warm.schedule, problem=problem)
             why = "under the budget" if budget is not None else "within the time limit"
             notes.append(f"model {_STATUS_NAMES.get(status)} {why}; returned the best warm start ({warm.solver})")
-            return SolveResult(
-                schedule=warm.schedule,
-                status=SolveStatus.FEASIBLE,
-                solver="cpsat",
-                objective_ms=sim.step_ms,
-                best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
-                solve_time_s=time.perf_counter() - t0,
-                peak_bytes=sim.peak_bytes,
-                notes=tuple(notes),
-            )
+            return _warm_result(problem, warm, notes, t0)
         if status in (cp_model.INFEASIBLE, cp_model.UNKNOWN):
             if budget is None:
                 raise ScheduleError(f"CP-SAT found no schedule ({_STATUS_NAMES.get(status)}) within {phase1:.1f} s")
@@ -877,26 +869,24 @@ def solve_cpsat(
             raise ScheduleError(f"CP-SAT model invalid: {built.model.Validate()}")
         model_obj = solver.ObjectiveValue() / _US_PER_MS
         bound = solver.BestObjectiveBound() / _US_PER_MS
-        proven = full and status == cp_model.OPTIMAL
+        proven = status == cp_model.OPTIMAL
         schedule = built.extract(solver)
         sim = simulate(problem.dag, schedule, problem=problem)
-        if full:
-            left = deadline - time.perf_counter()
-            if cfg.secondary_objective and left > 0.5:
-                sched2 = _secondary(built, solver, schedule, left, seed, num_workers, cfg)
-                if sched2 is not None:
-                    sim2 = simulate(problem.dag, sched2, problem=problem)
-                    if sim2.step_ms <= sim.step_ms + 1e-9:
-                        schedule, sim = sched2, sim2
+        left = deadline - time.perf_counter()
+        if cfg.secondary_objective and left > 0.5:
+            sched2 = _secondary(built, solver, schedule, left, seed, num_workers, cfg)
+            if sched2 is not None:
+                sim2 = simulate(problem.dag, sched2, problem=problem)
+                if sim2.step_ms <= sim.step_ms + 1e-9:
+                    schedule, sim = sched2, sim2
         if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
             notes.append(
-                f"model step {model_obj:.3f} ms, model bound {bound:.3f} ms ({'full model' if full else 'initial solve'}), "
+                f"model step {model_obj:.3f} ms, model bound {bound:.3f} ms (full model), "
                 f"status {_STATUS_NAMES[status]}"
             )
-            # the model's bound holds for schedules in its search space (anchors, windows) and
-            # only when the whole model was solved; the analytic bound holds for every schedule
-            analytic = problem.lower_bound_ms()
-            return _final(problem, schedule, sim, warm, proven, max(bound, analytic) if full else analytic, notes, t0, round_)
+            # the model's bound holds for schedules in its search space (anchors, windows); the
+            # analytic bound holds for every schedule
+            return _final(problem, schedule, sim, warm, proven, max(bound, problem.lower_bound_ms()), notes, t0, round_)
         excess = sim.peak_bytes - mem_budget_bytes
         budget = (budget or mem_budget_bytes) - excess - _KIB
         notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
@@ -906,18 +896,8 @@ def solve_cpsat(
     if warm is not None:
         # the model's memory terms could not be repaired to the simulator's in time (merge
         # transients): the best heuristic that fits is the answer, and says so
-        sim = simulate(problem.dag, warm.schedule, problem=problem)
         notes.append(f"memory repair did not converge; returned the best warm start ({warm.solver})")
-        return SolveResult(
-            schedule=warm.schedule,
-            status=SolveStatus.FEASIBLE,
-            solver="cpsat",
-            objective_ms=sim.step_ms,
-            best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
-            solve_time_s=time.perf_counter() - t0,
-            peak_bytes=sim.peak_bytes,
-            notes=tuple(notes),
-        )
+        return _warm_result(problem, warm, notes, t0)
     min_peak = _min_peak(problem, cfg, seed, num_workers, max(1.0, time_limit_s / 4))
     raise InfeasibleBudgetError(
         f"no schedule found under {(mem_budget_bytes or 0) / 2**30:.3f} GiB: no heuristic fits and the model's "
@@ -928,14 +908,21 @@ def solve_cpsat(
     )
 
 
-class _FixedValues:
-    """Stands in for a solver when reading values of a known full solution."""
+def _warm_result(problem: Problem, warm: SolveResult, notes: list[str], t0: float) -> SolveResult:
+    """The warm start returned as this solver's (flagged) answer, with the analytic bound."""
+    from scheduler.simulator import simulate
 
-    def __init__(self, values: list[int]):
-        self._values = values
-
-    def Value(self, var) -> int:  # noqa: N802 - CP-SAT's name
-        return self._values[var.Index()]
+    sim = simulate(problem.dag, warm.schedule, problem=problem)
+    return SolveResult(
+        schedule=warm.schedule,
+        status=SolveStatus.FEASIBLE,
+        solver="cpsat",
+        objective_ms=sim.step_ms,
+        best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
+        solve_time_s=time.perf_counter() - t0,
+        peak_bytes=sim.peak_bytes,
+        notes=tuple(notes),
+    )
 
 
 def _final(problem: Problem, schedule: Schedule, sim, warm, proven: bool, bound_ms: float, notes: list[str],
