@@ -53,6 +53,7 @@ class SimResult:
         bucket_times: bucket index -> (issue_ms, start_ms, end_ms, wait_done_ms).
         memory: (time_ms, live_bytes) after every step.
         step_live_bytes: live bytes during every step (after its allocations, before its frees).
+        bucket_exposed_ms: bucket index -> time the compute stream waited for it (ms).
         n_collectives: number of collectives issued (buckets).
     """
 
@@ -67,6 +68,7 @@ class SimResult:
     memory: list[tuple[float, int]]
     n_collectives: int
     step_live_bytes: list[int] = dataclasses.field(repr=False, default_factory=list)
+    bucket_exposed_ms: dict[int, float] = dataclasses.field(repr=False, default_factory=dict)
     schedule: Schedule = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
 
     def summary(self) -> dict[str, Any]:
@@ -216,6 +218,7 @@ class _Simulator:
         issued: set[int] = set()
         waited: set[int] = set()
         step_live: list[int] = []
+        bucket_exposed: dict[int, float] = {}
         for k, step in enumerate(s.steps):
             if step.kind == "node":
                 name = step.ref
@@ -285,6 +288,7 @@ class _Simulator:
                 c0 = p.colls[members[0]]
                 if bucket_end[b] > t:
                     exposed += bucket_end[b] - t
+                    bucket_exposed[b] = bucket_end[b] - t
                     t = bucket_end[b]
                 cout = p.copy_out_ms(members)
                 t += cout
@@ -327,5 +331,6 @@ class _Simulator:
             memory=memory,
             n_collectives=len(s.buckets),
             step_live_bytes=step_live,
+            bucket_exposed_ms=bucket_exposed,
             schedule=s,
         )

@@ -128,10 +128,15 @@ class CpSatConfig:
     #: anchors modelled on each side of a window's decisions (its model covers only that range;
     #: the incumbent fixes the state where the range starts)
     lns_range_margin_anchors: int = 8
+    #: least time given to one window (s); windows are visited most-exposed first, so a short
+    #: limit is spent where the incumbent waits longest on communication
+    lns_min_window_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.window_anchors < 1 or self.wait_window_anchors < 0:
             raise ValueError("window_anchors must be >= 1 and wait_window_anchors >= 0")
+        if self.lns_min_window_s <= 0:
+            raise ValueError("lns_min_window_s must be > 0")
         if not 0.1 <= self.primary_share <= 1.0:
             raise ValueError("primary_share must be in [0.1, 1]")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes <= 0:
@@ -1015,11 +1020,15 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_kib: int | None, s
     for sweep in range(cfg.lns_max_sweeps):
         improved = False
         sweeps += 1
-        for i, s0 in enumerate(starts):
+        # most exposed communication first (ties: graph order), from the incumbent's run
+        bucket_of = schedule.bucket_of()
+        exposed = {n: sim.bucket_exposed_ms.get(b, 0.0) for n, b in bucket_of.items()}
+        visit = sorted(starts, key=lambda s0: (-sum(exposed.get(n, 0.0) for n in order[s0 : s0 + k]), s0))
+        for i, s0 in enumerate(visit):
             left = deadline - time.perf_counter()
             if left <= 0.2:
                 return schedule, sim, sweeps
-            limit = max(0.2, left / (len(starts) - i) * 0.8)
+            limit = min(left, max(cfg.lns_min_window_s, left / (len(visit) - i) * 0.8))
             bucket_of = schedule.bucket_of()
             touched = {bucket_of[n] for n in order[s0 : s0 + k]}
             free = {m for b in touched for m in schedule.buckets[b].members}
@@ -1039,7 +1048,7 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_kib: int | None, s
             solver.parameters.cp_model_presolve = False
             status = solver.Solve(built.model)
             logger.debug(
-                "window %d/%d (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", i + 1, len(starts), len(free),
+                "window %d/%d (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", i + 1, len(visit), len(free),
                 _STATUS_NAMES.get(status),
                 solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
                 solver.WallTime(), limit,

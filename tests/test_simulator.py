@@ -216,3 +216,17 @@ def test_chrome_trace_is_valid_json(tmp_path):
     assert any(e["ph"] == "C" for e in events)
     ag = next(e for e in events if e["name"] == "all_gather x1")
     assert ag["tid"] == "comm 0" and ag["dur"] == pytest.approx(2000.0)
+
+
+def test_bucket_exposure_adds_up_to_exposed_comm():
+    """Per-bucket waiting time (used to order the solver's windows) accounts for all of it."""
+    from solvers import solve
+    from solvers.synthetic import make_fsdp_dag
+
+    dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=2)
+    problem = Problem.from_dag(dag)
+    for name in ("traced", "fsdp2"):
+        sim = simulate(dag, solve(problem, solver=name).schedule, problem=problem)
+        assert sim.exposed_comm_ms > 0
+        assert sum(sim.bucket_exposed_ms.values()) == pytest.approx(sim.exposed_comm_ms)
+        assert all(v > 0 for v in sim.bucket_exposed_ms.values())
