@@ -88,9 +88,9 @@ from solvers.schedule import (
 logger = logging.getLogger(__name__)
 
 _US_PER_MS = 1000.0
-#: memory unit of the model (bytes): exact, so that the model and the simulator agree to the
-#: byte on schedules without merge transients (sums stay far below CP-SAT's int64 range)
-_KIB = 1
+#: memory unit of the model, in bytes: 1 (exact), so that the model and the simulator agree to
+#: the byte on schedules without merge transients (sums stay far below CP-SAT's int64 range)
+_MEM_UNIT_BYTES = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,9 +189,10 @@ class _Member:
     wlo: int = 0
     whi: int = 0  # wait window (reduce-scatters)
     d_us: int = 0
-    out_kib: int = 0
-    pay_kib: int = 0
-    grad_kib: int = 0
+    # sizes in the model's memory unit (_MEM_UNIT_BYTES bytes)
+    out_mem: int = 0
+    pay_mem: int = 0
+    grad_mem: int = 0
     copy_us: int = 0
     copy_fixed_us: int = 0  # per merged bucket (kernel overheads), charged at its first member
     prologue_us: int = 0  # casts run at issue whether merged or not
@@ -211,7 +212,7 @@ class _CpSatModel:
         self,
         problem: Problem,
         cfg: CpSatConfig,
-        budget_kib: int | None,
+        budget_mem: int | None,
         *,
         free: set[str] | None = None,
         reference: Schedule | None = None,
@@ -219,7 +220,7 @@ class _CpSatModel:
     ):
         self.p = problem
         self.cfg = cfg
-        self.budget_kib = budget_kib
+        self.budget_mem = budget_mem
         self.anchors = anchors or _Anchors(problem)
         self.free = free
         self.reference = reference or problem.traced_schedule()
@@ -288,11 +289,11 @@ class _CpSatModel:
                     mem.wlo = lo
                     mem.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
                 mem.d_us = int(round(cm["beta_ms_per_byte"] * c.payload_bytes * _US_PER_MS))
-                mem.out_kib = -(-c.out_bytes // _KIB)
-                mem.pay_kib = -(-c.payload_bytes // _KIB)
+                mem.out_mem = -(-c.out_bytes // _MEM_UNIT_BYTES)
+                mem.pay_mem = -(-c.payload_bytes // _MEM_UNIT_BYTES)
                 head = c.prologue[0] if c.prologue else name
                 grad = sum(dag.nodes[u]["size_bytes"] for u in dag.predecessors(head))
-                mem.grad_kib = -(-grad // _KIB)
+                mem.grad_mem = -(-grad // _MEM_UNIT_BYTES)
                 copy_bytes = c.payload_bytes + (c.out_bytes if coll_type == "all_gather" else 0)
                 mem.copy_us = int(round(p.copy_ms_per_byte * copy_bytes * _US_PER_MS))
                 n_copies = 2 if coll_type == "all_gather" else 1
@@ -548,7 +549,7 @@ class _CpSatModel:
             if step.kind != "node":
                 continue  # issue / wait instants are transients, priced by their own terms
             nodes_seen += 1
-            seg_live[seg] = max(seg_live[seg], live // _KIB)
+            seg_live[seg] = max(seg_live[seg], live // _MEM_UNIT_BYTES)
         # the end anchor runs no node: what is live there is at most what the last node saw
         seg_live[A.m] = seg_live[A.m - 1] if A.m else seg_live[0]
         terms: dict[int, list] = defaultdict(list)
@@ -559,24 +560,24 @@ class _CpSatModel:
                 y = self.y[mem.name]
                 if mem.coll_type == "all_gather":
                     for a in range(mem.lo, mem.need):
-                        terms[a].append(mem.out_kib * y[a])
-                        traced_dep[a] += mem.out_kib * (ti <= a)
+                        terms[a].append(mem.out_mem * y[a])
+                        traced_dep[a] += mem.out_mem * (ti <= a)
                 else:
                     z = self.z[mem.name]
                     for a in range(mem.lo, mem.whi):
                         ya = y[a] if a < mem.hi else 1
                         za = z[a]
-                        terms[a].append(mem.grad_kib * (1 - ya) + mem.pay_kib * (ya - za) + mem.out_kib * ya)
+                        terms[a].append(mem.grad_mem * (1 - ya) + mem.pay_mem * (ya - za) + mem.out_mem * ya)
                         traced_dep[a] += (
-                            mem.grad_kib * (ti > a) + mem.pay_kib * ((ti <= a) - (tw <= a)) + mem.out_kib * (ti <= a)
+                            mem.grad_mem * (ti > a) + mem.pay_mem * ((ti <= a) - (tw <= a)) + mem.out_mem * (ti <= a)
                         )
-        self.base_kib = [max(0, seg_live[a] - traced_dep[a]) for a in range(A.m + 1)]
+        self.base_mem = [max(0, seg_live[a] - traced_dep[a]) for a in range(A.m + 1)]
         # merge transient of reduce-scatters: while a merged bucket copies in at its issue
         # anchor, the members' gradients and the new bucket buffer are alive together
         transient: dict[int, list] = defaultdict(list)
         for chain in self.chains:
             for mem in chain:
-                if mem.coll_type != "reduce_scatter" or mem.grad_kib == 0:
+                if mem.coll_type != "reduce_scatter" or mem.grad_mem == 0:
                     continue
                 y = self.y[mem.name]
                 for a in range(mem.lo, mem.hi + 1):
@@ -586,18 +587,18 @@ class _CpSatModel:
                         at_a = at_a[1:]
                     m.AddBoolAnd(at_a + [self.mrg[mem.name]]).OnlyEnforceIf(e)
                     m.AddBoolOr([lit.Not() for lit in at_a] + [self.mrg[mem.name].Not(), e])
-                    transient[a].append(mem.grad_kib * e)
+                    transient[a].append(mem.grad_mem * e)
         ub = max(seg_live) * 4 + sum(
-            mem.out_kib + mem.pay_kib + mem.grad_kib for chain in self.chains for mem in chain
+            mem.out_mem + mem.pay_mem + mem.grad_mem for chain in self.chains for mem in chain
         )
-        self.P = m.NewIntVar(0, ub, "peak_kib")
+        self.P = m.NewIntVar(0, ub, "peak_mem")
         self.mem_expr = {}
         for a in self.anchor_range:
-            expr = self.base_kib[a] + sum(terms[a])
+            expr = self.base_mem[a] + sum(terms[a])
             self.mem_expr[a] = expr
             m.Add(self.P >= expr + sum(transient[a]))
-        if self.budget_kib is not None:
-            m.Add(self.P <= self.budget_kib)
+        if self.budget_mem is not None:
+            m.Add(self.P <= self.budget_mem)
 
     # -- hints and extraction ----------------------------------------------------------------
     def add_hint(self, schedule: Schedule) -> None:
@@ -812,25 +813,25 @@ def solve_cpsat(
     deadline = t0 + time_limit_s
     for round_ in range(cfg.memory_repair_rounds + 1):
         remaining = max(0.5, deadline - time.perf_counter())
-        budget_kib = None if budget is None else budget // _KIB
+        budget_mem = None if budget is None else budget // _MEM_UNIT_BYTES
         if n_members > cfg.full_model_max_members:
             schedule = start_hint
             sim = simulate(problem.dag, schedule, problem=problem)
             schedule, sim, sweeps = _window_search(
-                problem, cfg, budget_kib, schedule, sim, deadline, seed, num_workers, mem_budget_bytes
+                problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes
             )
             notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
             if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
                 return _final(problem, schedule, sim, warm, False, problem.lower_bound_ms(), notes, t0, round_)
             excess = sim.peak_bytes - mem_budget_bytes
-            budget = (budget or mem_budget_bytes) - excess - _KIB
+            budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
             notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
             start_hint = schedule
             if deadline - time.perf_counter() <= 0.5 or budget <= 0:
                 break
             continue
         t_build = time.perf_counter()
-        built = _CpSatModel(problem, cfg, budget_kib)
+        built = _CpSatModel(problem, cfg, budget_mem)
         built.model.Minimize(built.U[built.anchors.m])
         build_s = time.perf_counter() - t_build
         # a complete, feasible starting point: the warm start's decisions with the model's times
@@ -893,7 +894,7 @@ def solve_cpsat(
             # analytic bound holds for every schedule
             return _final(problem, schedule, sim, warm, proven, max(bound, problem.lower_bound_ms()), notes, t0, round_)
         excess = sim.peak_bytes - mem_budget_bytes
-        budget = (budget or mem_budget_bytes) - excess - _KIB
+        budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
         notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
         start_hint = schedule
         if deadline - time.perf_counter() <= 0.5 or budget <= 0:
@@ -1000,7 +1001,7 @@ def _window_order(problem: Problem) -> list[str]:
     )
 
 
-def _window_search(problem: Problem, cfg: CpSatConfig, budget_kib: int | None, schedule: Schedule, sim,
+def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
                    deadline: float, seed: int, num_workers: int, budget_bytes: int | None):
     """Rolling-window neighbourhood search (see :func:`solve_cpsat`).
 
@@ -1032,7 +1033,7 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_kib: int | None, s
             bucket_of = schedule.bucket_of()
             touched = {bucket_of[n] for n in order[s0 : s0 + k]}
             free = {m for b in touched for m in schedule.buckets[b].members}
-            built = _CpSatModel(problem, cfg, budget_kib, free=free, reference=schedule, anchors=anchors)
+            built = _CpSatModel(problem, cfg, budget_mem, free=free, reference=schedule, anchors=anchors)
             built.model.Minimize(built.objective)
             # complete the incumbent inside this small model (its decisions fixed, times free),
             # then start the window's search from that full solution

@@ -5,7 +5,7 @@ windows, durations, copy costs and the calibrated memory base are read from a
 :class:`solvers.cpsat._CpSatModel` built for the same problem (its CP model is only used as a data
 container, to complete the warm start and to extract the schedule), so both models can only
 differ in how they are written down. Times are in microseconds (continuous; every datum is an
-integer, so optimal times are integers), memory in the CP-SAT model's unit (``cpsat._KIB`` bytes).
+integer, so optimal times are integers), memory in the CP-SAT model's unit (``cpsat._MEM_UNIT_BYTES`` bytes).
 
 Variables (k a chain member, a an anchor; "k-1" is k's predecessor in its chain)
     brk_k      in {0,1}  k starts a new bucket (brk_0 = 1); last_k = brk_{k+1} (1 at the chain end)
@@ -78,7 +78,7 @@ from collections import defaultdict
 
 import pulp
 
-from solvers.cpsat import _KIB as _MEM_UNIT_BYTES  # the CP-SAT model's memory unit
+from solvers.cpsat import _MEM_UNIT_BYTES  # the CP-SAT model's memory unit
 from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel
 from solvers.dispatch import register
 from solvers.problem import Problem
@@ -440,15 +440,15 @@ class _MilpModel:
         for n, mem in self.member.items():
             if mem.coll_type == "all_gather":
                 for a in range(mem.lo, mem.need):
-                    terms[a].append(mem.out_kib * self.yv(n, a))
+                    terms[a].append(mem.out_mem * self.yv(n, a))
             else:
                 for a in range(mem.lo, mem.whi):
                     ya, za = self.yv(n, a), self.zv(n, a)
-                    terms[a].append(mem.grad_kib * (1 - ya) + mem.pay_kib * (ya - za) + mem.out_kib * ya)
+                    terms[a].append(mem.grad_mem * (1 - ya) + mem.pay_mem * (ya - za) + mem.out_mem * ya)
         # merge transient of reduce-scatters (as CP-SAT): e_{k,a} = [issued at a] AND mrg_k adds
         # grad_k at a; [issued at a] = y_{k,a} - y_{k,a-1}
         for n, mem in self.member.items():
-            if mem.coll_type != "reduce_scatter" or mem.grad_kib == 0:
+            if mem.coll_type != "reduce_scatter" or mem.grad_mem == 0:
                 continue
             mrg = 1 - self.s[n]
             for a in range(mem.lo, mem.hi + 1):
@@ -457,12 +457,12 @@ class _MilpModel:
                 self._add(e, ">=", at_a + mrg - 1, f"e_and_{n}_{a}")
                 self._add(e, "<=", at_a, f"e_at_{n}_{a}")
                 self._add(e, "<=", mrg, f"e_mrg_{n}_{a}")
-                terms[a].append(mem.grad_kib * e)
+                terms[a].append(mem.grad_mem * e)
         self.P = self._var("peak_scaled", 0) if peak_objective else None
         for a in range(A.m + 1):
-            expr = (cp.base_kib[a] + pulp.lpSum(terms[a])) * (1.0 / _MEM_ROW_SCALE)
-            if cp.budget_kib is not None:
-                self._add(expr, "<=", cp.budget_kib / _MEM_ROW_SCALE, f"mem_{a}")
+            expr = (cp.base_mem[a] + pulp.lpSum(terms[a])) * (1.0 / _MEM_ROW_SCALE)
+            if cp.budget_mem is not None:
+                self._add(expr, "<=", cp.budget_mem / _MEM_ROW_SCALE, f"mem_{a}")
             if self.P is not None:
                 self._add(self.P, ">=", expr, f"peak_{a}")
 
