@@ -685,13 +685,6 @@ class _CpSatModel:
             vs.append(self.W[name])
         return vs
 
-    def window_members(self) -> list[str]:
-        """All movable collectives ordered by the anchor where they matter (need for
-        all-gathers, gradient ready for reduce-scatters)."""
-        ms = [mem for chain in self.chains for mem in chain]
-        ms.sort(key=lambda mem: (mem.need if mem.coll_type == "all_gather" else mem.lo, mem.chain, mem.idx))
-        return [mem.name for mem in ms]
-
     def extract(self, solver: cp_model.CpSolver) -> Schedule:
         p, A = self.p, self.anchors
         buckets: list[Bucket] = []

@@ -113,7 +113,7 @@ class Problem:
             wait = a["wait"]
             epilogue = tuple(a.get("epilogue") or ())
             needed = n
-            for v in _readers(dag, epilogue[-1] if epilogue else wait):
+            for v in dag.successors(epilogue[-1] if epilogue else wait):
                 if v in pos:
                     needed = min(needed, pos[v])
                 elif nodes[v]["kind"] != "output":
@@ -283,12 +283,6 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
-
-
-def _readers(dag: nx.DiGraph, name: str) -> list[str]:
-    """Nodes reading ``name``'s result, looking through views (which are in seq themselves,
-    so a view reader counts as the reader)."""
-    return list(dag.successors(name))
 
 
 def fmt_bytes(n: float) -> str:

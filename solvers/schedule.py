@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import Enum
 
 
@@ -211,7 +211,3 @@ class SolveResult:
             return 0.0
         return max(0.0, (self.objective_ms - self.best_bound_ms) / self.objective_ms)
 
-
-def iter_bucket_members(buckets: Iterable[Bucket]) -> Iterable[str]:
-    for b in buckets:
-        yield from b.members

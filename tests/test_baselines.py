@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
@@ -24,21 +23,9 @@ from scheduler.simulator import simulate  # noqa: E402
 from scheduler.validator import validate_schedule  # noqa: E402
 from solvers.problem import Problem  # noqa: E402
 
-WORLD = 4
+from conftest import FAKE_WORLD as WORLD  # noqa: E402  (ranks of the group_name fixture)
 DIM, TOKENS = 256, 512
 
-
-@pytest.fixture(scope="module")
-def group_name():
-    """A fake process group of 4 ranks (moves no data; for tracing only)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield dist.group.WORLD.group_name
-    if owned:
-        dist.destroy_process_group()
 
 
 def _three_layers(gname: str):

@@ -76,20 +76,7 @@ def test_roofline_picks_the_larger_bound():
 
 # --- models on traced graphs ------------------------------------------------------------------
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def group_name():
-    """A fake process group of 4 ranks, initialised once for this module."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield dist.group.WORLD.group_name
-    if owned:
-        dist.destroy_process_group()
 
 
 def _mm_graph(m: int, k: int, n: int, gname: str | None = None):

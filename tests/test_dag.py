@@ -7,27 +7,14 @@ import json
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from scheduler.dag import DagError, dag_from_json, dag_to_json, export_dag, load_dag, save_dag  # noqa: E402
 from solvers.problem import Problem  # noqa: E402
 
-WORLD = 4
+from conftest import FAKE_WORLD as WORLD  # noqa: E402  (ranks of the group_name fixture)
 
-
-@pytest.fixture(scope="module")
-def group_name():
-    """A fake process group of 4 ranks (moves no data; for tracing only)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield dist.group.WORLD.group_name
-    if owned:
-        dist.destroy_process_group()
 
 
 def _fsdp_like(gname: str):

@@ -1,0 +1,23 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+#: ranks of the fake process group the tracing tests use
+FAKE_WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def group_name():
+    """A fake process group of FAKE_WORLD ranks (moves no data; for tracing only), created for
+    the module unless one exists already."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=FAKE_WORLD)
+    yield dist.group.WORLD.group_name
+    if owned:
+        dist.destroy_process_group()
