@@ -55,6 +55,12 @@ constraint families over its anchor range only: every other bucket is a fixed in
 incumbent position (kept in the incumbent's stream order), the incumbent's simulated state fixes
 the range's entry, and the objective is the range's exit state (its last departure and the end
 of every bucket issued in it). A model's size then depends on the window, not on the graph.
+Before the windows, graphs whose layers repeat (:mod:`solvers.periodic`) get a per-layer
+template: a window over three blocks around the middle, with each block's decisions tied to the
+previous block's shifted by one period (:meth:`_CpSatModel.tie`: a steady state), is solved and
+its middle block copied onto every layer; a copy that exceeds the budget in simulation is tried
+on the layers with the most memory headroom. The windows then repair the ends and the layers
+where memory binds, most exposed first.
 
 The solution is checked by the simulator; if its simulated peak exceeds the budget (the model
 prices merge transients only approximately) the budget is tightened by the excess and the model
@@ -131,12 +137,23 @@ class CpSatConfig:
     #: least time given to one window (s); windows are visited most-exposed first, so a short
     #: limit is spent where the incumbent waits longest on communication
     lns_min_window_s: float = 3.0
+    #: rounds of the per-layer template (0: off): solve a window around the middle block of the
+    #: repeating layers, copy its decisions onto every layer (see :func:`_template_search`)
+    template_rounds: int = 6
+    #: blocks in the template's window (the middle one is copied)
+    template_window_blocks: int = 3
+    #: time for one template window (s)
+    template_window_s: float = 6.0
+    #: fewest repeating blocks for the template to be tried
+    template_min_blocks: int = 6
 
     def __post_init__(self) -> None:
         if self.window_anchors < 1 or self.wait_window_anchors < 0:
             raise ValueError("window_anchors must be >= 1 and wait_window_anchors >= 0")
         if self.lns_min_window_s <= 0:
             raise ValueError("lns_min_window_s must be > 0")
+        if self.template_rounds < 0 or self.template_window_blocks < 1 or self.template_window_s <= 0:
+            raise ValueError("template_rounds must be >= 0, template_window_blocks >= 1, template_window_s > 0")
         if not 0.1 <= self.primary_share <= 1.0:
             raise ValueError("primary_share must be in [0.1, 1]")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes <= 0:
@@ -326,6 +343,24 @@ class _CpSatModel:
         """Step time for the whole model; for a window, its exit state (see _add_timeline)."""
         return self.U[self.anchors.m] if self.a_hi == self.anchors.m else self.Z
 
+    def tie(self, pairs: list[tuple[str, str]], shift: int) -> None:
+        """Make the decisions of each ``(k, k2)`` equal up to a shift of ``shift`` gaps: k2
+        starts a bucket iff k does, and is issued (and waited) ``shift`` gaps after k. Used to
+        solve one block of a repeating graph in its steady state (:func:`_template_search`)."""
+        m, A = self.model, self.anchors
+        index = {g: a for a, g in enumerate(A.gaps)}
+        member = {x.name: x for chain in self.chains for x in chain}
+        for k, k2 in pairs:
+            m.Add(self.brk[k2] == self.brk[k])
+            x, x2 = member[k], member[k2]
+            windows = [(self.I, (x.lo, x.hi), (x2.lo, x2.hi))]
+            if x.coll_type == "reduce_scatter":
+                windows.append((self.W, (x.wlo, x.whi), (x2.wlo, x2.whi)))
+            for var, (lo, hi), (lo2, hi2) in windows:
+                allowed = [(a, index[A.gaps[a] + shift]) for a in range(lo, hi + 1)
+                           if A.gaps[a] + shift in index and lo2 <= index[A.gaps[a] + shift] <= hi2]
+                m.AddAllowedAssignments([var[k], var[k2]], allowed)
+
     # -- (1) ---------------------------------------------------------------------------------
     def _add_timeline(self) -> None:
         """(1) T_0 = 0; U_a >= T_a + copy_a; T_{a+1} = U_a + seg_a.
@@ -469,6 +504,7 @@ class _CpSatModel:
                 if k > 0:
                     m.Add(self.C[n] >= self.X[chain[k - 1].name]).OnlyEnforceIf(self.brk[n])
         fixed_by_group: dict[str, list] = defaultdict(list)
+        pre_range: dict[str, list] = defaultdict(list)
         t_lo = self._ref_arrival_us(self.a_lo)
         for b in self.fixed_buckets:
             members = self.reference.buckets[b].members
@@ -484,8 +520,10 @@ class _CpSatModel:
             if ai >= self.a_lo:
                 m.Add(start >= self.T[ai])
                 m.Add(self.Z >= start + dur)
-            else:  # issued before the range: its timing is the reference's
-                m.Add(start == int(round(ref_start * _US_PER_MS)))
+            else:  # issued before the range: the reference's timing, or later if free work
+                # before it on the stream runs longer (durations are rounded to microseconds)
+                m.Add(start >= int(round(ref_start * _US_PER_MS)))
+                pre_range[c0.group_name].append((start, dur))
             if self.a_lo <= aw <= self.a_hi:
                 m.Add(self.U[aw] >= start + dur)
             per_group[c0.group_name].append(m.NewFixedSizeIntervalVar(start, dur, f"ivf_{b}"))
@@ -496,6 +534,11 @@ class _CpSatModel:
                 self.copy_terms[ai].append(cin)
             if cout and self.a_lo <= aw <= self.a_hi:
                 self.copy_terms[aw].append(cout)
+        # FIFO: free buckets are issued in the range, after every fixed bucket issued before it
+        for ci, chain in enumerate(self.chains):
+            for mem in chain:
+                for start, dur in pre_range.get(p.colls[mem.name].group_name, ()):
+                    m.Add(self.C[mem.name] >= start + dur)
         # fixed buckets keep their reference order on each stream (no search among them)
         for items in fixed_by_group.values():
             items.sort(key=lambda t: t[0])
@@ -810,8 +853,15 @@ def solve_cpsat(
         if n_members > cfg.full_model_max_members:
             schedule = start_hint
             sim = simulate(problem.dag, schedule, problem=problem)
+            anchors = _Anchors(problem)
+            if cfg.template_rounds and round_ == 0:
+                schedule, sim, n_templates = _template_search(
+                    problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors
+                )
+                if n_templates:
+                    notes.append(f"per-layer template: {n_templates} round(s) copied a solved block onto the others")
             schedule, sim, sweeps = _window_search(
-                problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes
+                problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors
             )
             notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
             if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
@@ -994,18 +1044,145 @@ def _window_order(problem: Problem) -> list[str]:
     )
 
 
+def _solve_window(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, free: set[str],
+                  limit: float, seed: int, num_workers: int, anchors: _Anchors,
+                  ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+    """One window of the neighbourhood search: a small model where the collectives ``free``
+    (whole buckets of ``schedule``) are decided and every other bucket is a fixed interval at its
+    position in ``schedule`` (``_CpSatModel(free=..., reference=schedule)``), started from
+    ``schedule`` itself. Returns the window's best schedule (not yet simulated) or None."""
+    built = _CpSatModel(problem, cfg, budget_mem, free=free, reference=schedule, anchors=anchors)
+    if ties is not None:
+        built.tie(*ties)
+    built.model.Minimize(built.objective)
+    # complete the incumbent inside this small model (its decisions fixed, times free), then
+    # start the window's search from that full solution
+    values = built.complete(schedule, max(0.2, limit * 0.3), seed, num_workers)
+    if values is not None:
+        for idx, val in enumerate(values):
+            built.model.add_hint(built.model.get_int_var_from_proto_index(idx), val)
+    else:
+        built.add_hint(schedule)
+    solver = _make_solver(limit * 0.7, seed, num_workers, cfg)
+    # presolve rewrites the model and loses the complete hint (measured: no solution in 5 s
+    # with presolve, the hint improved to 194.5 ms without, on an 8b backward window)
+    solver.parameters.cp_model_presolve = False
+    status = solver.Solve(built.model)
+    logger.debug(
+        "window (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", len(free), _STATUS_NAMES.get(status),
+        solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
+        solver.WallTime(), limit,
+    )
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return built.extract(solver)
+
+
+def _better(csim, sim, budget_bytes: int | None) -> bool:
+    """``csim`` fits the budget and is faster than ``sim`` (or as fast with a lower peak)."""
+    if budget_bytes is not None and csim.peak_bytes > budget_bytes:
+        return False
+    return csim.step_ms < sim.step_ms - 1e-6 or (
+        abs(csim.step_ms - sim.step_ms) <= 1e-6 and csim.peak_bytes < sim.peak_bytes
+    )
+
+
+def _bucket_free(schedule: Schedule, names) -> set[str]:
+    """``names`` and every collective sharing a bucket with one of them in ``schedule``."""
+    bucket_of = schedule.bucket_of()
+    return {m for b in {bucket_of[n] for n in names} for m in schedule.buckets[b].members}
+
+
+def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
+                     deadline: float, seed: int, num_workers: int, budget_bytes: int | None, anchors: _Anchors):
+    """Exploit the per-layer repetition before the window search (see :mod:`solvers.periodic`).
+
+    Each round solves one window over the ``template_window_blocks`` blocks around the middle of
+    the repeating run, then copies the middle block's decisions onto every block of the run
+    (:func:`solvers.periodic.replicate`). When the copy does not fit the budget in simulation,
+    it is tried on the blocks with the most memory headroom only (3/4, 1/2, 1/4 of them). The
+    next round solves the middle window again with templated neighbours, so the pattern settles
+    into a steady state; rounds stop when one does not improve the simulated step time.
+    Returns (schedule, simulation, number of templates accepted)."""
+    from scheduler.simulator import simulate
+    from solvers.periodic import detect_periodicity, isolate, replicate
+
+    per = detect_periodicity(problem, min_blocks=cfg.template_min_blocks)
+    if per is None:
+        return schedule, sim, 0
+    mid = per.middle()
+    half = cfg.template_window_blocks // 2
+    window_blocks = [b for b in range(mid - half, mid + half + 1) if b in per.members]
+    accepted = 0
+    for round_ in range(cfg.template_rounds):
+        left = deadline - time.perf_counter()
+        if left <= 1.0:
+            break
+        limit = min(left * 0.5, cfg.template_window_s)
+        # the window decides exactly its blocks' collectives: buckets reaching outside are split
+        free = {n for b in window_blocks for n in per.members[b].values()}
+        base = isolate(problem, schedule, free)
+        # start from the middle block's decisions on every window block (periodic, so that the
+        # tied model below can complete it)
+        base = replicate(problem, per, base, mid, window_blocks) or base
+        pairs = [(per.members[b][r], per.members[b + 1][r]) for b in window_blocks[:-1] for r in per.members[b]]
+        cand = _solve_window(problem, cfg, budget_mem, base, free, limit, seed, num_workers, anchors,
+                             ties=(pairs, per.period))
+        if cand is None:
+            break
+        # blocks ordered by the incumbent's memory headroom (lowest peak inside the block first)
+        order = sorted(per.blocks, key=lambda b: (_block_peak(problem, per, b, schedule, sim), b))
+        improved = False
+        for frac in (1.0, 0.75, 0.5, 0.25):
+            targets = order[: max(1, int(len(order) * frac))]
+            tmpl = replicate(problem, per, cand, mid, targets)
+            if tmpl is None:
+                break
+            tsim = simulate(problem.dag, tmpl, problem=problem)
+            logger.debug("template on %d blocks: step %.3f ms, peak %.3f GiB", len(targets), tsim.step_ms,
+                         tsim.peak_bytes / 2**30)
+            if budget_bytes is None or tsim.peak_bytes <= budget_bytes:
+                if _better(tsim, sim, budget_bytes):
+                    schedule, sim, improved = tmpl, tsim, True
+                break  # the largest copy that fits: smaller ones only lose more
+        logger.info("cpsat template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
+                    round_ + 1, per.blocks[0], per.blocks[-1], per.period, sim.step_ms, sim.peak_bytes / 2**30,
+                    "" if improved else " (no gain)")
+        if not improved:
+            break
+        accepted += 1
+    return schedule, sim, accepted
+
+
+def _block_peak(problem: Problem, per, block: int, schedule: Schedule, sim) -> int:
+    """Highest simulated live bytes of ``schedule`` between the first and the last need of
+    ``block``'s collectives (the graph's end excluded)."""
+    needs = [problem.colls[n].needed for n in per.members[block].values() if problem.colls[n].needed < problem.n]
+    if not needs or not sim.step_live_bytes:
+        return 0
+    lo, hi = min(needs), max(needs)
+    gap, peak = 0, 0
+    for s, live in zip(schedule.steps, sim.step_live_bytes):
+        if lo <= gap <= hi:
+            peak = max(peak, live)
+        if s.kind == "node":
+            gap += 1
+    return peak
+
+
 def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
-                   deadline: float, seed: int, num_workers: int, budget_bytes: int | None):
+                   deadline: float, seed: int, num_workers: int, budget_bytes: int | None,
+                   anchors: _Anchors | None = None):
     """Rolling-window neighbourhood search (see :func:`solve_cpsat`).
 
     Each window frees the incumbent's buckets that hold one of ``lns_window_members``
-    consecutive collectives (in order of need) and builds a small model where every other
-    bucket is a fixed interval at its incumbent position (``_CpSatModel(free=...,
-    reference=incumbent)``), hinted with the incumbent. Returns the best schedule, its
+    consecutive collectives (in order of need) and solves the small model of
+    :func:`_solve_window`. Windows are visited most-exposed first; a window whose simulated
+    result fits the budget and is faster replaces the incumbent. Returns the best schedule, its
     simulation and the number of sweeps."""
     from scheduler.simulator import simulate
 
-    anchors = _Anchors(problem)
+    anchors = anchors or _Anchors(problem)
     order = _window_order(problem)
     k = cfg.lns_window_members
     stride = max(1, k // 2)
@@ -1023,39 +1200,12 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, s
             if left <= 0.2:
                 return schedule, sim, sweeps
             limit = min(left, max(cfg.lns_min_window_s, left / (len(visit) - i) * 0.8))
-            bucket_of = schedule.bucket_of()
-            touched = {bucket_of[n] for n in order[s0 : s0 + k]}
-            free = {m for b in touched for m in schedule.buckets[b].members}
-            built = _CpSatModel(problem, cfg, budget_mem, free=free, reference=schedule, anchors=anchors)
-            built.model.Minimize(built.objective)
-            # complete the incumbent inside this small model (its decisions fixed, times free),
-            # then start the window's search from that full solution
-            values = built.complete(schedule, max(0.2, limit * 0.3), seed, num_workers)
-            if values is not None:
-                for idx, val in enumerate(values):
-                    built.model.add_hint(built.model.get_int_var_from_proto_index(idx), val)
-            else:
-                built.add_hint(schedule)
-            solver = _make_solver(limit * 0.7, seed, num_workers, cfg)
-            # presolve rewrites the model and loses the complete hint (measured: no solution in
-            # 5 s with presolve, the hint improved to 194.5 ms without, on an 8b backward window)
-            solver.parameters.cp_model_presolve = False
-            status = solver.Solve(built.model)
-            logger.debug(
-                "window %d/%d (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", i + 1, len(visit), len(free),
-                _STATUS_NAMES.get(status),
-                solver.ObjectiveValue() / _US_PER_MS if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else float("nan"),
-                solver.WallTime(), limit,
-            )
-            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            free = _bucket_free(schedule, order[s0 : s0 + k])
+            cand = _solve_window(problem, cfg, budget_mem, schedule, free, limit, seed, num_workers, anchors)
+            if cand is None:
                 continue
-            cand = built.extract(solver)
             csim = simulate(problem.dag, cand, problem=problem)
-            fits = budget_bytes is None or csim.peak_bytes <= budget_bytes
-            better = csim.step_ms < sim.step_ms - 1e-6 or (
-                abs(csim.step_ms - sim.step_ms) <= 1e-6 and csim.peak_bytes < sim.peak_bytes
-            )
-            if fits and better:
+            if _better(csim, sim, budget_bytes):
                 schedule, sim = cand, csim
                 improved = True
         logger.info("cpsat window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)

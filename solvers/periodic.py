@@ -1,0 +1,256 @@
+"""Per-layer repetition of a graph, and replicating one layer's decisions onto the others.
+
+Transformer graphs repeat one block per layer: the same compute nodes with the same costs, and
+the same collectives (one per parameter of the block), shifted by a fixed number of positions of
+the compute sequence (the *period*). A schedule that is good for one block in the steady state is
+then good for the others. :func:`detect_periodicity` finds that structure from the collectives'
+parameter names (the layer index is the first integer component of the FQN, e.g.
+``layers.12.attention.wq.weight``) and checks it on positions and compute costs;
+:func:`replicate` copies one block's buckets and relative issue/wait positions onto other blocks.
+
+Nothing here decides whether a replicated schedule is good or fits memory: the callers simulate
+it (:func:`solvers.cpsat.solve_cpsat` keeps it only if it fits the budget and is faster).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Iterable
+
+from solvers.problem import Problem
+from solvers.schedule import Bucket, Schedule
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?=\.)")
+
+
+def _block_and_role(fqns: tuple[str, ...]) -> tuple[int, str] | None:
+    """(layer index, FQNs with the index replaced by '{}') when every FQN names the same layer."""
+    blocks, roles = set(), []
+    for f in fqns:
+        m = _LAYER.search(f)
+        if m is None:
+            return None
+        blocks.add(int(m.group(1)))
+        roles.append(f[: m.start(1)] + "{}" + f[m.end(1) :])
+    if len(blocks) != 1:
+        return None
+    return blocks.pop(), "|".join(roles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Periodicity:
+    """The repeating blocks of a problem.
+
+    Attributes:
+        blocks: layer indices of the regular run, in increasing order (consecutive integers).
+        period: positions of the compute sequence between a role's need in block ``b`` and in
+            block ``b + 1`` (negative in backward graphs, where layers run in reverse).
+        members: block -> role -> collective name, for the blocks of the run.
+    """
+
+    blocks: tuple[int, ...]
+    period: int
+    members: dict[int, dict[tuple, str]]
+
+    def block_of(self) -> dict[str, int]:
+        return {n: b for b, roles in self.members.items() for n in roles.values()}
+
+    def role_of(self) -> dict[str, tuple]:
+        return {n: r for roles in self.members.values() for r, n in roles.items()}
+
+    def middle(self) -> int:
+        return self.blocks[len(self.blocks) // 2]
+
+
+def detect_periodicity(problem: Problem, *, min_blocks: int = 4) -> Periodicity | None:
+    """The longest run of consecutive layers whose collectives and compute repeat with one period.
+
+    Blocks ``b`` and ``b + 1`` are in one run when they have the same roles (collective type,
+    bucket key, parameter names up to the layer index), every role's needed and ready gaps shift
+    by the same period ``P`` (gaps at the graph's start or end on both sides also count: parameters
+    exist from the start, gradients are needed only at the end), and the compute costs of the ``|P|`` positions from block ``b``'s first
+    need on equal those ``P`` later. None when no run has ``min_blocks`` blocks.
+    """
+    per_block: dict[int, dict[tuple, str]] = {}
+    for c in problem.colls.values():
+        if not c.movable:
+            continue
+        br = _block_and_role(c.fqns)
+        if br is None:
+            continue
+        b, role = br
+        key = (c.coll_type, c.key, role)
+        if key in per_block.setdefault(b, {}):
+            return None  # two collectives of one role in one block: not a plain repetition
+        per_block[b][key] = c.name
+    if len(per_block) < min_blocks:
+        return None
+    cm = problem.compute_ms
+
+    def shift(b: int) -> int | None:
+        """Period from block b to b + 1, or None if they do not repeat."""
+        r0, r1 = per_block.get(b), per_block.get(b + 1)
+        if r0 is None or r1 is None or r0.keys() != r1.keys():
+            return None
+        periods = set()
+        for role, n0 in r0.items():
+            c0, c1 = problem.colls[n0], problem.colls[r1[role]]
+            for g0, g1 in ((c0.ready, c1.ready), (c0.needed, c1.needed)):
+                if not (g0 == g1 and g0 in (0, problem.n)):  # the graph's start / end: fixed
+                    periods.add(g1 - g0)
+        if len(periods) != 1:
+            return None
+        p = periods.pop()
+        if p == 0:
+            return None
+        inner = [c for c in (problem.colls[n] for n in (r0 if p > 0 else r1).values()) if c.needed < problem.n]
+        if not inner:
+            return None
+        start = min(c.needed for c in inner)
+        span = range(start, start + abs(p))
+        if span.stop + abs(p) > problem.n:
+            return None
+        if any(not math.isclose(cm[i], cm[i + abs(p)], rel_tol=1e-9, abs_tol=1e-12) for i in span):
+            return None
+        return p
+
+    best: tuple[int, int, int] | None = None  # (length, first block, period)
+    ordered = sorted(per_block)
+    i = 0
+    while i < len(ordered):
+        b0, p = ordered[i], None
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            pj = shift(ordered[j])
+            if pj is None or (p is not None and pj != p):
+                break
+            p = pj
+            j += 1
+        if p is not None and (best is None or j - i + 1 > best[0]):
+            best = (j - i + 1, b0, p)
+        i = j + 1 if j > i else i + 1
+    if best is None or best[0] < min_blocks:
+        return None
+    length, first, period = best
+    blocks = tuple(range(first, first + length))
+    logger.debug("periodicity: blocks %d..%d, period %d positions", blocks[0], blocks[-1], period)
+    return Periodicity(blocks=blocks, period=period, members={b: per_block[b] for b in blocks})
+
+
+def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: int,
+              targets: Iterable[int]) -> Schedule | None:
+    """``schedule`` with block ``source``'s decisions copied onto every block in ``targets``.
+
+    A bucket *belongs* to the block of its first member. For each target block ``t`` and each
+    bucket of the source block, the bucket with every member moved ``t - source`` blocks is
+    issued and waited ``(t - source) * period`` positions from the source's positions (issue no
+    earlier than its members are ready, wait no later than they are needed). Buckets of the
+    schedule that hold a copied collective are dissolved; their other members stay where they
+    were, alone. The result keeps every chain's buckets issued in chain order.
+
+    A target block whose copy does not fit (a shifted member lies outside the run, or a position
+    outside the graph) keeps its own decisions. Returns None when no block could be copied or
+    no bucket could be issued in chain order; the caller then keeps ``schedule``.
+    """
+    targets = sorted(set(targets) - {source})
+    if not targets:
+        return schedule
+    block_of, role_of = per.block_of(), per.role_of()
+    issue, wait = schedule.positions()
+    src_buckets = [b for b, bk in enumerate(schedule.buckets) if block_of.get(bk.members[0]) == source]
+    covered: set[str] = set()
+    new: list[tuple[Bucket, int, int]] = []
+    for t in targets:
+        d = t - source
+        copies = []
+        for b in src_buckets:
+            members = []
+            for m in schedule.buckets[b].members:
+                tb = block_of[m] + d if m in block_of else None
+                if tb not in per.members:
+                    break  # a bucket reaching past the run: block t keeps its own decisions
+                members.append(per.members[tb][role_of[m]])
+            else:
+                cs = [problem.colls[m] for m in members]
+                i = max(issue[b] + d * per.period, max(c.ready for c in cs))
+                w = min(wait[b] + d * per.period, min(c.needed for c in cs))
+                if 0 <= i <= w <= problem.n:
+                    copies.append((Bucket(tuple(members)), i, w))
+                    continue
+            copies = None
+            break
+        if copies is None or covered.intersection(m for bk, _, _ in copies for m in bk.members):
+            continue
+        new.extend(copies)
+        covered.update(m for bk, _, _ in copies for m in bk.members)
+    if not new:
+        return None
+    entries = _dissolved(problem, schedule, covered) + new
+    placed = [m for bk, _, _ in entries for m in bk.members]
+    if len(placed) != len(set(placed)) or set(placed) != set(problem.colls):
+        return None
+    # a chain's buckets are issued in chain order (the models' FIFO rule): a bucket that would be
+    # issued before its predecessor (a copy next to a block that kept its own decisions) is
+    # issued with it instead
+    entry_of = {m: e for e, (bk, _, _) in enumerate(entries) for m in bk.members}
+    for names in problem.chains.values():
+        floor, seen = 0, set()
+        for n in names:
+            e = entry_of[n]
+            if e in seen:
+                continue
+            seen.add(e)
+            bk, i, w = entries[e]
+            if i < floor:
+                if floor > min(problem.colls[m].needed for m in bk.members):
+                    return None
+                entries[e] = (bk, floor, max(w, floor))
+            floor = max(floor, entries[e][1])
+    return _from_entries(problem, entries)
+
+
+def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Schedule:
+    """``schedule`` with every bucket that holds one of ``names`` split into single collectives
+    at the bucket's positions (so that a window over ``names`` frees nothing else)."""
+    names = set(names)
+    issue, wait = schedule.positions()
+    entries: list[tuple[Bucket, int, int]] = []
+    for b, bk in enumerate(schedule.buckets):
+        if len(bk.members) > 1 and names.intersection(bk.members):
+            entries.extend((Bucket((m,)), issue[b], wait[b]) for m in bk.members)
+        else:
+            entries.append((bk, issue[b], wait[b]))
+    return _from_entries(problem, entries)
+
+
+def _dissolved(problem: Problem, schedule: Schedule, removed: set[str]) -> list[tuple[Bucket, int, int]]:
+    """(bucket, issue gap, wait gap) of ``schedule`` without the collectives ``removed``: a
+    bucket holding one of them leaves its other members alone at its positions."""
+    issue, wait = schedule.positions()
+    kept: list[tuple[Bucket, int, int]] = []
+    for b, bk in enumerate(schedule.buckets):
+        if not removed.intersection(bk.members):
+            kept.append((bk, issue[b], wait[b]))
+            continue
+        for m in bk.members:
+            if m not in removed:
+                kept.append((Bucket((m,)), issue[b], wait[b]))
+    return kept
+
+
+def _from_entries(problem: Problem, entries: list[tuple[Bucket, int, int]]) -> Schedule:
+    """The schedule of (bucket, issue gap, wait gap) entries; buckets issued in one gap go in
+    chain order (need, then ready), as the streams run them."""
+
+    def chain_key(e):
+        c = problem.colls[e[0].members[0]]
+        return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
+
+    entries = sorted(entries, key=chain_key)
+    return Schedule.from_positions(problem.seq, [e[0] for e in entries], [e[1] for e in entries],
+                                   [e[2] for e in entries])
