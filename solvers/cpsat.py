@@ -1099,8 +1099,8 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
 
     Each round solves one window over the ``template_window_blocks`` blocks around the middle of
     the repeating run, then copies the middle block's decisions onto every block of the run
-    (:func:`solvers.periodic.replicate`). When the copy does not fit the budget in simulation,
-    it is tried on the blocks with the most memory headroom only (3/4, 1/2, 1/4 of them). The
+    (:func:`solvers.periodic.replicate`); the copy is also tried on the blocks with the most
+    memory headroom only (3/4, 1/2, 1/4 of them), and the fastest that fits is kept. The
     next round solves the middle window again with templated neighbours, so the pattern settles
     into a steady state; rounds stop when one does not improve the simulated step time.
     Returns (schedule, simulation, number of templates accepted)."""
@@ -1141,10 +1141,8 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
             tsim = simulate(problem.dag, tmpl, problem=problem)
             logger.debug("template on %d blocks: step %.3f ms, peak %.3f GiB", len(targets), tsim.step_ms,
                          tsim.peak_bytes / 2**30)
-            if budget_bytes is None or tsim.peak_bytes <= budget_bytes:
-                if _better(tsim, sim, budget_bytes):
-                    schedule, sim, improved = tmpl, tsim, True
-                break  # the largest copy that fits: smaller ones only lose more
+            if _better(tsim, sim, budget_bytes):
+                schedule, sim, improved = tmpl, tsim, True
         logger.info("cpsat template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
                     round_ + 1, per.blocks[0], per.blocks[-1], per.period, sim.step_ms, sim.peak_bytes / 2**30,
                     "" if improved else " (no gain)")
