@@ -216,6 +216,23 @@ class _Member:
     charge: int = 0  # anchor charged with the merge copies
 
 
+@dataclasses.dataclass(frozen=True)
+class _FixedInterval:
+    """A bucket kept at its reference position in a model: anchors of its issue and wait (None
+    when waited outside the modelled range), its reference start and duration on its stream,
+    and its compute-stream work at issue and wait (us)."""
+
+    bucket: int
+    group: str
+    issue: int
+    wait: int | None
+    before_range: bool
+    ref_start_us: int
+    dur_us: int
+    copy_in_us: int
+    copy_out_us: int
+
+
 class _CpSatModel:
     """The model of the module docstring.
 
@@ -342,6 +359,29 @@ class _CpSatModel:
     def objective(self):
         """Step time for the whole model; for a window, its exit state (see _add_timeline)."""
         return self.U[self.anchors.m] if self.a_hi == self.anchors.m else self.Z
+
+    def fixed_intervals(self) -> list["_FixedInterval"]:
+        """The reference's fixed buckets that matter to the modelled anchor range: issued in it,
+        or issued before it and still running when it starts (the model's fifth family)."""
+        p, A = self.p, self.anchors
+        t_lo = self._ref_arrival_us(self.a_lo)
+        out = []
+        for b in self.fixed_buckets:
+            members = self.reference.buckets[b].members
+            gi, gw = self.ref_pos[members[0]]
+            ai, aw = A.at_or_before(gi), A.at_or_before(gw)
+            ref_start, ref_end = self.ref_sim.bucket_times[b][1:3]
+            if ai > self.a_hi or (ai < self.a_lo and ref_end * _US_PER_MS <= t_lo):
+                continue  # outside the window's range, or done before it starts
+            out.append(_FixedInterval(
+                bucket=b, group=p.colls[members[0]].group_name, issue=ai,
+                wait=aw if self.a_lo <= aw <= self.a_hi else None, before_range=ai < self.a_lo,
+                ref_start_us=int(round(ref_start * _US_PER_MS)),
+                dur_us=int(round(p.bucket_comm_ms(members) * _US_PER_MS)),
+                copy_in_us=int(round(p.copy_in_ms(members) * _US_PER_MS)),
+                copy_out_us=int(round(p.copy_out_ms(members) * _US_PER_MS)),
+            ))
+        return out
 
     def tie(self, pairs: list[tuple[str, str]], shift: int) -> None:
         """Make the decisions of each ``(k, k2)`` equal up to a shift of ``shift`` gaps: k2
@@ -505,35 +545,25 @@ class _CpSatModel:
                     m.Add(self.C[n] >= self.X[chain[k - 1].name]).OnlyEnforceIf(self.brk[n])
         fixed_by_group: dict[str, list] = defaultdict(list)
         pre_range: dict[str, list] = defaultdict(list)
-        t_lo = self._ref_arrival_us(self.a_lo)
-        for b in self.fixed_buckets:
-            members = self.reference.buckets[b].members
-            c0 = p.colls[members[0]]
-            gi, gw = self.ref_pos[members[0]]
-            ai, aw = A.at_or_before(gi), A.at_or_before(gw)
-            ref_start, ref_end = self.ref_sim.bucket_times[b][1:3]
-            if ai > self.a_hi or (ai < self.a_lo and ref_end * _US_PER_MS <= t_lo):
-                continue  # outside the window's range, or done before it starts
-            dur = int(round(p.bucket_comm_ms(members) * _US_PER_MS))
-            start = m.NewIntVar(0, self.horizon, f"Cf_{b}")
-            fixed_by_group[c0.group_name].append((ref_start, start, dur))
-            if ai >= self.a_lo:
-                m.Add(start >= self.T[ai])
-                m.Add(self.Z >= start + dur)
-            else:  # issued before the range: the reference's timing, or later if free work
-                # before it on the stream runs longer (durations are rounded to microseconds)
-                m.Add(start >= int(round(ref_start * _US_PER_MS)))
-                pre_range[c0.group_name].append((start, dur))
-            if self.a_lo <= aw <= self.a_hi:
-                m.Add(self.U[aw] >= start + dur)
-            per_group[c0.group_name].append(m.NewFixedSizeIntervalVar(start, dur, f"ivf_{b}"))
+        for f in self.fixed_intervals():
+            start = m.NewIntVar(0, self.horizon, f"Cf_{f.bucket}")
+            fixed_by_group[f.group].append((f.ref_start_us, start, f.dur_us))
+            if f.before_range:
+                # the reference's timing, or later if free work before it on the stream runs
+                # longer (durations are rounded to microseconds)
+                m.Add(start >= f.ref_start_us)
+                pre_range[f.group].append((start, f.dur_us))
+            else:
+                m.Add(start >= self.T[f.issue])
+                m.Add(self.Z >= start + f.dur_us)
+            if f.wait is not None:
+                m.Add(self.U[f.wait] >= start + f.dur_us)
+            per_group[f.group].append(m.NewFixedSizeIntervalVar(start, f.dur_us, f"ivf_{f.bucket}"))
             # their compute-stream work (prologues, merge copies, epilogues) is fixed too
-            cin = int(round(p.copy_in_ms(members) * _US_PER_MS))
-            cout = int(round(p.copy_out_ms(members) * _US_PER_MS))
-            if cin and self.a_lo <= ai <= self.a_hi:
-                self.copy_terms[ai].append(cin)
-            if cout and self.a_lo <= aw <= self.a_hi:
-                self.copy_terms[aw].append(cout)
+            if f.copy_in_us and not f.before_range:
+                self.copy_terms[f.issue].append(f.copy_in_us)
+            if f.copy_out_us and f.wait is not None:
+                self.copy_terms[f.wait].append(f.copy_out_us)
         # FIFO: free buckets are issued in the range, after every fixed bucket issued before it
         for ci, chain in enumerate(self.chains):
             for mem in chain:
@@ -851,28 +881,8 @@ def solve_cpsat(
         remaining = max(0.5, deadline - time.perf_counter())
         budget_mem = None if budget is None else budget // _MEM_UNIT_BYTES
         if n_members > cfg.full_model_max_members:
-            schedule = start_hint
-            sim = simulate(problem.dag, schedule, problem=problem)
-            anchors = _Anchors(problem)
-            if cfg.template_rounds and round_ == 0:
-                schedule, sim, n_templates = _template_search(
-                    problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors
-                )
-                if n_templates:
-                    notes.append(f"per-layer template: {n_templates} round(s) copied a solved block onto the others")
-            schedule, sim, sweeps = _window_search(
-                problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors
-            )
-            notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
-            if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
-                return _final(problem, schedule, sim, warm, False, problem.lower_bound_ms(), notes, t0, round_)
-            excess = sim.peak_bytes - mem_budget_bytes
-            budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
-            notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
-            start_hint = schedule
-            if deadline - time.perf_counter() <= 0.5 or budget <= 0:
-                break
-            continue
+            return decomposed_solve(problem, cfg, warm, start_hint, mem_budget_bytes, deadline, seed, num_workers,
+                                    notes, t0)
         t_build = time.perf_counter()
         built = _CpSatModel(problem, cfg, budget_mem)
         built.model.Minimize(built.U[built.anchors.m])
@@ -957,7 +967,55 @@ def solve_cpsat(
     )
 
 
-def _warm_result(problem: Problem, warm: SolveResult, notes: list[str], t0: float) -> SolveResult:
+def decomposed_solve(problem: Problem, cfg: CpSatConfig, warm: SolveResult | None, start: Schedule,
+                     mem_budget_bytes: int | None, deadline: float, seed: int, num_workers: int, notes: list[str],
+                     t0: float, *, window_solver=None, solver: str = "cpsat") -> SolveResult:
+    """Large graphs: per-layer template (:func:`_template_search`), then rolling windows
+    (:func:`_window_search`) from ``start``, each window solved by ``window_solver`` (CP-SAT's
+    :func:`_solve_window` by default; the MILP passes its own). Only simulated improvements that
+    fit the budget replace the incumbent, so the result fits whenever ``start`` does; if it does
+    not (no heuristic fit), the model budget is tightened by the simulated excess and the search
+    repeated, as in :func:`solve_cpsat`."""
+    from scheduler.simulator import simulate
+
+    anchors = _Anchors(problem)
+    budget = mem_budget_bytes
+    schedule = start
+    for round_ in range(cfg.memory_repair_rounds + 1):
+        budget_mem = None if budget is None else budget // _MEM_UNIT_BYTES
+        sim = simulate(problem.dag, schedule, problem=problem)
+        if cfg.template_rounds and round_ == 0:
+            schedule, sim, n_templates = _template_search(
+                problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors,
+                window_solver=window_solver,
+            )
+            if n_templates:
+                notes.append(f"per-layer template: {n_templates} round(s) copied a solved block onto the others")
+        schedule, sim, sweeps = _window_search(
+            problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors,
+            window_solver=window_solver,
+        )
+        notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
+        if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
+            return _final(problem, schedule, sim, warm, False, problem.lower_bound_ms(), notes, t0, round_, solver)
+        excess = sim.peak_bytes - mem_budget_bytes
+        budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
+        notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
+        if deadline - time.perf_counter() <= 0.5 or budget <= 0:
+            break
+    if warm is not None:
+        notes.append(f"memory repair did not converge; returned the best warm start ({warm.solver})")
+        return _warm_result(problem, warm, notes, t0, solver)
+    raise InfeasibleBudgetError(
+        f"no schedule found under {(mem_budget_bytes or 0) / 2**30:.3f} GiB: no heuristic fits and the window "
+        f"search stayed above it in simulation; the smallest peak found is {sim.peak_bytes / 2**30:.3f} GiB: "
+        "raise mem_budget to at least that",
+        budget_bytes=mem_budget_bytes or 0,
+        min_peak_bytes=sim.peak_bytes,
+    )
+
+
+def _warm_result(problem: Problem, warm: SolveResult, notes: list[str], t0: float, solver: str = "cpsat") -> SolveResult:
     """The warm start returned as this solver's (flagged) answer, with the analytic bound."""
     from scheduler.simulator import simulate
 
@@ -965,7 +1023,7 @@ def _warm_result(problem: Problem, warm: SolveResult, notes: list[str], t0: floa
     return SolveResult(
         schedule=warm.schedule,
         status=SolveStatus.FEASIBLE,
-        solver="cpsat",
+        solver=solver,
         objective_ms=sim.step_ms,
         best_bound_ms=min(problem.lower_bound_ms(), sim.step_ms),
         solve_time_s=time.perf_counter() - t0,
@@ -975,7 +1033,7 @@ def _warm_result(problem: Problem, warm: SolveResult, notes: list[str], t0: floa
 
 
 def _final(problem: Problem, schedule: Schedule, sim, warm, proven: bool, bound_ms: float, notes: list[str],
-           t0: float, rounds: int) -> SolveResult:
+           t0: float, rounds: int, solver: str = "cpsat") -> SolveResult:
     """The result: never a schedule that simulates slower than the warm start."""
     from scheduler.simulator import simulate
 
@@ -990,7 +1048,7 @@ def _final(problem: Problem, schedule: Schedule, sim, warm, proven: bool, bound_
     return SolveResult(
         schedule=schedule,
         status=SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE,
-        solver="cpsat",
+        solver=solver,
         objective_ms=sim.step_ms,
         best_bound_ms=min(bound_ms, sim.step_ms),
         solve_time_s=time.perf_counter() - t0,
@@ -1094,7 +1152,8 @@ def _bucket_free(schedule: Schedule, names) -> set[str]:
 
 
 def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
-                     deadline: float, seed: int, num_workers: int, budget_bytes: int | None, anchors: _Anchors):
+                     deadline: float, seed: int, num_workers: int, budget_bytes: int | None, anchors: _Anchors,
+                     window_solver=None):
     """Exploit the per-layer repetition before the window search (see :mod:`solvers.periodic`).
 
     Each round solves one window over the ``template_window_blocks`` blocks around the middle of
@@ -1105,7 +1164,7 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
     into a steady state; rounds stop when one does not improve the simulated step time.
     Returns (schedule, simulation, number of templates accepted)."""
     from scheduler.simulator import simulate
-    from solvers.periodic import detect_periodicity, isolate, replicate
+    from solvers.periodic import at_traced, detect_periodicity, isolate, replicate
 
     per = detect_periodicity(problem, min_blocks=cfg.template_min_blocks)
     if per is None:
@@ -1121,13 +1180,14 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
         limit = min(left * 0.5, cfg.template_window_s)
         # the window decides exactly its blocks' collectives: buckets reaching outside are split
         free = {n for b in window_blocks for n in per.members[b].values()}
-        base = isolate(problem, schedule, free)
-        # start from the middle block's decisions on every window block (periodic, so that the
-        # tied model below can complete it)
-        base = replicate(problem, per, base, mid, window_blocks) or base
+        # start from the middle block's decisions on every window block, or else from the
+        # traced positions there: both repeat exactly, so the tied model can complete them
+        base = replicate(problem, per, isolate(problem, schedule, free), mid, window_blocks)
+        if base is None or not _ties_hold(base, per, window_blocks):
+            base = at_traced(problem, schedule, free) or isolate(problem, schedule, free)
         pairs = [(per.members[b][r], per.members[b + 1][r]) for b in window_blocks[:-1] for r in per.members[b]]
-        cand = _solve_window(problem, cfg, budget_mem, base, free, limit, seed, num_workers, anchors,
-                             ties=(pairs, per.period))
+        cand = (window_solver or _solve_window)(problem, cfg, budget_mem, base, free, limit, seed, num_workers,
+                                                anchors, ties=(pairs, per.period))
         if cand is None:
             break
         # blocks ordered by the incumbent's memory headroom (lowest peak inside the block first)
@@ -1143,13 +1203,27 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
                          tsim.peak_bytes / 2**30)
             if _better(tsim, sim, budget_bytes):
                 schedule, sim, improved = tmpl, tsim, True
-        logger.info("cpsat template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
+        logger.info("template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
                     round_ + 1, per.blocks[0], per.blocks[-1], per.period, sim.step_ms, sim.peak_bytes / 2**30,
                     "" if improved else " (no gain)")
         if not improved:
             break
         accepted += 1
     return schedule, sim, accepted
+
+
+def _ties_hold(schedule: Schedule, per, blocks: list[int]) -> bool:
+    """Every role of ``blocks`` is issued (and waited) one period after the previous block's,
+    in a bucket of the same size: the start satisfies the template window's ties."""
+    issue, wait = schedule.positions()
+    bucket_of = schedule.bucket_of()
+    for b in blocks[:-1]:
+        for role, n in per.members[b].items():
+            x, y = bucket_of[n], bucket_of[per.members[b + 1][role]]
+            if (issue[y] - issue[x] != per.period or wait[y] - wait[x] != per.period
+                    or len(schedule.buckets[x].members) != len(schedule.buckets[y].members)):
+                return False
+    return True
 
 
 def _block_peak(problem: Problem, per, block: int, schedule: Schedule, sim) -> int:
@@ -1170,12 +1244,13 @@ def _block_peak(problem: Problem, per, block: int, schedule: Schedule, sim) -> i
 
 def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
                    deadline: float, seed: int, num_workers: int, budget_bytes: int | None,
-                   anchors: _Anchors | None = None):
+                   anchors: _Anchors | None = None, window_solver=None):
     """Rolling-window neighbourhood search (see :func:`solve_cpsat`).
 
     Each window frees the incumbent's buckets that hold one of ``lns_window_members``
     consecutive collectives (in order of need) and solves the small model of
-    :func:`_solve_window`. Windows are visited most-exposed first; a window whose simulated
+    :func:`_solve_window` (or ``window_solver``, same signature: the MILP's). Windows are
+    visited most-exposed first; a window whose simulated
     result fits the budget and is faster replaces the incumbent. Returns the best schedule, its
     simulation and the number of sweeps."""
     from scheduler.simulator import simulate
@@ -1199,14 +1274,15 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, s
                 return schedule, sim, sweeps
             limit = min(left, max(cfg.lns_min_window_s, left / (len(visit) - i) * 0.8))
             free = _bucket_free(schedule, order[s0 : s0 + k])
-            cand = _solve_window(problem, cfg, budget_mem, schedule, free, limit, seed, num_workers, anchors)
+            cand = (window_solver or _solve_window)(problem, cfg, budget_mem, schedule, free, limit, seed,
+                                                    num_workers, anchors)
             if cand is None:
                 continue
             csim = simulate(problem.dag, cand, problem=problem)
             if _better(csim, sim, budget_bytes):
                 schedule, sim = cand, csim
                 improved = True
-        logger.info("cpsat window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)
+        logger.info("window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)
         if not improved:
             break
     return schedule, sim, sweeps

@@ -55,7 +55,12 @@ Differences from CP-SAT (the optimum of U_m is the same):
 - the warm start's objective UB is a constraint (CP-SAT only hints it);
 - no second phase (peak memory, then fewer buckets, at the optimal step time): among equally
   fast schedules the MILP returns whichever the solver finds;
-- no rolling-window search: graphs of any size are solved as one model within the time limit.
+- windows: CP-SAT's window models (``_CpSatModel(free=..., reference=...)``: an anchor range,
+  the incumbent's other buckets as fixed intervals, the exit state Z as objective) are written
+  down the same way (:meth:`_MilpModel.objective`), and so is the per-layer template's tie
+  (:meth:`_MilpModel.tie`). Graphs with more than ``full_model_max_members`` movable collectives
+  go through the same decomposition as CP-SAT (:func:`solvers.cpsat.decomposed_solve`: template,
+  then rolling windows), each window solved by :func:`_solve_window_milp`.
 
 The memory repair loop (re-solve with a tighter budget when the simulated peak exceeds it), the
 fallback to the best heuristic when the model is infeasible, and "never return a schedule that
@@ -67,6 +72,7 @@ Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -79,7 +85,7 @@ from collections import defaultdict
 import pulp
 
 from solvers.cpsat import _MEM_UNIT_BYTES  # the CP-SAT model's memory unit
-from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel
+from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel, decomposed_solve
 from solvers.dispatch import register
 from solvers.problem import Problem
 from solvers.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
@@ -163,6 +169,9 @@ class _MilpModel:
         self.lp = pulp.LpProblem("fsdp_sched", pulp.LpMinimize)
         self.infeasible: list[str] = []  # constant constraints that fail: the model is infeasible
         self.upper_us = int(cp.horizon if upper_us is None else min(upper_us, cp.horizon))
+        #: modelled anchors: all of them, or a window's range (``cp.a_lo..cp.a_hi``)
+        self.rng = cp.anchor_range
+        self.window = cp.a_hi != self.A.m
         self._time_bounds()
         self._add_variables()
         self._add_timeline()
@@ -172,7 +181,12 @@ class _MilpModel:
         self._add_streams()
         self._add_copy_costs()
         self._add_memory(peak_objective)
-        self.lp += self.P if peak_objective else self.U[self.A.m]
+        self.lp += self.P if peak_objective else self.objective
+
+    @property
+    def objective(self):
+        """U_m for the whole model; for a window, its exit state Z (as CP-SAT's)."""
+        return self.Z if self.window else self.U[self.A.m]
 
     # -- helpers -----------------------------------------------------------------------------
     def _var(self, name: str, lo: float | None = None, hi: float | None = None, cat: str = pulp.LpContinuous):
@@ -216,22 +230,29 @@ class _MilpModel:
         return self.z[n][a]
 
     def _time_bounds(self) -> None:
-        """est_a (earliest T_a), ub_T / ub_U (latest T_a / U_a under U_m <= UB) and every
+        """est_a (earliest T_a), ub_T / ub_U (latest T_a / U_a under objective <= UB) and every
         member's [ES, LF): its bucket runs inside it in every solution at most UB."""
-        A, cp = self.A, self.cp
+        A, cp, lo, hi = self.A, self.cp, self.cp.a_lo, self.cp.a_hi
         fixed_copy = defaultdict(int)  # prologues: charged whether merged or not
         for chain in cp.chains:
             for mem in chain:
                 fixed_copy[mem.charge] += mem.prologue_us
-        self.est = [0] * (A.m + 1)
-        for a in range(A.m):
+        self.fixed = cp.fixed_intervals()
+        for f in self.fixed:
+            if f.copy_in_us and not f.before_range:
+                fixed_copy[f.issue] += f.copy_in_us
+            if f.copy_out_us and f.wait is not None:
+                fixed_copy[f.wait] += f.copy_out_us
+        self.t_start = cp._ref_arrival_us(lo) if lo > 0 else 0
+        self.est = {lo: self.t_start}
+        for a in range(lo, hi):
             self.est[a + 1] = self.est[a] + fixed_copy[a] + A.seg_us[a]
-        tail_u = [0] * (A.m + 1)  # U_m - U_a >= tail_u[a]
-        for a in range(A.m - 1, -1, -1):
+        tail_u = {hi: 0}  # objective - U_a >= tail_u[a]
+        for a in range(hi - 1, lo - 1, -1):
             tail_u[a] = tail_u[a + 1] + A.seg_us[a] + fixed_copy[a + 1]
         ub = self.upper_us
-        self.ub_U = [max(0, ub - tail_u[a]) for a in range(A.m + 1)]
-        self.ub_T = [max(0, self.ub_U[a] - fixed_copy[a]) for a in range(A.m + 1)]
+        self.ub_U = {a: max(self.est[a], ub - tail_u[a]) for a in self.rng}
+        self.ub_T = {a: max(self.est[a], self.ub_U[a] - fixed_copy[a]) for a in self.rng}
         self.member = {mem.name: mem for chain in cp.chains for mem in chain}
         self.ES: dict[str, int] = {}
         self.LF: dict[str, int] = {}
@@ -241,8 +262,9 @@ class _MilpModel:
 
     def _add_variables(self) -> None:
         A, cp, B = self.A, self.cp, self.cat
-        self.T = [self._var(f"T{a}", self.est[a], self.ub_T[a]) for a in range(A.m + 1)]
-        self.U = [self._var(f"U{a}", self.est[a], self.ub_U[a]) for a in range(A.m + 1)]
+        self.T = {a: self._var(f"T{a}", self.est[a], self.ub_T[a]) for a in self.rng}
+        self.U = {a: self._var(f"U{a}", self.est[a], self.ub_U[a]) for a in self.rng}
+        self.Z = self._var("Z", self.est[cp.a_hi], self.upper_us) if self.window else None
         self.brk, self.C, self.X, self.R, self.s = {}, {}, {}, {}, {}
         self.y: dict[str, dict[int, pulp.LpVariable]] = {}
         self.z: dict[str, dict[int, pulp.LpVariable]] = {}
@@ -269,13 +291,16 @@ class _MilpModel:
 
     # -- (1) ---------------------------------------------------------------------------------
     def _add_timeline(self) -> None:
-        """(1) T_0 = 0; T_{a+1} = U_a + seg_a; U_a >= T_a."""
-        A = self.A
-        self._add(self.T[0], "==", 0, "T0")
-        for a in range(A.m):
+        """(1) T_0 = 0 (a window: T_lo = the reference's arrival); T_{a+1} = U_a + seg_a;
+        U_a >= T_a; a window's exit state Z >= U_hi."""
+        A, lo, hi = self.A, self.cp.a_lo, self.cp.a_hi
+        self._add(self.T[lo], "==", self.t_start, "T0")
+        for a in range(lo, hi):
             self._add(self.T[a + 1], "==", self.U[a] + A.seg_us[a], f"seg_{a}")
-        for a in range(A.m + 1):
+        for a in self.rng:
             self._add(self.U[a], ">=", self.T[a], f"dwell_{a}")
+        if self.window:
+            self._add(self.Z, ">=", self.U[hi], "Z_exit")
 
     # -- (2) ---------------------------------------------------------------------------------
     def _add_buckets(self) -> None:
@@ -377,24 +402,46 @@ class _MilpModel:
                 per_group[p.colls[n].group_name].append(
                     (n, self.C[n], self.C[n] + alpha + self.R[n], self.last[n], self.ES[n], self.LF[n], ci)
                 )
-        self.Cf: dict[str, pulp.LpVariable] = {}
-        # the full model's fixed buckets: unmovable collectives, alone, at their traced slots
-        for name in (cp.reference.buckets[b].members[0] for b in cp.fixed_buckets):
-            c = p.colls[name]
-            dur = int(round(c.runtime_ms * _US_PER_MS))
-            ai, aw = A.exact(c.traced_issue), A.exact(c.traced_wait)
-            es, lf = self.est[ai], max(self.est[ai] + dur, self.ub_U[aw])
-            self.Cf[name] = start = self._var(f"Cf_{name}", es, max(es, lf - dur))
-            self._add(start, ">=", self.T[ai], f"fix_issue_{name}")
-            self._add(self.U[aw], ">=", start + dur, f"fix_wait_{name}")
-            per_group[c.group_name].append((name, start, start + dur, 1, es, lf, -1 - len(self.Cf)))
+        if self.window:
+            for n in self.member:  # nothing issued in the window ends unseen
+                alpha = cp.alpha_us[self.member[n].chain]
+                self._add(self.Z, ">=", self.C[n] + alpha + self.R[n], f"Z_end_{n}")
+        # fixed buckets (CP-SAT's fixed_intervals): in reference order among themselves
+        self.Cf: dict[int, pulp.LpVariable] = {}
+        fixed_by_group: dict[str, list] = defaultdict(list)
+        for f in self.fixed:
+            if f.before_range:
+                es = f.ref_start_us
+                lf = max(es + f.dur_us, self.ub_U[f.wait] if f.wait is not None else self.upper_us)
+            else:
+                es = self.est[f.issue]
+                lf = max(es + f.dur_us, self.ub_U[f.wait] if f.wait is not None else self.upper_us)
+            self.Cf[f.bucket] = start = self._var(f"Cf_{f.bucket}", es, max(es, lf - f.dur_us))
+            if not f.before_range:
+                self._add(start, ">=", self.T[f.issue], f"fix_issue_{f.bucket}")
+                if self.window:
+                    self._add(self.Z, ">=", start + f.dur_us, f"Z_fix_{f.bucket}")
+            if f.wait is not None:
+                self._add(self.U[f.wait], ">=", start + f.dur_us, f"fix_wait_{f.bucket}")
+            fixed_by_group[f.group].append((f.ref_start_us, start, f.dur_us))
+            if f.before_range:
+                # FIFO: every free bucket is issued after it, so it runs after it
+                for n in self.member:
+                    if p.colls[n].group_name == f.group:
+                        self._add(self.C[n], ">=", start + f.dur_us, f"fifo_pre_{f.bucket}_{n}")
+            else:
+                per_group[f.group].append((f"f{f.bucket}", start, start + f.dur_us, 1, es, lf, -1 - f.bucket))
+        for group, items in fixed_by_group.items():
+            items.sort(key=lambda t: t[0])
+            for i, ((_r0, st0, d0), (_r1, st1, _d1)) in enumerate(zip(items, items[1:])):
+                self._add(st1, ">=", st0 + d0, f"fix_order_{group}_{i}")
         self.order: dict[tuple[str, str], pulp.LpVariable] = {}
         self.n_pairs_skipped = 0
         for items in per_group.values():
             for i, (k, Ck, Ek, pk, esk, lfk, chk) in enumerate(items):
                 for (l, Cl, El, pl, esl, lfl, chl) in items[i + 1 :]:
-                    if chk == chl:
-                        continue  # same chain: FIFO order above
+                    if chk == chl or (chk < 0 and chl < 0):
+                        continue  # same chain: FIFO order above; fixed pairs: reference order
                     if lfk <= esl or lfl <= esk:
                         self.n_pairs_skipped += 1
                         continue
@@ -426,6 +473,11 @@ class _MilpModel:
                 terms[mem.charge].append(mem.copy_fixed_us * (b - s))
             if mem.prologue_us > 0:
                 terms[mem.charge].append(mem.prologue_us)
+        for f in self.fixed:
+            if f.copy_in_us and not f.before_range:
+                terms[f.issue].append(f.copy_in_us)
+            if f.copy_out_us and f.wait is not None:
+                terms[f.wait].append(f.copy_out_us)
         for a, ts in terms.items():
             self._add(self.U[a], ">=", self.T[a] + pulp.lpSum(ts), f"copy_{a}")
 
@@ -459,12 +511,38 @@ class _MilpModel:
                 self._add(e, "<=", mrg, f"e_mrg_{n}_{a}")
                 terms[a].append(mem.grad_mem * e)
         self.P = self._var("peak_scaled", 0) if peak_objective else None
-        for a in range(A.m + 1):
+        for a in self.rng:
             expr = (cp.base_mem[a] + pulp.lpSum(terms[a])) * (1.0 / _MEM_ROW_SCALE)
             if cp.budget_mem is not None:
                 self._add(expr, "<=", cp.budget_mem / _MEM_ROW_SCALE, f"mem_{a}")
             if self.P is not None:
                 self._add(self.P, ">=", expr, f"peak_{a}")
+
+    # -- steady state (per-layer template) ----------------------------------------------------
+    def tie(self, pairs: list[tuple[str, str]], shift: int) -> bool:
+        """CP-SAT's :meth:`_CpSatModel.tie` in linear form: brk_k2 = brk_k and, when the anchors
+        of k's windows map to k2's by one constant offset d (``shift`` gaps later),
+        y_{k2,a+d} = y_{k,a} (and z likewise). False when an offset is not constant there
+        (the caller then solves the window untied)."""
+        A = self.A
+        index = {g: a for a, g in enumerate(A.gaps)}
+        rows = []
+        for k, k2 in pairs:
+            x, x2 = self.member[k], self.member[k2]
+            rows.append((self.brk[k2], self.brk[k], f"tie_brk_{k2}"))
+            spans = [(self.yv, x.lo, x.hi, x2.lo, x2.hi)]
+            if x.coll_type == "reduce_scatter":
+                spans.append((self.zv, x.wlo, x.whi, x2.wlo, x2.whi))
+            for vfun, lo, hi, lo2, hi2 in spans:
+                offsets = {index.get(A.gaps[a] + shift, -10**9) - a for a in range(lo, hi + 1)}
+                if len(offsets) != 1 or next(iter(offsets)) < -10**8:
+                    return False
+                d = offsets.pop()
+                for a in range(min(lo, lo2 - d) - 1, max(hi, hi2 - d) + 1):
+                    rows.append((vfun(k2, a + d), vfun(k, a), f"tie_{vfun.__name__}_{k2}_{a}"))
+        for lhs, rhs, name in rows:
+            self._add(lhs, "==", rhs, name)
+        return True
 
     # -- warm start and extraction -----------------------------------------------------------
     def set_initial(self, values: list[int]) -> None:
@@ -474,9 +552,11 @@ class _MilpModel:
         def v(var) -> int:
             return values[var.Index()]
 
-        for a in range(self.A.m + 1):
+        for a in self.rng:
             self.T[a].setInitialValue(v(cp.T[a]))
             self.U[a].setInitialValue(v(cp.U[a]))
+        if self.window:
+            self.Z.setInitialValue(v(cp.Z))
         start: dict[str, tuple[int, int]] = {}
         for n, mem in self.member.items():
             for var, cvar in ((self.C[n], cp.C[n]), (self.X[n], cp.X[n]), (self.R[n], cp.R[n])):
@@ -493,10 +573,10 @@ class _MilpModel:
             start[n] = (v(cp.C[n]), v(cp.C[n]) + cp.alpha_us[mem.chain] + v(cp.R[n]))
         proto = cp.model.Proto()
         by_name = {proto.variables[i].name: i for i in range(len(proto.variables))}
-        for name, var in self.Cf.items():
-            val = values[by_name[f"Cf_{name}"]]
-            var.setInitialValue(val)
-            start[name] = (val, val + int(round(self.p.colls[name].runtime_ms * _US_PER_MS)))
+        for f in self.fixed:
+            val = values[by_name[f"Cf_{f.bucket}"]]
+            self.Cf[f.bucket].setInitialValue(val)
+            start[f"f{f.bucket}"] = (val, val + f.dur_us)
         for (k, l), o in self.order.items():
             o.setInitialValue(int(start[k] <= start[l]))
 
@@ -546,15 +626,25 @@ def _solve_lp(model: _MilpModel, time_limit_s: float, seed: int, cfg: MilpConfig
         fd, log_path = tempfile.mkstemp(prefix="milp_cbc_", suffix=".log")
         os.close(fd)
         try:
-            with warnings.catch_warnings():
-                # PuLP 3.3 deprecates the bundled CBC for 4.0; it is the one CBC we can rely on
-                warnings.simplefilter("ignore", DeprecationWarning)
-                solver = pulp.PULP_CBC_CMD(
-                    mip=mip, msg=False, timeLimit=limit, threads=1, gapAbs=cfg.abs_gap_us, gapRel=0.0,
-                    warmStart=warm, maxNodes=cfg.max_nodes, logPath=log_path,
-                    options=[f"randomSeed {int(seed)}", f"randomCbcSeed {int(seed)}"],
-                )
-            lp.solve(solver)
+            # the bundled CBC 2.10 can crash in its preprocessing when a warm start meets a
+            # model it post-processes as infeasible (seen on MILP windows, with its elapsed-time
+            # limit); the retry turns preprocessing off
+            for extra in ([], ["preprocess off"]):
+                with warnings.catch_warnings():
+                    # PuLP 3.3 deprecates the bundled CBC for 4.0; it is the one CBC we can rely on
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    solver = pulp.PULP_CBC_CMD(
+                        mip=mip, msg=False, timeLimit=limit, threads=1, gapAbs=cfg.abs_gap_us, gapRel=0.0,
+                        warmStart=warm, maxNodes=cfg.max_nodes, logPath=log_path,
+                        options=[f"randomSeed {int(seed)}", f"randomCbcSeed {int(seed)}", *extra],
+                    )
+                try:
+                    lp.solve(solver)
+                    break
+                except pulp.PulpSolverError:
+                    if extra:
+                        raise
+                    logger.warning("CBC failed on this model; retrying without preprocessing")
             with open(log_path) as f:
                 log_text = f.read()
         finally:
@@ -592,6 +682,36 @@ def _build(problem: Problem, cfg: MilpConfig, budget_units: int | None, start: S
     values = cp.complete(start, limit_s, seed, num_workers) if start is not None else None
     upper = values[cp.U[cp.anchors.m].Index()] if values is not None else None
     return cp, values, _MilpModel(cp, upper)
+
+
+def _solve_window_milp(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule,
+                       free: set[str], limit: float, seed: int, num_workers: int, anchors,
+                       ties: tuple[list[tuple[str, str]], int] | None = None, *,
+                       milp_cfg: MilpConfig | None = None) -> Schedule | None:
+    """One window of the shared neighbourhood search (:func:`solvers.cpsat.decomposed_solve`),
+    solved as a MILP: CP-SAT's window model as data, the incumbent completed inside it as the
+    MILP's start and its exit state as the MILP's upper bound."""
+    mcfg = milp_cfg or MilpConfig(model=cfg)
+    cp = _CpSatModel(problem, cfg, budget_mem, free=free, reference=schedule, anchors=anchors)
+    if ties is not None:
+        cp.tie(*ties)  # the completion must respect the ties too
+    cp.model.Minimize(cp.objective)
+    values = cp.complete(schedule, max(0.2, limit * mcfg.warm_start_share), seed, num_workers)
+    upper = values[cp.objective.Index()] if values is not None else None
+    model = _MilpModel(cp, upper)
+    if ties is not None and not model.tie(*ties):
+        return None
+    if values is not None:
+        model.set_initial(values)
+    try:
+        out = _solve_lp(model, max(0.2, limit * (1 - mcfg.warm_start_share)), seed, mcfg, warm=values is not None)
+    except pulp.PulpSolverError as e:  # one window failing must not end the search
+        logger.warning("milp window (%d free): the solver failed (%s); window skipped", len(free), e)
+        return None
+    logger.debug("milp window (%d free): %s obj %s us", len(free), out.status, out.objective_us)
+    if out.status not in ("optimal", "feasible"):
+        return None
+    return model.extract()
 
 
 def lp_relaxation_bound_ms(
@@ -674,6 +794,12 @@ def solve_milp(
     deadline = t0 + time_limit_s
     budget = mem_budget_bytes
     notes: list[str] = []
+    if sum(len(c) for c in problem.chains.values()) > cfg.model.full_model_max_members:
+        # the same decomposition as CP-SAT (template, rolling windows), each window a MILP
+        return decomposed_solve(
+            problem, cfg.model, warm, start_hint, mem_budget_bytes, deadline, seed, num_workers, notes, t0,
+            window_solver=functools.partial(_solve_window_milp, milp_cfg=cfg), solver="milp",
+        )
     analytic = problem.lower_bound_ms()
     for round_ in range(cfg.model.memory_repair_rounds + 1):
         remaining = max(0.5, deadline - time.perf_counter())

@@ -194,9 +194,15 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
     placed = [m for bk, _, _ in entries for m in bk.members]
     if len(placed) != len(set(placed)) or set(placed) != set(problem.colls):
         return None
-    # a chain's buckets are issued in chain order (the models' FIFO rule): a bucket that would be
-    # issued before its predecessor (a copy next to a block that kept its own decisions) is
-    # issued with it instead
+    entries = _chain_ordered(problem, entries)
+    return None if entries is None else _from_entries(problem, entries)
+
+
+def _chain_ordered(problem: Problem, entries: list[tuple[Bucket, int, int]]):
+    """``entries`` with every chain's buckets issued in chain order (the models' FIFO rule): a
+    bucket that would be issued before its predecessor is issued with it instead (and waited no
+    earlier). None when that is after one of its members is needed."""
+    entries = list(entries)
     entry_of = {m: e for e, (bk, _, _) in enumerate(entries) for m in bk.members}
     for names in problem.chains.values():
         floor, seen = 0, set()
@@ -211,7 +217,19 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
                     return None
                 entries[e] = (bk, floor, max(w, floor))
             floor = max(floor, entries[e][1])
-    return _from_entries(problem, entries)
+    return entries
+
+
+def at_traced(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Schedule | None:
+    """``schedule`` with the collectives ``names`` alone at their traced positions (buckets
+    holding them are split; their other members stay where they were, alone), in chain order.
+    Traced positions repeat exactly from layer to layer, so this is a periodic start for the
+    tied template window; None if chain order cannot be kept."""
+    names = set(names)
+    entries = _dissolved(problem, schedule, names)
+    entries += [(Bucket((n,)), problem.colls[n].traced_issue, problem.colls[n].traced_wait) for n in sorted(names)]
+    entries = _chain_ordered(problem, entries)
+    return None if entries is None else _from_entries(problem, entries)
 
 
 def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Schedule:

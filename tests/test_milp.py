@@ -178,3 +178,49 @@ def test_config_validation():
         milp.MilpConfig(backend="gurobi")
     with pytest.raises(ValueError):
         milp.MilpConfig(abs_gap_us=1.0)
+
+
+# -- windows of the shared decomposition (solvers.cpsat.decomposed_solve) -----------------------
+def _window_models(p: Problem, kind_free: str, budget: int | None):
+    """CP-SAT's window model over the first collectives in need order, from the FSDP2-like
+    incumbent, and the MILP built on it (fresh CP data for each, as the solvers build them)."""
+    from solvers.cpsat import _Anchors, _bucket_free, _window_order
+
+    inc = solve(p, solver="fsdp2").schedule
+    anchors = _Anchors(p)
+    order = _window_order(p)
+    names = order[:8] if kind_free == "head" else order[len(order) // 2 : len(order) // 2 + 8]
+    free = _bucket_free(inc, names)
+    cp = _CpSatModel(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors)
+    cp.model.Minimize(cp.objective)
+    cp2 = _CpSatModel(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors)
+    return cp, milp._MilpModel(cp2), free
+
+
+@pytest.mark.parametrize("where", ["head", "middle"])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_window_milp_optimum_equals_cpsat(kind, where):
+    p = _fsdp(n_layers=6, params_per_layer=3, graph_kind=kind, reshard_after_forward=True, seed=1)
+    cp, model, free = _window_models(p, where, None)
+    assert model.window == (cp.a_hi != cp.anchors.m)
+    solver = _make_solver(_LIMIT_S, 0, 1, CpSatConfig())
+    status = solver.Solve(cp.model)
+    assert solver.StatusName(status) == "OPTIMAL"
+    out = milp._solve_lp(model, _LIMIT_S, 0, milp.MilpConfig())
+    assert out.status == "optimal"
+    assert round(out.objective_us) == round(solver.ObjectiveValue())
+    sched = model.extract()
+    validate_schedule(p, sched)
+    assert set(free) <= {m for b in sched.buckets for m in b.members}
+
+
+def test_large_graph_milp_uses_the_shared_windows():
+    p = _fsdp(n_layers=20, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
+    assert sum(len(c) for c in p.chains.values()) > CpSatConfig().full_model_max_members
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
+    res = solve(p, solver="milp", mem_budget_bytes=budget, time_limit_s=20)
+    assert res.solver == "milp"
+    assert any("rolling-window" in n for n in res.notes)
+    validate_schedule(p, res.schedule, mem_budget_bytes=budget)
+    warm = min(solve(p, solver=h, mem_budget_bytes=budget).objective_ms for h in ("traced", "autoparallel"))
+    assert res.objective_ms <= warm + 1e-9
