@@ -981,23 +981,26 @@ def decomposed_solve(problem: Problem, cfg: CpSatConfig, warm: SolveResult | Non
     anchors = _Anchors(problem)
     budget = mem_budget_bytes
     schedule = start
+    history: list[tuple[float, float]] = []  # (perf_counter, step ms) of every improvement
     for round_ in range(cfg.memory_repair_rounds + 1):
         budget_mem = None if budget is None else budget // _MEM_UNIT_BYTES
         sim = simulate(problem.dag, schedule, problem=problem)
+        history.append((time.perf_counter(), sim.step_ms))
         if cfg.template_rounds and round_ == 0:
             schedule, sim, n_templates = _template_search(
                 problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors,
-                window_solver=window_solver,
+                window_solver=window_solver, history=history,
             )
             if n_templates:
                 notes.append(f"per-layer template: {n_templates} round(s) copied a solved block onto the others")
         schedule, sim, sweeps = _window_search(
             problem, cfg, budget_mem, schedule, sim, deadline, seed, num_workers, mem_budget_bytes, anchors,
-            window_solver=window_solver,
+            window_solver=window_solver, history=history,
         )
         notes.append(f"rolling-window search: {sweeps} sweep(s) of {cfg.lns_window_members}-collective windows")
         if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
-            return _final(problem, schedule, sim, warm, False, problem.lower_bound_ms(), notes, t0, round_, solver)
+            res = _final(problem, schedule, sim, warm, False, problem.lower_bound_ms(), notes, t0, round_, solver)
+            return dataclasses.replace(res, history=tuple((round(t - t0, 3), ms) for t, ms in history))
         excess = sim.peak_bytes - mem_budget_bytes
         budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
         notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
@@ -1153,7 +1156,7 @@ def _bucket_free(schedule: Schedule, names) -> set[str]:
 
 def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
                      deadline: float, seed: int, num_workers: int, budget_bytes: int | None, anchors: _Anchors,
-                     window_solver=None):
+                     window_solver=None, history: list | None = None):
     """Exploit the per-layer repetition before the window search (see :mod:`solvers.periodic`).
 
     Each round solves one window over the ``template_window_blocks`` blocks around the middle of
@@ -1203,6 +1206,8 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
                          tsim.peak_bytes / 2**30)
             if _better(tsim, sim, budget_bytes):
                 schedule, sim, improved = tmpl, tsim, True
+                if history is not None:
+                    history.append((time.perf_counter(), sim.step_ms))
         logger.info("template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
                     round_ + 1, per.blocks[0], per.blocks[-1], per.period, sim.step_ms, sim.peak_bytes / 2**30,
                     "" if improved else " (no gain)")
@@ -1244,7 +1249,7 @@ def _block_peak(problem: Problem, per, block: int, schedule: Schedule, sim) -> i
 
 def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule, sim,
                    deadline: float, seed: int, num_workers: int, budget_bytes: int | None,
-                   anchors: _Anchors | None = None, window_solver=None):
+                   anchors: _Anchors | None = None, window_solver=None, history: list | None = None):
     """Rolling-window neighbourhood search (see :func:`solve_cpsat`).
 
     Each window frees the incumbent's buckets that hold one of ``lns_window_members``
@@ -1282,6 +1287,8 @@ def _window_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, s
             if _better(csim, sim, budget_bytes):
                 schedule, sim = cand, csim
                 improved = True
+                if history is not None:
+                    history.append((time.perf_counter(), sim.step_ms))
         logger.info("window sweep %d: step %.3f ms, peak %.3f GiB", sweep + 1, sim.step_ms, sim.peak_bytes / 2**30)
         if not improved:
             break

@@ -193,6 +193,8 @@ class SolveResult:
         solve_time_s: wall time of the solve (s).
         peak_bytes: predicted peak memory of ``schedule`` (bytes).
         notes: human-readable remarks (fallback reasons, limits hit).
+        history: (seconds since the solve started, simulated step ms) each time the incumbent
+            improved, warm start first (filled by the windowed search; empty otherwise).
     """
 
     schedule: Schedule
@@ -203,6 +205,7 @@ class SolveResult:
     solve_time_s: float
     peak_bytes: int
     notes: tuple[str, ...] = ()
+    history: tuple[tuple[float, float], ...] = ()
 
     @property
     def gap(self) -> float:

@@ -147,5 +147,9 @@ def test_large_graph_solve_uses_the_template_and_fits():
     validate_schedule(p, res.schedule)
     assert res.peak_bytes <= budget
     assert any("rolling-window" in n for n in res.notes)
+    # the improvement history: warm start first, times rising, steps falling, ending at the result
+    times, steps = zip(*res.history)
+    assert list(times) == sorted(times) and list(steps) == sorted(steps, reverse=True)
+    assert steps[-1] == pytest.approx(res.objective_ms)
     again = solve_cpsat(p, mem_budget_bytes=budget, time_limit_s=20)
     assert again.schedule.digest() == res.schedule.digest()  # deterministic, template included
