@@ -103,3 +103,26 @@ def test_second_run_uses_cache(runs):
     pick = lambda d: [r for r in d["comparison"] if r["method"] == "torch overlap_scheduling"]  # noqa: E731
     assert pick(first_data) == pick(second_data)
     print(f"first run {t1:.1f} s, cached run {t2:.1f} s")
+
+
+def test_scaling_script_reports_both_solvers_per_size(runs):
+    """benchmarks/scaling.py on the cache filled above: a row per size, graph, budget and solver,
+    every solver at most the best heuristic (both start from it)."""
+    tmp, cache, _, _ = runs
+    out = tmp / "scaling"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scaling.py"), "--model", MODEL, "--layers", "2",
+         "--world-size", "8", "--cpsat-limits", "2", "--milp-limit", "2", "--cache-dir", str(cache),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "scaling.json").read_text())["rows"]
+    for g in GRAPHS:
+        for budget in ("none", "traced"):
+            mine = {r["method"].split(" (")[0]: r for r in rows if r["graph"] == g and r["budget"] == budget}
+            assert {"best heuristic", "cpsat", "milp"} <= mine.keys()
+            for solver in ("cpsat", "milp"):
+                assert mine[solver]["step_ms"] <= mine["best heuristic"]["step_ms"] + 1e-6
+                assert mine[solver]["t_1pct_s"] <= mine[solver]["solve_s"] + 1e-6
+    assert "solve time vs layers" in (out / "scaling.md").read_text()
