@@ -1164,7 +1164,9 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
     (:func:`solvers.periodic.replicate`); the copy is also tried on the blocks with the most
     memory headroom only (3/4, 1/2, 1/4 of them), and the fastest that fits is kept. The
     next round solves the middle window again with templated neighbours, so the pattern settles
-    into a steady state; rounds stop when one does not improve the simulated step time.
+    into a steady state; rounds stop when one does not improve the simulated step time. Under a
+    memory budget, the unconstrained heuristics' middle blocks are tried first the same way (a
+    budget often binds on a few layers only: the others can take the unconstrained pattern).
     Returns (schedule, simulation, number of templates accepted)."""
     from scheduler.simulator import simulate
     from solvers.periodic import at_traced, detect_periodicity, isolate, replicate
@@ -1176,6 +1178,38 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
     half = cfg.template_window_blocks // 2
     window_blocks = [b for b in range(mid - half, mid + half + 1) if b in per.members]
     accepted = 0
+
+    def copy_best(source: Schedule, label: str) -> bool:
+        """Copy ``source``'s middle block onto the incumbent's blocks, all of them or those with
+        the most memory headroom (3/4, 1/2, 1/4); keep the fastest copy that fits."""
+        nonlocal schedule, sim
+        order = sorted(per.blocks, key=lambda b: (_block_peak(problem, per, b, schedule, sim), b))
+        improved = False
+        for frac in (1.0, 0.75, 0.5, 0.25):
+            targets = order[: max(1, int(len(order) * frac))]
+            tmpl = replicate(problem, per, source, mid, targets, onto=schedule)
+            if tmpl is None:
+                break
+            tsim = simulate(problem.dag, tmpl, problem=problem)
+            logger.debug("%s template on %d blocks: step %.3f ms, peak %.3f GiB", label, len(targets), tsim.step_ms,
+                         tsim.peak_bytes / 2**30)
+            if _better(tsim, sim, budget_bytes):
+                schedule, sim, improved = tmpl, tsim, True
+                if history is not None:
+                    history.append((time.perf_counter(), sim.step_ms))
+        return improved
+
+    # the unconstrained heuristics' steady state, on the layers with room for it
+    if budget_bytes is not None:
+        from solvers import heuristics
+        from solvers.dispatch import _SOLVERS
+
+        for name in heuristics.WARM_START_HEURISTICS:
+            if deadline - time.perf_counter() <= 1.0:
+                break
+            free_run = _SOLVERS[name](problem, mem_budget_bytes=None, time_limit_s=1.0, seed=seed, hint=None,
+                                      num_workers=1)
+            accepted += copy_best(free_run.schedule, name)
     for round_ in range(cfg.template_rounds):
         left = deadline - time.perf_counter()
         if left <= 1.0:
@@ -1193,21 +1227,7 @@ def _template_search(problem: Problem, cfg: CpSatConfig, budget_mem: int | None,
                                                 anchors, ties=(pairs, per.period))
         if cand is None:
             break
-        # blocks ordered by the incumbent's memory headroom (lowest peak inside the block first)
-        order = sorted(per.blocks, key=lambda b: (_block_peak(problem, per, b, schedule, sim), b))
-        improved = False
-        for frac in (1.0, 0.75, 0.5, 0.25):
-            targets = order[: max(1, int(len(order) * frac))]
-            tmpl = replicate(problem, per, cand, mid, targets)
-            if tmpl is None:
-                break
-            tsim = simulate(problem.dag, tmpl, problem=problem)
-            logger.debug("template on %d blocks: step %.3f ms, peak %.3f GiB", len(targets), tsim.step_ms,
-                         tsim.peak_bytes / 2**30)
-            if _better(tsim, sim, budget_bytes):
-                schedule, sim, improved = tmpl, tsim, True
-                if history is not None:
-                    history.append((time.perf_counter(), sim.step_ms))
+        improved = copy_best(cand, "window")
         logger.info("template round %d (blocks %d..%d, period %d): step %.3f ms, peak %.3f GiB%s",
                     round_ + 1, per.blocks[0], per.blocks[-1], per.period, sim.step_ms, sim.peak_bytes / 2**30,
                     "" if improved else " (no gain)")

@@ -143,7 +143,7 @@ def detect_periodicity(problem: Problem, *, min_blocks: int = 4) -> Periodicity 
 
 
 def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: int,
-              targets: Iterable[int]) -> Schedule | None:
+              targets: Iterable[int], *, onto: Schedule | None = None) -> Schedule | None:
     """``schedule`` with block ``source``'s decisions copied onto every block in ``targets``.
 
     A bucket *belongs* to the block of its first member. For each target block ``t`` and each
@@ -155,7 +155,8 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
 
     A target block whose copy does not fit (a shifted member lies outside the run, or a position
     outside the graph) keeps its own decisions. Returns None when no block could be copied or
-    no bucket could be issued in chain order; the caller then keeps ``schedule``.
+    no bucket could be issued in chain order; the caller then keeps ``schedule``. With ``onto``,
+    the copies go into that schedule instead (``schedule`` only supplies block ``source``).
     """
     targets = sorted(set(targets) - {source})
     if not targets:
@@ -190,7 +191,7 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
         covered.update(m for bk, _, _ in copies for m in bk.members)
     if not new:
         return None
-    entries = _dissolved(problem, schedule, covered) + new
+    entries = _dissolved(problem, onto or schedule, covered) + new
     placed = [m for bk, _, _ in entries for m in bk.members]
     if len(placed) != len(set(placed)) or set(placed) != set(problem.colls):
         return None
