@@ -224,3 +224,38 @@ def test_large_graph_milp_uses_the_shared_windows():
     validate_schedule(p, res.schedule, mem_budget_bytes=budget)
     warm = min(solve(p, solver=h, mem_budget_bytes=budget).objective_ms for h in ("traced", "autoparallel"))
     assert res.objective_ms <= warm + 1e-9
+
+
+def test_cbc_crash_is_retried_without_preprocessing(monkeypatch, caplog):
+    # the bundled CBC can segfault in preprocessing on some warm-started window models; PuLP then
+    # raises PulpSolverError: the solve is retried once with preprocessing off
+    import pulp
+
+    real_solve = pulp.LpProblem.solve
+    calls = []
+
+    def crashing(self, solver=None, **kw):
+        calls.append(list(getattr(solver, "options", [])))
+        if "preprocess off" not in calls[-1]:
+            raise pulp.PulpSolverError("Pulp: Error while trying to execute (simulated crash)")
+        return real_solve(self, solver, **kw)
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", crashing)
+    p = _two_gathers_one_scatter()
+    model = milp._MilpModel(_CpSatModel(p, CpSatConfig(), None))
+    out = milp._solve_lp(model, _LIMIT_S, 0, milp.MilpConfig(backend="cbc"))
+    assert out.status == "optimal" and round(out.objective_us) == 7000
+    assert len(calls) == 2 and "CBC failed" in caplog.text
+
+
+def test_failing_window_solver_is_skipped_not_fatal(monkeypatch, caplog):
+    import pulp
+
+    def always_crash(*a, **kw):
+        raise pulp.PulpSolverError("Pulp: Error while trying to execute (simulated crash)")
+
+    monkeypatch.setattr(milp, "_solve_lp", always_crash)
+    p = _fsdp(n_layers=20, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
+    res = solve(p, solver="milp", time_limit_s=8)
+    validate_schedule(p, res.schedule)
+    assert res.solver == "milp" and "window skipped" in caplog.text
