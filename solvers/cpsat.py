@@ -545,7 +545,9 @@ class _CpSatModel:
                     m.Add(self.C[n] >= self.X[chain[k - 1].name]).OnlyEnforceIf(self.brk[n])
         fixed_by_group: dict[str, list] = defaultdict(list)
         pre_range: dict[str, list] = defaultdict(list)
-        for f in self.fixed_intervals():
+        #: the reference buckets fixed in this model's range (the MILP twin reads them too)
+        self.fixed = self.fixed_intervals()
+        for f in self.fixed:
             start = m.NewIntVar(0, self.horizon, f"Cf_{f.bucket}")
             fixed_by_group[f.group].append((f.ref_start_us, start, f.dur_us))
             if f.before_range:

@@ -85,7 +85,7 @@ from collections import defaultdict
 import pulp
 
 from solvers.cpsat import _MEM_UNIT_BYTES  # the CP-SAT model's memory unit
-from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel, decomposed_solve
+from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel, _final, _warm_result, decomposed_solve
 from solvers.dispatch import register
 from solvers.problem import Problem
 from solvers.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
@@ -237,7 +237,7 @@ class _MilpModel:
         for chain in cp.chains:
             for mem in chain:
                 fixed_copy[mem.charge] += mem.prologue_us
-        self.fixed = cp.fixed_intervals()
+        self.fixed = cp.fixed
         for f in self.fixed:
             if f.copy_in_us and not f.before_range:
                 fixed_copy[f.issue] += f.copy_in_us
@@ -826,10 +826,8 @@ def solve_milp(
         if out.status in ("infeasible", "unknown") and warm is not None:
             # the model restricts positions to anchors and prices memory conservatively, so its
             # infeasibility proves nothing while a heuristic schedule fits: return that
-            sim = simulate(problem.dag, warm.schedule, problem=problem)
             notes.append(f"model {out.status} under the budget; returned the best warm start ({warm.solver})")
-            return SolveResult(warm.schedule, SolveStatus.FEASIBLE, "milp", sim.step_ms,
-                               min(analytic, sim.step_ms), time.perf_counter() - t0, sim.peak_bytes, tuple(notes))
+            return _warm_result(problem, warm, notes, t0, "milp")
         if out.status in ("infeasible", "unknown"):
             if budget is None:
                 raise ScheduleError(f"the MILP found no schedule ({out.status}) within {limit:.1f} s; "
@@ -849,25 +847,9 @@ def solve_milp(
             bound_txt = f"{out.bound_us / _US_PER_MS:.3f} ms" if out.bound_us is not None else "n/a"
             notes.append(f"model step {out.objective_us / _US_PER_MS:.3f} ms, model bound {bound_txt}, "
                          f"status {out.status.upper()}")
-            if round_:
-                notes.append(f"memory repaired in {round_} round(s)")
-            if warm is not None and warm.objective_ms < sim.step_ms - 1e-9:
-                # the model prices copies and transients approximately; never return a schedule
-                # that simulates worse than the warm start it was given
-                schedule, sim = warm.schedule, simulate(problem.dag, warm.schedule, problem=problem)
-                proven = False
-                notes.append(f"kept the warm start ({warm.solver}): the model's schedule simulated slower")
             model_bound = (out.bound_us / _US_PER_MS) if out.bound_us is not None else -math.inf
-            return SolveResult(
-                schedule=schedule,
-                status=SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE,
-                solver="milp",
-                objective_ms=sim.step_ms,
-                best_bound_ms=min(max(model_bound, analytic), sim.step_ms),
-                solve_time_s=time.perf_counter() - t0,
-                peak_bytes=sim.peak_bytes,
-                notes=tuple(notes),
-            )
+            return _final(problem, schedule, sim, warm, proven, max(model_bound, analytic), notes, t0, round_,
+                          "milp")
         excess = sim.peak_bytes - mem_budget_bytes
         budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
         notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
