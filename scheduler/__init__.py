@@ -1,8 +1,8 @@
 """fsdp-sched: solver-based scheduling of FSDP collectives.
 
 Pipeline (one module per step): ``models`` (capture) -> :mod:`scheduler.dag` (export) ->
-:mod:`scheduler.costs` (costs) -> ``solvers`` (solve) -> :mod:`scheduler.simulator` /
-:mod:`scheduler.validator` (check) -> :mod:`scheduler.writeback` (write back);
+:mod:`scheduler.costs` (costs) -> ``solvers`` (solve) -> :mod:`solvers.core.simulator` /
+:mod:`solvers.core.validator` (check) -> :mod:`scheduler.writeback` (write back);
 :mod:`scheduler.api` ties them together as ``optimize_schedule``.
 
 Attributes are loaded lazily so that importing the torch-free parts (simulate, validate)
@@ -27,22 +27,22 @@ _EXPORTS = {
     "TableCostModel": "scheduler.costs",
     "annotate_costs": "scheduler.costs",
     "MeasuredCostModel": "scheduler.measure",
-    "simulate": "scheduler.simulator",
-    "SimResult": "scheduler.simulator",
-    "ScheduleInvalidError": "scheduler.simulator",
-    "validate_schedule": "scheduler.validator",
+    "simulate": "solvers.core.simulator",
+    "SimResult": "solvers.core.simulator",
+    "ScheduleInvalidError": "solvers.core.simulator",
+    "validate_schedule": "solvers.core.validator",
     "optimize_schedule": "scheduler.api",
     "solve_dag": "scheduler.api",
-    "ScheduleReport": "scheduler.api",
-    "parse_bytes": "scheduler.api",
+    "ScheduleReport": "scheduler.report",
+    "parse_bytes": "solvers.core.units",
     "backend": "scheduler.api",
     "apply_schedule": "scheduler.writeback",
-    "Schedule": "solvers.schedule",
-    "Bucket": "solvers.schedule",
-    "SolveResult": "solvers.schedule",
-    "SolveStatus": "solvers.schedule",
-    "InfeasibleBudgetError": "solvers.schedule",
-    "ScheduleError": "solvers.schedule",
+    "Schedule": "solvers.core.schedule",
+    "Bucket": "solvers.core.schedule",
+    "SolveResult": "solvers.core.schedule",
+    "SolveStatus": "solvers.core.schedule",
+    "InfeasibleBudgetError": "solvers.core.schedule",
+    "ScheduleError": "solvers.core.schedule",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@
 - :func:`parse_bytes`: ``"40GiB"`` -> bytes, for every ``mem_budget`` argument.
 
 Failure policy: a memory budget that no schedule reaches raises
-:class:`solvers.schedule.InfeasibleBudgetError` with the smallest peak found; a solver that
+:class:`solvers.core.schedule.InfeasibleBudgetError` with the smallest peak found; a solver that
 fails or times out is replaced (``fallback=True``) by the best valid schedule among its
 incumbent and the heuristics, which is never worse than the graph as traced; the report says
 so (``fell_back``, ``notes``) and a warning is logged.
@@ -15,210 +15,49 @@ so (``fell_back``, ``notes``) and a warning is logged.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import logging
-import math
-import re
 import time
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.simulator import ScheduleInvalidError, SimResult, simulate
-from scheduler.validator import validate_schedule
-from solvers.problem import Problem, fmt_bytes, fmt_ms
-from solvers.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
+from scheduler.dag import export_dag
+from scheduler.report import ScheduleReport, make_report
+from scheduler.writeback import apply_schedule
+from solvers.core import (
+    InfeasibleBudgetError,
+    Problem,
+    Schedule,
+    ScheduleError,
+    ScheduleInvalidError,
+    SolveStatus,
+    fmt_bytes,
+    fmt_ms,
+    parse_bytes,
+    simulate,
+    validate_schedule,
+)
+from solvers.registry import SOLVERS, SolverFn, available_solvers, solve, solver_name
+from solvers.warmstart import best_warm_start, fitting_heuristics
 
 if TYPE_CHECKING:
     import torch.fx
 
 logger = logging.getLogger(__name__)
 
-#: heuristics tried (in this order) as the solver's hint and as fallbacks
-_HEURISTICS = ("fsdp2", "traced")
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"
 
 # --------------------------------------------------------------------------------------------
-# bytes
-# --------------------------------------------------------------------------------------------
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(x: int | float | str | None) -> int | None:
-    """A memory size in bytes.
-
-    Accepts None (no limit, returned as None), a number of bytes, or a string: a number and a
-    unit, case-insensitive: ``B``, decimal ``KB`` / ``MB`` / ``GB`` / ``TB`` (powers of 1000)
-    or binary ``KiB`` / ``MiB`` / ``GiB`` / ``TiB`` (powers of 1024), e.g. ``"40GiB"``,
-    ``"512MB"``, ``"1.5 GB"``, ``"300 KiB"``. Fractions of a byte are rounded down.
-
-    Raises:
-        ValueError: an unknown unit or a malformed string (the message lists the units), or a
-            size that is zero or negative.
-        TypeError: neither None, a number nor a string.
-    """
-    if x is None:
-        return None
-    if isinstance(x, bool):
-        raise TypeError(f"a memory size must be bytes (int) or a string like '40GiB', got {x!r}")
-    if isinstance(x, (int, float)):
-        if isinstance(x, float) and not math.isfinite(x):
-            raise ValueError(f"memory size must be finite, got {x!r}")
-        value = int(x)
-    elif isinstance(x, str):
-        m = _BYTES_RE.match(x)
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(
-                f"cannot parse memory size {x!r}: write a number and a unit, one of B, KB, MB, GB, TB "
-                "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '40GiB' or '1.5 GB'"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-    else:
-        raise TypeError(f"a memory size must be bytes (int) or a string like '40GiB', got {type(x).__name__}")
-    if value <= 0:
-        raise ValueError(f"memory size must be > 0 bytes, got {x!r}")
-    return value
-
-
-# --------------------------------------------------------------------------------------------
-# report
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(kw_only=True)
-class ScheduleReport:
-    """What one optimisation predicts and did. Times in ms, memory in bytes, distances in
-    compute nodes; "before" is the graph as traced, "after" the chosen schedule, both
-    simulated on the same cost model (:mod:`scheduler.simulator`)."""
-
-    #: name of the graph ("forward", "backward", ...)
-    graph_name: str
-    #: solver or heuristic that produced the schedule (after any fallback)
-    solver: str
-    #: the solver asked for
-    requested_solver: str
-    #: a :class:`solvers.schedule.SolveStatus` value, or "unchanged" for a graph without collectives
-    status: str
-    #: wall time of the whole solve, heuristics and validation included (s)
-    solve_time_s: float
-    #: the memory budget (bytes), None for none
-    mem_budget_bytes: int | None
-    step_ms_before: float
-    step_ms_after: float
-    peak_bytes_before: int
-    peak_bytes_after: int
-    exposed_comm_ms_before: float
-    exposed_comm_ms_after: float
-    n_collectives_before: int
-    n_collectives_after: int
-    #: analytic lower bound on step time (DESIGN.md), valid for every schedule
-    lower_bound_ms: float
-    #: the best proven bound on step time (solver bound, else the analytic one)
-    best_bound_ms: float
-    #: (step_ms_after - best_bound_ms) / step_ms_after, 0 when proven optimal
-    gap: float
-    #: per bucket, the parameter FQNs of its members (collective names where FQNs are unknown)
-    buckets: list[list[str]] = dataclasses.field(default_factory=list)
-    #: per bucket, its collective type ("all_gather", "reduce_scatter", ...)
-    bucket_types: list[str] = dataclasses.field(default_factory=list)
-    #: per all-gather bucket, compute nodes between its issue and the first use of its result
-    ag_prefetch: list[int] = dataclasses.field(default_factory=list)
-    #: per reduce-scatter bucket, compute nodes between its last gradient and its issue
-    rs_issue_delay: list[int] = dataclasses.field(default_factory=list)
-    #: per reduce-scatter bucket, compute nodes between its issue and its wait
-    rs_wait_distance: list[int] = dataclasses.field(default_factory=list)
-    #: :meth:`solvers.schedule.Schedule.digest` of the schedule (equal on every rank)
-    digest: str = ""
-    notes: list[str] = dataclasses.field(default_factory=list)
-    #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
-    fell_back: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_json(data: dict[str, Any]) -> "ScheduleReport":
-        return ScheduleReport(**data)
-
-    def summary_line(self) -> str:
-        """One line for logs."""
-        return (
-            f"fsdp-sched {self.graph_name}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
-            f"peak {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}, "
-            f"collectives {self.n_collectives_before} -> {self.n_collectives_after} "
-            f"({self.solver}, {self.status}, gap {self.gap:.1%}{', fell back' if self.fell_back else ''})"
-        )
-
-    def __str__(self) -> str:
-        budget = fmt_bytes(self.mem_budget_bytes) if self.mem_budget_bytes else "none"
-        rows = [
-            ("step time", fmt_ms(self.step_ms_before), fmt_ms(self.step_ms_after)),
-            ("peak memory", fmt_bytes(self.peak_bytes_before), fmt_bytes(self.peak_bytes_after)),
-            ("exposed comm", fmt_ms(self.exposed_comm_ms_before), fmt_ms(self.exposed_comm_ms_after)),
-            ("collectives", str(self.n_collectives_before), str(self.n_collectives_after)),
-        ]
-        lines = [
-            f"fsdp-sched report: {self.graph_name} (solver {self.solver}, status {self.status}, "
-            f"{self.solve_time_s:.2f} s, budget {budget})",
-            f"  {'':<14}{'traced':>14}{'scheduled':>14}",
-        ]
-        lines += [f"  {name:<14}{a:>14}{b:>14}" for name, a, b in rows]
-        lines.append(
-            f"  lower bound {fmt_ms(self.lower_bound_ms)}, best bound {fmt_ms(self.best_bound_ms)}, "
-            f"gap {self.gap:.1%}"
-        )
-        n_ag = self.bucket_types.count("all_gather")
-        n_rs = self.bucket_types.count("reduce_scatter")
-        lines.append(f"  buckets: {len(self.buckets)} (all-gather {n_ag}, reduce-scatter {n_rs})")
-        if self.ag_prefetch:
-            lines.append(f"  all-gather prefetch (compute nodes): {_spread(self.ag_prefetch)}")
-        if self.rs_wait_distance:
-            lines.append(
-                f"  reduce-scatter issue delay: {_spread(self.rs_issue_delay)}; "
-                f"issue-to-wait: {_spread(self.rs_wait_distance)}"
-            )
-        if self.fell_back:
-            lines.append(f"  fell back from {self.requested_solver} to {self.solver}")
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.digest:
-            lines.append(f"  schedule digest {self.digest[:16]}")
-        return "\n".join(lines)
-
-
-def _spread(xs: list[int]) -> str:
-    s = sorted(xs)
-    return f"min {s[0]}, median {s[len(s) // 2]}, max {s[-1]}"
-
-
-# --------------------------------------------------------------------------------------------
 # solve (torch-free)
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Candidate:
-    name: str
-    schedule: Schedule
-    sim: SimResult
-    result: SolveResult | None = None
-
-
 def solve_dag(
     dag: nx.DiGraph,
     mem_budget: int | str | None = None,
     *,
-    solver: str = "cpsat",
+    solver: str | SolverFn = "cpsat",
     time_limit_s: float = 30.0,
     seed: int = 0,
     fallback: bool = True,
@@ -230,12 +69,13 @@ def solve_dag(
         dag: from :func:`scheduler.export_dag` or :func:`scheduler.load_dag`.
         mem_budget: peak-memory budget: bytes or a string such as ``"40GiB"`` (see
             :func:`parse_bytes`); None (default) for no limit.
-        solver: ``"cpsat"`` (default), ``"milp"`` or a heuristic name
-            (:func:`solvers.available_solvers`).
+        solver: ``"cpsat"`` (default), ``"milp"``, a heuristic name
+            (:func:`solvers.available_solvers`), or your own callable with the signature of
+            :data:`solvers.registry.SolverFn`.
         time_limit_s: solver time limit in seconds (default 30; deterministic for CP-SAT).
         seed: solver random seed (default 0).
-        fallback: on a solver failure or timeout, return the best valid schedule among the
-            solver's incumbent and the heuristics (default True); False re-raises.
+        fallback: on a solver failure or timeout, return the best valid heuristic schedule
+            (default True); False re-raises.
         num_workers: solver threads (default 1: deterministic).
 
     Returns:
@@ -247,103 +87,70 @@ def solve_dag(
             ``min_peak_bytes`` is the smallest peak found.
         ScheduleError: the solver failed and ``fallback`` is False.
     """
-    budget = parse_bytes(mem_budget)
     problem = Problem.from_dag(dag)
-    return _solve_problem(
-        problem,
-        budget,
-        solver=solver,
-        time_limit_s=time_limit_s,
-        seed=seed,
-        fallback=fallback,
-        num_workers=num_workers,
-    )
+    return _solve_problem(problem, parse_bytes(mem_budget), solver=solver, time_limit_s=time_limit_s, seed=seed,
+                          fallback=fallback, num_workers=num_workers)
 
 
 def _solve_problem(
     problem: Problem,
-    budget: int | None,
+    mem_budget_bytes: int | None,
     *,
-    solver: str,
+    solver: str | SolverFn,
     time_limit_s: float,
     seed: int,
     fallback: bool,
     num_workers: int,
 ) -> tuple[Schedule, ScheduleReport]:
-    from solvers.dispatch import available_solvers, solve
-
+    """Solve, validate and report. The exact solvers are never worse than the best heuristic
+    that fits (:mod:`solvers.driver`); a solver given as a callable is held to the same here.
+    A failed solve falls back to the best heuristic that fits (``fallback``)."""
     t0 = time.perf_counter()
-    traced = problem.traced_schedule()
-    before = simulate(problem.dag, traced, problem=problem)
-    graph_name = str(problem.dag.graph.get("name", "graph"))
+    name = solver_name(solver)
+    before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
+    report = functools.partial(make_report, problem, before, graph_name=str(problem.dag.graph.get("name", "graph")),
+                               mem_budget_bytes=mem_budget_bytes, t0=t0, requested=name)
     if not problem.colls:
-        report = _report(problem, traced, before, before, graph_name=graph_name, budget=budget, t0=t0,
-                         solver="none", requested=solver, status="unchanged", best_bound=None,
-                         notes=["the graph has no collectives: left unchanged"], fell_back=False)
-        return traced, report
-    if solver not in available_solvers():
+        return before.schedule, report(before, solver="none", status="unchanged", best_bound=None,
+                                       notes=["the graph has no collectives: left unchanged"], fell_back=False)
+    if isinstance(solver, str) and solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {available_solvers()}")
-
-    candidates = _heuristic_candidates(problem, budget, seed=seed, exclude=solver)
-    fitting = [c for c in candidates if budget is None or c.sim.peak_bytes <= budget]
-    hint = fitting[0].schedule if fitting else None
-    notes: list[str] = _fixed_collective_notes(problem)
-    chosen: _Candidate | None = None
+    notes = _fixed_collective_notes(problem)
     try:
-        result = solve(
-            problem,
-            solver=solver,
-            mem_budget_bytes=budget,
-            time_limit_s=time_limit_s,
-            seed=seed,
-            hint=hint,
-            num_workers=num_workers,
-        )
-        sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
-        chosen = _Candidate(solver, result.schedule, sim, result)
-        notes += list(result.notes)
-        if result.status == SolveStatus.FEASIBLE:
-            notes.append(f"{solver} stopped at its limit ({time_limit_s:g} s) without proving optimality")
-    except InfeasibleBudgetError as e:
-        if not fitting:
-            raise _infeasible(e, budget, candidates) from e
-        if not fallback:
-            raise
-        notes.append(f"{solver} found no schedule under the budget ({e}); a heuristic schedule fits")
-        logger.warning("fsdp-sched: %s found no schedule under the budget; using a heuristic that fits", solver)
+        result = solve(problem, solver=solver, mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
+                       seed=seed, num_workers=num_workers)
+        sim = validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
+        heuristic = best_warm_start(problem, None, mem_budget_bytes, seed=seed)
+        if heuristic is None:
+            if isinstance(e, InfeasibleBudgetError) or mem_budget_bytes is not None:
+                raise _infeasible(e, problem, mem_budget_bytes) from e
+            raise
         if not fallback:
             raise
-        reason = f"{type(e).__name__}: {e}"
-        notes.append(f"{solver} failed ({reason}); fell back to the best valid heuristic schedule")
-        logger.warning("fsdp-sched: solver %s failed (%s); falling back to heuristics", solver, reason)
-        if not fitting:
-            raise _infeasible(None, budget, candidates) from e
-
-    pick = chosen
-    if fallback:
-        # never worse than the traced order (or any heuristic): the solver's model approximates
-        pool = ([chosen] if chosen is not None else []) + fitting
-        pick = min(pool, key=lambda c: (round(c.sim.step_ms, 9), c.sim.peak_bytes, len(c.schedule.buckets)))
-        if chosen is not None and pick is not chosen:
-            notes.append(
-                f"heuristic {pick.name!r} simulates better than {solver}'s schedule "
-                f"({fmt_ms(pick.sim.step_ms)} vs {fmt_ms(chosen.sim.step_ms)}): using it"
-            )
-    assert pick is not None
-    fell_back = pick is not chosen
-    if pick.result is not None:
-        status = SolveStatus.FALLBACK.value if fell_back else pick.result.status.value
-        best_bound = pick.result.best_bound_ms
-    else:
-        status, best_bound = SolveStatus.FALLBACK.value, None
-    if chosen is not None and chosen.result is not None:
-        # a proven bound holds whatever schedule is returned
-        best_bound = chosen.result.best_bound_ms
-    report = _report(problem, pick.schedule, before, pick.sim, graph_name=graph_name, budget=budget, t0=t0,
-                     solver=pick.name, requested=solver, status=status, best_bound=best_bound, notes=notes,
-                     fell_back=fell_back)
-    return pick.schedule, report
+        if isinstance(e, InfeasibleBudgetError):
+            notes.append(f"{name} found no schedule under the budget ({e}); a heuristic schedule fits")
+        else:
+            notes.append(f"{name} failed ({type(e).__name__}: {e}); fell back to the best valid heuristic schedule")
+        logger.warning("fsdp-sched: %s gave no valid schedule (%s); falling back to heuristic %s", name, e, heuristic.solver)
+        return heuristic.schedule, report(validate_schedule(problem, heuristic.schedule), solver=heuristic.solver,
+                                          status=SolveStatus.FALLBACK.value, best_bound=None, notes=notes,
+                                          fell_back=True)
+    notes += list(result.notes)
+    if result.status == SolveStatus.FEASIBLE:
+        notes.append(f"{name} stopped at its limit ({time_limit_s:g} s) without proving optimality")
+    if fallback and not isinstance(solver, str):
+        # a solver of the user's: never worse than the heuristics (the exact solvers keep this
+        # guarantee themselves, in solvers.driver; a heuristic asked for by name is returned as is)
+        heuristic = best_warm_start(problem, None, mem_budget_bytes, seed=seed)
+        if heuristic is not None and heuristic.objective_ms < sim.step_ms - 1e-9:
+            notes.append(f"heuristic {heuristic.solver!r} simulates better than {name}'s schedule "
+                         f"({fmt_ms(heuristic.objective_ms)} vs {fmt_ms(sim.step_ms)}): using it")
+            return heuristic.schedule, report(validate_schedule(problem, heuristic.schedule), solver=heuristic.solver,
+                                              status=SolveStatus.FALLBACK.value, best_bound=result.best_bound_ms,
+                                              notes=notes, fell_back=True)
+    return result.schedule, report(sim, solver=name, status=result.status.value, best_bound=result.best_bound_ms,
+                                   notes=notes, fell_back=False)
 
 
 def _fixed_collective_notes(problem: Problem) -> list[str]:
@@ -357,109 +164,21 @@ def _fixed_collective_notes(problem: Problem) -> list[str]:
     return [f"{len(fixed)} collective(s) left in place, not scheduled (unmodelled or pinned): {names}"]
 
 
-def _heuristic_candidates(problem: Problem, budget: int | None, *, seed: int, exclude: str) -> list[_Candidate]:
-    """Valid heuristic schedules ("fsdp2", then "traced"), plus the traced order itself."""
-    from solvers.dispatch import available_solvers, solve
-
-    out: list[_Candidate] = []
-    names = [h for h in _HEURISTICS if h in available_solvers() and h != exclude]
-    for h in names:
-        try:
-            r = solve(problem, solver=h, mem_budget_bytes=budget, time_limit_s=10.0, seed=seed)
-            out.append(_Candidate(h, r.schedule, validate_schedule(problem, r.schedule), r))
-        except (ScheduleError, ScheduleInvalidError, ValueError) as e:
-            logger.debug("heuristic %s gave no valid schedule: %s", h, e)
-    if not any(c.name == "traced" for c in out):
-        traced = problem.traced_schedule()
-        out.append(_Candidate("traced", traced, validate_schedule(problem, traced)))
-    return out
-
-
-def _infeasible(err: InfeasibleBudgetError | None, budget: int | None, candidates: list[_Candidate]) -> Exception:
-    peaks = [c.sim.peak_bytes for c in candidates]
-    if err is not None and err.min_peak_bytes is not None:
+def _infeasible(err: Exception, problem: Problem, mem_budget_bytes: int | None) -> Exception:
+    """The error when neither the solver nor any heuristic fits: the smallest peak found."""
+    if mem_budget_bytes is None:  # no budget: nothing to relax; the solver failed outright
+        return ScheduleError(f"no valid schedule found ({type(err).__name__}: {err})")
+    peaks = [simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes]
+    peaks += [r.peak_bytes for r in fitting_heuristics(problem, None)]
+    if isinstance(err, InfeasibleBudgetError) and err.min_peak_bytes is not None:
         peaks.append(err.min_peak_bytes)
-    min_peak = min(peaks) if peaks else None
-    if budget is None:  # no budget: nothing to relax; the solver failed outright
-        return ScheduleError("no valid schedule found")
+    min_peak = min(peaks)
     return InfeasibleBudgetError(
-        f"no schedule keeps peak memory under {fmt_bytes(budget)} ({budget} B); the smallest peak "
-        f"reached is {fmt_bytes(min_peak or 0)} ({min_peak} B): raise mem_budget to at least that",
-        budget_bytes=budget,
+        f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes)} ({mem_budget_bytes} B); the smallest "
+        f"peak reached is {fmt_bytes(min_peak)} ({min_peak} B): raise mem_budget to at least that",
+        budget_bytes=mem_budget_bytes,
         min_peak_bytes=min_peak,
     )
-
-
-def _report(
-    problem: Problem,
-    schedule: Schedule,
-    before: SimResult,
-    after: SimResult,
-    *,
-    graph_name: str,
-    budget: int | None,
-    t0: float,
-    solver: str,
-    requested: str,
-    status: str,
-    best_bound: float | None,
-    notes: list[str],
-    fell_back: bool,
-) -> ScheduleReport:
-    lower = problem.lower_bound_ms()
-    bound = max(lower, best_bound) if best_bound is not None else lower
-    bound = min(bound, after.step_ms)
-    gap = max(0.0, (after.step_ms - bound) / after.step_ms) if after.step_ms > 0 else 0.0
-    buckets, types, prefetch, rs_delay, rs_wait = _bucket_stats(problem, schedule)
-    return ScheduleReport(
-        graph_name=graph_name,
-        solver=solver,
-        requested_solver=requested,
-        status=status,
-        solve_time_s=time.perf_counter() - t0,
-        mem_budget_bytes=budget,
-        step_ms_before=before.step_ms,
-        step_ms_after=after.step_ms,
-        peak_bytes_before=before.peak_bytes,
-        peak_bytes_after=after.peak_bytes,
-        exposed_comm_ms_before=before.exposed_comm_ms,
-        exposed_comm_ms_after=after.exposed_comm_ms,
-        n_collectives_before=before.n_collectives,
-        n_collectives_after=after.n_collectives,
-        lower_bound_ms=lower,
-        best_bound_ms=bound,
-        gap=gap,
-        buckets=buckets,
-        bucket_types=types,
-        ag_prefetch=prefetch,
-        rs_issue_delay=rs_delay,
-        rs_wait_distance=rs_wait,
-        digest=schedule.digest(),
-        notes=list(notes),
-        fell_back=fell_back,
-    )
-
-
-def _bucket_stats(problem: Problem, schedule: Schedule):
-    # computes[p] = number of compute nodes in seq[:p]
-    computes = [0]
-    for name in problem.seq:
-        computes.append(computes[-1] + (problem.dag.nodes[name]["kind"] == "compute"))
-    issue, wait = schedule.positions()
-    buckets, types, prefetch, rs_delay, rs_wait = [], [], [], [], []
-    for b, bucket in enumerate(schedule.buckets):
-        colls = [problem.colls[m] for m in bucket.members]
-        buckets.append([f for c in colls for f in (c.fqns or (c.name,))])
-        ctype = colls[0].coll_type
-        types.append(ctype)
-        if ctype == "all_gather":
-            needed = min(c.needed for c in colls)
-            prefetch.append(computes[needed] - computes[issue[b]])
-        elif ctype == "reduce_scatter":
-            ready = max(c.ready for c in colls)
-            rs_delay.append(computes[issue[b]] - computes[min(ready, issue[b])])
-            rs_wait.append(computes[wait[b]] - computes[issue[b]])
-    return buckets, types, prefetch, rs_delay, rs_wait
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,9 +232,6 @@ def optimize_schedule(
         ScheduleError: the solve failed and ``fallback`` is False, or the schedule cannot be
             written back (the message says why).
     """
-    from scheduler.dag import export_dag
-    from scheduler.writeback import apply_schedule
-
     budget = parse_bytes(mem_budget)
     dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
     problem = Problem.from_dag(dag)

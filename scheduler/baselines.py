@@ -33,7 +33,7 @@ from a :class:`scheduler.costs.Cluster` (roofline peak numbers, NCCL bandwidths,
 generation, NVLink); :func:`simulate_torch_baseline` prices the rewritten graph with *our*
 cost model and simulator, so it compares with our schedules on one execution model.
 :func:`torch_memory_peak` is torch's memory estimate of a graph in its traced order, to
-cross-check :func:`scheduler.simulator.simulate` (``benchmarks/memcheck.py``).
+cross-check :func:`solvers.core.simulator.simulate` (``benchmarks/memcheck.py``).
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from scheduler.costs import Cluster, CostModel
+from scheduler.dag import export_dag
+from solvers.core.simulator import SimResult, simulate
+
 if TYPE_CHECKING:
     import torch.fx
-
-    from scheduler.costs import Cluster, CostModel
-    from scheduler.simulator import SimResult
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,6 @@ def torch_overlap_schedule(
     """
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
-    from scheduler.costs import Cluster
 
     cluster = cluster or Cluster()
     if max_memory_increase_gb is None and max_memory_increase_ratio is None:
@@ -154,9 +154,6 @@ def simulate_torch_baseline(
     Raises:
         TorchBaselineError: torch's pass failed on this graph.
     """
-    from scheduler.costs import Cluster
-    from scheduler.dag import export_dag
-    from scheduler.simulator import simulate
 
     cluster = cluster or Cluster()
     rewritten = torch_overlap_schedule(gm, cluster=cluster, **kw)

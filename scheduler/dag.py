@@ -54,10 +54,10 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from scheduler.costs import AnalyticCostModel, Cluster, CostModel, annotate_costs
+
 if TYPE_CHECKING:
     import torch.fx
-
-    from scheduler.costs import Cluster, CostModel
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,6 @@ def export_dag(
             without a wait.
     """
     import torch
-
-    from scheduler.costs import AnalyticCostModel, Cluster, annotate_costs
 
     cluster = cluster or Cluster()
     cost_model = cost_model or AnalyticCostModel(cluster)

@@ -15,8 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from scheduler.simulator import SimResult
-from solvers.problem import Problem
+from solvers.core.simulator import SimResult
+from solvers.core.problem import Problem
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: colour of collectives / buckets outside the repeated layers (embeddings, final norm, output)
@@ -66,8 +66,8 @@ def gantt(sim: SimResult, problem: Problem, path: str | Path, *, title: str | No
     and labelled with their member count and, when they span layers, the layer range.
 
     Args:
-        sim: :func:`scheduler.simulator.simulate` result (its ``schedule`` names the buckets).
-        problem: the :class:`~solvers.problem.Problem` the schedule belongs to.
+        sim: :func:`solvers.core.simulator.simulate` result (its ``schedule`` names the buckets).
+        problem: the :class:`~solvers.core.problem.Problem` the schedule belongs to.
         path: PNG to write (parent directories are created).
         title: figure title; default: the DAG's name and the step time.
     """

@@ -1,4 +1,4 @@
-"""Write back: a :class:`solvers.schedule.Schedule` -> the FX graph it was solved for.
+"""Write back: a :class:`solvers.core.schedule.Schedule` -> the FX graph it was solved for.
 
 :func:`apply_schedule` rewrites the graph in four steps:
 
@@ -41,12 +41,12 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from solvers.schedule import Schedule, ScheduleError
+from solvers.core.schedule import Schedule, ScheduleError
 
 if TYPE_CHECKING:
     import torch.fx
 
-    from solvers.problem import Problem
+    from solvers.core.problem import Problem
 
 logger = logging.getLogger(__name__)
 

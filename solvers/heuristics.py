@@ -1,8 +1,8 @@
 """Baseline heuristics: the schedules that today's FSDP stacks would produce, on our model.
 
-Each heuristic is registered with :func:`solvers.dispatch.register` and returns a
+Each heuristic is listed in :data:`HEURISTICS` (by name) and returns a
 :class:`SolveResult` with status ``HEURISTIC``, its objective and peak from the simulator
-(:mod:`scheduler.simulator`, torch-free) and the analytic lower bound as best bound:
+(:mod:`solvers.core.simulator`, torch-free) and the analytic lower bound as best bound:
 
 - ``"traced"``: the graph as traced (every collective alone, where it was).
 - ``"fsdp2"``: FSDP2 eager: one bucket per transformer block per chain, all-gathers prefetched
@@ -32,9 +32,9 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from solvers.dispatch import register
-from solvers.problem import Problem
-from solvers.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step
+from solvers.core.simulator import simulate
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PlannedBucket:
-    """A bucket with its issue and wait gaps (see :mod:`solvers.schedule`).
+    """A bucket with its issue and wait gaps (see :mod:`solvers.core.schedule`).
 
     ``wait_first``: in its wait gap, the wait runs before that gap's issues (FSDP2 waits the
     previous reduce-scatter before issuing the next); otherwise issues come first.
@@ -80,8 +80,6 @@ def evaluate(
         t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
         notes: remarks stored on the result.
     """
-    from scheduler.simulator import simulate
-
     sim = simulate(problem.dag, schedule, problem=problem)
     return SolveResult(
         schedule=schedule,
@@ -284,7 +282,6 @@ def _with_budget(
 # --------------------------------------------------------------------------------------------
 # traced
 # --------------------------------------------------------------------------------------------
-@register("traced")
 def solve_traced(
     problem: Problem,
     *,
@@ -384,7 +381,6 @@ def _fsdp2_ladder(start: FSDP2Config) -> list[FSDP2Config]:
     return out
 
 
-@register("fsdp2")
 def solve_fsdp2(
     problem: Problem,
     *,
@@ -446,7 +442,6 @@ def _simplefsdp_ladder(problem: Problem, start: SimpleFSDPConfig) -> list[Simple
     return out
 
 
-@register("simplefsdp")
 def solve_simplefsdp(
     problem: Problem,
     *,
@@ -553,7 +548,6 @@ def _autoparallel_ladder(start: AutoParallelConfig) -> list[AutoParallelConfig]:
     return out
 
 
-@register("autoparallel")
 def solve_autoparallel(
     problem: Problem,
     *,
@@ -571,5 +565,11 @@ def solve_autoparallel(
     )
 
 
-#: heuristics tried as warm starts of the exact solvers (cheap: a few simulations each)
-WARM_START_HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
+#: every heuristic by name (the solver names of :func:`solvers.solve`); the exact solvers try
+#: them all as warm starts (cheap: a few simulations each)
+HEURISTICS: dict[str, Callable[..., SolveResult]] = {
+    "traced": solve_traced,
+    "fsdp2": solve_fsdp2,
+    "simplefsdp": solve_simplefsdp,
+    "autoparallel": solve_autoparallel,
+}

@@ -1,70 +1,48 @@
-"""ILP twin of the joint CP-SAT model (:mod:`solvers.cpsat`), in PuLP (CBC, or HiGHS if installed).
+"""MILP backend: the model of :mod:`solvers.model`, written as a MILP in PuLP (CBC, or HiGHS if
+installed).
 
-Same data and decision space as CP-SAT: the anchors, segments, chains, members, issue and wait
-windows, durations, copy costs and the calibrated memory base are read from a
-:class:`solvers.cpsat._CpSatModel` built for the same problem (its CP model is only used as a data
-container, to complete the warm start and to extract the schedule), so both models can only
-differ in how they are written down. Times are in microseconds (continuous; every datum is an
-integer, so optimal times are integers), memory in the CP-SAT model's unit (``cpsat._MEM_UNIT_BYTES`` bytes).
+Same data and decision space as CP-SAT (:class:`solvers.model.ModelData`): the two backends
+differ only in how the families are written down. Each family is one method of
+:class:`MilpModel` with the family's name. Times are in microseconds (continuous; every datum
+is an integer, so optimal times are integers), memory in bytes (memory rows are scaled by
+1/1024, exactly, to keep coefficients moderate for CBC).
 
-Variables (k a chain member, a an anchor; "k-1" is k's predecessor in its chain)
-    brk_k      in {0,1}  k starts a new bucket (brk_0 = 1); last_k = brk_{k+1} (1 at the chain end)
-    y_{k,a}    in {0,1}  [I_k <= a] for a in [lo_k, hi_k); 0 below lo_k, 1 from hi_k on;
-                         y_{k,a} <= y_{k,a+1}; the issue anchor is I_k = lo_k + sum_a (1 - y_{k,a})
-    z_{k,a}    in {0,1}  [W_k <= a] for reduce-scatters, on [wlo_k, whi_k), likewise
-    s_k        in [0,1]  k is alone in its bucket: s_k = brk_k AND last_k (integral when brk is);
-                         mrg_k = 1 - s_k, lead_k = brk_k - s_k (first member of a merged bucket)
-    o_{k,l}    in {0,1}  bucket of k runs before bucket of l (pairs on one stream, see (5))
-    R_k, C_k, X_k, T_a, U_a   as in CP-SAT; E_k = C_k + alpha + R_k (end if k closed its bucket)
+How the MILP writes the families (see :mod:`solvers.model` for the formulation; "k-1" is k's
+predecessor in its chain, M are big-Ms from the time bounds below)
+    variables  y_{k,a} in {0,1} = [I_k <= a] on [lo_k, hi_k) (0 below, 1 from hi_k on),
+               y_{k,a} <= y_{k,a+1}, so I_k = lo_k + sum_a (1 - y_{k,a}); z likewise for W;
+               s_k in [0,1] = brk_k AND last_k (integral when brk is): mrg_k = 1 - s_k,
+               lead_k = brk_k - s_k; o_{k,l} in {0,1}: k's bucket runs before l's (pairs on
+               one stream); e_{k,a} in [0,1] (three inequalities)
+    bounds     C, X in [ES_k, LF_k], T_a >= est_a, U_a <= UB - tail_a, where est / tail are the
+               fixed compute before / after an anchor and UB the model step time of the warm
+               start (the horizon without one): they cut off only solutions worse than it
+    (1) add_timeline   as written in the formulation
+    (2) add_buckets    y_{k,a} <= y_{k-1,a}, y_{k-1,a} - y_{k,a} <= brk_k (equal issue when
+                       merged), the same for z; |C_k - C_{k-1}| <= M brk_k;
+                       R_k = d_k + (1 - brk_k) R_{k-1} and X_k = E_k / X_{k+1} as big-M pairs;
+                       Q_k likewise with a cap
+    (3) add_issue      C_k >= T_lo; C_k >= T_a - M y_{k,a-1} for a in (lo, hi]
+    (4) add_waits      all-gather: U_need >= X_k; reduce-scatter: z_{k,a} <= y_{k,a},
+                       U_a >= X_k - M (1 - z_{k,a}), U_whi >= X_k
+    (5) add_streams    chain order: C_k >= X_{k-1} - M (1 - brk_k); for each pair of buckets of
+                       one group (other chains and fixed intervals) whose windows [ES, LF)
+                       overlap, with p = 2 - last_k - last_l:
+                       C_l >= E_k - M (1 - o_kl) - M p  and  C_k >= E_l - M o_kl - M p;
+                       pairs whose windows do not overlap cannot overlap in time at all
+    (6) add_copy_costs U_a >= T_a + cfix_a + sum (copy_k (1 - s_k) + fix_k (brk_k - s_k))
+    (7) add_memory     as written, with e_{k,a} >= at_a + mrg_k - 1, e <= at_a, e <= mrg_k
+                       where at_a = y_{k,a} - y_{k,a-1}
 
-Objective: minimise U_m (step time). Bounds: C, X in [ES_k, LF_k], T_a >= est_a, U_a <= UB - tail_a
-where est/tail are the fixed compute before / after an anchor and UB is the model step time of the
-warm start (the horizon without one); they cut off only solutions worse than the warm start.
+Differences from CP-SAT (the optimum of the step time is the same): continuous times;
+pairwise order binaries instead of NoOverlap, only for pairs that can overlap under UB; the
+warm start's objective UB is a constraint (CP-SAT only hints it); no second phase (among
+equally fast schedules the MILP returns whichever the solver finds). The warm start is
+completed to a full solution by CP-SAT (:func:`solvers.cpsat.complete_solution`, decisions
+fixed, times minimised) and handed to the MILP solver as its start.
 
-Constraints (each group is one method of :class:`_MilpModel`; M are big-Ms from those bounds)
-    (1) timeline      T_0 = 0, T_{a+1} = U_a + seg_a, U_a >= T_a            -> ``_add_timeline``
-    (2) buckets       y_{k,a} <= y_{k-1,a} (I monotone), y_{k-1,a} - y_{k,a} <= brk_k (equal
-                      issue when merged); the same for z; |C_k - C_{k-1}| <= M brk_k;
-                      R_k = d_k + (1 - brk_k) R_{k-1} (four big-M inequalities);
-                      X_k = E_k when last_k, X_k = X_{k+1} otherwise (big-M both ways)
-                                                                          -> ``_add_buckets``
-    (3) issue         C_k >= T_{lo}; C_k >= T_a - M y_{k,a-1} for a in (lo, hi]
-                                                                          -> ``_add_issue``
-    (4) waits         all-gather: U_{need} >= X_k; reduce-scatter: z_{k,a} <= y_{k,a} (W >= I),
-                      U_a >= X_k - M (1 - z_{k,a}), U_{whi} >= X_k       -> ``_add_waits``
-    (5) streams       same chain: C_k >= X_{k-1} - M (1 - brk_k) (FIFO chain order, as CP-SAT);
-                      different chains (and fixed collectives) of one process group: for each
-                      pair whose time windows [ES, LF) overlap, with p = 2 - last_k - last_l,
-                      C_l >= E_k - M (1 - o_kl) - M p  and  C_k >= E_l - M o_kl - M p;
-                      pairs whose windows do not overlap cannot overlap in time at all
-                      (same as CP-SAT's NoOverlap for every solution at most UB) -> ``_add_streams``
-    (6) merge cost    U_a >= T_a + sum_{k charged at a} (copy_k (1 - s_k) + fixed_k (brk_k - s_k)
-                      + prologue_k); s_k <= brk_k, s_k <= last_k, s_k >= brk_k + last_k - 1
-                                                                          -> ``_add_copy_costs``
-    (7) memory        for every anchor a, base_a + sum_AG out_k y_{k,a}
-                      + sum_RS [grad_k (1 - y_{k,a}) + pay_k (y_{k,a} - z_{k,a}) + out_k y_{k,a}]
-                      + sum_RS grad_k e_{k,a} <= budget, e_{k,a} = [issued at a] AND mrg_k
-                      (merge transient; e continuous, three inequalities) (base_a calibrated on the traced simulation by CP-SAT's model)
-                                                                          -> ``_add_memory``
-    (cap) bucket size Q_k = pay_k + (1 - brk_k) Q_{k-1} <= max(cap, pay_k) when max_bucket_bytes
-                                                                          -> ``_add_buckets``
-
-Differences from CP-SAT (the optimum of U_m is the same):
-- times are continuous instead of integer (the optimum is integral anyway);
-- NoOverlap becomes pairwise order binaries, only for pairs that can overlap under UB;
-- the warm start's objective UB is a constraint (CP-SAT only hints it);
-- no second phase (peak memory, then fewer buckets, at the optimal step time): among equally
-  fast schedules the MILP returns whichever the solver finds;
-- windows: CP-SAT's window models (``_CpSatModel(free=..., reference=...)``: an anchor range,
-  the incumbent's other buckets as fixed intervals, the exit state Z as objective) are written
-  down the same way (:meth:`_MilpModel.objective`), and so is the per-layer template's tie
-  (:meth:`_MilpModel.tie`). Graphs with more than ``full_model_max_members`` movable collectives
-  go through the same decomposition as CP-SAT (:func:`solvers.cpsat.decomposed_solve`: template,
-  then rolling windows), each window solved by :func:`_solve_window_milp`.
-
-The memory repair loop (re-solve with a tighter budget when the simulated peak exceeds it), the
-fallback to the best heuristic when the model is infeasible, and "never return a schedule that
-simulates slower than the warm start" are those of :func:`solvers.cpsat.solve_cpsat`.
+The solve loop (warm start, budget repair, infeasibility, never worse than the best
+heuristic) and the decomposition of large graphs are shared with CP-SAT (:mod:`solvers.driver`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.
 """
@@ -72,7 +50,6 @@ Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -84,30 +61,24 @@ from collections import defaultdict
 
 import pulp
 
-from solvers.cpsat import _MEM_UNIT_BYTES  # the CP-SAT model's memory unit
-from solvers.cpsat import CpSatConfig, _best_warm_start, _CpSatModel, _final, _warm_result, decomposed_solve
-from solvers.dispatch import register
-from solvers.problem import Problem
-from solvers.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
+from solvers import driver
+from solvers.config import SolverConfig
+from solvers.core.problem import Problem
+from solvers.core.schedule import InfeasibleBudgetError, Schedule, SolveResult
+from solvers.core.units import US_PER_MS
+from solvers.cpsat import complete_solution
+from solvers.model import Anchors, Decisions, ModelData, Solution
 
 logger = logging.getLogger(__name__)
 
-_US_PER_MS = 1000.0
 #: memory rows are divided by this (a power of two: exact) to keep coefficients moderate for CBC
 _MEM_ROW_SCALE = 1024.0
 
 
-def model_budget(mem_budget_bytes: int | None) -> int | None:
-    """A budget in bytes in the memory unit of the (shared) model, rounded down."""
-    return None if mem_budget_bytes is None else mem_budget_bytes // _MEM_UNIT_BYTES
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MilpConfig:
-    """Knobs of the MILP solve. The model's data (windows, bucket cap) come from ``model``."""
+class MilpConfig(SolverConfig):
+    """Knobs of the MILP backend (the shared ones: :class:`solvers.config.SolverConfig`)."""
 
-    #: windows, bucket cap and repair rounds shared with CP-SAT (the same decision space)
-    model: CpSatConfig = dataclasses.field(default_factory=CpSatConfig)
     #: "auto" (HiGHS when installed, else CBC), "cbc" or "highs"
     backend: str = "auto"
     #: absolute optimality gap in microseconds; every objective value is an integer number of
@@ -119,8 +90,13 @@ class MilpConfig:
     warm_start_share: float = 0.1
     #: solve the LP relaxation too and report its bound in the notes
     lp_bound: bool = True
+    #: the whole-graph MILP is solved in stages, each twice as long as the last and started from
+    #: the last one's incumbent; it stops when a stage finds nothing better (CBC rarely closes
+    #: its gap on these models, so the limit alone would always be spent). First stage (s):
+    first_stage_s: float = 2.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.backend not in ("auto", "cbc", "highs"):
             raise ValueError(f"backend must be 'auto', 'cbc' or 'highs', got {self.backend!r}")
         if not 0.0 <= self.abs_gap_us < 1.0:
@@ -129,10 +105,12 @@ class MilpConfig:
             raise ValueError("max_nodes must be >= 1 or None")
         if not 0.0 < self.warm_start_share < 1.0:
             raise ValueError("warm_start_share must be in (0, 1)")
+        if self.first_stage_s <= 0:
+            raise ValueError("first_stage_s must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Outcome:
+class LpOutcome:
     """One MILP (or LP) solve: status "optimal", "feasible", "infeasible" or "unknown"."""
 
     status: str
@@ -140,47 +118,38 @@ class _Outcome:
     bound_us: float | None
 
 
-class _Values:
-    """Looks like a CP-SAT solver to :meth:`_CpSatModel.extract`: ``Value(var)`` by CP index."""
-
-    def __init__(self, by_index: dict[int, int]):
-        self._v = by_index
-
-    def Value(self, var) -> int:  # noqa: N802 (CP-SAT's name)
-        return self._v[var.Index()]
-
-
-class _MilpModel:
-    """The MILP over the data of a CP-SAT model ``cp`` (see module docstring).
+class MilpModel:
+    """The MILP of ``data`` (every family of :mod:`solvers.model`, written as in the module
+    docstring).
 
     Args:
-        cp: the CP-SAT model of the same problem and budget, used as data.
+        data: the model's data (problem, budget, windows, fixed intervals, memory base).
         upper_us: model step time of a known solution (the warm start): U_m <= upper_us.
         relax: continuous binaries (the LP relaxation).
         peak_objective: minimise the peak memory instead of the step time (for error messages).
     """
 
-    def __init__(self, cp: _CpSatModel, upper_us: int | None = None, *, relax: bool = False,
+    def __init__(self, data: ModelData, upper_us: int | None = None, *, relax: bool = False,
                  peak_objective: bool = False):
-        self.cp = cp
-        self.p = cp.p
-        self.A = cp.anchors
+        self.data = data
+        self.p = data.p
+        self.A = data.anchors
         self.cat = pulp.LpContinuous if relax else pulp.LpBinary
         self.lp = pulp.LpProblem("fsdp_sched", pulp.LpMinimize)
         self.infeasible: list[str] = []  # constant constraints that fail: the model is infeasible
-        self.upper_us = int(cp.horizon if upper_us is None else min(upper_us, cp.horizon))
-        #: modelled anchors: all of them, or a window's range (``cp.a_lo..cp.a_hi``)
-        self.rng = cp.anchor_range
-        self.window = cp.a_hi != self.A.m
+        self.upper_us = int(data.horizon_us if upper_us is None else min(upper_us, data.horizon_us))
+        #: modelled anchors: all of them, or a window's range (``d.a_lo..d.a_hi``)
+        self.rng = data.anchor_range
+        self.window = data.is_window
         self._time_bounds()
         self._add_variables()
-        self._add_timeline()
-        self._add_buckets()
-        self._add_issue()
-        self._add_waits()
-        self._add_streams()
-        self._add_copy_costs()
-        self._add_memory(peak_objective)
+        self.add_timeline()
+        self.add_buckets()
+        self.add_issue()
+        self.add_waits()
+        self.add_streams()
+        self.add_copy_costs()
+        self.add_memory(peak_objective)
         self.lp += self.P if peak_objective else self.objective
 
     @property
@@ -232,18 +201,10 @@ class _MilpModel:
     def _time_bounds(self) -> None:
         """est_a (earliest T_a), ub_T / ub_U (latest T_a / U_a under objective <= UB) and every
         member's [ES, LF): its bucket runs inside it in every solution at most UB."""
-        A, cp, lo, hi = self.A, self.cp, self.cp.a_lo, self.cp.a_hi
-        fixed_copy = defaultdict(int)  # prologues: charged whether merged or not
-        for chain in cp.chains:
-            for mem in chain:
-                fixed_copy[mem.charge] += mem.prologue_us
-        self.fixed = cp.fixed
-        for f in self.fixed:
-            if f.copy_in_us and not f.before_range:
-                fixed_copy[f.issue] += f.copy_in_us
-            if f.copy_out_us and f.wait is not None:
-                fixed_copy[f.wait] += f.copy_out_us
-        self.t_start = cp._ref_arrival_us(lo) if lo > 0 else 0
+        A, d, lo, hi = self.A, self.data, self.data.a_lo, self.data.a_hi
+        fixed_copy = defaultdict(int, d.fixed_copy_us)  # cfix_a: charged whatever is decided
+        self.fixed = d.fixed
+        self.t_start = d.t_in_us
         self.est = {lo: self.t_start}
         for a in range(lo, hi):
             self.est[a + 1] = self.est[a] + fixed_copy[a] + A.seg_us[a]
@@ -253,7 +214,7 @@ class _MilpModel:
         ub = self.upper_us
         self.ub_U = {a: max(self.est[a], ub - tail_u[a]) for a in self.rng}
         self.ub_T = {a: max(self.est[a], self.ub_U[a] - fixed_copy[a]) for a in self.rng}
-        self.member = {mem.name: mem for chain in cp.chains for mem in chain}
+        self.member = d.member
         self.ES: dict[str, int] = {}
         self.LF: dict[str, int] = {}
         for n, mem in self.member.items():
@@ -261,14 +222,14 @@ class _MilpModel:
             self.LF[n] = self.ub_U[mem.need if mem.coll_type == "all_gather" else mem.whi]
 
     def _add_variables(self) -> None:
-        A, cp, B = self.A, self.cp, self.cat
+        d, B = self.data, self.cat
         self.T = {a: self._var(f"T{a}", self.est[a], self.ub_T[a]) for a in self.rng}
         self.U = {a: self._var(f"U{a}", self.est[a], self.ub_U[a]) for a in self.rng}
-        self.Z = self._var("Z", self.est[cp.a_hi], self.upper_us) if self.window else None
+        self.Z = self._var("Z", self.est[d.a_hi], self.upper_us) if self.window else None
         self.brk, self.C, self.X, self.R, self.s = {}, {}, {}, {}, {}
         self.y: dict[str, dict[int, pulp.LpVariable]] = {}
         self.z: dict[str, dict[int, pulp.LpVariable]] = {}
-        for ci, chain in enumerate(cp.chains):
+        for ci, chain in enumerate(d.chains):
             total_d = sum(x.d_us for x in chain)
             for k, mem in enumerate(chain):
                 n = mem.name
@@ -285,15 +246,18 @@ class _MilpModel:
                 for a in range(mem.wlo, mem.whi - 1):
                     self.lp += (self.z[n][a] <= self.z[n][a + 1], f"zmono_{n}_{a}")
         self.last = {}
-        for chain in cp.chains:
+        self._next: dict[str, str] = {}
+        for chain in d.chains:
             for k, mem in enumerate(chain):
+                if k + 1 < len(chain):
+                    self._next[mem.name] = chain[k + 1].name
                 self.last[mem.name] = self.brk[chain[k + 1].name] if k + 1 < len(chain) else 1
 
     # -- (1) ---------------------------------------------------------------------------------
-    def _add_timeline(self) -> None:
+    def add_timeline(self) -> None:
         """(1) T_0 = 0 (a window: T_lo = the reference's arrival); T_{a+1} = U_a + seg_a;
         U_a >= T_a; a window's exit state Z >= U_hi."""
-        A, lo, hi = self.A, self.cp.a_lo, self.cp.a_hi
+        A, lo, hi = self.A, self.data.a_lo, self.data.a_hi
         self._add(self.T[lo], "==", self.t_start, "T0")
         for a in range(lo, hi):
             self._add(self.T[a + 1], "==", self.U[a] + A.seg_us[a], f"seg_{a}")
@@ -303,14 +267,14 @@ class _MilpModel:
             self._add(self.Z, ">=", self.U[hi], "Z_exit")
 
     # -- (2) ---------------------------------------------------------------------------------
-    def _add_buckets(self) -> None:
+    def add_buckets(self) -> None:
         """(2) y_{k,a} <= y_{k-1,a} and y_{k-1,a} - y_{k,a} <= brk_k (so brk_k = 0 => I_k =
         I_{k-1}), likewise z; brk_k = 0 => C_k = C_{k-1}; R_k = d_k + (1 - brk_k) R_{k-1};
         X_k = C_k + alpha + R_k when last_k, else X_k = X_{k+1}; bucket payload cap."""
-        cp = self.cp
-        cap = cp.cfg.max_bucket_bytes
-        for ci, chain in enumerate(cp.chains):
-            alpha = cp.alpha_us[ci]
+        d = self.data
+        cap = d.cfg.max_bucket_bytes
+        for ci, chain in enumerate(d.chains):
+            alpha = d.alpha_us[ci]
             total_d = sum(x.d_us for x in chain)
             total_pay = sum(self.p.colls[x.name].payload_bytes for x in chain)
             Q = None
@@ -361,7 +325,7 @@ class _MilpModel:
                     self._add(self.X[n], "==", end, f"X_end_{n}")
 
     # -- (3) ---------------------------------------------------------------------------------
-    def _add_issue(self) -> None:
+    def add_issue(self) -> None:
         """(3) C_k >= T_{lo}; C_k >= T_a - M y_{k,a-1} for a in (lo, hi] (I_k >= a <=> y_{k,a-1} = 0)."""
         for n, mem in self.member.items():
             self._add(self.C[n], ">=", self.T[mem.lo], f"issue_{n}_{mem.lo}")
@@ -369,7 +333,7 @@ class _MilpModel:
                 self._add(self.C[n], ">=", self.T[a] - self.ub_T[a] * self.y[n][a - 1], f"issue_{n}_{a}")
 
     # -- (4) ---------------------------------------------------------------------------------
-    def _add_waits(self) -> None:
+    def add_waits(self) -> None:
         """(4) all-gathers: U_{need} >= X_k; reduce-scatters: z_{k,a} <= y_{k,a} (W_k >= I_k),
         U_a >= X_k - M (1 - z_{k,a}) for a in [wlo, whi), U_{whi} >= X_k."""
         for n, mem in self.member.items():
@@ -384,15 +348,15 @@ class _MilpModel:
             self._add(self.U[mem.whi], ">=", self.X[n], f"wait_{n}_{mem.whi}")
 
     # -- (5) ---------------------------------------------------------------------------------
-    def _add_streams(self) -> None:
+    def add_streams(self) -> None:
         """(5) a chain's buckets in chain order: C_k >= X_{k-1} - M (1 - brk_k); buckets of other
         chains and fixed collectives of the same process group do not overlap: one order binary
         per pair whose windows [ES, LF) overlap, active when both close their buckets."""
-        p, A, cp = self.p, self.A, self.cp
+        p, d = self.p, self.data
         # stream items: (name, start, end expr, presence, ES, LF, chain)
         per_group: dict[str, list] = defaultdict(list)
-        for ci, chain in enumerate(cp.chains):
-            alpha = cp.alpha_us[ci]
+        for ci, chain in enumerate(d.chains):
+            alpha = d.alpha_us[ci]
             for k, mem in enumerate(chain):
                 n = mem.name
                 if k > 0:
@@ -404,7 +368,7 @@ class _MilpModel:
                 )
         if self.window:
             for n in self.member:  # nothing issued in the window ends unseen
-                alpha = cp.alpha_us[self.member[n].chain]
+                alpha = d.alpha_us[self.member[n].chain]
                 self._add(self.Z, ">=", self.C[n] + alpha + self.R[n], f"Z_end_{n}")
         # fixed buckets (CP-SAT's fixed_intervals): in reference order among themselves
         self.Cf: dict[int, pulp.LpVariable] = {}
@@ -453,9 +417,9 @@ class _MilpModel:
                     self._add(Ck, ">=", El - mlk * o - mlk * absent, f"lk_{k}__{l}")
 
     # -- (6) ---------------------------------------------------------------------------------
-    def _add_copy_costs(self) -> None:
-        """(6) s_k = brk_k AND last_k (alone); U_a >= T_a + sum_{k charged at a}
-        (copy_k (1 - s_k) + fixed_k (brk_k - s_k) + prologue_k)."""
+    def add_copy_costs(self) -> None:
+        """(6) s_k = brk_k AND last_k (alone: mrg_k = 1 - s_k, lead_k = brk_k - s_k);
+        U_a >= T_a + cfix_a + sum_{k charged at a} (copy_k (1 - s_k) + fix_k (brk_k - s_k))."""
         terms: dict[int, list] = defaultdict(list)
         for n, mem in self.member.items():
             b, last = self.brk[n], self.last[n]
@@ -471,36 +435,29 @@ class _MilpModel:
                 terms[mem.charge].append(mem.copy_us * (1 - s))
             if mem.copy_fixed_us > 0:
                 terms[mem.charge].append(mem.copy_fixed_us * (b - s))
-            if mem.prologue_us > 0:
-                terms[mem.charge].append(mem.prologue_us)
-        for f in self.fixed:
-            if f.copy_in_us and not f.before_range:
-                terms[f.issue].append(f.copy_in_us)
-            if f.copy_out_us and f.wait is not None:
-                terms[f.wait].append(f.copy_out_us)
-        for a, ts in terms.items():
-            self._add(self.U[a], ">=", self.T[a] + pulp.lpSum(ts), f"copy_{a}")
+        for a in sorted(set(terms) | set(self.data.fixed_copy_us)):
+            self._add(self.U[a], ">=", self.T[a] + self.data.fixed_copy_us.get(a, 0) + pulp.lpSum(terms[a]),
+                      f"copy_{a}")
 
     # -- (7) ---------------------------------------------------------------------------------
-    def _add_memory(self, peak_objective: bool) -> None:
+    def add_memory(self, peak_objective: bool) -> None:
         """(7) base_a + sum_AG out_k y_{k,a} + sum_RS [grad_k (1 - y_{k,a}) + pay_k (y_{k,a} -
         z_{k,a}) + out_k y_{k,a}] + sum_RS grad_k e_{k,a} (merge transient) <= budget (and <= P
-        when minimising the peak). base_a is the
-        CP-SAT model's calibration on the traced simulation."""
-        cp, A = self.cp, self.A
+        when minimising the peak); base_a is the data's calibration on the reference run."""
+        d = self.data
         terms: dict[int, list] = defaultdict(list)
         for n, mem in self.member.items():
             if mem.coll_type == "all_gather":
                 for a in range(mem.lo, mem.need):
-                    terms[a].append(mem.out_mem * self.yv(n, a))
+                    terms[a].append(mem.out_bytes * self.yv(n, a))
             else:
                 for a in range(mem.lo, mem.whi):
                     ya, za = self.yv(n, a), self.zv(n, a)
-                    terms[a].append(mem.grad_mem * (1 - ya) + mem.pay_mem * (ya - za) + mem.out_mem * ya)
+                    terms[a].append(mem.grad_bytes * (1 - ya) + mem.pay_bytes * (ya - za) + mem.out_bytes * ya)
         # merge transient of reduce-scatters (as CP-SAT): e_{k,a} = [issued at a] AND mrg_k adds
         # grad_k at a; [issued at a] = y_{k,a} - y_{k,a-1}
         for n, mem in self.member.items():
-            if mem.coll_type != "reduce_scatter" or mem.grad_mem == 0:
+            if mem.coll_type != "reduce_scatter" or mem.grad_bytes == 0:
                 continue
             mrg = 1 - self.s[n]
             for a in range(mem.lo, mem.hi + 1):
@@ -509,88 +466,86 @@ class _MilpModel:
                 self._add(e, ">=", at_a + mrg - 1, f"e_and_{n}_{a}")
                 self._add(e, "<=", at_a, f"e_at_{n}_{a}")
                 self._add(e, "<=", mrg, f"e_mrg_{n}_{a}")
-                terms[a].append(mem.grad_mem * e)
+                terms[a].append(mem.grad_bytes * e)
         self.P = self._var("peak_scaled", 0) if peak_objective else None
         for a in self.rng:
-            expr = (cp.base_mem[a] + pulp.lpSum(terms[a])) * (1.0 / _MEM_ROW_SCALE)
-            if cp.budget_mem is not None:
-                self._add(expr, "<=", cp.budget_mem / _MEM_ROW_SCALE, f"mem_{a}")
+            expr = (d.base_mem[a] + pulp.lpSum(terms[a])) * (1.0 / _MEM_ROW_SCALE)
+            if d.mem_budget_bytes is not None:
+                self._add(expr, "<=", d.mem_budget_bytes / _MEM_ROW_SCALE, f"mem_{a}")
             if self.P is not None:
                 self._add(self.P, ">=", expr, f"peak_{a}")
 
     # -- steady state (per-layer template) ----------------------------------------------------
     def tie(self, pairs: list[tuple[str, str]], shift: int) -> bool:
-        """CP-SAT's :meth:`_CpSatModel.tie` in linear form: brk_k2 = brk_k and, when the anchors
-        of k's windows map to k2's by one constant offset d (``shift`` gaps later),
-        y_{k2,a+d} = y_{k,a} (and z likewise). False when an offset is not constant there
-        (the caller then solves the window untied)."""
+        """The template's tie in linear form: brk_k2 = brk_k and, when the anchors of k's
+        windows map to k2's by one constant offset o (``shift`` gaps later), y_{k2,a+o} =
+        y_{k,a} (and z likewise). False when an offset is not constant there (the caller then
+        solves the window untied)."""
         A = self.A
-        index = {g: a for a, g in enumerate(A.gaps)}
         rows = []
         for k, k2 in pairs:
-            x, x2 = self.member[k], self.member[k2]
             rows.append((self.brk[k2], self.brk[k], f"tie_brk_{k2}"))
-            spans = [(self.yv, x.lo, x.hi, x2.lo, x2.hi)]
-            if x.coll_type == "reduce_scatter":
-                spans.append((self.zv, x.wlo, x.whi, x2.wlo, x2.whi))
-            for vfun, lo, hi, lo2, hi2 in spans:
-                offsets = {index.get(A.gaps[a] + shift, -10**9) - a for a in range(lo, hi + 1)}
-                if len(offsets) != 1 or next(iter(offsets)) < -10**8:
+            for kind, (lo, hi), (lo2, hi2) in self.data.tie_windows(k, k2):
+                vfun = self.yv if kind == "issue" else self.zv
+                shifted = [A.shifted(a, shift) for a in range(lo, hi + 1)]
+                offsets = {None if s is None else s - a for a, s in zip(range(lo, hi + 1), shifted)}
+                if len(offsets) != 1 or None in offsets:
                     return False
-                d = offsets.pop()
-                for a in range(min(lo, lo2 - d) - 1, max(hi, hi2 - d) + 1):
-                    rows.append((vfun(k2, a + d), vfun(k, a), f"tie_{vfun.__name__}_{k2}_{a}"))
+                o = offsets.pop()
+                for a in range(min(lo, lo2 - o) - 1, max(hi, hi2 - o) + 1):
+                    rows.append((vfun(k2, a + o), vfun(k, a), f"tie_{kind}_{k2}_{a}"))
         for lhs, rhs, name in rows:
             self._add(lhs, "==", rhs, name)
         return True
 
     # -- warm start and extraction -----------------------------------------------------------
-    def set_initial(self, values: list[int]) -> None:
-        """Initial values from a complete CP-SAT solution (by CP variable index)."""
-        cp = self.cp
-
-        def v(var) -> int:
-            return values[var.Index()]
-
+    def set_initial(self, sol: Solution) -> None:
+        """Initial values from a complete solution of the same model (CP-SAT's completion of
+        the warm start, :func:`solvers.cpsat.complete_solution`): times as given; y, z, s and
+        the order binaries derived from the decisions and the start times."""
         for a in self.rng:
-            self.T[a].setInitialValue(v(cp.T[a]))
-            self.U[a].setInitialValue(v(cp.U[a]))
+            self.T[a].setInitialValue(sol.T[a])
+            self.U[a].setInitialValue(sol.U[a])
         if self.window:
-            self.Z.setInitialValue(v(cp.Z))
+            self.Z.setInitialValue(sol.Z)
         start: dict[str, tuple[int, int]] = {}
         for n, mem in self.member.items():
-            for var, cvar in ((self.C[n], cp.C[n]), (self.X[n], cp.X[n]), (self.R[n], cp.R[n])):
-                var.setInitialValue(v(cvar))
+            self.C[n].setInitialValue(sol.C[n])
+            self.X[n].setInitialValue(sol.X[n])
+            self.R[n].setInitialValue(sol.R[n])
             if not isinstance(self.brk[n], int):
-                self.brk[n].setInitialValue(v(cp.brk[n]))
+                self.brk[n].setInitialValue(sol.brk[n])
             for a, var in self.y[n].items():
-                var.setInitialValue(int(v(cp.I[n]) <= a))
+                var.setInitialValue(int(sol.issue[n] <= a))
             for a, var in self.z.get(n, {}).items():
-                var.setInitialValue(int(v(cp.W[n]) <= a))
+                var.setInitialValue(int(sol.wait[n] <= a))
             if isinstance(self.s[n], pulp.LpVariable):
-                self.s[n].setInitialValue(1 - v(cp.mrg[n]))
+                last = self.last[n]
+                last_v = last if isinstance(last, int) else sol.brk[self._next[n]]
+                self.s[n].setInitialValue(int(sol.brk[n] == 1 and last_v == 1))
             # order pairs by (start, end): NoOverlap makes that the order on the stream
-            start[n] = (v(cp.C[n]), v(cp.C[n]) + cp.alpha_us[mem.chain] + v(cp.R[n]))
-        proto = cp.model.Proto()
-        by_name = {proto.variables[i].name: i for i in range(len(proto.variables))}
+            start[n] = (sol.C[n], sol.C[n] + self.data.alpha_us[mem.chain] + sol.R[n])
         for f in self.fixed:
-            val = values[by_name[f"Cf_{f.bucket}"]]
+            val = sol.fixed_start[f.bucket]
             self.Cf[f.bucket].setInitialValue(val)
             start[f"f{f.bucket}"] = (val, val + f.dur_us)
         for (k, l), o in self.order.items():
             o.setInitialValue(int(start[k] <= start[l]))
 
-    def extract(self) -> Schedule:
-        """The schedule of the current solution, built by CP-SAT's extraction (same code path)."""
-        cp = self.cp
-        vals: dict[int, int] = {}
+    def decisions(self) -> Decisions:
+        """The decisions of the current solution: I_k = lo_k + sum_a (1 - y_{k,a}), likewise W."""
+        brk, issue, wait = {}, {}, {}
         for n, mem in self.member.items():
             b = self.brk[n]
-            vals[cp.brk[n].Index()] = 1 if isinstance(b, int) else int(round(b.value()))
-            vals[cp.I[n].Index()] = mem.lo + sum(1 - int(round(y.value())) for y in self.y[n].values())
+            brk[n] = 1 if isinstance(b, int) else int(round(b.value()))
+            issue[n] = mem.lo + sum(1 - int(round(y.value())) for y in self.y[n].values())
             if n in self.z:
-                vals[cp.W[n].Index()] = mem.wlo + sum(1 - int(round(z.value())) for z in self.z[n].values())
-        return cp.extract(_Values(vals))
+                wait[n] = mem.wlo + sum(1 - int(round(z.value())) for z in self.z[n].values())
+        return Decisions(brk=brk, issue=issue, wait=wait)
+
+    def extract(self) -> Schedule:
+        return self.data.extract(self.decisions())
+
 
 
 # -- solving ----------------------------------------------------------------------------------
@@ -601,12 +556,12 @@ def _highs_available() -> bool:
         return False
 
 
-def _solve_lp(model: _MilpModel, time_limit_s: float, seed: int, cfg: MilpConfig, *, mip: bool = True,
-              warm: bool = False) -> _Outcome:
+def solve_lp(model: MilpModel, time_limit_s: float, seed: int, cfg: MilpConfig, *, mip: bool = True,
+              warm: bool = False) -> LpOutcome:
     """Solve ``model.lp`` with the configured backend; the best bound comes from the solver
     (CBC: its log; HiGHS: the dual bound) when it reports one."""
     if model.infeasible:
-        return _Outcome("infeasible", None, None)
+        return LpOutcome("infeasible", None, None)
     limit = max(0.1, float(time_limit_s))
     use_highs = cfg.backend == "highs" or (cfg.backend == "auto" and _highs_available())
     lp = model.lp
@@ -653,14 +608,14 @@ def _solve_lp(model: _MilpModel, time_limit_s: float, seed: int, cfg: MilpConfig
     st, sol = lp.status, lp.sol_status
     obj = pulp.value(lp.objective) if sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible) else None
     if st == pulp.LpStatusOptimal and sol == pulp.LpSolutionOptimal:
-        return _Outcome("optimal", obj, obj)
+        return LpOutcome("optimal", obj, obj)
     if st == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible:
-        return _Outcome("infeasible", None, None)
+        return LpOutcome("infeasible", None, None)
     if obj is not None:
-        return _Outcome("feasible", obj, bound)
+        return LpOutcome("feasible", obj, bound)
     if "infeasible" in log_text.lower() and "Result - " in log_text and "nfeasible" in log_text.split("Result - ")[-1][:40]:
-        return _Outcome("infeasible", None, None)
-    return _Outcome("unknown", None, bound)
+        return LpOutcome("infeasible", None, None)
+    return LpOutcome("unknown", None, bound)
 
 
 def _cbc_bound(log_text: str) -> float | None:
@@ -673,54 +628,46 @@ def _cbc_bound(log_text: str) -> float | None:
     return None
 
 
-def _build(problem: Problem, cfg: MilpConfig, budget_units: int | None, start: Schedule | None,
-           limit_s: float, seed: int, num_workers: int):
-    """CP-SAT data for ``problem``, the warm start completed to a full solution (or None),
-    and the MILP bounded by its step time."""
-    cp = _CpSatModel(problem, cfg.model, budget_units)
-    cp.model.Minimize(cp.U[cp.anchors.m])  # the completion gets the tightest times
-    values = cp.complete(start, limit_s, seed, num_workers) if start is not None else None
-    upper = values[cp.U[cp.anchors.m].Index()] if values is not None else None
-    return cp, values, _MilpModel(cp, upper)
+def solve_in_stages(model: MilpModel, deadline: float, seed: int, cfg: MilpConfig, *,
+                    warm: bool) -> tuple[LpOutcome, Decisions | None, int]:
+    """Solve ``model`` in stages of ``first_stage_s``, then twice as long each time, every stage
+    started from the last one's incumbent; stop when one proves optimality, finds nothing at
+    least 1 us better, or the deadline comes. Returns the best outcome, its decisions (None
+    when nothing was found) and the number of stages run."""
+    stage_s = cfg.first_stage_s
+    best: LpOutcome | None = None
+    best_decisions: Decisions | None = None
+    stages = 0
+    while True:
+        left = deadline - time.perf_counter()
+        stages += 1
+        out = solve_lp(model, max(0.5, min(stage_s, left)), seed, cfg, warm=warm or best is not None)
+        if out.status not in ("optimal", "feasible"):
+            return (best or out), best_decisions, stages
+        gain = best is None or out.objective_us < best.objective_us - 0.5
+        if best is None or out.objective_us <= best.objective_us:
+            best, best_decisions = out, model.decisions()
+        if out.status == "optimal" or not gain or deadline - time.perf_counter() <= 0.5:
+            return best, best_decisions, stages
+        # the next stage starts from this incumbent (PuLP keeps its values on the variables)
+        stage_s *= 2
 
 
-def _solve_window_milp(problem: Problem, cfg: CpSatConfig, budget_mem: int | None, schedule: Schedule,
-                       free: set[str], limit: float, seed: int, num_workers: int, anchors,
-                       ties: tuple[list[tuple[str, str]], int] | None = None, *,
-                       milp_cfg: MilpConfig | None = None) -> Schedule | None:
-    """One window of the shared neighbourhood search (:func:`solvers.cpsat.decomposed_solve`),
-    solved as a MILP: CP-SAT's window model as data, the incumbent completed inside it as the
-    MILP's start and its exit state as the MILP's upper bound."""
-    mcfg = milp_cfg or MilpConfig(model=cfg)
-    cp = _CpSatModel(problem, cfg, budget_mem, free=free, reference=schedule, anchors=anchors)
-    if ties is not None:
-        cp.tie(*ties)  # the completion must respect the ties too
-    cp.model.Minimize(cp.objective)
-    values = cp.complete(schedule, max(0.2, limit * mcfg.warm_start_share), seed, num_workers)
-    upper = values[cp.objective.Index()] if values is not None else None
-    model = _MilpModel(cp, upper)
-    if ties is not None and not model.tie(*ties):
-        return None
-    if values is not None:
-        model.set_initial(values)
+def relaxed_bound_us(model: MilpModel, limit_s: float, cfg: MilpConfig) -> float | None:
+    """LP relaxation of ``model`` itself (binaries relaxed in place, then restored)."""
+    ints = [v for v in model.lp.variables() if v.cat == pulp.LpInteger]
+    for v in ints:
+        v.cat = pulp.LpContinuous
     try:
-        out = _solve_lp(model, max(0.2, limit * (1 - mcfg.warm_start_share)), seed, mcfg, warm=values is not None)
-    except pulp.PulpSolverError as e:  # one window failing must not end the search
-        logger.warning("milp window (%d free): the solver failed (%s); window skipped", len(free), e)
-        return None
-    logger.debug("milp window (%d free): %s obj %s us", len(free), out.status, out.objective_us)
-    if out.status not in ("optimal", "feasible"):
-        return None
-    return model.extract()
+        out = solve_lp(model, limit_s, 0, cfg, mip=False)
+    finally:
+        for v in ints:
+            v.cat = pulp.LpInteger
+    return out.objective_us if out.status == "optimal" else None
 
 
-def lp_relaxation_bound_ms(
-    problem: Problem,
-    *,
-    mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
-    config: MilpConfig | None = None,
-) -> float:
+def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
+                           config: MilpConfig | None = None) -> float:
     """Optimum of the MILP's LP relaxation (every binary in [0, 1]), in ms: a lower bound on
     the model's step time within its search space (anchors, windows). No warm start: the
     model's horizon bounds the times. ``nan`` when the LP could not be solved in the limit.
@@ -731,153 +678,95 @@ def lp_relaxation_bound_ms(
     cfg = config or MilpConfig()
     if not problem.chains:
         return problem.lower_bound_ms()
-    budget_units = model_budget(mem_budget_bytes)
-    cp = _CpSatModel(problem, cfg.model, budget_units)
-    out = _solve_lp(_MilpModel(cp, relax=True), time_limit_s, 0, cfg, mip=False)
+    out = solve_lp(MilpModel(ModelData(problem, cfg, mem_budget_bytes), relax=True), time_limit_s, 0, cfg, mip=False)
     if out.status == "infeasible":
         raise InfeasibleBudgetError(
             f"the LP relaxation is infeasible under {mem_budget_bytes} B; raise mem_budget",
             budget_bytes=mem_budget_bytes or 0, min_peak_bytes=None,
         )
-    return out.objective_us / _US_PER_MS if out.objective_us is not None else math.nan
+    return out.objective_us / US_PER_MS if out.objective_us is not None else math.nan
 
 
-def _relaxed_bound_us(model: _MilpModel, limit_s: float, cfg: MilpConfig) -> float | None:
-    """LP relaxation of ``model`` itself (binaries relaxed in place, then restored)."""
-    ints = [v for v in model.lp.variables() if v.cat == pulp.LpInteger]
-    for v in ints:
-        v.cat = pulp.LpContinuous
-    try:
-        out = _solve_lp(model, limit_s, 0, cfg, mip=False)
-    finally:
-        for v in ints:
-            v.cat = pulp.LpInteger
-    return out.objective_us if out.status == "optimal" else None
+def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, num_workers: int,
+          ties: tuple[list[tuple[str, str]], int] | None = None) -> tuple[MilpModel, Solution | None]:
+    """The MILP of ``data`` bounded by ``start``'s model step time, and ``start`` completed to
+    a full solution (None when it does not fit the model)."""
+    sol = complete_solution(data, start, limit_s, seed, num_workers, ties=ties) if start is not None else None
+    return MilpModel(data, sol.objective_us if sol is not None else None), sol
 
 
-def solve_milp(
-    problem: Problem,
-    *,
-    mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
-    seed: int = 0,
-    hint: Schedule | None = None,
-    num_workers: int = 1,
-    config: MilpConfig | None = None,
-) -> SolveResult:
-    """Solve the MILP twin of the CP-SAT model (see module docstring).
+class MilpBackend:
+    """The MILP backend as :mod:`solvers.driver` runs it."""
 
-    Flow, as :func:`solvers.cpsat.solve_cpsat`: the best warm start (hint or heuristics that fit
-    the budget) is completed to a full model solution and given to the solver; the schedule is
-    extracted and simulated; a simulated peak above the budget tightens the model's budget and
-    re-solves. ``objective_ms`` is the simulated step time; ``best_bound_ms`` the solver's bound
-    (only when the whole model was searched) and the analytic bound, at most the objective.
-    ``num_workers`` only affects the warm-start completion (the MILP runs on one thread).
+    name = "milp"
 
-    Raises:
-        InfeasibleBudgetError: no schedule fits the budget (the model is infeasible or none was
-            found in the limit, and no heuristic fits); ``min_peak_bytes`` is the smallest
-            simulated peak found.
-        ScheduleError: the solver failed without a schedule.
-    """
-    from scheduler.simulator import simulate
+    def __init__(self, config: MilpConfig | None = None):
+        self.config = config or MilpConfig()
 
-    cfg = config or MilpConfig()
-    t0 = time.perf_counter()
-    if not problem.chains:
-        sched = problem.traced_schedule()
-        sim = simulate(problem.dag, sched, problem=problem)
-        return SolveResult(sched, SolveStatus.OPTIMAL, "milp", sim.step_ms, sim.step_ms, time.perf_counter() - t0,
-                           sim.peak_bytes, ("no movable collectives: traced order kept",))
-    warm = _best_warm_start(problem, hint, mem_budget_bytes, time_limit_s, seed, cfg.model)
-    start_hint = warm.schedule if warm is not None else problem.traced_schedule()
-    deadline = t0 + time_limit_s
-    budget = mem_budget_bytes
-    notes: list[str] = []
-    if sum(len(c) for c in problem.chains.values()) > cfg.model.full_model_max_members:
-        # the same decomposition as CP-SAT (template, rolling windows), each window a MILP
-        return decomposed_solve(
-            problem, cfg.model, warm, start_hint, mem_budget_bytes, deadline, seed, num_workers, notes, t0,
-            window_solver=functools.partial(_solve_window_milp, milp_cfg=cfg), solver="milp",
-        )
-    analytic = problem.lower_bound_ms()
-    for round_ in range(cfg.model.memory_repair_rounds + 1):
+    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, deadline: float,
+                   seed: int, num_workers: int) -> driver.ModelOutcome:
+        """The whole graph as one MILP, started from ``start`` completed by CP-SAT."""
+        cfg = self.config
         remaining = max(0.5, deadline - time.perf_counter())
-        budget_units = model_budget(budget)
         t_build = time.perf_counter()
-        cp, values, model = _build(problem, cfg, budget_units, start_hint, remaining * cfg.warm_start_share, seed,
-                                   num_workers)
+        model, sol = build(ModelData(problem, cfg, mem_budget_bytes), start, remaining * cfg.warm_start_share, seed,
+                           num_workers)
         build_s = time.perf_counter() - t_build
-        lp_bound = None
-        if cfg.lp_bound and round_ == 0:
-            lp_bound = _relaxed_bound_us(model, max(0.5, (deadline - time.perf_counter()) * 0.2), cfg)
-        if values is not None:
-            model.set_initial(values)
-        limit = max(0.5, deadline - time.perf_counter())
-        out = _solve_lp(model, limit, seed, cfg, warm=values is not None)
-        logger.info(
-            "milp round %d (%d collectives, %d binaries, %d order pairs, %d skipped): %s, step %s us, bound %s us, "
-            "build %.1f s",
-            round_, len(model.member), sum(1 for v in model.lp.variables() if v.cat == pulp.LpInteger),
-            len(model.order), model.n_pairs_skipped, out.status, out.objective_us, out.bound_us, build_s,
-        )
-        if lp_bound is not None:
-            notes.append(f"LP relaxation bound {lp_bound / _US_PER_MS:.3f} ms, analytic bound {analytic:.3f} ms")
-        if out.status in ("infeasible", "unknown") and warm is not None:
-            # the model restricts positions to anchors and prices memory conservatively, so its
-            # infeasibility proves nothing while a heuristic schedule fits: return that
-            notes.append(f"model {out.status} under the budget; returned the best warm start ({warm.solver})")
-            return _warm_result(problem, warm, notes, t0, "milp")
-        if out.status in ("infeasible", "unknown"):
-            if budget is None:
-                raise ScheduleError(f"the MILP found no schedule ({out.status}) within {limit:.1f} s; "
-                                    "raise time_limit_s")
-            min_peak = _min_peak(problem, cfg, seed, max(1.0, limit / 2))
-            raise InfeasibleBudgetError(
-                f"no schedule keeps peak memory under {(mem_budget_bytes or budget) / 2**30:.3f} GiB "
-                f"({'proven infeasible' if out.status == 'infeasible' else 'none found in the time limit'}); "
-                f"the smallest peak found is {min_peak / 2**30:.3f} GiB: raise mem_budget to at least that",
-                budget_bytes=mem_budget_bytes or budget,
-                min_peak_bytes=min_peak,
-            )
-        proven = out.status == "optimal"
-        schedule = model.extract()
-        sim = simulate(problem.dag, schedule, problem=problem)
-        if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
-            bound_txt = f"{out.bound_us / _US_PER_MS:.3f} ms" if out.bound_us is not None else "n/a"
-            notes.append(f"model step {out.objective_us / _US_PER_MS:.3f} ms, model bound {bound_txt}, "
-                         f"status {out.status.upper()}")
-            model_bound = (out.bound_us / _US_PER_MS) if out.bound_us is not None else -math.inf
-            return _final(problem, schedule, sim, warm, proven, max(model_bound, analytic), notes, t0, round_,
-                          "milp")
-        excess = sim.peak_bytes - mem_budget_bytes
-        budget = (budget or mem_budget_bytes) - excess - _MEM_UNIT_BYTES
-        notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
-        start_hint = schedule
-        if deadline - time.perf_counter() <= 0.5 or budget <= 0:
-            break
-    raise InfeasibleBudgetError(
-        f"MILP schedules kept exceeding the memory budget in simulation after {cfg.model.memory_repair_rounds} "
-        "repair rounds; raise mem_budget or the time limit",
-        budget_bytes=mem_budget_bytes or 0,
-        min_peak_bytes=None,
-    )
+        notes = []
+        if cfg.lp_bound:
+            lp_bound = relaxed_bound_us(model, max(0.5, (deadline - time.perf_counter()) * 0.2), cfg)
+            if lp_bound is not None:
+                notes.append(f"LP relaxation bound {lp_bound / US_PER_MS:.3f} ms, "
+                             f"analytic bound {problem.lower_bound_ms():.3f} ms")
+        if sol is not None:
+            model.set_initial(sol)
+        out, decisions, stages = solve_in_stages(model, deadline, seed, cfg, warm=sol is not None)
+        notes.append(f"MILP solved in {stages} stage(s)")
+        logger.info("milp full model (%d collectives, %d binaries, %d order pairs, %d skipped): %s, step %s us, "
+                    "bound %s us, build %.1f s", len(model.member),
+                    sum(1 for v in model.lp.variables() if v.cat == pulp.LpInteger), len(model.order),
+                    model.n_pairs_skipped, out.status, out.objective_us, out.bound_us, build_s)
+        if out.status not in ("optimal", "feasible"):
+            return driver.ModelOutcome(out.status, None, None, None, tuple(notes))
+        bound_ms = out.bound_us / US_PER_MS if out.bound_us is not None else None
+        bound_txt = f"{bound_ms:.3f} ms" if bound_ms is not None else "n/a"
+        notes.append(f"model step {out.objective_us / US_PER_MS:.3f} ms, model bound {bound_txt}, "
+                     f"status {out.status.upper()}")
+        return driver.ModelOutcome(out.status, model.data.extract(decisions), out.objective_us / US_PER_MS, bound_ms,
+                                   tuple(notes))
+
+    def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
+                     limit_s: float, seed: int, num_workers: int, anchors: Anchors,
+                     ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+        """One window of the decomposition as a MILP: started from the incumbent completed
+        inside the window, bounded by its exit state."""
+        cfg = self.config
+        data = ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors)
+        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers, ties)
+        if ties is not None and not model.tie(*ties):
+            return None
+        if sol is not None:
+            model.set_initial(sol)
+        try:
+            out = solve_lp(model, max(0.2, limit_s * (1 - cfg.warm_start_share)), seed, cfg, warm=sol is not None)
+        except pulp.PulpSolverError as e:  # one window failing must not end the search
+            logger.warning("milp window (%d free): the solver failed (%s); window skipped", len(free), e)
+            return None
+        logger.debug("milp window (%d free): %s obj %s us", len(free), out.status, out.objective_us)
+        if out.status not in ("optimal", "feasible"):
+            return None
+        return model.extract()
+
+    def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None:
+        """The schedule of least model peak (no budget), or None when none was found."""
+        model = MilpModel(ModelData(problem, self.config, None), peak_objective=True)
+        out = solve_lp(model, limit_s, seed, self.config)
+        return model.extract() if out.status in ("optimal", "feasible") else None
 
 
-def _min_peak(problem: Problem, cfg: MilpConfig, seed: int, limit_s: float) -> int:
-    """Smallest simulated peak (bytes) of the traced schedule and of the MILP's minimum-peak
-    solution (for infeasibility errors)."""
-    from scheduler.simulator import simulate
-
-    traced = problem.traced_schedule()
-    peaks = [simulate(problem.dag, traced, problem=problem).peak_bytes]
-    model = _MilpModel(_CpSatModel(problem, cfg.model, None), peak_objective=True)
-    out = _solve_lp(model, limit_s, seed, cfg)
-    if out.status in ("optimal", "feasible"):
-        peaks.append(simulate(problem.dag, model.extract(), problem=problem).peak_bytes)
-    return min(peaks)
-
-
-@register("milp")
-def _milp_entry(problem: Problem, **kw) -> SolveResult:
-    return solve_milp(problem, **kw)
+def solve_milp(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0, seed: int = 0,
+               hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None) -> SolveResult:
+    """Solve the joint model as a MILP through the shared loop of :func:`solvers.driver.solve`.
+    ``num_workers`` only affects the warm-start completion (the MILP runs on one thread)."""
+    return driver.solve(problem, MilpBackend(config), mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
+                        seed=seed, hint=hint, num_workers=num_workers)

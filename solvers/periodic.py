@@ -20,8 +20,8 @@ import math
 import re
 from collections.abc import Iterable
 
-from solvers.problem import Problem
-from solvers.schedule import Bucket, Schedule
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, Schedule
 
 logger = logging.getLogger(__name__)
 

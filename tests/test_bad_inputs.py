@@ -2,7 +2,7 @@
 
 One test per row of docs/RELIABILITY.md. Traced graphs are small make_fx graphs on a real
 single-process gloo group (``test_writeback.gloo_group``); DAGs come from
-``solvers.synthetic.make_fsdp_dag``.
+``scheduler.synthetic.make_fsdp_dag``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from scheduler import DagError, export_dag, optimize_schedule, parse_bytes, solve_dag, validate_schedule
 from scheduler import cli
+from scheduler.cli import sweep
 from scheduler.costs import AnalyticCostModel, TableCostModel
 from scheduler.dag import dag_to_json, load_dag, save_dag
-from scheduler.simulator import ScheduleInvalidError
-from solvers import Bucket, Problem, Schedule, SolveStatus, Step, dispatch, solve
+from solvers.core.simulator import ScheduleInvalidError
+from solvers import Bucket, Problem, Schedule, SolveStatus, Step, solve
 from solvers.cpsat import CpSatConfig
-from solvers.synthetic import make_fsdp_dag
+from scheduler.synthetic import make_fsdp_dag
 from test_writeback import COSTS, gloo_group, toy_graph
 
 ops = torch.ops._c10d_functional
@@ -320,14 +321,12 @@ def test_solver_stopped_by_its_time_limit_returns_a_valid_reported_schedule():
     assert report.step_ms_after <= report.step_ms_before + 1e-9
 
 
-def test_solver_exceeding_its_time_limit_falls_back(monkeypatch):
+def test_solver_exceeding_its_time_limit_falls_back():
     def timed_out(problem, **kw):
         raise TimeoutError("wall clock cap reached")
 
-    dispatch.available_solvers()
-    monkeypatch.setitem(dispatch._SOLVERS, "cpsat", timed_out)
     dag = small_dag()
-    schedule, report = solve_dag(dag, time_limit_s=0.01)
+    schedule, report = solve_dag(dag, time_limit_s=0.01, solver=timed_out)
     validate_schedule(Problem.from_dag(dag), schedule)
     assert report.fell_back and report.status == SolveStatus.FALLBACK.value
     assert any("TimeoutError: wall clock cap reached" in n for n in report.notes)
@@ -357,7 +356,7 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
     save_dag(small_dag(), dag_path)
     args = ["-q", "sweep", str(dag_path), "--solver", "fsdp2", "--budgets", "1.0x", "0.9x", "0.8x",
             "--time-limit", "1", "--out", str(tmp_path / "out"), "--json"]
-    real = cli.solve_point
+    real = sweep.solve_point
     calls: list[int] = []
 
     def interrupted_after_one(dag_json, solver, budget, time_limit_s):
@@ -366,7 +365,7 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
         calls.append(budget)
         return real(dag_json, solver, budget, time_limit_s)
 
-    monkeypatch.setattr(cli, "solve_point", interrupted_after_one)
+    monkeypatch.setattr(sweep, "solve_point", interrupted_after_one)
     assert cli.main(args) == 130  # Ctrl-C after the first point: "interrupted", exit status 130
     assert "fsdp-sched: interrupted" in capsys.readouterr().err
     db = tmp_path / "out" / "sweep.sqlite"
@@ -378,7 +377,7 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
         resumed.append(budget)
         return real(dag_json, solver, budget, time_limit_s)
 
-    monkeypatch.setattr(cli, "solve_point", counting)
+    monkeypatch.setattr(sweep, "solve_point", counting)
     assert cli.main(args) == 0
     assert len(resumed) == 2 and calls[0] not in resumed
     points = json.loads(capsys.readouterr().out)["points"]

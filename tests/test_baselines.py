@@ -19,9 +19,9 @@ from scheduler.baselines import (  # noqa: E402
     torch_overlap_schedule,
 )
 from scheduler.dag import export_dag  # noqa: E402
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.validator import validate_schedule  # noqa: E402
-from solvers.problem import Problem  # noqa: E402
+from solvers.core.simulator import simulate  # noqa: E402
+from solvers.core.validator import validate_schedule  # noqa: E402
+from solvers.core.problem import Problem  # noqa: E402
 
 from conftest import FAKE_WORLD as WORLD  # noqa: E402  (ranks of the group_name fixture)
 DIM, TOKENS = 256, 512

@@ -15,7 +15,7 @@ from scheduler.costs import (
     annotate_costs,
     ring_collective_ms,
 )
-from solvers.synthetic import DagBuilder
+from scheduler.synthetic import DagBuilder
 
 MiB = 1 << 20
 H100 = Cluster()  # 8 GPUs per node, NVLink 450 GB/s, IB 50 GB/s, latencies 8.4 / 3.4 / 14 us

@@ -12,11 +12,12 @@ import textwrap
 import pytest
 
 from scheduler.dag import save_dag
-from scheduler.simulator import simulate
-from scheduler.validator import validate_schedule
+from solvers.core.simulator import simulate
+from solvers.core.validator import validate_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, SolveStatus, solve
-from solvers.cpsat import CpSatConfig, _Anchors, solve_cpsat
-from solvers.synthetic import DagBuilder, make_fsdp_dag
+from solvers.cpsat import CpSatConfig, solve_cpsat
+from solvers.model import Anchors
+from scheduler.synthetic import DagBuilder, make_fsdp_dag
 
 MB = 1 << 20
 
@@ -91,7 +92,7 @@ def _all_schedules(problem: Problem):
     issue anchor in the window (and for reduce-scatters every wait anchor), issues following
     the chain order."""
     (key, members), = problem.chains.items()
-    gaps = _Anchors(problem).gaps
+    gaps = Anchors(problem).gaps
     for runs in _partitions(members):
         choices = []
         for run in runs:

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from scheduler.dag import DagError, dag_from_json, dag_to_json, export_dag, load_dag, save_dag  # noqa: E402
-from solvers.problem import Problem  # noqa: E402
+from solvers.core.problem import Problem  # noqa: E402
 
 from conftest import FAKE_WORLD as WORLD  # noqa: E402  (ranks of the group_name fixture)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.validator import validate_schedule
+from solvers.core.validator import validate_schedule
 from solvers import InfeasibleBudgetError, Problem, SolveStatus, solve
 from solvers.heuristics import (
     TORCH_GREEDY_BUCKET_CAP_BYTES,
@@ -18,7 +18,7 @@ from solvers.heuristics import (
     fsdp2_schedule,
     simplefsdp_schedule,
 )
-from solvers.synthetic import DagBuilder, make_fsdp_dag
+from scheduler.synthetic import DagBuilder, make_fsdp_dag
 
 HEURISTICS = ["traced", "fsdp2", "simplefsdp", "autoparallel"]
 MiB = 1 << 20
@@ -100,7 +100,7 @@ def test_fsdp2_prefetches_one_block_ahead():
 
 
 def _step(kind, ref):
-    from solvers.schedule import Step
+    from solvers.core.schedule import Step
 
     return Step(kind, ref)
 

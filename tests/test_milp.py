@@ -12,12 +12,14 @@ import pytest
 pytest.importorskip("pulp")
 pytest.importorskip("ortools")
 
-from scheduler.simulator import simulate  # noqa: E402
-from scheduler.validator import validate_schedule  # noqa: E402
+from solvers.core.simulator import simulate  # noqa: E402
+from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem, SolveStatus, solve  # noqa: E402
 from solvers import milp  # noqa: E402
-from solvers.cpsat import CpSatConfig, _CpSatModel, _make_solver  # noqa: E402
-from solvers.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
+from solvers.cpsat import CpSatConfig, CpSatModel, make_solver  # noqa: E402
+from solvers.decompose import bucket_free, window_order  # noqa: E402
+from solvers.model import Anchors, ModelData  # noqa: E402
+from scheduler.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
 
 _LIMIT_S = 20.0
 
@@ -67,11 +69,11 @@ GRAPHS = {
 }
 
 
-def _cpsat_optimum_us(problem: Problem, budget_units: int | None, cfg: CpSatConfig = CpSatConfig()) -> int | None:
+def _cpsat_optimum_us(problem: Problem, mem_budget_bytes: int | None, cfg: CpSatConfig = CpSatConfig()) -> int | None:
     """Proven optimum of CP-SAT's model (min U_m), None when proven infeasible."""
-    cp = _CpSatModel(problem, cfg, budget_units)
-    cp.model.Minimize(cp.U[cp.anchors.m])
-    solver = _make_solver(_LIMIT_S, 0, 1, cfg)
+    cp = CpSatModel(ModelData(problem, cfg, mem_budget_bytes))
+    cp.model.Minimize(cp.objective)
+    solver = make_solver(_LIMIT_S, 0, 1, cfg)
     status = solver.Solve(cp.model)
     if solver.StatusName(status) == "INFEASIBLE":
         return None
@@ -79,12 +81,12 @@ def _cpsat_optimum_us(problem: Problem, budget_units: int | None, cfg: CpSatConf
     return int(round(solver.ObjectiveValue()))
 
 
-def _milp_optimum(problem: Problem, budget_units: int | None, cfg: milp.MilpConfig = milp.MilpConfig()):
+def _milp_optimum(problem: Problem, mem_budget_bytes: int | None, cfg: milp.MilpConfig = milp.MilpConfig()):
     """Proven optimum of the MILP (warm-started from the traced schedule) and its model."""
-    _, values, model = milp._build(problem, cfg, budget_units, problem.traced_schedule(), 2.0, 0, 1)
-    if values is not None:
-        model.set_initial(values)
-    out = milp._solve_lp(model, _LIMIT_S, 0, cfg, warm=values is not None)
+    model, start = milp.build(ModelData(problem, cfg, mem_budget_bytes), problem.traced_schedule(), 2.0, 0, 1)
+    if start is not None:
+        model.set_initial(start)
+    out = milp.solve_lp(model, _LIMIT_S, 0, cfg, warm=start is not None)
     if out.status == "infeasible":
         return None, model
     assert out.status == "optimal", out
@@ -114,9 +116,8 @@ def test_milp_optimum_equals_cpsat_with_bucket_cap():
     """A bucket cap of one parameter's payload forbids every merge: same optimum in both."""
     problem = GRAPHS["fwd-1"]()
     cap = max(c.payload_bytes for c in problem.colls.values())
-    cp_cfg = CpSatConfig(max_bucket_bytes=cap)
-    opt_us, model = _milp_optimum(problem, None, milp.MilpConfig(model=cp_cfg))
-    assert opt_us == _cpsat_optimum_us(problem, None, cp_cfg)
+    opt_us, model = _milp_optimum(problem, None, milp.MilpConfig(max_bucket_bytes=cap))
+    assert opt_us == _cpsat_optimum_us(problem, None, CpSatConfig(max_bucket_bytes=cap))
     assert all(len(b.members) == 1 for b in model.extract().buckets)
 
 
@@ -125,9 +126,9 @@ def test_milp_optimum_equals_cpsat_under_memory_budget(frac):
     """Re-gathers in backward: the budget (a fraction of the traced peak) limits prefetching."""
     problem = GRAPHS["bwd-reshard-1x2"]()
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    budget_units = milp.model_budget(int(traced_peak * frac))
-    opt_us, _ = _milp_optimum(problem, budget_units)
-    assert opt_us == _cpsat_optimum_us(problem, budget_units)
+    budget = int(traced_peak * frac)
+    opt_us, _ = _milp_optimum(problem, budget)
+    assert opt_us == _cpsat_optimum_us(problem, budget)
     free_us, _ = _milp_optimum(problem, None)
     if frac == 1.0:
         assert opt_us > free_us  # the budget binds: the test exercises group (7)
@@ -180,21 +181,19 @@ def test_config_validation():
         milp.MilpConfig(abs_gap_us=1.0)
 
 
-# -- windows of the shared decomposition (solvers.cpsat.decomposed_solve) -----------------------
+# -- windows of the shared decomposition (solvers.decompose) -----------------------------------
 def _window_models(p: Problem, kind_free: str, budget: int | None):
     """CP-SAT's window model over the first collectives in need order, from the FSDP2-like
-    incumbent, and the MILP built on it (fresh CP data for each, as the solvers build them)."""
-    from solvers.cpsat import _Anchors, _bucket_free, _window_order
-
+    incumbent, and the MILP of the same data (fresh data for each, as the solvers build them)."""
     inc = solve(p, solver="fsdp2").schedule
-    anchors = _Anchors(p)
-    order = _window_order(p)
+    anchors = Anchors(p)
+    order = window_order(p)
     names = order[:8] if kind_free == "head" else order[len(order) // 2 : len(order) // 2 + 8]
-    free = _bucket_free(inc, names)
-    cp = _CpSatModel(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors)
+    free = bucket_free(inc, names)
+    cp = CpSatModel(ModelData(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors))
     cp.model.Minimize(cp.objective)
-    cp2 = _CpSatModel(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors)
-    return cp, milp._MilpModel(cp2), free
+    data = ModelData(p, milp.MilpConfig(), budget, free=free, reference=inc, anchors=anchors)
+    return cp, milp.MilpModel(data), free
 
 
 @pytest.mark.parametrize("where", ["head", "middle"])
@@ -202,11 +201,11 @@ def _window_models(p: Problem, kind_free: str, budget: int | None):
 def test_window_milp_optimum_equals_cpsat(kind, where):
     p = _fsdp(n_layers=6, params_per_layer=3, graph_kind=kind, reshard_after_forward=True, seed=1)
     cp, model, free = _window_models(p, where, None)
-    assert model.window == (cp.a_hi != cp.anchors.m)
-    solver = _make_solver(_LIMIT_S, 0, 1, CpSatConfig())
+    assert model.window == cp.data.is_window
+    solver = make_solver(_LIMIT_S, 0, 1, CpSatConfig())
     status = solver.Solve(cp.model)
     assert solver.StatusName(status) == "OPTIMAL"
-    out = milp._solve_lp(model, _LIMIT_S, 0, milp.MilpConfig())
+    out = milp.solve_lp(model, _LIMIT_S, 0, milp.MilpConfig())
     assert out.status == "optimal"
     assert round(out.objective_us) == round(solver.ObjectiveValue())
     sched = model.extract()
@@ -242,8 +241,8 @@ def test_cbc_crash_is_retried_without_preprocessing(monkeypatch, caplog):
 
     monkeypatch.setattr(pulp.LpProblem, "solve", crashing)
     p = _two_gathers_one_scatter()
-    model = milp._MilpModel(_CpSatModel(p, CpSatConfig(), None))
-    out = milp._solve_lp(model, _LIMIT_S, 0, milp.MilpConfig(backend="cbc"))
+    model = milp.MilpModel(ModelData(p, milp.MilpConfig(), None))
+    out = milp.solve_lp(model, _LIMIT_S, 0, milp.MilpConfig(backend="cbc"))
     assert out.status == "optimal" and round(out.objective_us) == 7000
     assert len(calls) == 2 and "CBC failed" in caplog.text
 
@@ -254,7 +253,7 @@ def test_failing_window_solver_is_skipped_not_fatal(monkeypatch, caplog):
     def always_crash(*a, **kw):
         raise pulp.PulpSolverError("Pulp: Error while trying to execute (simulated crash)")
 
-    monkeypatch.setattr(milp, "_solve_lp", always_crash)
+    monkeypatch.setattr(milp, "solve_lp", always_crash)
     p = _fsdp(n_layers=20, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
     res = solve(p, solver="milp", time_limit_s=8)
     validate_schedule(p, res.schedule)

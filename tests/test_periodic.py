@@ -7,21 +7,14 @@ import time
 
 import pytest
 
-from scheduler.simulator import simulate
-from scheduler.validator import validate_schedule
+from solvers.core.simulator import simulate
+from solvers.core.validator import validate_schedule
 from solvers import Problem, solve
-from solvers.cpsat import (
-    CpSatConfig,
-    _Anchors,
-    _bucket_free,
-    _CpSatModel,
-    _solve_window,
-    _template_search,
-    _window_order,
-    solve_cpsat,
-)
+from solvers.cpsat import CpSatBackend, CpSatConfig, CpSatModel, solve_cpsat
+from solvers.decompose import bucket_free, template_search, window_order
+from solvers.model import Anchors, ModelData
 from solvers.periodic import detect_periodicity, isolate, replicate
-from solvers.synthetic import make_fsdp_dag
+from scheduler.synthetic import make_fsdp_dag
 
 
 def _problem(kind: str, **kw) -> Problem:
@@ -32,14 +25,14 @@ def _problem(kind: str, **kw) -> Problem:
 
 
 def _steady_window(p: Problem, per, budget):
-    """The template's tied window around the middle block, solved (as _template_search does)."""
+    """The template's tied window around the middle block, solved (as the template search does)."""
     mid = per.middle()
     blocks = [mid - 1, mid, mid + 1]
     free = {n for b in blocks for n in per.members[b].values()}
     base = isolate(p, solve(p, solver="fsdp2").schedule, free)
     base = replicate(p, per, base, mid, blocks) or base
     pairs = [(per.members[b][r], per.members[b + 1][r]) for b in blocks[:-1] for r in per.members[b]]
-    cand = _solve_window(p, CpSatConfig(), budget, base, free, 10.0, 0, 1, _Anchors(p), ties=(pairs, per.period))
+    cand = CpSatBackend().solve_window(p, budget, base, free, 10.0, 0, 1, Anchors(p), ties=(pairs, per.period))
     assert cand is not None
     return cand, mid
 
@@ -102,8 +95,8 @@ def test_template_phase_fits_budget_and_never_loses():
     start = solve(p, solver="traced").schedule
     sim0 = simulate(p.dag, start, problem=p)
     cfg = CpSatConfig(template_window_s=5.0)
-    sched, sim, rounds = _template_search(p, cfg, budget, start, sim0, time.perf_counter() + 30, 0, 1, budget,
-                                          _Anchors(p))
+    sched, sim, rounds = template_search(p, cfg, CpSatBackend(cfg).solve_window, budget, start, sim0,
+                                         time.perf_counter() + 30, 0, 1, budget)
     validate_schedule(p, sched)
     assert sim.peak_bytes <= budget
     assert sim.step_ms <= sim0.step_ms + 1e-9
@@ -130,14 +123,14 @@ def test_every_window_completes_the_templated_incumbent(kind, llama8b_6_layers):
     per = detect_periodicity(p, min_blocks=4)
     cand, mid = _steady_window(p, per, None)
     sched = replicate(p, per, cand, mid, per.blocks)
-    cfg, anchors = CpSatConfig(), _Anchors(p)
-    order = _window_order(p)
+    cfg, anchors = CpSatConfig(), Anchors(p)
+    order = window_order(p)
     k = cfg.lns_window_members
     for s0 in range(0, len(order), k // 2):
-        built = _CpSatModel(p, cfg, None, free=_bucket_free(sched, order[s0 : s0 + k]), reference=sched,
-                            anchors=anchors)
+        built = CpSatModel(ModelData(p, cfg, None, free=bucket_free(sched, order[s0 : s0 + k]), reference=sched,
+                                     anchors=anchors))
         built.model.Minimize(built.objective)
-        assert built.complete(sched, 5.0, 0, 1) is not None, f"window at {s0}"
+        assert built.complete(sched, 5.0, 0, 1, cfg) is not None, f"window at {s0}"
 
 
 def test_large_graph_solve_uses_the_template_and_fits():
@@ -170,7 +163,7 @@ def test_unconstrained_pattern_goes_where_memory_allows(llama8b_6_layers):
     best = min(fits, key=lambda r: r.objective_ms)
     sim0 = simulate(p.dag, best.schedule, problem=p)
     cfg = CpSatConfig(template_rounds=1, template_window_s=3.0, template_min_blocks=3)
-    sched, sim, rounds = _template_search(p, cfg, budget, best.schedule, sim0, time.perf_counter() + 30, 0, 1,
-                                          budget, _Anchors(p))
+    sched, sim, rounds = template_search(p, cfg, CpSatBackend(cfg).solve_window, budget, best.schedule, sim0,
+                                         time.perf_counter() + 30, 0, 1, budget)
     validate_schedule(p, sched, mem_budget_bytes=budget)
     assert rounds >= 1 and sim.step_ms < 0.95 * best.objective_ms

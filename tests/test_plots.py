@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from scheduler import plots
-from scheduler.simulator import simulate
-from solvers.dispatch import solve
-from solvers.problem import Problem
-from solvers.synthetic import make_fsdp_dag
+from solvers.core.simulator import simulate
+from solvers.registry import solve
+from solvers.core.problem import Problem
+from scheduler.synthetic import make_fsdp_dag
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

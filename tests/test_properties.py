@@ -27,7 +27,7 @@ from scheduler import export_dag, validate_schedule
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
 from solvers.heuristics import split_feasible, window
-from solvers.synthetic import make_fsdp_dag
+from scheduler.synthetic import make_fsdp_dag
 from test_writeback import gloo_group
 
 HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
@@ -140,7 +140,7 @@ def random_schedule(problem: Problem, rnd: random.Random) -> Schedule:
 @PROPS
 @given(dag=fsdp_dags(), seed=st.integers(0, 2**31))
 def test_random_schedules_are_valid(dag, seed):
-    """The chain / window rules in solvers.problem describe every valid schedule: any random
+    """The chain / window rules in solvers.core.problem describe every valid schedule: any random
     schedule built from them passes the validator."""
     problem = Problem.from_dag(dag)
     schedule = random_schedule(problem, random.Random(seed))

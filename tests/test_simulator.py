@@ -1,5 +1,5 @@
 """The simulator on tiny hand-built DAGs: step time, exposed communication and peak memory
-equal the values worked out by hand from the execution model (scheduler/simulator.py).
+equal the values worked out by hand from the execution model (solvers/core/simulator.py).
 
 Conventions of the drawings: ``name[size B, t ms]``; ``-->`` is a data edge; ``AG``/``RS`` are
 an all-gather / reduce-scatter with their wait; ``||`` separates schedule gaps.
@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from scheduler.simulator import ScheduleInvalidError, simulate
-from solvers.problem import Problem
-from solvers.schedule import Bucket, Schedule
-from solvers.synthetic import DagBuilder
+from solvers.core.simulator import ScheduleInvalidError, simulate
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, Schedule
+from scheduler.synthetic import DagBuilder
 
 
 def _sim(dag, schedule=None):
@@ -221,7 +221,7 @@ def test_chrome_trace_is_valid_json(tmp_path):
 def test_bucket_exposure_adds_up_to_exposed_comm():
     """Per-bucket waiting time (used to order the solver's windows) accounts for all of it."""
     from solvers import solve
-    from solvers.synthetic import make_fsdp_dag
+    from scheduler.synthetic import make_fsdp_dag
 
     dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=2)
     problem = Problem.from_dag(dag)

@@ -12,7 +12,7 @@ import pytest
 
 from scheduler import cli
 from scheduler.dag import save_dag
-from solvers.synthetic import make_fsdp_dag
+from scheduler.synthetic import make_fsdp_dag
 
 BUDGETS = ["1.0x", "0.9x", "0.8x"]
 

@@ -5,7 +5,7 @@ every bucket is issued and waited relative to the compute nodes. It refers to DA
 name only, so it is JSON-serialisable and identical on every rank for the identical graph.
 
 Positions are *gaps* of the compute sequence ``seq`` (the DAG's schedulable compute and view
-nodes in execution order, see :mod:`solvers.problem`): gap ``p`` lies just before ``seq[p]``;
+nodes in execution order, see :mod:`solvers.core.problem`): gap ``p`` lies just before ``seq[p]``;
 gap ``len(seq)`` is the end of the graph, just before its output. Inside one gap, steps run in
 the order the schedule lists them.
 """

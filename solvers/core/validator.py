@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from scheduler.simulator import ScheduleInvalidError, SimResult, simulate
-from solvers.problem import Problem
-from solvers.schedule import Schedule
+from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
+from solvers.core.problem import Problem
+from solvers.core.schedule import Schedule
 
 
 def validate_schedule(

@@ -370,6 +370,27 @@ def make_fsdp_dag(
         with_embeddings: include the non-block parameters.
         name: the DAG's name (default ``"synthetic-<graph_kind>"``).
     """
+    _check_fsdp_args(n_layers, params_per_layer, graph_kind, world_size, n_groups, param_dtype, param_bytes,
+                     activation_bytes, compute_ms_per_node)
+    g = _FsdpGraph(
+        n_layers=n_layers, params_per_layer=params_per_layer, param_bytes=param_bytes,
+        compute_ms_per_node=compute_ms_per_node, graph_kind=graph_kind, world_size=world_size, n_groups=n_groups,
+        rng=random.Random(seed) if seed is not None else None, activation_bytes=activation_bytes,
+        param_dtype=param_dtype, with_embeddings=with_embeddings, name=name,
+    )
+    if graph_kind == "forward":
+        g.forward(reshard_after_forward)
+    else:
+        g.backward(reshard_after_forward)
+    # collectives have no explicit runtimes: annotate_costs prices them and fits comm_model
+    dag = g.b.build(cluster=cluster or Cluster(n_gpus=max(world_size, 8)))
+    dag.graph["cost_model"] = "synthetic"
+    logger.debug("synthetic %s DAG: %d nodes, %d parameters", graph_kind, dag.number_of_nodes(), len(g.fqns))
+    return dag
+
+
+def _check_fsdp_args(n_layers, params_per_layer, graph_kind, world_size, n_groups, param_dtype, param_bytes,
+                     activation_bytes, compute_ms_per_node) -> None:
     if n_layers < 1 or params_per_layer < 1:
         raise ValueError(f"need n_layers >= 1 and params_per_layer >= 1, got {n_layers}, {params_per_layer}")
     if graph_kind not in ("forward", "backward"):
@@ -380,126 +401,101 @@ def make_fsdp_dag(
         raise ValueError(f"param_dtype must be 'bfloat16' or 'float32', got {param_dtype!r}")
     if param_bytes <= 0 or activation_bytes <= 0 or compute_ms_per_node < 0:
         raise ValueError("param_bytes and activation_bytes must be > 0, compute_ms_per_node >= 0")
-    cluster = cluster or Cluster(n_gpus=max(world_size, 8))
-    rng = random.Random(seed) if seed is not None else None
 
-    fqns = []
-    if with_embeddings:
-        fqns.append("tok_embeddings.weight")
-    for layer in range(n_layers):
-        for j in range(params_per_layer):
-            leaf = LLAMA_BLOCK_PARAMS[j] if j < len(LLAMA_BLOCK_PARAMS) else f"extra{j}.weight"
-            fqns.append(f"layers.{layer}.{leaf}")
-    if with_embeddings:
-        fqns += ["norm.weight", "output.weight"]
 
-    elem = _DTYPE_BYTES[param_dtype]
-    full_elems: list[int] = []
-    for _ in fqns:
-        nbytes = rng.randint(max(1, param_bytes // 4), 2 * param_bytes) if rng else param_bytes
-        # whole elements, divisible by the world size, so that every shard is equal
-        full_elems.append(max(world_size, math.ceil(nbytes / elem / world_size) * world_size))
+class _FsdpGraph:
+    """The builder of :func:`make_fsdp_dag`: parameters, their sizes, and the two graph kinds."""
 
-    def compute_ms() -> float:
-        return compute_ms_per_node * (rng.uniform(0.5, 1.5) if rng else 1.0)
+    def __init__(self, *, n_layers: int, params_per_layer: int, param_bytes: int, compute_ms_per_node: float,
+                 graph_kind: str, world_size: int, n_groups: int, rng: random.Random | None, activation_bytes: int,
+                 param_dtype: str, with_embeddings: bool, name: str | None):
+        self.graph_kind, self.world_size, self.n_groups = graph_kind, world_size, n_groups
+        self.rng, self.compute_ms_per_node = rng, compute_ms_per_node
+        self.activation_bytes, self.param_dtype = activation_bytes, param_dtype
+        self.fqns = []
+        if with_embeddings:
+            self.fqns.append("tok_embeddings.weight")
+        for layer in range(n_layers):
+            for j in range(params_per_layer):
+                leaf = LLAMA_BLOCK_PARAMS[j] if j < len(LLAMA_BLOCK_PARAMS) else f"extra{j}.weight"
+                self.fqns.append(f"layers.{layer}.{leaf}")
+        if with_embeddings:
+            self.fqns += ["norm.weight", "output.weight"]
+        self.elem = _DTYPE_BYTES[param_dtype]
+        self.full_elems: list[int] = []
+        for _ in self.fqns:
+            nbytes = rng.randint(max(1, param_bytes // 4), 2 * param_bytes) if rng else param_bytes
+            # whole elements, divisible by the world size, so that every shard is equal
+            self.full_elems.append(max(world_size, math.ceil(nbytes / self.elem / world_size) * world_size))
+        self.b = DagBuilder(name or f"synthetic-{graph_kind}", graph_kind=graph_kind, group_size=world_size)
+        self.b.add_input("primals_tokens", size_bytes=activation_bytes // 4, releasable=False, dtype="int64")
 
-    b = DagBuilder(
-        name or f"synthetic-{graph_kind}",
-        graph_kind=graph_kind,
-        group_size=world_size,
-    )
-    cast = param_dtype != "float32"
+    def compute_ms(self) -> float:
+        return self.compute_ms_per_node * (self.rng.uniform(0.5, 1.5) if self.rng else 1.0)
 
-    def gather(k: int) -> str:
+    def gather(self, k: int) -> str:
         """primals_k -> (cast) -> all-gather -> wait; returns the wait."""
-        shard = full_elems[k] // world_size
+        b, world = self.b, self.world_size
+        shard = self.full_elems[k] // world
         src = f"primals_{k + 1}"
         if src not in b:
             b.add_input(src, size_bytes=shard * 4, releasable=False, dtype="float32")
-        suffix = f"{k}" if graph_kind == "forward" else f"bw_{k}"
+        suffix = f"{k}" if self.graph_kind == "forward" else f"bw_{k}"
         return b.add_collective(
-            f"all_gather_into_tensor_{suffix}",
-            src,
-            group=str(k % n_groups),
-            payload_bytes=shard * elem,
-            size_bytes=full_elems[k] * elem,
-            fqn=fqns[k],
-            param_index=k,
-            dtype=param_dtype,
-            cast=cast,
-            wait=f"wait_tensor_{suffix}",
+            f"all_gather_into_tensor_{suffix}", src, group=str(k % self.n_groups), payload_bytes=shard * self.elem,
+            size_bytes=self.full_elems[k] * self.elem, fqn=self.fqns[k], param_index=k, dtype=self.param_dtype,
+            cast=self.param_dtype != "float32", wait=f"wait_tensor_{suffix}",
         )
 
-    def op_of(k: int) -> str:
-        f = fqns[k]
+    def op_of(self, k: int) -> str:
+        f = self.fqns[k]
         if f.startswith("tok_embeddings"):
             return "aten.embedding.default"
         return "aten.mul.Tensor" if "norm" in f else "aten.mm.default"
 
-    b.add_input("primals_tokens", size_bytes=activation_bytes // 4, releasable=False, dtype="int64")
-    n = len(fqns)
-    if graph_kind == "forward":
+    def forward(self, reshard_after_forward: bool) -> None:
+        b = self.b
         h = "primals_tokens"
         saved: list[str] = []
         full: list[str] = []
-        for k in range(n):
-            w = gather(k)
+        tokens = max(1, self.activation_bytes // self.elem // 4096)  # for a hidden size of 4096
+        for k in range(len(self.fqns)):
+            w = self.gather(k)
             full.append(w)
-            op = op_of(k)
-            tokens = max(1, activation_bytes // elem // 4096)  # for a hidden size of 4096
+            op = self.op_of(k)
             h = b.add_compute(
-                f"{op.split('.')[1]}_{k}",
-                h,
-                w,
-                runtime_ms=compute_ms(),
-                size_bytes=activation_bytes,
-                target=op,
-                flops=2 * tokens * full_elems[k] if op == "aten.mm.default" else 0,
-                dtype=param_dtype,
+                f"{op.split('.')[1]}_{k}", h, w, runtime_ms=self.compute_ms(), size_bytes=self.activation_bytes,
+                target=op, flops=2 * tokens * self.full_elems[k] if op == "aten.mm.default" else 0,
+                dtype=self.param_dtype,
             )
             saved.append(h)
         b.add_output(*saved, *([] if reshard_after_forward else full))
-    else:
+
+    def backward(self, reshard_after_forward: bool) -> None:
+        b, n, dt = self.b, len(self.fqns), self.param_dtype
         saved_h = ["primals_tokens"]
         for k in range(n - 1):
-            saved_h.append(b.add_input(f"saved_h_{k}", size_bytes=activation_bytes, dtype=param_dtype))
+            saved_h.append(b.add_input(f"saved_h_{k}", size_bytes=self.activation_bytes, dtype=dt))
         saved_w: dict[int, str] = {}
         if not reshard_after_forward:
             for k in range(1, n):
-                saved_w[k] = b.add_input(f"saved_w_{k}", size_bytes=full_elems[k] * elem, dtype=param_dtype)
-        dh = b.add_input("tangents_1", size_bytes=activation_bytes, dtype=param_dtype)
+                saved_w[k] = b.add_input(f"saved_w_{k}", size_bytes=self.full_elems[k] * self.elem, dtype=dt)
+        dh = b.add_input("tangents_1", size_bytes=self.activation_bytes, dtype=dt)
         grads: list[str] = []
         for k in reversed(range(n)):
             if k > 0:
-                w = gather(k) if reshard_after_forward else saved_w[k]
-                dh_next = b.add_compute(
-                    f"grad_in_{k}", dh, w, runtime_ms=compute_ms(), size_bytes=activation_bytes, dtype=param_dtype
-                )
+                w = self.gather(k) if reshard_after_forward else saved_w[k]
+                dh_next = b.add_compute(f"grad_in_{k}", dh, w, runtime_ms=self.compute_ms(),
+                                        size_bytes=self.activation_bytes, dtype=dt)
             else:
                 dh_next = dh
-            gw = b.add_compute(
-                f"grad_w_{k}", dh, saved_h[k], runtime_ms=compute_ms(), size_bytes=full_elems[k] * elem,
-                dtype=param_dtype,
-            )
-            grads.append(
-                b.add_collective(
-                    f"reduce_scatter_tensor_{k}",
-                    gw,
-                    coll_type="reduce_scatter",
-                    group=str(k % n_groups),
-                    payload_bytes=full_elems[k] * elem,
-                    size_bytes=full_elems[k] // world_size * elem,
-                    fqn=fqns[k],
-                    param_index=k,
-                    dtype=param_dtype,
-                    wait=f"wait_tensor_rs_{k}",
-                )
-            )
+            gw = b.add_compute(f"grad_w_{k}", dh, saved_h[k], runtime_ms=self.compute_ms(),
+                               size_bytes=self.full_elems[k] * self.elem, dtype=dt)
+            grads.append(b.add_collective(
+                f"reduce_scatter_tensor_{k}", gw, coll_type="reduce_scatter", group=str(k % self.n_groups),
+                payload_bytes=self.full_elems[k] * self.elem,
+                size_bytes=self.full_elems[k] // self.world_size * self.elem, fqn=self.fqns[k], param_index=k,
+                dtype=dt, wait=f"wait_tensor_rs_{k}",
+            ))
             dh = dh_next
         b.add_output(*grads)
-    # collectives have no explicit runtimes: annotate_costs prices them and fits comm_model
-    dag = b.build(cluster=cluster)
-    dag.graph["cost_model"] = "synthetic"
-    logger.debug("synthetic %s DAG: %d nodes, %d parameters", graph_kind, dag.number_of_nodes(), n)
-    return dag
-

@@ -17,13 +17,12 @@ Vocabulary:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from functools import cached_property
 
 import networkx as nx
 
-from solvers.schedule import Bucket, Schedule, ScheduleError
+from solvers.core.schedule import Bucket, Schedule, ScheduleError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +212,7 @@ class Problem:
         bucket_idx = {c: i for i, c in enumerate(names)}
         wait_of = {self.colls[c].wait: c for c in names}
         steps_nodes: list = []
-        from solvers.schedule import Step
+        from solvers.core.schedule import Step
 
         for name in order:
             if name in self.pos:
@@ -283,16 +282,3 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= f:
-            return f"{n / f:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_ms(ms: float) -> str:
-    if math.isnan(ms):
-        return "nan"
-    return f"{ms:.3f} ms" if ms < 100 else f"{ms:.1f} ms"

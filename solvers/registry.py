@@ -1,53 +1,44 @@
-"""One entry point for every solver and heuristic: ``solve(problem, solver=...)``."""
+"""One entry point for every solver and heuristic: ``solve(problem, solver=...)``.
+
+The table maps names to the modules that implement them; it imports them, nothing imports it
+back (no registration side effects, no circle).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from solvers.problem import Problem
-from solvers.schedule import Schedule, ScheduleError, SolveResult
+from solvers.core.problem import Problem
+from solvers.core.schedule import Schedule, ScheduleError, SolveResult
+from solvers.cpsat import solve_cpsat
+from solvers.heuristics import HEURISTICS
+from solvers.milp import solve_milp
 
 logger = logging.getLogger(__name__)
 
-#: name -> callable(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers)
-_SOLVERS: dict[str, Callable[..., SolveResult]] = {}
+#: a solver: ``fn(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers) -> SolveResult``
+SolverFn = Callable[..., SolveResult]
 
-
-def register(name: str) -> Callable[[Callable[..., SolveResult]], Callable[..., SolveResult]]:
-    def deco(fn: Callable[..., SolveResult]) -> Callable[..., SolveResult]:
-        _SOLVERS[name] = fn
-        return fn
-
-    return deco
+#: the exact solvers (model backends through :mod:`solvers.driver`)
+EXACT_SOLVERS: dict[str, SolverFn] = {"cpsat": solve_cpsat, "milp": solve_milp}
+#: every solver and heuristic by name
+SOLVERS: dict[str, SolverFn] = {**EXACT_SOLVERS, **HEURISTICS}
 
 
 def available_solvers() -> list[str]:
-    _load_all()
-    return sorted(_SOLVERS)
+    return sorted(SOLVERS)
 
 
-def _load_all() -> None:
-    # importing registers; heuristics first so solvers can use them as hints
-    try:
-        import solvers.heuristics  # noqa: F401
-    except ImportError as e:  # pragma: no cover
-        logger.debug("heuristics unavailable: %s", e)
-
-    try:
-        import solvers.cpsat  # noqa: F401
-    except ImportError as e:  # pragma: no cover - ortools missing
-        logger.debug("cpsat unavailable: %s", e)
-    try:
-        import solvers.milp  # noqa: F401
-    except ImportError as e:  # pragma: no cover - pulp missing
-        logger.debug("milp unavailable: %s", e)
+def solver_name(solver: str | SolverFn) -> str:
+    """The name of a solver given by name or as a callable."""
+    return solver if isinstance(solver, str) else getattr(solver, "__name__", type(solver).__name__)
 
 
 def solve(
     problem: Problem,
     *,
-    solver: str = "cpsat",
+    solver: str | SolverFn = "cpsat",
     mem_budget_bytes: int | None = None,
     time_limit_s: float = 30.0,
     seed: int = 0,
@@ -57,7 +48,8 @@ def solve(
     """Solve ``problem`` with the named solver or heuristic.
 
     Args:
-        solver: "cpsat", "milp", or a heuristic name (see :func:`available_solvers`).
+        solver: "cpsat", "milp", a heuristic name (see :func:`available_solvers`), or a callable
+            with the signature of :data:`SolverFn` (your own solver).
         mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
         time_limit_s: limit of the solve. For CP-SAT it is converted to a deterministic time
             limit, so that every rank stops at the same point and gets the same schedule.
@@ -70,8 +62,7 @@ def solve(
         InfeasibleBudgetError: no schedule fits ``mem_budget_bytes``.
         ScheduleError: the solver failed in another way.
     """
-    _load_all()
-    fn = _SOLVERS.get(solver)
+    fn = SOLVERS.get(solver) if isinstance(solver, str) else solver
     if fn is None:
         raise ValueError(f"unknown solver {solver!r}; choose one of {available_solvers()}")
     if mem_budget_bytes is not None and mem_budget_bytes <= 0:
@@ -89,7 +80,8 @@ def solve(
         num_workers=num_workers,
     )
     if not result.schedule.buckets and problem.colls:
-        raise ScheduleError(f"solver {solver!r} returned an empty schedule for a graph with collectives")
+        raise ScheduleError(
+            f"solver {solver_name(solver)!r} returned an empty schedule for a graph with collectives")
     return result
 
 

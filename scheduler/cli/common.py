@@ -1,0 +1,212 @@
+"""Pieces shared by the commands: argument types, model -> DAGs, tables and pictures."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from scheduler import plots
+from scheduler.costs import Cluster
+from scheduler.dag import DagError, dag_to_json, export_dag, load_dag
+from solvers.core import parse_bytes, simulate, units
+from solvers.registry import solve
+
+logger = logging.getLogger(__name__)
+
+GRAPHS = ("forward", "backward")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# argument types
+# --------------------------------------------------------------------------------------------
+def budget_arg(text: str) -> str | int:
+    """``--budget``: a size ("40GiB", "1.5 GB"), "auto" (0.9 x the FSDP2-like peak), a multiple
+    of that peak ("0.8x"), or "none"."""
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return t
+    if t.endswith("x"):
+        try:
+            f = float(t[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad budget {text!r}: a multiple is written like '0.8x'") from None
+        if not f > 0:
+            raise argparse.ArgumentTypeError(f"bad budget {text!r}: the multiple must be > 0")
+        return text.strip()
+    try:
+        return parse_bytes(text)  # type: ignore[return-value]
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"bad budget: {e}; or 'auto', 'none', '0.8x'") from None
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return v
+
+
+def resolve_budget(spec: str | int | None, fsdp2_peak_bytes: int, floor_bytes: int = 0) -> int | None:
+    """Bytes of a :func:`budget_arg` value; "auto" is 0.9 x ``fsdp2_peak_bytes``, raised to
+    ``floor_bytes`` (the smallest peak a baseline reached) when that is higher, so that it is
+    reachable."""
+    if spec is None or spec == "none":
+        return None
+    if isinstance(spec, int):
+        return spec
+    if spec == "auto":
+        return max(int(0.9 * fsdp2_peak_bytes), floor_bytes)
+    return int(float(spec[:-1]) * fsdp2_peak_bytes)
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes for a table; "none" for no budget."""
+    return "none" if n is None else units.fmt_bytes(n)
+
+
+def fmt_ms(ms: float | None) -> str:
+    """ms for a table; "-" when unknown."""
+    return "-" if ms is None else units.fmt_ms(ms)
+
+
+# --------------------------------------------------------------------------------------------
+# model -> DAGs
+# --------------------------------------------------------------------------------------------
+def cluster_of(args: argparse.Namespace):
+    kw: dict[str, Any] = {"n_gpus": args.world_size}
+    if getattr(args, "inter_node_gbps", None):
+        kw["inter_node_gbps"] = args.inter_node_gbps
+    try:
+        return Cluster(**kw)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def trace_model(args: argparse.Namespace, graphs: tuple[str, ...] = GRAPHS) -> tuple[dict[str, nx.DiGraph], Any]:
+    """Capture ``args.model`` and export the requested graphs: (name -> DAG, CapturedGraphs)."""
+    from models import capture_fsdp_graphs, list_presets  # torch and the models only for commands that trace
+
+    if args.model not in list_presets():
+        raise CliError(f"unknown model {args.model!r}; choose one of {', '.join(list_presets())}")
+    if args.world_size < 2:
+        raise CliError(f"--world-size must be >= 2, got {args.world_size}")
+    logger.info("tracing %s (%s layers) on %d ranks", args.model, args.n_layers or "all", args.world_size)
+    t0 = time.perf_counter()
+    captured = capture_fsdp_graphs(args.model, world_size=args.world_size, n_layers=args.n_layers)
+    cluster = cluster_of(args)
+    dags = {}
+    for g in graphs:
+        gm = getattr(captured, g)
+        gm.meta.setdefault("fsdp_graph_kind", g)
+        dags[g] = export_dag(gm, cluster=cluster, name=g)
+    logger.info("traced in %.1f s", time.perf_counter() - t0)
+    return dags, captured
+
+
+def load_dag_file(path: str) -> nx.DiGraph:
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"no such DAG file: {path}")
+    try:
+        return load_dag(p)
+    except DagError as e:
+        raise CliError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {path}: {e}") from None
+
+
+def dag_hash(dag: nx.DiGraph) -> str:
+    return hashlib.sha256(json.dumps(dag_to_json(dag), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------------------------
+def heuristic_sim(problem, name: str):
+    """(SimResult, SolveResult) of heuristic ``name`` without a budget."""
+    if name == "traced":
+        return simulate(problem.dag, problem.traced_schedule(), problem=problem), None
+    res = solve(problem, solver=name, time_limit_s=10.0)
+    return simulate(problem.dag, res.schedule, problem=problem), res
+
+
+def write_pictures(sim, problem, out: Path, stem: str, budget: int | None) -> list[Path]:
+    return [
+        plots.gantt(sim, problem, out / f"{stem}_gantt.png"),
+        plots.memory(sim, out / f"{stem}_memory.png", budget_bytes=budget,
+                     title=f"{stem}: memory, peak {fmt_bytes(sim.peak_bytes)}, budget {fmt_bytes(budget)}"),
+        sim.write_chrome_trace(out / f"{stem}_trace.json", problem=problem),
+    ]
+
+
+def row(name: str, sim=None, *, solve_s: float | None = None, gap: float | None = None,
+         budget: int | None = None, note: str = "") -> dict[str, Any]:
+    if sim is None:
+        return {"schedule": name, "note": note}
+    return {
+        "schedule": name,
+        "step_ms": sim.step_ms,
+        "exposed_comm_ms": sim.exposed_comm_ms,
+        "peak_bytes": sim.peak_bytes,
+        "n_collectives": sim.n_collectives,
+        "solve_time_s": solve_s,
+        "gap": gap,
+        "fits_budget": None if budget is None else sim.peak_bytes <= budget,
+        "note": note,
+    }
+
+
+def format_table(rows: list[dict[str, Any]], title: str = "") -> str:
+    head = f"{'schedule':<14}{'step':>12}{'exposed comm':>14}{'peak':>13}{'fits':>6}{'#coll':>7}{'solve':>9}{'gap':>7}"
+    lines = [title] if title else []
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        if "step_ms" not in r:
+            lines.append(f"{r['schedule']:<14}{r['note']}")
+            continue
+        fits = {None: "-", True: "yes", False: "NO"}[r.get("fits_budget")]
+        solve = "-" if r.get("solve_time_s") is None else f"{r['solve_time_s']:.2f} s"
+        gap = "-" if r.get("gap") is None else f"{r['gap']:.1%}"
+        line = (f"{r['schedule']:<14}{fmt_ms(r['step_ms']):>12}{fmt_ms(r['exposed_comm_ms']):>14}"
+                f"{fmt_bytes(r['peak_bytes']):>13}{fits:>6}{r['n_collectives']:>7}{solve:>9}{gap:>7}")
+        if r.get("note"):
+            line += f"  {r['note']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+
+
+def input_dag(args: argparse.Namespace) -> nx.DiGraph:
+    if args.dag and args.model:
+        raise CliError("give a DAG file or --model, not both")
+    if args.dag:
+        return load_dag_file(args.dag)
+    if args.model:
+        dags, _ = trace_model(args, (args.graph,))
+        return dags[args.graph]
+    raise CliError("give a DAG file (from `fsdp-sched trace`) or --model")

@@ -1,0 +1,98 @@
+"""The argument parser of ``fsdp-sched``: one sub-command per module of this package."""
+
+from __future__ import annotations
+
+import argparse
+
+from scheduler.cli.common import GRAPHS, budget_arg, positive_float, positive_int
+from scheduler.cli.demo import cmd_demo
+from scheduler.cli.solve import cmd_solve, cmd_trace
+from scheduler.cli.sweep import cmd_sweep
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, default_layers: int | None) -> None:
+    p.add_argument("--model", default=default_model,
+                   help="reference model preset: llama3-debug, llama3-8b, llama3-70b, llama3-405b"
+                        + (f" (default {default_model})" if default_model else ""))
+    p.add_argument("--n-layers", type=positive_int, default=default_layers,
+                   help="decoder layers to trace (default %(default)s; fewer is faster)")
+    p.add_argument("--world-size", type=positive_int, default=64,
+                   help="FSDP ranks, also the cluster size for the cost model (default %(default)s, 8 per node)")
+    p.add_argument("--inter-node-gbps", type=positive_float, default=None,
+                   help="inter-node bus bandwidth per GPU in GB/s (default: the Cluster default, 50)")
+
+
+def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
+    p.add_argument("--solver", default="cpsat",
+                   help="cpsat (default), milp, or a heuristic: traced, fsdp2, simplefsdp, autoparallel")
+    p.add_argument("--budget", type=budget_arg, default=budget_default,
+                   help="peak-memory budget: a size such as 40GiB or 512MB, 'auto' (0.9 x the FSDP2-like "
+                        "peak, at least the smallest baseline peak), a multiple of that peak such as 0.8x, or 'none' (default %(default)s)")
+    p.add_argument("--time-limit", type=positive_float, default=time_limit,
+                   help="solver time limit per graph in seconds (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fsdp-sched", description="Solver-based scheduling of FSDP collectives under a memory budget.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    p = sub.add_parser("demo", help="compare fsdp-sched with FSDP2, SimpleFSDP, AutoParallel and torch on a model",
+                       description="Trace a reference model, simulate the traced order, the FSDP2, SimpleFSDP and "
+                                   "AutoParallel-like heuristics, torch's overlap scheduler and fsdp-sched under a "
+                                   "budget, print a comparison per graph and write Gantt / memory pictures and "
+                                   "Chrome traces.")
+    _model_args(p, default_model="llama3-8b", default_layers=8)
+    _solve_args(p, budget_default="auto", time_limit=20.0)
+    p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("trace", help="trace a model into DAG JSON files",
+                       description="Capture a reference model's FSDP forward / backward graphs and save them as "
+                                   "cost-annotated DAG JSON (input of solve and sweep).")
+    _model_args(p, default_model="llama3-8b", default_layers=8)
+    p.add_argument("--graph", choices=("forward", "backward", "both"), default="both",
+                   help="which graph to save (default %(default)s)")
+    p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    p.set_defaults(func=cmd_trace)
+
+    for name, helptext in (("solve", "solve one graph: schedule, report, Chrome trace, Gantt chart"),
+                           ("sweep", "solve one graph for many budgets: table and Pareto plot")):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        p.add_argument("dag", nargs="?", help="DAG JSON file from `fsdp-sched trace` (or use --model)")
+        _model_args(p, default_model=None, default_layers=8)
+        p.add_argument("--graph", choices=GRAPHS, default="backward",
+                       help="with --model: the graph to solve (default %(default)s)")
+        p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+        p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+        if name == "solve":
+            _solve_args(p, budget_default="none", time_limit=20.0)
+            p.set_defaults(func=cmd_solve)
+        else:
+            p.add_argument("--solver", default="cpsat", help="solver to sweep (default %(default)s)")
+            p.add_argument("--budgets", type=budget_arg, nargs="+", default=["1.0x", "0.9x", "0.8x", "0.7x"],
+                           help="budgets: sizes (40GiB) or multiples of the FSDP2-like peak (0.8x) "
+                                "(default: 1.0x 0.9x 0.8x 0.7x)")
+            p.add_argument("--time-limit", type=positive_float, default=10.0,
+                           help="solver time limit per point in seconds (default %(default)s)")
+            p.add_argument("--workers", type=positive_int, default=1,
+                           help="solve points in N local processes (default 1: sequential)")
+            p.add_argument("--address", default=None, metavar="URL",
+                           help="solve the points on an existing cluster: a Dask scheduler (tcp://HOST:PORT, "
+                                "needs dask[distributed]) or a Ray cluster (ray://HOST:PORT, needs ray); the "
+                                "workers need fsdp-sched installed")
+            p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                           help="show progress on stderr: a tqdm bar if tqdm is installed and stderr is a "
+                                "terminal, else one line per point (default: on)")
+            p.add_argument("--db", default=None,
+                           help="SQLite results file; finished points are skipped on rerun (default OUT/sweep.sqlite)")
+            p.set_defaults(func=cmd_sweep)
+    return parser

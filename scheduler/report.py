@@ -1,0 +1,196 @@
+"""The report of one optimisation: what the model predicts before and after, and why.
+
+:class:`ScheduleReport` is stored at ``gm.meta["fsdp_sched_report"]`` by
+:func:`scheduler.optimize_schedule` and returned by :func:`scheduler.solve_dag`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from solvers.core.problem import Problem
+from solvers.core.schedule import Schedule
+from solvers.core.simulator import SimResult
+from solvers.core.units import fmt_bytes, fmt_ms
+
+
+@dataclasses.dataclass(kw_only=True)
+class ScheduleReport:
+    """What one optimisation predicts and did. Times in ms, memory in bytes, distances in
+    compute nodes; "before" is the graph as traced, "after" the chosen schedule, both
+    simulated on the same cost model (:mod:`solvers.core.simulator`)."""
+
+    #: name of the graph ("forward", "backward", ...)
+    graph_name: str
+    #: solver or heuristic that produced the schedule (after any fallback)
+    solver: str
+    #: the solver asked for
+    requested_solver: str
+    #: a :class:`solvers.core.schedule.SolveStatus` value, or "unchanged" for a graph without collectives
+    status: str
+    #: wall time of the whole solve, heuristics and validation included (s)
+    solve_time_s: float
+    #: the memory budget (bytes), None for none
+    mem_budget_bytes: int | None
+    step_ms_before: float
+    step_ms_after: float
+    peak_bytes_before: int
+    peak_bytes_after: int
+    exposed_comm_ms_before: float
+    exposed_comm_ms_after: float
+    n_collectives_before: int
+    n_collectives_after: int
+    #: analytic lower bound on step time (DESIGN.md), valid for every schedule
+    lower_bound_ms: float
+    #: the best proven bound on step time (solver bound, else the analytic one)
+    best_bound_ms: float
+    #: (step_ms_after - best_bound_ms) / step_ms_after, 0 when proven optimal
+    gap: float
+    #: per bucket, the parameter FQNs of its members (collective names where FQNs are unknown)
+    buckets: list[list[str]] = dataclasses.field(default_factory=list)
+    #: per bucket, its collective type ("all_gather", "reduce_scatter", ...)
+    bucket_types: list[str] = dataclasses.field(default_factory=list)
+    #: per all-gather bucket, compute nodes between its issue and the first use of its result
+    ag_prefetch: list[int] = dataclasses.field(default_factory=list)
+    #: per reduce-scatter bucket, compute nodes between its last gradient and its issue
+    rs_issue_delay: list[int] = dataclasses.field(default_factory=list)
+    #: per reduce-scatter bucket, compute nodes between its issue and its wait
+    rs_wait_distance: list[int] = dataclasses.field(default_factory=list)
+    #: :meth:`solvers.core.schedule.Schedule.digest` of the schedule (equal on every rank)
+    digest: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
+    fell_back: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "ScheduleReport":
+        return ScheduleReport(**data)
+
+    def summary_line(self) -> str:
+        """One line for logs."""
+        return (
+            f"fsdp-sched {self.graph_name}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
+            f"peak {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}, "
+            f"collectives {self.n_collectives_before} -> {self.n_collectives_after} "
+            f"({self.solver}, {self.status}, gap {self.gap:.1%}{', fell back' if self.fell_back else ''})"
+        )
+
+    def __str__(self) -> str:
+        budget = fmt_bytes(self.mem_budget_bytes) if self.mem_budget_bytes else "none"
+        rows = [
+            ("step time", fmt_ms(self.step_ms_before), fmt_ms(self.step_ms_after)),
+            ("peak memory", fmt_bytes(self.peak_bytes_before), fmt_bytes(self.peak_bytes_after)),
+            ("exposed comm", fmt_ms(self.exposed_comm_ms_before), fmt_ms(self.exposed_comm_ms_after)),
+            ("collectives", str(self.n_collectives_before), str(self.n_collectives_after)),
+        ]
+        lines = [
+            f"fsdp-sched report: {self.graph_name} (solver {self.solver}, status {self.status}, "
+            f"{self.solve_time_s:.2f} s, budget {budget})",
+            f"  {'':<14}{'traced':>14}{'scheduled':>14}",
+        ]
+        lines += [f"  {name:<14}{a:>14}{b:>14}" for name, a, b in rows]
+        lines.append(
+            f"  lower bound {fmt_ms(self.lower_bound_ms)}, best bound {fmt_ms(self.best_bound_ms)}, "
+            f"gap {self.gap:.1%}"
+        )
+        n_ag = self.bucket_types.count("all_gather")
+        n_rs = self.bucket_types.count("reduce_scatter")
+        lines.append(f"  buckets: {len(self.buckets)} (all-gather {n_ag}, reduce-scatter {n_rs})")
+        if self.ag_prefetch:
+            lines.append(f"  all-gather prefetch (compute nodes): {_spread(self.ag_prefetch)}")
+        if self.rs_wait_distance:
+            lines.append(
+                f"  reduce-scatter issue delay: {_spread(self.rs_issue_delay)}; "
+                f"issue-to-wait: {_spread(self.rs_wait_distance)}"
+            )
+        if self.fell_back:
+            lines.append(f"  fell back from {self.requested_solver} to {self.solver}")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.digest:
+            lines.append(f"  schedule digest {self.digest[:16]}")
+        return "\n".join(lines)
+
+
+def _spread(xs: list[int]) -> str:
+    s = sorted(xs)
+    return f"min {s[0]}, median {s[len(s) // 2]}, max {s[-1]}"
+
+
+
+def make_report(
+    problem: Problem,
+    before: SimResult,
+    after: SimResult,
+    *,
+    graph_name: str,
+    mem_budget_bytes: int | None,
+    t0: float,
+    solver: str,
+    requested: str,
+    status: str,
+    best_bound: float | None,
+    notes: list[str],
+    fell_back: bool,
+) -> ScheduleReport:
+    """The report of ``after`` (the simulation of the chosen schedule) against ``before`` (the
+    traced order); ``t0`` is ``time.perf_counter()`` when the solve started."""
+    schedule = after.schedule
+    lower = problem.lower_bound_ms()
+    bound = max(lower, best_bound) if best_bound is not None else lower
+    bound = min(bound, after.step_ms)
+    gap = max(0.0, (after.step_ms - bound) / after.step_ms) if after.step_ms > 0 else 0.0
+    buckets, types, prefetch, rs_delay, rs_wait = _bucket_stats(problem, schedule)
+    return ScheduleReport(
+        graph_name=graph_name,
+        solver=solver,
+        requested_solver=requested,
+        status=status,
+        solve_time_s=time.perf_counter() - t0,
+        mem_budget_bytes=mem_budget_bytes,
+        step_ms_before=before.step_ms,
+        step_ms_after=after.step_ms,
+        peak_bytes_before=before.peak_bytes,
+        peak_bytes_after=after.peak_bytes,
+        exposed_comm_ms_before=before.exposed_comm_ms,
+        exposed_comm_ms_after=after.exposed_comm_ms,
+        n_collectives_before=before.n_collectives,
+        n_collectives_after=after.n_collectives,
+        lower_bound_ms=lower,
+        best_bound_ms=bound,
+        gap=gap,
+        buckets=buckets,
+        bucket_types=types,
+        ag_prefetch=prefetch,
+        rs_issue_delay=rs_delay,
+        rs_wait_distance=rs_wait,
+        digest=schedule.digest(),
+        notes=list(notes),
+        fell_back=fell_back,
+    )
+
+
+def _bucket_stats(problem: Problem, schedule: Schedule):
+    # computes[p] = number of compute nodes in seq[:p]
+    computes = [0]
+    for name in problem.seq:
+        computes.append(computes[-1] + (problem.dag.nodes[name]["kind"] == "compute"))
+    issue, wait = schedule.positions()
+    buckets, types, prefetch, rs_delay, rs_wait = [], [], [], [], []
+    for b, bucket in enumerate(schedule.buckets):
+        colls = [problem.colls[m] for m in bucket.members]
+        buckets.append([f for c in colls for f in (c.fqns or (c.name,))])
+        ctype = colls[0].coll_type
+        types.append(ctype)
+        if ctype == "all_gather":
+            needed = min(c.needed for c in colls)
+            prefetch.append(computes[needed] - computes[issue[b]])
+        elif ctype == "reduce_scatter":
+            ready = max(c.ready for c in colls)
+            rs_delay.append(computes[issue[b]] - computes[min(ready, issue[b])])
+            rs_wait.append(computes[wait[b]] - computes[issue[b]])
+    return buckets, types, prefetch, rs_delay, rs_wait

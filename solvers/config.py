@@ -1,0 +1,82 @@
+"""Configuration shared by both model backends: the decision space and the search around it.
+
+:class:`ModelConfig` bounds the decision space (:mod:`solvers.model`); :class:`SearchConfig`
+steers the solve loop (:mod:`solvers.driver`) and the decomposition of large graphs
+(:mod:`solvers.decompose`). :class:`SolverConfig` holds both; each backend extends it with
+its own solver knobs (:class:`solvers.cpsat.CpSatConfig`, :class:`solvers.milp.MilpConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The decision space of the model."""
+
+    #: how many anchors before its first use an all-gather may be issued (and how far after
+    #: its gradient a reduce-scatter may be issued); about two transformer blocks by default
+    window_anchors: int = 64
+    #: how many anchors after its issue a reduce-scatter may be waited
+    wait_window_anchors: int = 64
+    #: largest bucket payload in bytes (None: no cap beyond the windows)
+    max_bucket_bytes: int | None = None
+    #: anchors modelled on each side of a window's decisions (its model covers only that range;
+    #: the incumbent fixes the state where the range starts)
+    lns_range_margin_anchors: int = 8
+
+    def __post_init__(self) -> None:
+        if self.window_anchors < 1 or self.wait_window_anchors < 0:
+            raise ValueError("window_anchors must be >= 1 and wait_window_anchors >= 0")
+        if self.max_bucket_bytes is not None and self.max_bucket_bytes <= 0:
+            raise ValueError("max_bucket_bytes must be > 0 or None")
+        if self.lns_range_margin_anchors < 0:
+            raise ValueError("lns_range_margin_anchors must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """The solve loop and the decomposition of large graphs."""
+
+    #: how many times to re-solve with a tighter budget when the simulated peak exceeds it
+    memory_repair_rounds: int = 4
+    #: graphs with at most this many movable collectives are solved as one model; larger ones
+    #: by rolling-window neighbourhood search (exploits the per-layer repetition)
+    full_model_max_members: int = 64
+    #: collectives freed together in one window of the neighbourhood search (about 3 blocks)
+    lns_window_members: int = 27
+    #: at most this many sweeps over the graph
+    lns_max_sweeps: int = 4
+    #: least time given to one window (s); windows are visited most-exposed first, so a short
+    #: limit is spent where the incumbent waits longest on communication
+    lns_min_window_s: float = 3.0
+    #: rounds of the per-layer template (0: off): solve a window around the middle block of the
+    #: repeating layers, copy its decisions onto every layer (see
+    #: :func:`solvers.decompose.template_search`)
+    template_rounds: int = 6
+    #: blocks in the template's window (the middle one is copied)
+    template_window_blocks: int = 3
+    #: time for one template window (s)
+    template_window_s: float = 6.0
+    #: fewest repeating blocks for the template to be tried
+    template_min_blocks: int = 6
+
+    def __post_init__(self) -> None:
+        if self.memory_repair_rounds < 0:
+            raise ValueError("memory_repair_rounds must be >= 0")
+        if self.lns_min_window_s <= 0:
+            raise ValueError("lns_min_window_s must be > 0")
+        if self.template_rounds < 0 or self.template_window_blocks < 1 or self.template_window_s <= 0:
+            raise ValueError("template_rounds must be >= 0, template_window_blocks >= 1, template_window_s > 0")
+        if self.full_model_max_members < 0 or self.lns_window_members < 2:
+            raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverConfig(ModelConfig, SearchConfig):
+    """Everything both backends share: the decision space and the search."""
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        SearchConfig.__post_init__(self)

@@ -1,0 +1,230 @@
+"""The solve loop, one for every model backend (CP-SAT, MILP).
+
+:func:`solve` runs a :class:`Backend` on a problem:
+
+1. warm start: the fastest of the hint and the heuristics that fit (:mod:`solvers.warmstart`);
+2. solve: graphs with at most ``full_model_max_members`` movable collectives as one model
+   (:meth:`Backend.solve_full`), larger ones by the decomposition of :mod:`solvers.decompose`
+   (per-layer template, then rolling windows, each window by :meth:`Backend.solve_window`);
+3. check: every schedule is simulated; when its peak exceeds the budget (the model prices merge
+   transients approximately) the model's budget is tightened by the excess and the model
+   re-solved, at most ``memory_repair_rounds`` times;
+4. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
+   repair that does not converge, returns the warm start (flagged) when one fits, and raises
+   :class:`InfeasibleBudgetError` naming the smallest peak found when none does; a schedule
+   that simulates slower than the warm start is replaced by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from solvers import decompose
+from solvers.config import SolverConfig
+from solvers.core.problem import Problem
+from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
+from solvers.core.simulator import SimResult, simulate
+from solvers.core.units import fmt_bytes
+from solvers.warmstart import best_warm_start
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOutcome:
+    """One solve of a whole-graph model.
+
+    Attributes:
+        status: "optimal", "feasible", "infeasible" or "unknown" (nothing found in the limit).
+        schedule: the solution (None unless optimal or feasible).
+        model_step_ms, bound_ms: the model's objective and best bound (None if unknown).
+        notes: remarks for the result.
+        alternatives: other schedules of the same model objective (e.g. a second phase with
+            less memory); the driver keeps one when it simulates at least as fast.
+    """
+
+    status: str
+    schedule: Schedule | None
+    model_step_ms: float | None
+    bound_ms: float | None
+    notes: tuple[str, ...] = ()
+    alternatives: tuple[Schedule, ...] = ()
+
+
+class Backend(Protocol):
+    """A model backend (:class:`solvers.cpsat.CpSatBackend`, :class:`solvers.milp.MilpBackend`)."""
+
+    name: str
+    config: SolverConfig
+
+    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, deadline: float,
+                   seed: int, num_workers: int) -> ModelOutcome: ...
+
+    #: a :data:`solvers.decompose.WindowSolver`
+    solve_window: Callable[..., Schedule | None]
+
+    def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None: ...
+
+
+def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
+          seed: int = 0, hint: Schedule | None = None, num_workers: int = 1) -> SolveResult:
+    """Solve ``problem`` with ``backend`` (see the module docstring).
+
+    Raises:
+        InfeasibleBudgetError: no schedule fits the budget; ``min_peak_bytes`` is the smallest
+            simulated peak found.
+        ScheduleError: the model failed without a schedule and no heuristic fits.
+    """
+    run = _Run(problem, backend, mem_budget_bytes, time_limit_s, seed, num_workers)
+    if not problem.chains:
+        sim = simulate(problem.dag, problem.traced_schedule(), problem=problem)
+        return run.result(sim, SolveStatus.OPTIMAL, sim.step_ms, ["no movable collectives: traced order kept"])
+    run.warm = best_warm_start(problem, hint, mem_budget_bytes, seed=seed,
+                               max_bucket_bytes=backend.config.max_bucket_bytes)
+    return run.loop()
+
+
+class _Run:
+    """State of one :func:`solve`: the warm start, the notes, the history of improvements."""
+
+    def __init__(self, problem: Problem, backend: Backend, mem_budget_bytes: int | None, time_limit_s: float,
+                 seed: int, num_workers: int):
+        self.p = problem
+        self.backend = backend
+        self.cfg = backend.config
+        self.mem_budget_bytes = mem_budget_bytes
+        self.time_limit_s = time_limit_s
+        self.seed = seed
+        self.num_workers = num_workers
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + time_limit_s
+        self.warm: SolveResult | None = None
+        self.notes: list[str] = []
+        self.history: list[tuple[float, float]] = []  # (perf_counter, step ms) of improvements
+
+    @property
+    def decomposed(self) -> bool:
+        return sum(len(c) for c in self.p.chains.values()) > self.cfg.full_model_max_members
+
+    def loop(self) -> SolveResult:
+        """Solve, check the simulated peak, tighten the model's budget and repeat (3)."""
+        model_budget = self.mem_budget_bytes
+        start = self.warm.schedule if self.warm is not None else self.p.traced_schedule()
+        sim: SimResult | None = None
+        for round_ in range(self.cfg.memory_repair_rounds + 1):
+            if self.decomposed:
+                schedule, sim = self._decomposed(model_budget, start, templates=round_ == 0)
+                proven, bound = False, self.p.lower_bound_ms()
+            else:
+                out = self.backend.solve_full(self.p, model_budget, start, self.deadline, self.seed,
+                                              self.num_workers)
+                self.notes += out.notes
+                if out.schedule is None:
+                    return self._no_schedule(out.status)
+                schedule, sim = self._fastest(out.schedule, out.alternatives)
+                proven = out.status == "optimal"
+                bound = max(out.bound_ms if out.bound_ms is not None else -math.inf, self.p.lower_bound_ms())
+            if self.mem_budget_bytes is None or sim.peak_bytes <= self.mem_budget_bytes:
+                if round_:
+                    self.notes.append(f"memory repaired in {round_} round(s)")
+                return self._final(sim, proven, bound)
+            excess = sim.peak_bytes - self.mem_budget_bytes
+            model_budget = (model_budget or self.mem_budget_bytes) - excess - 1
+            self.notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
+            start = schedule
+            if self.deadline - time.perf_counter() <= 0.5 or model_budget <= 0:
+                break
+        if self.warm is not None:
+            # the model's memory terms could not be repaired to the simulator's in time (merge
+            # transients): the best heuristic that fits is the answer, and says so
+            self.notes.append(f"memory repair did not converge; returned the best warm start ({self.warm.solver})")
+            return self._warm_result()
+        raise self._infeasible("the model's schedules exceeded it in simulation after "
+                               f"{self.cfg.memory_repair_rounds} repair rounds", sim)
+
+    def _decomposed(self, model_budget: int | None, start: Schedule, *, templates: bool):
+        schedule, sim, notes = decompose.search(
+            self.p, self.cfg, self.backend.solve_window, model_budget, start, self.deadline, self.seed,
+            self.num_workers, self.mem_budget_bytes, templates=templates, history=self.history,
+        )
+        self.notes += notes
+        return schedule, sim
+
+    def _fastest(self, schedule: Schedule, alternatives: tuple[Schedule, ...]) -> tuple[Schedule, SimResult]:
+        sim = simulate(self.p.dag, schedule, problem=self.p)
+        for alt in alternatives:
+            asim = simulate(self.p.dag, alt, problem=self.p)
+            if asim.step_ms <= sim.step_ms + 1e-9:
+                schedule, sim = alt, asim
+        return schedule, sim
+
+    def _no_schedule(self, status: str) -> SolveResult:
+        """(4) The whole-graph model found nothing: the warm start, or a clear error."""
+        if self.warm is not None:
+            # the model restricts positions to anchors and prices memory conservatively, so its
+            # infeasibility proves nothing while a heuristic schedule fits: return that
+            why = "under the budget" if self.mem_budget_bytes is not None else "within the time limit"
+            self.notes.append(f"model {status.upper()} {why}; returned the best warm start ({self.warm.solver})")
+            return self._warm_result()
+        if self.mem_budget_bytes is None:
+            raise ScheduleError(f"{self.backend.name} found no schedule ({status}) within {self.time_limit_s:g} s; "
+                                "raise time_limit_s")
+        why = "proven infeasible" if status == "infeasible" else "none found in the time limit"
+        raise self._infeasible(why, None)
+
+    def _infeasible(self, why: str, sim: SimResult | None) -> InfeasibleBudgetError:
+        min_peak = self._min_peak(sim)
+        return InfeasibleBudgetError(
+            f"no schedule keeps peak memory under {fmt_bytes(self.mem_budget_bytes or 0)} ({why}); the smallest "
+            f"peak found is {fmt_bytes(min_peak)} ({min_peak} B): raise mem_budget to at least that",
+            budget_bytes=self.mem_budget_bytes or 0,
+            min_peak_bytes=min_peak,
+        )
+
+    def _min_peak(self, sim: SimResult | None) -> int:
+        """Smallest simulated peak of the traced order, the last schedule tried and the
+        backend's least-peak model (whole-graph models only)."""
+        peaks = [simulate(self.p.dag, self.p.traced_schedule(), problem=self.p).peak_bytes]
+        if sim is not None:
+            peaks.append(sim.peak_bytes)
+        if not self.decomposed:
+            limit = max(1.0, self.time_limit_s / 4)
+            least = self.backend.min_peak(self.p, limit, self.seed, self.num_workers)
+            if least is not None:
+                peaks.append(simulate(self.p.dag, least, problem=self.p).peak_bytes)
+        return min(peaks)
+
+    def _warm_result(self) -> SolveResult:
+        """The warm start returned as this solver's (flagged) answer, with the analytic bound."""
+        assert self.warm is not None
+        sim = simulate(self.p.dag, self.warm.schedule, problem=self.p)
+        return self.result(sim, SolveStatus.FEASIBLE, min(self.p.lower_bound_ms(), sim.step_ms), self.notes)
+
+    def _final(self, sim: SimResult, proven: bool, bound_ms: float) -> SolveResult:
+        """(4) Never a schedule that simulates slower than the warm start."""
+        if self.warm is not None and self.warm.objective_ms < sim.step_ms - 1e-9:
+            # the model prices copies and transients approximately
+            sim = simulate(self.p.dag, self.warm.schedule, problem=self.p)
+            proven = False
+            self.notes.append(f"kept the warm start ({self.warm.solver}): the model's schedule simulated slower")
+        status = SolveStatus.OPTIMAL if proven else SolveStatus.FEASIBLE
+        return self.result(sim, status, min(bound_ms, sim.step_ms), self.notes)
+
+    def result(self, sim: SimResult, status: SolveStatus, bound_ms: float, notes: list[str]) -> SolveResult:
+        history = tuple((round(t - self.t0, 3), ms) for t, ms in self.history)
+        return SolveResult(
+            schedule=sim.schedule,
+            status=status,
+            solver=self.backend.name,
+            objective_ms=sim.step_ms,
+            best_bound_ms=bound_ms,
+            solve_time_s=time.perf_counter() - self.t0,
+            peak_bytes=sim.peak_bytes,
+            notes=tuple(notes),
+            history=history,
+        )
