@@ -76,6 +76,7 @@ def liveness_profile(
     gm: "torch.fx.GraphModule | torch.fx.Graph",
     *,
     is_releasable: Callable[["torch.fx.Node"], bool] = default_is_releasable,
+    storages: str = "structural",
     alias_written_outputs: bool = True,
     inputs_live_until_wait: bool = True,
     free_unread: bool = True,
@@ -87,12 +88,18 @@ def liveness_profile(
             ``meta['val']``.
         is_releasable: whether storages a graph input allocates may be freed after their last
             reader (default: all but ``primals*``).
-        alias_written_outputs, inputs_live_until_wait, free_unread: the three rules in which
-            the reference differs from torch's ``memory_estimator`` (all True by default):
+        storages: ``"structural"`` (default): which storage a node's output holds follows
+            from the graph (views, ``getitem``, waits and ``Tensor(a!)`` results hold their
+            argument's; anything else allocates). ``"fake"``: the FakeTensors' storages, as
+            torch's ``memory_estimator`` reads them; on rewritten graphs they can be stale
+            (torch's merge functions rewire the readers of the old waits but keep their old
+            FakeTensors).
+        alias_written_outputs, inputs_live_until_wait, free_unread: the rules in which the
+            reference differs from torch's ``memory_estimator`` (all True by default):
             ``wait_tensor`` / ``Tensor(a!)`` results share their argument's storage; a
             collective's inputs live until its wait; unread storages are freed at once. With
-            all three False the count is torch's (:func:`torch_tracker_peak`), which is how
-            the differences are attributed.
+            ``storages="fake"`` and all three False the count is torch's
+            (:func:`torch_tracker_peak`), which is how differences are attributed to them.
 
     Returns:
         :class:`Liveness` with bytes of every storage counted once.
@@ -100,12 +107,12 @@ def liveness_profile(
     graph = getattr(gm, "graph", gm)
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    storages = _node_storages(nodes, alias_written_outputs=alias_written_outputs)
+    held = _node_storages(nodes, storages=storages, alias_written_outputs=alias_written_outputs)
 
     size: dict[Any, int] = {}
     allocator: dict[Any, "torch.fx.Node"] = {}
     for n in nodes:
-        for key, nbytes in storages[n]:
+        for key, nbytes in held[n]:
             if key not in allocator:
                 allocator[key] = n
                 size[key] = nbytes
@@ -114,7 +121,7 @@ def liveness_profile(
     pinned: set[Any] = set()
     for n in nodes:
         for inp in n.all_input_nodes:
-            for key, _ in storages[inp]:
+            for key, _ in held[inp]:
                 if n.op == "output":
                     pinned.add(key)
                 else:
@@ -125,7 +132,7 @@ def liveness_profile(
         if wait is None:
             continue
         for inp in n.all_input_nodes:
-            for key, _ in storages[inp]:
+            for key, _ in held[inp]:
                 last_use[key] = max(last_use.get(key, -1), index[wait])
     for key, n in allocator.items():
         if n.op in ("placeholder", "get_attr") and not is_releasable(n):
@@ -151,7 +158,7 @@ def liveness_profile(
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "get_attr", "output"):
             continue
-        fresh = sum(size[k] for k, _ in storages[n] if allocator[k] is n)
+        fresh = sum(size[k] for k, _ in held[n] if allocator[k] is n)
         allocated[n.name] = fresh
         live += fresh
         live_bytes[n.name] = live
@@ -190,10 +197,66 @@ def torch_tracker_peak(
 # storages
 # --------------------------------------------------------------------------------------------
 def _node_storages(
-    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool = True
+    nodes: Iterable["torch.fx.Node"], *, storages: str, alias_written_outputs: bool
 ) -> dict["torch.fx.Node", list[tuple[Any, int]]]:
-    """(storage key, bytes) of every tensor a node returns, with the wait / written-argument
-    corrections of the module docstring applied (unless ``alias_written_outputs`` is False)."""
+    """(storage key, bytes) of the storages a node's output holds."""
+    if storages == "structural":
+        elems = _structural_storages(nodes, alias_written_outputs=alias_written_outputs)
+        return {n: list(dict(kv for e in es for kv in e).items()) for n, es in elems.items()}
+    if storages == "fake":
+        return _fake_storages(nodes, alias_written_outputs=alias_written_outputs)
+    raise ValueError(f"storages must be 'structural' or 'fake', got {storages!r}")
+
+
+def _structural_storages(
+    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool
+) -> dict["torch.fx.Node", list[list[tuple[Any, int]]]]:
+    """Per node and top-level output element, its (storage key, bytes), from the graph's
+    structure: a view (``is_view`` ops, ``_unsafe_view``) holds its first argument's storages,
+    ``getitem`` the indexed element's, ``wait_tensor`` / ``Tensor(a!)`` results their
+    argument's; any other node allocates one storage per output tensor (bytes from its
+    ``meta['val']``)."""
+    import operator
+
+    from torch.fx import Node
+
+    elems: dict[Any, list[list[tuple[Any, int]]]] = {}
+    shared: set[Any] = set()  # nodes whose every element holds all storages of their base
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            base, i = n.args[0], n.args[1]
+            parts = elems.get(base, [])
+            if base not in shared and isinstance(i, int) and -len(parts) <= i < len(parts):
+                elems[n] = [parts[i]]
+            else:
+                elems[n] = [[kv for e in parts for kv in e]]
+            continue
+        src = _written_argument(n) if alias_written_outputs else None
+        if src is None and _is_view(n):
+            src = next((a for a in n.args if isinstance(a, Node)), None)
+        if src is not None:
+            held = [kv for e in elems.get(src, []) for kv in e]
+            elems[n] = [held] * max(1, len(_top_level(n.meta.get("val"))))
+            shared.add(n)
+            continue
+        parts = []
+        for j, top in enumerate(_top_level(n.meta.get("val"))):
+            own: dict[Any, int] = {}
+            for t in _tensors(top):
+                st = t.untyped_storage()
+                own.setdefault((n.name, j, st._cdata), int(st.nbytes()))
+            parts.append(list(own.items()))
+        elems[n] = parts
+    return elems
+
+
+def _fake_storages(
+    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool
+) -> dict["torch.fx.Node", list[tuple[Any, int]]]:
+    """Storages as the FakeTensors in ``meta['val']`` share them (torch's memory_estimator),
+    optionally with the wait / written-argument corrections. On a rewritten graph this is
+    wrong where a pass replaced a node's input but not its FakeTensor (torch's merge functions
+    leave the readers of the old waits with the old waits' fake storages)."""
     out: dict[Any, list[tuple[Any, int]]] = {}
     # fake storage of a corrected node -> the storage it really is (views of a wait's result
     # share the wait's fake storage and must follow it)
@@ -213,6 +276,19 @@ def _node_storages(
         else:
             out[n] = list({same_as.get(k, k): b for k, b in own.items()}.items())
     return out
+
+
+def _is_view(node: "torch.fx.Node") -> bool:
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return bool(getattr(node.target, "is_view", False)) or (
+        schema is not None and schema.name.split("::")[-1] == "_unsafe_view"
+    )
+
+
+def _top_level(val: Any) -> list:
+    return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
 def _written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
