@@ -104,7 +104,7 @@ class DagError(ValueError):
 def export_dag(
     gm: "torch.fx.GraphModule",
     *,
-    cost_model: "CostModel | None" = None,
+    cost_model: "CostModel | str | None" = None,
     cluster: "Cluster | None" = None,
     name: str | None = None,
 ) -> nx.DiGraph:
@@ -113,21 +113,23 @@ def export_dag(
     Args:
         gm: a partitioned forward or backward graph whose nodes carry ``meta['val']``
             (FakeTensors or real tensors) with static shapes.
-        cost_model: assigns ``runtime_ms``; default :class:`scheduler.costs.AnalyticCostModel`
-            on ``cluster``.
+        cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
+            ``"torch"``; see :func:`scheduler.costs.resolve_cost_model`); default the analytic
+            model on ``cluster``.
         cluster: topology; default :class:`scheduler.costs.Cluster` (64 H100, 8 per node).
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
 
     Raises:
         DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
             without a wait.
+        ValueError: an unknown cost model name.
     """
     import torch
 
-    from scheduler.costs import AnalyticCostModel, Cluster, annotate_costs
+    from scheduler.costs import Cluster, annotate_costs, resolve_cost_model
 
     cluster = cluster or Cluster()
-    cost_model = cost_model or AnalyticCostModel(cluster)
+    cost_model = resolve_cost_model(cost_model, cluster)
     graph_kind = str(getattr(gm, "meta", {}).get("fsdp_graph_kind", "unknown"))
     dag = nx.DiGraph(
         schema=SCHEMA,
@@ -279,10 +281,6 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # storage: which node's output owns the bytes a node returns, and the bytes an op moves
 # --------------------------------------------------------------------------------------------
-#: ops that only allocate (no kernel touches the bytes): they move no data
-_ALLOC_ONLY_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-
-
 def _is_alias_op(node: "torch.fx.Node") -> bool:
     """Views, ``getitem`` and ``aten._unsafe_view``: their output shares an input's storage and
     no data moves."""
@@ -319,7 +317,9 @@ def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.No
     """Bytes a compute op reads and writes: its output plus its tensor inputs, except that an
     allocation (``empty``) touches nothing and the destination of ``copy_`` / an ``out=``
     argument is written (counted once, as the output), not read."""
-    if _packet_name(node.target) in _ALLOC_ONLY_OPS:
+    from scheduler.costs import ALLOC_ONLY_OPS
+
+    if _packet_name(node.target) in ALLOC_ONLY_OPS:
         return 0
     skip_read = written is not None and (
         _packet_name(node.target) == "copy_" or written is node.kwargs.get("out")
