@@ -19,6 +19,9 @@ Models here:
   work without a GPU.
 - :class:`TableCostModel`: a user table or callable, falling back to another model.
 - :class:`scheduler.measure.MeasuredCostModel`: timed on the current device (see that module).
+
+:func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`, or an
+object) into a model.
 """
 
 from __future__ import annotations
@@ -234,10 +237,19 @@ class TorchCostModel:
 
     Compute: ``torch._inductor.fx_passes.overlap_scheduling.estimate_roofline_runtime_ms`` with
     the device peak numbers (``torch.utils._runtime_estimation.get_gpu_dram_gbps`` /
-    ``get_device_tflops``) replaced by the cluster's GPU (they ask CUDA otherwise).
+    ``get_device_tflops``) replaced by the cluster's GPU (they ask CUDA otherwise), except for
+    ops the roofline misprices:
+
+    - ops that move no data cost 0: ``operator.getitem`` (the roofline charges the bytes of the
+      whole tuple it indexes, so every member of a split bucket would pay for the bucket),
+      views, ``aten._unsafe_view`` and allocations (``aten.empty``: no kernel runs);
+    - ``aten.copy_`` reads its source and writes its destination: the roofline also charges a
+      read of the destination.
+
     Collectives: ``torch._inductor.comm_analysis.estimate_nccl_collective_runtime_impl`` (min over
     ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster.
     Its ``bytes`` argument is input + output bytes, so it is given exactly that.
+    Bucket copies (:meth:`copy_ms`): torch's transfer time of reading and writing the bytes.
     """
 
     name = "torch"
@@ -247,28 +259,41 @@ class TorchCostModel:
         self._fallback = AnalyticCostModel(self.cluster)
 
     def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        if fx_node is not None and moves_no_data(fx_node):
+            return 0.0
         if fx_node is None or attrs.get("kind") != "compute":
             return self._fallback.compute_ms(attrs)
-        from unittest import mock
-
+        import torch
         import torch.utils._runtime_estimation as rte
         from torch._inductor.fx_passes import overlap_scheduling as osched
 
-        gpu = self.cluster.gpu_spec
-
-        def tflops(dtype: Any = None) -> float:
-            import torch
-
-            return gpu.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else gpu.fp32_tflops
-
-        with mock.patch.object(rte, "get_gpu_dram_gbps", lambda: gpu.hbm_gbps), mock.patch.object(
-            rte, "get_device_tflops", tflops
-        ):
+        with self._peaks():
             try:
+                if fx_node.target is torch.ops.aten.copy_.default:
+                    src, out = fx_node.args[1].meta["val"], fx_node.meta["val"]
+                    return float(rte.get_transfer_time([src], [out])) / 1e6
                 return float(osched.estimate_roofline_runtime_ms(fx_node))
             except Exception as e:  # ops the roofline cannot size: use our analytic model
                 logger.debug("torch roofline failed on %s: %s", fx_node.name, e)
                 return self._fallback.compute_ms(attrs)
+
+    def _peaks(self) -> Any:
+        """Answer torch's peak FLOP/s and HBM bandwidth queries from the cluster's GPU."""
+        import contextlib
+        from unittest import mock
+
+        import torch
+        import torch.utils._runtime_estimation as rte
+
+        gpu = self.cluster.gpu_spec
+
+        def tflops(dtype: Any = None) -> float:
+            return gpu.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else gpu.fp32_tflops
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(rte, "get_gpu_dram_gbps", lambda: gpu.hbm_gbps))
+        stack.enter_context(mock.patch.object(rte, "get_device_tflops", tflops))
+        return stack
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
         from unittest import mock
@@ -292,7 +317,14 @@ class TorchCostModel:
             return float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
 
     def copy_ms(self, nbytes: int) -> float:
-        return self._fallback.copy_ms(nbytes)
+        # priced as the roofline prices the cat / clone kernels of a merged bucket: read and
+        # write every byte at peak HBM bandwidth, no per-kernel term
+        import torch
+        import torch.utils._runtime_estimation as rte
+
+        t = torch.empty(int(nbytes), dtype=torch.uint8, device="meta")
+        with self._peaks():
+            return float(rte.get_transfer_time([t], [t])) / 1e6
 
 
 class TableCostModel:
@@ -336,6 +368,59 @@ class TableCostModel:
 
     def copy_ms(self, nbytes: int) -> float:
         return self._fallback.copy_ms(nbytes)
+
+
+#: cost models that can be named: ``export_dag(gm, cost_model="torch")``
+COST_MODELS: dict[str, type] = {"analytic": AnalyticCostModel, "torch": TorchCostModel}
+
+
+def resolve_cost_model(spec: "CostModel | str | None", cluster: Cluster | None = None) -> CostModel:
+    """The cost model ``spec`` stands for, on ``cluster`` (default :class:`Cluster`).
+
+    Args:
+        spec: None (the analytic model), a name of :data:`COST_MODELS` (``"analytic"``,
+            ``"torch"``; case and surrounding blanks ignored), or a cost model object (any
+            object with ``compute_ms``, ``collective_ms`` and ``copy_ms``), returned as is.
+
+    Raises:
+        ValueError: an unknown name, or an object that is not a cost model; the message lists
+            the valid names.
+    """
+    cluster = cluster or Cluster()
+    if spec is None:
+        return AnalyticCostModel(cluster)
+    if isinstance(spec, str):
+        cls = COST_MODELS.get(spec.strip().lower())
+        if cls is None:
+            raise ValueError(
+                f"unknown cost model {spec!r}; valid names are {sorted(COST_MODELS)} (or pass a cost "
+                "model object with compute_ms, collective_ms and copy_ms)"
+            )
+        return cls(cluster)
+    missing = [m for m in ("compute_ms", "collective_ms", "copy_ms") if not callable(getattr(spec, m, None))]
+    if missing:
+        raise ValueError(
+            f"cost_model {spec!r} is not a cost model (it lacks {', '.join(missing)}); pass one of the "
+            f"names {sorted(COST_MODELS)} or an object with compute_ms, collective_ms and copy_ms"
+        )
+    return spec
+
+
+#: ops that only allocate (no kernel touches the bytes)
+ALLOC_ONLY_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+
+
+def moves_no_data(fx_node: Any) -> bool:
+    """Whether an FX node moves no data on the device: ``operator.getitem``, views,
+    ``aten._unsafe_view`` (a view autograd does not track) and allocations (``aten.empty``)."""
+    import operator
+
+    target = getattr(fx_node, "target", None)
+    if target is operator.getitem or getattr(target, "is_view", False):
+        return True
+    schema = getattr(target, "_schema", None)
+    name = schema.name.split("::")[-1] if schema is not None else ""
+    return name == "_unsafe_view" or name in ALLOC_ONLY_OPS
 
 
 def _check_ms(value: Any, what: str) -> float:

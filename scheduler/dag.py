@@ -21,8 +21,13 @@ Node attributes (key = FX node name):
     target (str): op name, e.g. "aten.mm.default".
     runtime_ms (float): compute-stream time (compute), communication time (collective),
         0 for everything else.
-    size_bytes (int): bytes of the node's output tensors (0 for non-tensors).
-    alias_of (str | None): for views and waits, the node that owns the output's storage.
+    size_bytes (int): bytes of the node's output tensors (0 for non-tensors). For collectives,
+        the bytes allocated at issue: 0 when the collective writes into a buffer it is given
+        (``all_gather_into_tensor_out``; ``alias_of`` names the buffer).
+    alias_of (str | None): for nodes whose output shares another node's storage (views,
+        ``getitem``, ``_unsafe_view``, waits, in-place ops such as ``copy_``, and collectives
+        that write into a given buffer such as ``all_gather_into_tensor_out``), the node that
+        owns that storage; None when the node allocates its output.
     releasable (bool): for inputs, whether the graph may free it after its last use.
     flops (int), bytes_accessed (int): for compute nodes, used by roofline cost models.
     dtype (str | None): dtype of the (first) output tensor.
@@ -54,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.costs import AnalyticCostModel, Cluster, CostModel, annotate_costs
+from scheduler.costs import Cluster, CostModel, annotate_costs, resolve_cost_model
 
 if TYPE_CHECKING:
     import torch.fx
@@ -99,7 +104,7 @@ class DagError(ValueError):
 def export_dag(
     gm: "torch.fx.GraphModule",
     *,
-    cost_model: "CostModel | None" = None,
+    cost_model: "CostModel | str | None" = None,
     cluster: "Cluster | None" = None,
     name: str | None = None,
 ) -> nx.DiGraph:
@@ -108,19 +113,21 @@ def export_dag(
     Args:
         gm: a partitioned forward or backward graph whose nodes carry ``meta['val']``
             (FakeTensors or real tensors) with static shapes.
-        cost_model: assigns ``runtime_ms``; default :class:`scheduler.costs.AnalyticCostModel`
-            on ``cluster``.
+        cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
+            ``"torch"``; see :func:`scheduler.costs.resolve_cost_model`); default the analytic
+            model on ``cluster``.
         cluster: topology; default :class:`scheduler.costs.Cluster` (64 H100, 8 per node).
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
 
     Raises:
         DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
             without a wait.
+        ValueError: an unknown cost model name.
     """
     import torch
 
     cluster = cluster or Cluster()
-    cost_model = cost_model or AnalyticCostModel(cluster)
+    cost_model = resolve_cost_model(cost_model, cluster)
     graph_kind = str(getattr(gm, "meta", {}).get("fsdp_graph_kind", "unknown"))
     dag = nx.DiGraph(
         schema=SCHEMA,
@@ -242,6 +249,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
 
     packet = _packet_name(node.target)
     namespace = getattr(node.target, "namespace", "")
+    written = _written_argument(node)
     if namespace in ("_c10d_functional", "c10d_functional") and packet == "wait_tensor":
         attrs["kind"] = "wait"
     elif namespace in ("_c10d_functional", "c10d_functional") and (
@@ -249,18 +257,76 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
     ):
         attrs["kind"] = "collective"
         attrs.update(_collective_attrs(node, packet))
-    elif node.target is operator.getitem or getattr(node.target, "is_view", False) or packet in _ALIAS_OPS:
+        if written is not None:
+            # all_gather_into_tensor_out writes into the buffer it is given: no new storage.
+            # size_bytes of a collective is what it allocates at issue, so 0 here.
+            attrs["alias_of"] = written.name
+            attrs["size_bytes"] = 0
+    elif _is_alias_op(node):
         attrs["kind"] = "view"
         base = node.args[0] if node.args else None
         attrs["alias_of"] = getattr(base, "name", None)
     else:
         attrs["kind"] = "compute"
-        attrs["bytes_accessed"] = size + sum(
-            _tensor_bytes(i.meta.get("val"), i.name)[0] for i in node.all_input_nodes
-        )
+        attrs["bytes_accessed"] = _bytes_accessed(node, size, written)
         attrs["flops"] = _count_flops(node)
+        if written is not None:  # in-place op (copy_ into a bucket slot): returns its argument
+            attrs["alias_of"] = written.name
     del torch
     return attrs
+
+
+# --------------------------------------------------------------------------------------------
+# storage: which node's output owns the bytes a node returns, and the bytes an op moves
+# --------------------------------------------------------------------------------------------
+def _is_alias_op(node: "torch.fx.Node") -> bool:
+    """Views, ``getitem`` and ``aten._unsafe_view``: their output shares an input's storage and
+    no data moves."""
+    return (
+        node.target is operator.getitem
+        or getattr(node.target, "is_view", False)
+        or _packet_name(node.target) in _ALIAS_OPS
+    )
+
+
+def _written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
+    """The argument an op writes into and returns (schema ``Tensor(a!) -> Tensor(a!)``: the
+    ``out`` of ``all_gather_into_tensor_out``, the ``self`` of ``copy_`` and other in-place ops);
+    None when the op returns new storage."""
+    from torch.fx import Node
+
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+        return None
+    ret = schema.returns[0].alias_info
+    if ret is None or not ret.is_write:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write or not (info.before_set & ret.before_set):
+            continue
+        value = node.kwargs.get(arg.name) if (arg.kwarg_only or i >= len(node.args)) else node.args[i]
+        if isinstance(value, Node):
+            return value
+    return None
+
+
+def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.Node | None") -> int:
+    """Bytes a compute op reads and writes: its output plus its tensor inputs, except that an
+    allocation (``empty``) touches nothing and the destination of ``copy_`` / an ``out=``
+    argument is written (counted once, as the output), not read."""
+    from scheduler.costs import ALLOC_ONLY_OPS
+
+    if _packet_name(node.target) in ALLOC_ONLY_OPS:
+        return 0
+    skip_read = written is not None and (
+        _packet_name(node.target) == "copy_" or written is node.kwargs.get("out")
+    )
+    return out_bytes + sum(
+        _tensor_bytes(i.meta.get("val"), i.name)[0]
+        for i in node.all_input_nodes
+        if not (skip_read and i is written)
+    )
 
 
 def _collective_attrs(node: "torch.fx.Node", packet: str) -> dict[str, Any]:

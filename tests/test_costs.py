@@ -185,3 +185,93 @@ def test_annotate_costs_rejects_bad_times(bad):
     dag = _small_dag()
     with pytest.raises(ValueError, match=r"cost model returned .* for node 'relu'.*finite time"):
         annotate_costs(dag, _Broken(bad), H100)
+
+
+# --- naming a cost model ----------------------------------------------------------------------
+def test_resolve_cost_model_by_name_object_or_none():
+    from scheduler.costs import COST_MODELS, TorchCostModel, resolve_cost_model
+
+    small = Cluster(n_gpus=8)
+    assert sorted(COST_MODELS) == ["analytic", "torch"]
+    default = resolve_cost_model(None, small)
+    assert isinstance(default, AnalyticCostModel) and default.cluster is small
+    torch_model = resolve_cost_model(" Torch ", small)
+    assert isinstance(torch_model, TorchCostModel) and torch_model.cluster is small
+    table = TableCostModel({"mm": 1.0})
+    assert resolve_cost_model(table) is table
+
+
+@pytest.mark.parametrize("bad", ["roofline", "", 3, object()])
+def test_resolve_cost_model_rejects_what_is_not_one(bad):
+    from scheduler.costs import resolve_cost_model
+
+    with pytest.raises(ValueError, match=r"\['analytic', 'torch'\]"):
+        resolve_cost_model(bad)
+
+
+def test_export_dag_takes_a_cost_model_name(group_name):
+    from scheduler.costs import TorchCostModel
+    from scheduler.dag import export_dag
+
+    gm = _mm_graph(256, 512, 1024, group_name)
+    by_name = export_dag(gm, cost_model="torch")
+    assert by_name.graph["cost_model"] == "torch"
+    by_object = export_dag(gm, cost_model=TorchCostModel(H100))
+    assert _node(by_name, "aten.mm.default")["runtime_ms"] == _node(by_object, "aten.mm.default")["runtime_ms"]
+    assert export_dag(gm, cost_model="analytic").graph["cost_model"] == "analytic"
+    with pytest.raises(ValueError, match="unknown cost model 'fast'"):
+        export_dag(gm, cost_model="fast")
+
+
+# --- torch's roofline on ops that move no data --------------------------------------------------
+def _bucket_split_graph():
+    """cat(a, b) -> split into 2 -> getitem 0 / 1 -> _unsafe_view / clone; and
+    empty(n) -> slot.copy_(cat): the shapes torch's merge functions emit (fp32, 1024 x 64)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(a, b):
+        cat = torch.cat([a, b])
+        buf = torch.empty(cat.numel())
+        buf.copy_(cat.reshape(-1))
+        x, y = torch.split(cat, [1024, 1024])
+        return torch.ops.aten._unsafe_view(x.clone(), [-1]), y.t().clone(), buf
+
+    with FakeTensorMode():
+        a, b = torch.randn(1024, 64), torch.randn(1024, 64)
+    return make_fx(f, tracing_mode="fake")(a, b)
+
+
+def test_torch_cost_model_charges_nothing_for_getitem_views_and_empty():
+    """torch's roofline prices getitem at the bytes of the whole tuple it indexes (the trap in
+    TORCH_NOTES): each member of a split bucket would pay for the bucket. TorchCostModel gives
+    0 to getitem, views, _unsafe_view and empty, and the real copies still cost."""
+    import operator
+    from unittest import mock
+
+    import torch.utils._runtime_estimation as rte
+    from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
+
+    from scheduler.costs import TorchCostModel, moves_no_data
+
+    gm = _bucket_split_graph()
+    model = TorchCostModel(H100)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    getitems = [n for n in gm.graph.nodes if n.target is operator.getitem]
+    assert len(getitems) == 2
+    with mock.patch.object(rte, "get_gpu_dram_gbps", lambda: 3350.0), mock.patch.object(
+        rte, "get_device_tflops", lambda dtype=None: 494.5
+    ):
+        assert all(estimate_roofline_runtime_ms(g) > 0 for g in getitems)  # torch's own charge
+    free = [*getitems, nodes["_unsafe_view"], nodes["empty"], nodes["split_with_sizes"], nodes["t"]]
+    for n in free:
+        assert moves_no_data(n), n.name
+        assert model.compute_ms({"kind": "compute"}, n) == 0.0, n.name
+    mb = 1024 * 64 * 4  # bytes of one 1024 x 64 fp32 tensor
+    # clone reads and writes one member at 3.35 TB/s; cat reads and writes both
+    assert model.compute_ms({"kind": "compute"}, nodes["clone"]) == pytest.approx(2 * mb / 3350e6)
+    assert model.compute_ms({"kind": "compute"}, nodes["cat"]) == pytest.approx(4 * mb / 3350e6)
+    # copy_ reads its source and writes its destination (torch also charges reading the latter)
+    assert model.compute_ms({"kind": "compute"}, nodes["copy_"]) == pytest.approx(4 * mb / 3350e6)
+    # bucket copies are priced as the roofline prices those kernels
+    assert model.copy_ms(mb) == pytest.approx(2 * mb / 3350e6)
