@@ -217,16 +217,29 @@ def _user_name(name: str) -> str:
     return ".".join(parts).removesuffix(".original")
 
 
-def _build(style: str, n_layers: int, world_size: int, dim: int, wide_every: int):
+_MESHES: dict = {}
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """One mesh per shape and default group: DTensor caches redistribute plans by mesh
+    equality, so a second, equal mesh with new process groups would reuse plans naming the
+    first mesh's groups (one parameter's all-gather on group '1', the next on group '5')."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    key = (id(dist.distributed_c10d._get_default_group()), shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def _build(style: str, n_layers: int, world_size: int, dim: int, wide_every: int):
     vocab = 2 * dim
     compute_dtype = None if style == "fp32" else torch.bfloat16
     if style in ("tp", "moe"):
-        mesh2 = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "x"))
+        mesh2 = _mesh((world_size // 2, 2), ("dp", "x"))
         dp_mesh, other = mesh2["dp"], mesh2["x"].get_group()
     else:
-        dp_mesh, other = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)), None
+        dp_mesh, other = _mesh((world_size,), ("dp",)), None
     # .tolist() cannot run on meta tensors: the MoE step runs on (small) real CPU tensors
     device = "cpu" if style == "moe" else "meta"
     with torch.device(device):
@@ -287,9 +300,10 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
                 graphs["forward"] = fw_gm
                 graphs["primal_names"] = _primal_names(fw_gm, input_names)
                 if names is not None:
-                    from scheduler.structure import attach_input_names
+                    from scheduler.structure import attach_input_names, forward_input_names
 
-                    attach_input_names(fw_gm, _primal_names(fw_gm, names))
+                    graphs["input_names"] = forward_input_names(fw_gm, names)
+                    attach_input_names(fw_gm, graphs["input_names"])
                 return fw_gm
 
             def bw(bw_gm, _inputs):
@@ -297,7 +311,7 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
                 if names is not None:
                     from scheduler.structure import attach_input_names
 
-                    attach_input_names(bw_gm, _primal_names(graphs["forward"], names))
+                    attach_input_names(bw_gm, graphs["input_names"])
                 return bw_gm
 
             part = min_cut_rematerialization_partition if partitioner == "min_cut" else default_partition
