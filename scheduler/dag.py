@@ -38,7 +38,17 @@ Node attributes (key = FX node name):
         epilogue (list[str]),
         movable (bool: the scheduler may bucket and move it; fixed collectives keep their
         traced issue and wait positions).
+        block (int | None: index of the collective's block in forward execution order, None
+        outside any repeated block), structure_source (str | None): see scheduler/structure.py.
     Wait nodes also carry: collective (name of the collective they wait on).
+    external_wait (str, on "view" nodes only): a wait_tensor that waits on no collective of
+        this graph, kept in place as a zero-cost view: "input" (on a graph input: the
+        collective was issued in the other graph), "wait" (on an already waited tensor),
+        "other".
+    unwaited_collective (bool, on "compute" nodes only): a collective whose result leaves the
+        graph unwaited (waited in the other graph); kept in place, zero cost.
+    structure (graph attribute, dict): the summary of scheduler/structure.py (source,
+        n_blocks, block_names, signatures, signature_period, ...).
 
 Edges: ``u -> v`` when ``v`` reads the output of ``u`` (data dependencies).
 """
