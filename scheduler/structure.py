@@ -305,7 +305,7 @@ def _name_from_module_stack(node: Any, graph_kind: str, gm: Any) -> str | None:
     if not paths:
         return None
     module = Counter(paths).most_common(1)[0][0]
-    return f"{module}.{'weight' if _ndim(_param_val(node)) != 1 or 'norm' in module else 'weight'}"
+    return f"{module}.weight"  # a second parameter of the module becomes .bias in _dedupe
 
 
 _NAMERS = {
