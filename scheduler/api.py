@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.dag import export_dag
+from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler.report import ScheduleReport, make_report
 from scheduler.writeback import apply_schedule
 from solvers.core import (
@@ -233,7 +233,14 @@ def optimize_schedule(
             written back (the message says why).
     """
     budget = parse_bytes(mem_budget)
-    dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
+    if not graph_has_collectives(gm):
+        try:
+            dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
+        except DagError as e:  # nothing to schedule: never fail on metadata we would not use
+            logger.info("graph has no collectives: left unchanged (not exported: %s)", e)
+            return gm
+    else:
+        dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
     problem = Problem.from_dag(dag)
 
     def solve_here() -> tuple[Schedule, ScheduleReport]:

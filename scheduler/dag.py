@@ -43,7 +43,17 @@ Node attributes (key = FX node name):
         epilogue (list[str]),
         movable (bool: the scheduler may bucket and move it; fixed collectives keep their
         traced issue and wait positions).
+        block (int | None: index of the collective's block in forward execution order, None
+        outside any repeated block), structure_source (str | None): see scheduler/structure.py.
     Wait nodes also carry: collective (name of the collective they wait on).
+    external_wait (str, on "view" nodes only): a wait_tensor that waits on no collective of
+        this graph, kept in place as a zero-cost view: "input" (on a graph input: the
+        collective was issued in the other graph), "wait" (on an already waited tensor),
+        "other".
+    unwaited_collective (bool, on "compute" nodes only): a collective whose result leaves the
+        graph unwaited (waited in the other graph); kept in place, zero cost.
+    structure (graph attribute, dict): the summary of scheduler/structure.py (source,
+        n_blocks, block_names, signatures, signature_period, ...).
 
 Edges: ``u -> v`` when ``v`` reads the output of ``u`` (data dependencies).
 """
@@ -138,10 +148,11 @@ def export_dag(
     )
     order: list[str] = []
     fx_nodes: dict[str, torch.fx.Node] = {}
+    val_of = _static_vals(gm)
     for idx, node in enumerate(gm.graph.nodes):
         fx_nodes[node.name] = node
         order.append(node.name)
-        attrs = _node_attrs(node, idx)
+        attrs = _node_attrs(node, idx, val_of)
         dag.add_node(node.name, **attrs)
         for inp in node.all_input_nodes:
             dag.add_edge(inp.name, node.name)
@@ -151,6 +162,7 @@ def export_dag(
     _mark_prologues(dag)
     _mark_epilogues(dag)
     _resolve_aliases(dag)
+    _annotate_structure(dag, gm)
     annotate_costs(dag, cost_model, cluster, fx_nodes=fx_nodes)
     logger.info(
         "exported %s: %d nodes, %d collectives",
@@ -207,7 +219,7 @@ def _tensor_bytes(val: Any, node_name: str) -> tuple[int, str | None]:
     return total, dtype
 
 
-def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
+def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None) -> dict[str, Any]:
     import torch
 
     attrs: dict[str, Any] = {
@@ -235,8 +247,9 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
             f"node {node.name!r} has op {node.op!r}; fsdp-sched handles flat aten graphs "
             "(placeholder/call_function/output), as produced by aot_autograd"
         )
-    val = node.meta.get("val", None)
-    if "val" not in node.meta and node.op != "output":
+    val_of = val_of or _ValOf()
+    val = val_of(node)
+    if "val" not in node.meta and node.op != "output" and _may_return_tensor(node):
         raise DagError(
             f"node {node.name!r} ({attrs['target']}) has no meta['val']; trace with fake tensors "
             "(make_fx(..., tracing_mode='fake') or aot_autograd) so that shapes are known"
@@ -256,7 +269,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
         packet in _COLLECTIVES or packet in _UNMODELLED_COLLECTIVES
     ):
         attrs["kind"] = "collective"
-        attrs.update(_collective_attrs(node, packet))
+        attrs.update(_collective_attrs(node, packet, val_of))
         if written is not None:
             # all_gather_into_tensor_out writes into the buffer it is given: no new storage.
             # size_bytes of a collective is what it allocates at issue, so 0 here.
@@ -268,8 +281,8 @@ def _node_attrs(node: "torch.fx.Node", idx: int) -> dict[str, Any]:
         attrs["alias_of"] = getattr(base, "name", None)
     else:
         attrs["kind"] = "compute"
-        attrs["bytes_accessed"] = _bytes_accessed(node, size, written)
-        attrs["flops"] = _count_flops(node)
+        attrs["bytes_accessed"] = _bytes_accessed(node, size, written, val_of)
+        attrs["flops"] = _count_flops(node, val_of)
         if written is not None:  # in-place op (copy_ into a bucket slot): returns its argument
             attrs["alias_of"] = written.name
     del torch
@@ -311,7 +324,7 @@ def _written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
     return None
 
 
-def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.Node | None") -> int:
+def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.Node | None", val_of: "_ValOf") -> int:
     """Bytes a compute op reads and writes: its output plus its tensor inputs, except that an
     allocation (``empty``) touches nothing and the destination of ``copy_`` / an ``out=``
     argument is written (counted once, as the output), not read."""
@@ -323,20 +336,31 @@ def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.No
         _packet_name(node.target) == "copy_" or written is node.kwargs.get("out")
     )
     return out_bytes + sum(
-        _tensor_bytes(i.meta.get("val"), i.name)[0]
+        _tensor_bytes(val_of(i), i.name)[0]
         for i in node.all_input_nodes
         if not (skip_read and i is written)
     )
 
 
-def _collective_attrs(node: "torch.fx.Node", packet: str) -> dict[str, Any]:
+def _may_return_tensor(node: "torch.fx.Node") -> bool:
+    """False for call_function nodes that return no tensor (``aten._assert_scalar``,
+    ``torch._check`` and SymInt arithmetic of data-dependent sizes carry no meta['val'])."""
+    if node.op != "call_function":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return any("Tensor" in str(r.type) for r in schema.returns)
+    return getattr(node.target, "__module__", None) not in ("_operator", "operator", "builtins", "math", "torch")
+
+
+def _collective_attrs(node: "torch.fx.Node", packet: str, val_of: "_ValOf") -> dict[str, Any]:
     from torch.fx import Node
 
     args = list(node.args)
     inp = args[0]
     payload = 0
     if isinstance(inp, Node):
-        payload = _tensor_bytes(inp.meta.get("val"), inp.name)[0]
+        payload = _tensor_bytes(val_of(inp), inp.name)[0]
     reduce_op = None
     if packet in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
         group_size, group_name = args[1], args[2]
@@ -406,7 +430,7 @@ def _group_size(group_name: Any) -> int | None:
         return None
 
 
-def _count_flops(node: "torch.fx.Node") -> int:
+def _count_flops(node: "torch.fx.Node", val_of: "_ValOf | None" = None) -> int:
     """FLOPs from torch.utils.flop_counter's registry (0 for ops it does not know)."""
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
@@ -416,43 +440,96 @@ def _count_flops(node: "torch.fx.Node") -> int:
     if fn is None:
         return 0
 
+    val_of = val_of or _ValOf()
+
     def meta(a: Any) -> Any:
         from torch.fx import Node
 
-        return a.meta.get("val") if isinstance(a, Node) else a
+        return val_of(a) if isinstance(a, Node) else a
 
     args, kwargs = tree_map(meta, (node.args, node.kwargs))
     try:
-        return int(fn(*args, out_val=node.meta.get("val"), **kwargs))
+        return int(fn(*args, out_val=val_of(node), **kwargs))
     except Exception as e:  # a formula that rejects these args: count nothing, say so
         logger.debug("flop formula for %s failed on %s: %s", packet, node.name, e)
         return 0
 
 
 def _link_collectives(dag: nx.DiGraph, fx_nodes: dict[str, Any]) -> None:
-    """Connect each collective with its wait; record process groups."""
+    """Connect each collective with its wait; record process groups.
+
+    Graphs as torch produces them also hold waits that wait on no collective of this graph
+    and collectives waited in no wait of it: see :func:`_mark_external_wait` and
+    :func:`_mark_unwaited_collective`.
+    """
     groups = dag.graph["process_groups"]
     for name, a in dag.nodes(data=True):
         if a["kind"] != "wait":
             continue
         coll = fx_nodes[name].args[0]
         coll_name = getattr(coll, "name", None)
-        if coll_name is None or dag.nodes[coll_name]["kind"] != "collective":
-            raise DagError(f"wait node {name!r} does not wait on a collective")
+        ca = dag.nodes[coll_name] if coll_name is not None else None
+        if ca is None or ca["kind"] != "collective" or ca["wait"] is not None:
+            _mark_external_wait(dag, name, coll_name)
+            continue
         a["collective"] = coll_name
         a["alias_of"] = coll_name
-        dag.nodes[coll_name]["wait"] = name
+        ca["wait"] = name
     for name, a in dag.nodes(data=True):
         if a["kind"] != "collective":
             continue
         if a["wait"] is None:
-            raise DagError(
-                f"collective {name!r} ({a['target']}) has no wait_tensor; fsdp-sched needs "
-                "functional collectives each followed by a wait"
-            )
+            if not all(dag.nodes[v]["kind"] == "output" for v in dag.successors(name)):
+                raise DagError(
+                    f"collective {name!r} ({a['target']}) has no wait_tensor; fsdp-sched needs "
+                    "functional collectives each followed by a wait"
+                )
+            _mark_unwaited_collective(dag, name)
+            continue
         gname = a["group_name"]
         if gname not in groups:
             groups[gname] = {"size": a["group_size"], "ranks": _group_ranks(gname)}
+
+
+def _mark_external_wait(dag: nx.DiGraph, name: str, waited: str | None) -> None:
+    """A ``wait_tensor`` that waits on no collective of this graph: on a graph input (the
+    collective was issued in the other graph: a backward graph waiting on a forward
+    all-gather), on a tensor already waited (a wait on a wait), or on anything else.
+
+    Modelled as a fixed point: a zero-cost view of its input (wait_tensor returns its input),
+    kept in traced order; ``external_wait`` says which case it is. Its stream time is not
+    known in this graph.
+    """
+    a = dag.nodes[name]
+    wa = dag.nodes[waited] if waited is not None else None
+    if wa is None:
+        what = "other"
+    elif wa["kind"] == "input":
+        what = "input"
+    elif wa["kind"] in ("wait", "collective") or wa.get("external_wait"):
+        what = "wait"
+    else:
+        what = "other"
+    a["kind"] = "view"
+    a["alias_of"] = waited
+    a["external_wait"] = what
+    logger.info("wait %r waits on %s %r, not on a collective of this graph: kept in place as a "
+                "zero-cost view", name, {"input": "graph input", "wait": "already waited"}.get(what, "node"),
+                waited)
+
+
+def _mark_unwaited_collective(dag: nx.DiGraph, name: str) -> None:
+    """A collective whose result only leaves the graph, unwaited (the other graph waits on
+    it: a forward all-gather prefetched for backward): kept in traced order as a zero-cost compute node whose output lives on;
+    ``unwaited_collective`` is True. Its stream time is not modelled."""
+    a = dag.nodes[name]
+    a["kind"] = "compute"
+    a["unwaited_collective"] = True
+    a["flops"] = 0
+    a["bytes_accessed"] = 0
+    a["movable"] = False
+    logger.warning("collective %r (%s) has no wait_tensor in this graph: kept in place, its "
+                   "communication time is not modelled", name, a["target"])
 
 
 def _group_ranks(group_name: str) -> list[int] | None:
@@ -531,6 +608,144 @@ def _resolve_aliases(dag: nx.DiGraph) -> None:
                 seen.add(root)
                 root = dag.nodes[root]["alias_of"]
             a["alias_of"] = root
+
+
+def graph_has_collectives(gm: "torch.fx.GraphModule") -> bool:
+    """Whether ``gm`` calls any functional collective or wait (reads no metadata)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "") in ("_c10d_functional", "c10d_functional"):
+            packet = _packet_name(node.target)
+            if packet in _COLLECTIVES or packet in _UNMODELLED_COLLECTIVES or packet == "wait_tensor":
+                return True
+    return False
+
+
+def _annotate_structure(dag: nx.DiGraph, gm: "torch.fx.GraphModule") -> None:
+    """Blocks of the collectives (:mod:`scheduler.structure`). A failure to infer them never
+    fails the export: every collective then gets ``block`` None and the summary says why."""
+    from scheduler.structure import annotate_structure
+
+    try:
+        annotate_structure(dag, gm)
+    except Exception as e:  # structure is advisory: the schedule is valid without it
+        logger.warning("structure inference failed on %s: %s", dag.graph.get("name"), e)
+        for _, a in dag.nodes(data=True):
+            if a["kind"] == "collective":
+                a["block"] = None
+                a["structure_source"] = None
+        dag.graph["structure"] = {"source": "error", "error": str(e), "n_blocks": 0, "block_names": [],
+                                  "signatures": [], "n_signatures": 0, "signature_period": None,
+                                  "sources": {}, "unit_collectives": None}
+
+
+class _ValOf:
+    """``node.meta['val']``, with data-dependent (unbacked) sizes replaced by estimates.
+
+    Sizes read from data (``.item()``, ``.tolist()``: MoE split sizes) are unbacked symbols
+    with no value at trace time. :func:`_static_vals` gives each a hint; tensors whose shape
+    holds them are replaced by meta tensors of the hinted shape, for byte and FLOP counts.
+    """
+
+    def __init__(self, hints: dict | None = None):
+        self.hints = hints or {}
+        self._cache: dict[Any, Any] = {}
+
+    def __call__(self, node: Any) -> Any:
+        val = node.meta.get("val", None)
+        if not self.hints:
+            return val
+        if node not in self._cache:
+            self._cache[node] = _substitute(val, self.hints)
+        return self._cache[node]
+
+
+def _sym_expr(x: Any) -> Any:
+    node = getattr(x, "node", None)
+    return getattr(node, "expr", None)
+
+
+def _substitute(val: Any, hints: dict) -> Any:
+    import torch
+
+    if isinstance(val, (list, tuple)):
+        return type(val)(_substitute(v, hints) for v in val)
+    if not isinstance(val, torch.Tensor) or all(isinstance(s, int) for s in val.shape):
+        return val
+    shape = []
+    for s in val.shape:
+        expr = _sym_expr(s)
+        if expr is None:
+            shape.append(int(s))
+            continue
+        v = expr.xreplace(hints)
+        if not v.is_number:  # backed symbols too: leave it to the static-shape check
+            return val
+        shape.append(int(v))
+    return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
+def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
+    """Hints for the unbacked symbols of ``gm`` (none: the plain ``meta['val']``).
+
+    An all-to-all's split sizes that are plain unbacked symbols get a balanced share of the
+    input's rows (each rank sends and receives as many rows as it holds: the expected split of
+    a balanced router); any other unbacked symbol gets torch inductor's own fallback
+    (``torch._inductor.config.unbacked_symint_fallback``) clamped to the symbol's value range.
+    """
+    from torch.fx import Node
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    unbacked: set = set()
+    shape_env = None
+    for node in gm.graph.nodes:
+        val = node.meta.get("val", None)
+        try:
+            unbacked |= free_unbacked_symbols(val)
+        except Exception:  # values free_unbacked_symbols cannot walk (script objects)
+            continue
+        if shape_env is None:
+            shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+    if not unbacked:
+        return _ValOf()
+    hints: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _packet_name(node.target) != "all_to_all_single":
+            continue
+        inp = node.args[0]
+        if not isinstance(inp, Node):
+            continue
+        rows_val = _substitute(inp.meta.get("val", None), hints)
+        shape = getattr(rows_val, "shape", ())
+        rows = shape[0] if len(shape) and isinstance(shape[0], int) else None
+        for splits in node.args[1:3]:
+            if not isinstance(splits, (list, tuple)) or not splits or rows is None:
+                continue
+            for sp in splits:
+                expr = _sym_expr(sp.meta.get("val", None)) if isinstance(sp, Node) else None
+                if expr is not None and expr in unbacked and expr not in hints:
+                    hints[expr] = max(0, rows // len(splits))
+    import torch._inductor.config as inductor_config
+
+    from_splits = len(hints)
+    fallback = int(inductor_config.unbacked_symint_fallback)
+    ranges = getattr(shape_env, "var_to_range", {}) if shape_env is not None else {}
+    for sym in unbacked - set(hints):
+        h = fallback
+        vr = ranges.get(sym)
+        if vr is not None:
+            lo, hi = _finite_int(vr.lower), _finite_int(vr.upper)
+            h = max(h, lo) if lo is not None else h
+            h = min(h, hi) if hi is not None else h
+        hints[sym] = h
+    logger.info("%d data-dependent sizes estimated (%d from all-to-all splits)", len(unbacked), from_splits)
+    return _ValOf(hints)
+
+
+def _finite_int(x: Any) -> int | None:
+    try:
+        return int(x) if bool(getattr(x, "is_finite", True)) and abs(float(x)) != math.inf else None
+    except Exception:  # sympy / torch infinities refuse int() in different ways
+        return None
 
 
 # --------------------------------------------------------------------------------------------

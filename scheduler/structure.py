@@ -1,0 +1,627 @@
+"""Structure inference: which parameter, and so which collective, belongs to which block.
+
+Works on any partitioned forward or backward graph, including graphs we did not capture.
+For every parameter collective of the DAG (role ``"fsdp"``: the all-gather of a parameter
+shard, the reduce-scatter of a gradient) it recovers the parameter's name and the *block*
+(transformer layer, MLP block, ...) it belongs to, and says which blocks look alike.
+
+Sources, tried in this order for each collective; the first that names it wins:
+
+1. ``"fsdp_fqn"``: ``node.meta["fsdp_fqn"]``, written by our own capture (models/capture.py).
+   One source among others, never a requirement.
+2. ``"dynamo"``: ``gm.meta["fsdp_input_names"]``, forward placeholder name -> parameter name
+   (forward placeholder order), recorded by a backend that saw the dynamo graph
+   (:func:`dynamo_input_names`, :func:`forward_input_names`, :func:`attach_input_names`).
+   Forward all-gathers find their source placeholder; backward reduce-scatters the forward
+   input whose gradient they produce (output ``j`` is the gradient of forward input ``j``);
+   backward re-gathers the forward placeholder they gather again.
+3. ``"module_stack"``: what aot_autograd graphs carry: ``nn_module_stack`` (forward) /
+   ``fwd_nn_module_stack`` (backward) of the collective itself, which names the parameter
+   when the gather runs in a parametrization (SimpleFSDP style:
+   ``trunk.0.up.parametrizations.weight.0`` -> ``trunk.0.up.weight``); else of the ops that
+   consume the gathered parameter (forward) or produce the gradient (backward), whose module
+   path plus a guessed attribute (``weight``, then ``bias``) names it.
+4. ``"graph"``: the graph itself, when names are missing for some collective. Every parameter
+   collective gets a token: its type, dtype, rank of the parameter, and the shape-free op
+   sequence from it to the next parameter collective. The longest run of tokens repeating
+   with one period is the stack of blocks (one unit of the period per block); what comes
+   before or after the run is outside any block. Parameter shapes then tell the blocks'
+   signatures apart (e.g. alternating widths). It cannot tell a block that alternates two
+   layer kinds from one layer: it then reports the pair as one block.
+
+A block from a name is its first purely numeric path component with its prefix
+(``trunk.3.up.weight`` -> ``trunk.3``); names without one (embeddings, final norm, output)
+are in no block. Blocks are numbered 0, 1, ... in *forward* execution order in both graphs
+(so in a backward graph they run from the highest index down); parameters outside any block
+get ``None``. Collectives that are not parameter collectives (tensor-parallel all-reduces,
+expert all-to-alls) get the block of their module stack when the graph has one, else None.
+
+What :func:`annotate_structure` writes on the DAG:
+
+- every collective node: ``block`` (int | None); ``structure_source`` (str | None: the source
+  that named it, None when none did); ``fqns`` (list[str]) replaced by the recovered name when
+  the collective had no ``fsdp_fqn`` and a source named it.
+- ``dag.graph["structure"]`` (JSON-able dict): ``source`` (str: the source that named most
+  parameter collectives, ``"graph"`` when the fallback decided the blocks, ``"none"``),
+  ``sources`` (dict source -> number of collectives it named), ``n_blocks`` (int),
+  ``block_names`` (list[str], per block: ``"trunk.3"``, or ``"block3"`` from the fallback),
+  ``signatures`` (list[int], per block: blocks with equal numbers have the same collectives:
+  types, dtypes, payload bytes and roles), ``n_signatures`` (int), ``signature_period``
+  (int | None: the least ``p`` with ``signatures[b] == signatures[b + p]`` for every ``b``,
+  None without blocks), ``unit_collectives`` (int | None: collectives per repeating unit
+  found by the fallback, None for named blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import networkx as nx
+    import torch.fx
+
+logger = logging.getLogger(__name__)
+
+#: gm.meta key of the forward-input names recorded from the dynamo graph
+INPUT_NAMES_KEY = "fsdp_input_names"
+SOURCES = ("fsdp_fqn", "dynamo", "module_stack", "graph")
+
+#: ops a parameter or gradient passes through unchanged (up to dtype / layout)
+_PASS_OPS = {"convert_element_type", "_to_copy", "view", "_unsafe_view", "reshape", "t", "permute",
+             "transpose", "clone", "contiguous", "detach", "alias", "expand", "unsqueeze", "squeeze",
+             "wait_tensor", "getitem", "slice", "split", "narrow"}
+_COLLECTIVE_NS = ("_c10d_functional", "c10d_functional")
+#: ops kept in a graph token, nearest the collective first: the readers of a gathered
+#: parameter or the last steps of a gradient; ops further away (residual adds, accumulation)
+#: move between layers as the partitioner orders them
+_MAX_TOKEN_OPS = 8
+
+
+# --------------------------------------------------------------------------------------------
+# names
+# --------------------------------------------------------------------------------------------
+def normalize_path(path: str) -> str | None:
+    """A module or parameter path as the user writes it, from dynamo's spellings.
+
+    ``L['self']._modules['trunk']._modules['0']._modules['up']._modules['parametrizations']
+    ._modules['weight']._parameters['original']`` and ``L['self'].trunk.0.up.parametrizations
+    .weight.0`` both give ``trunk.0.up.weight``; ``L['tokens']`` (a user input, not an
+    attribute of the module) gives None.
+    """
+    s = path.strip()
+    m = re.match(r"^(?:L|G)\[['\"](\w+)['\"]\]", s)
+    if m:
+        if m.group(1) != "self" and not s[m.end():]:
+            return None
+        s = s[m.end():]
+    elif s.startswith("self"):
+        s = s[len("self"):]
+    s = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    s = s.strip(".")
+    if not s:
+        return None
+    parts = s.split(".")
+    # parametrize: <owner>.parametrizations.<attr>.original | .<k> (the parametrization module)
+    if "parametrizations" in parts:
+        i = parts.index("parametrizations")
+        if i + 1 < len(parts):
+            parts = parts[:i] + [parts[i + 1]]
+    return ".".join(parts)
+
+
+def block_key(name: str | None) -> tuple[str, int] | None:
+    """(container prefix, index) of the first purely numeric component: ``trunk.3.up.weight``
+    -> ``("trunk", 3)``; None for names outside a repeated container."""
+    if not name:
+        return None
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[:i]), int(p)
+    return None
+
+
+def dynamo_input_names(dynamo_gm: "torch.fx.GraphModule") -> list[str | None]:
+    """Parameter / buffer name of every placeholder of a dynamo graph (None for user inputs).
+
+    For a torch.compile backend, which receives the dynamo graph before aot_autograd: the
+    placeholders carry their source (``L['self']._modules['layers']...``).
+    """
+    out: list[str | None] = []
+    for node in dynamo_gm.graph.find_nodes(op="placeholder"):
+        ga = node.meta.get("grapharg")
+        source = getattr(ga, "source", None)
+        name = getattr(source, "name", None) if source is not None else None
+        if callable(name):
+            name = name()
+        if isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name or ".parametrizations." in name):
+            out.append(normalize_path(name))
+        else:
+            out.append(None)
+    return out
+
+
+def forward_input_names(fw_gm: "torch.fx.GraphModule", input_names: Sequence[str | None]) -> dict[str, str | None]:
+    """Forward placeholder name -> name of the dynamo input it comes from, in placeholder order.
+
+    aot_autograd's forward placeholders follow the dynamo inputs one for one (a DTensor
+    parameter contributes its local shard), with opaque script objects (meshes) in between,
+    which get None.
+    """
+    out: dict[str, str | None] = {}
+    names = iter(input_names)
+    for node in fw_gm.graph.find_nodes(op="placeholder"):
+        if type(node.meta.get("val")).__name__ in ("FakeScriptObject", "ScriptObject"):
+            out[node.name] = None
+        else:
+            out[node.name] = next(names, None)
+    return out
+
+
+def attach_input_names(gm: "torch.fx.GraphModule", names: Mapping[str, str | None]) -> None:
+    """Record the forward inputs' names (from :func:`forward_input_names`) on a forward or
+    backward graph, for source 2 of :func:`infer_structure`."""
+    gm.meta[INPUT_NAMES_KEY] = dict(names)
+
+
+# --------------------------------------------------------------------------------------------
+# graph helpers
+# --------------------------------------------------------------------------------------------
+def _op(node: Any) -> str:
+    if getattr(node, "op", None) != "call_function":
+        return str(getattr(node, "op", ""))
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    if hasattr(t, "_schema"):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _is_collective(node: Any) -> bool:
+    return getattr(node.target, "namespace", None) in _COLLECTIVE_NS and _op(node) != "wait_tensor"
+
+
+def _upstream(node: Any) -> Any:
+    """Follow first arguments through pass-through ops (casts, views, waits)."""
+    seen = 0
+    while getattr(node, "op", None) == "call_function" and _op(node) in _PASS_OPS and node.args and seen < 64:
+        node = node.args[0]
+        seen += 1
+    return node
+
+
+def _downstream(node: Any, limit: int = 64) -> list[Any]:
+    """The first non-pass-through readers of ``node`` (through casts, views, waits)."""
+    out, stack, seen = [], list(node.users), set()
+    while stack and len(seen) < limit:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "call_function" and _op(u) in _PASS_OPS:
+            stack.extend(u.users)
+        elif u.op != "output":
+            out.append(u)
+    return out
+
+
+def _output_index(node: Any) -> int | None:
+    """Index ``j`` in the graph output of the value flowing from ``node`` through pass-through
+    ops (a backward graph's output ``j`` is the gradient of forward input ``j``)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output":
+                outs = u.args[0] if isinstance(u.args[0], (list, tuple)) else [u.args[0]]
+                for j, o in enumerate(outs):
+                    if o is n:
+                        return j
+            elif u.op == "call_function" and _op(u) in _PASS_OPS:
+                stack.append(u)
+    return None
+
+
+def _module_paths(node: Any) -> list[str]:
+    """Module paths (outermost first, normalised) from the node's (fwd_)nn_module_stack."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    out = []
+    for v in stack.values():
+        path = v[0] if isinstance(v, (tuple, list)) else v
+        p = normalize_path(str(path)) if path is not None else None
+        if p:
+            out.append(p)
+    return out
+
+
+def _raw_module_paths(node: Any) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    return [str(v[0] if isinstance(v, (tuple, list)) else v) for v in stack.values()]
+
+
+def _param_val(coll: Any) -> Any:
+    inp = coll.args[0] if coll.args else None
+    return getattr(inp, "meta", {}).get("val")
+
+
+def _ndim(val: Any) -> int:
+    try:
+        return len(val.shape)
+    except Exception:
+        return -1
+
+
+# --------------------------------------------------------------------------------------------
+# the sources
+# --------------------------------------------------------------------------------------------
+def _name_from_fsdp_fqn(node: Any, graph_kind: str, gm: Any) -> str | None:
+    fqn = node.meta.get("fsdp_fqn")
+    if isinstance(fqn, (list, tuple)):
+        fqn = fqn[0] if fqn else None
+    return str(fqn) if fqn else None
+
+
+def _name_from_dynamo(node: Any, graph_kind: str, gm: Any) -> str | None:
+    names = getattr(gm, "meta", {}).get(INPUT_NAMES_KEY)
+    if not names:
+        return None
+    if _op(node).startswith("all_gather"):
+        src = _upstream(node.args[0])
+        if getattr(src, "op", None) == "placeholder" and names.get(src.name):
+            return names[src.name]
+    if _op(node).startswith("reduce_scatter"):
+        wait = next((u for u in node.users if _op(u) == "wait_tensor"), node)
+        j = _output_index(wait)
+        keys = list(names)
+        if j is not None and j < len(keys):
+            return names[keys[j]]
+    return None
+
+
+def _name_from_module_stack(node: Any, graph_kind: str, gm: Any) -> str | None:
+    # the gather itself inside a parametrization module names the parameter
+    for raw in reversed(_raw_module_paths(node)):
+        if ".parametrizations." in raw or "._modules['parametrizations']" in raw:
+            return normalize_path(raw)
+    # else the ops that read the gathered parameter / produce the gradient
+    if _op(node).startswith("all_gather"):
+        wait = next((u for u in node.users if _op(u) == "wait_tensor"), node)
+        readers = _downstream(wait)
+    else:
+        src = _upstream(node.args[0]) if node.args else None
+        readers = [src] if getattr(src, "op", None) == "call_function" else []
+    paths = [p[-1] for p in (_module_paths(r) for r in readers) if p]
+    if not paths:
+        return None
+    module = Counter(paths).most_common(1)[0][0]
+    return f"{module}.weight"  # a second parameter of the module becomes .bias in _dedupe
+
+
+_NAMERS = {
+    "fsdp_fqn": _name_from_fsdp_fqn,
+    "dynamo": _name_from_dynamo,
+    "module_stack": _name_from_module_stack,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# the graph fallback
+# --------------------------------------------------------------------------------------------
+def _tokens(nodes: list[Any], colls: list[Any]) -> list[tuple]:
+    """One hashable token per parameter collective: type, dtype, parameter rank and the
+    shape-free op sequence that belongs to it: for an all-gather the ops from it to the next
+    parameter collective (its readers), for a reduce-scatter the ops from the previous one
+    (the gradient's computation)."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    bounds = [-1] + [pos[c] for c in colls] + [len(nodes)]
+    out = []
+    for k, c in enumerate(colls):
+        if _op(c).startswith("reduce_scatter"):
+            segment = nodes[bounds[k] + 1: bounds[k + 1]][::-1]
+        else:
+            segment = nodes[bounds[k + 1] + 1: bounds[k + 2]]
+        ops = []
+        for n in segment:
+            if n.op == "call_function" and not _is_collective(n) and _op(n) != "wait_tensor":
+                ops.append(_op(n))
+                if len(ops) >= _MAX_TOKEN_OPS:
+                    break
+        out.append(_coarse(c) + (tuple(ops),))
+    return out
+
+
+def _coarse(c: Any) -> tuple:
+    """Type, dtype and rank of a parameter collective's payload."""
+    val = _param_val(c)
+    return (_op(c), str(getattr(val, "dtype", None)), _ndim(val))
+
+
+def find_repetition(tokens: Sequence[Any], *, min_units: int = 2) -> tuple[int, int, int] | None:
+    """(start, period, units) of the longest run of ``tokens`` that repeats with one period.
+
+    The run covers ``units * period`` tokens from ``start``; among runs of equal coverage the
+    shortest period wins (a multiple of the true period covers no more). None when nothing
+    repeats ``min_units`` times.
+    """
+    m = len(tokens)
+    best: tuple[int, int, int, int] | None = None  # (coverage, -period, start, units)
+    for p in range(1, m // min_units + 1):
+        i = 0
+        while i + p < m:
+            if tokens[i] != tokens[i + p]:
+                i += 1
+                continue
+            s = i
+            while i + p < m and tokens[i] == tokens[i + p]:
+                i += 1
+            units = (i + p - s) // p
+            if units >= min_units:
+                cand = (units * p, -p, s, units)
+                if best is None or cand[:2] > best[:2]:
+                    best = cand
+    if best is None:
+        return None
+    return best[2], -best[1], best[3]
+
+
+def _place_units(tokens: Sequence[tuple], shapes: Sequence[Any], run: tuple[int, int, int], *,
+                 backward: bool) -> tuple[int, int]:
+    """(first, units): where the blocks of ``run`` (start, period, units of exactly repeating
+    tokens) lie.
+
+    Every phase of the unit grid is tried. A unit is taken if its tokens agree with the
+    grid's first unit inside the exact run in type, dtype and rank everywhere, and in the op
+    sequence in all but a quarter of its positions (ops hoisted out of the first block, e.g.
+    a constant computed once, change one token without changing the block); the longest
+    stretch of such units around the run wins; then the phase with more units whose payload
+    shapes equal the first unit's. Between phases still tied, a forward
+    graph takes the earliest and a backward graph the latest: what resembles part of a block
+    outside the stack is, in pre-norm networks, the final norm after it, which a backward
+    graph runs first.
+    """
+    start, p, units = run
+    m = len(tokens)
+    slack = p // 4
+
+    def good(ref_at: int, at: int) -> bool:
+        if at < 0 or at + p > m:
+            return False
+        diff = 0
+        for k in range(p):
+            a, b = tokens[ref_at + k], tokens[at + k]
+            if a[:3] != b[:3]:
+                return False
+            diff += a != b
+        return diff <= slack
+
+    best: tuple[int, int, int, int] | None = None  # (units, same shapes, signed start, first)
+    for offset in range(p):
+        ref_at = start + (offset - start) % p
+        if ref_at + p > start + units * p + (p - 1) or ref_at + p > m:
+            continue
+        first = ref_at
+        while good(ref_at, first - p):
+            first -= p
+        last = ref_at + p
+        while good(ref_at, last):
+            last += p
+        n = (last - first) // p
+        ref = list(shapes[ref_at: ref_at + p])
+        same = sum(1 for k in range(n) if list(shapes[first + k * p: first + (k + 1) * p]) == ref)
+        cand = (n, same, first if backward else -first, first)
+        if best is None or cand[:3] > best[:3]:
+            best = cand
+    if best is None:
+        return start, units
+    return best[3], best[0]
+
+
+# --------------------------------------------------------------------------------------------
+# inference
+# --------------------------------------------------------------------------------------------
+class Structure:
+    """Result of :func:`infer_structure` (plain data, see the module docstring)."""
+
+    def __init__(self, block: dict[str, int | None], names: dict[str, str], source_of: dict[str, str],
+                 block_names: list[str], signatures: list[int], source: str,
+                 unit_collectives: int | None):
+        self.block = block  #: collective node name -> block index | None
+        self.names = names  #: collective node name -> recovered parameter name
+        self.source_of = source_of  #: collective node name -> source that named it
+        self.block_names = block_names
+        self.signatures = signatures
+        self.source = source
+        self.unit_collectives = unit_collectives
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "sources": dict(sorted(Counter(self.source_of.values()).items())),
+            "n_blocks": len(self.block_names),
+            "block_names": list(self.block_names),
+            "signatures": list(self.signatures),
+            "n_signatures": len(set(self.signatures)),
+            "signature_period": _least_period(self.signatures),
+            "unit_collectives": self.unit_collectives,
+        }
+
+
+def _least_period(seq: Sequence[int]) -> int | None:
+    if not seq:
+        return None
+    for p in range(1, len(seq) + 1):
+        if all(seq[i] == seq[i + p] for i in range(len(seq) - p)):
+            return p
+    return len(seq)
+
+
+def _classes(keys: Iterable[Any]) -> list[int]:
+    ids: dict[Any, int] = {}
+    return [ids.setdefault(k, len(ids)) for k in keys]
+
+
+def infer_structure(gm: "torch.fx.GraphModule", param_colls: Sequence[str], *, graph_kind: str = "unknown",
+                    other_colls: Sequence[str] = ()) -> Structure:
+    """Blocks of the parameter collectives ``param_colls`` (FX node names, graph order).
+
+    Args:
+        gm: the partitioned forward or backward graph.
+        param_colls: its parameter collectives (FSDP all-gathers / reduce-scatters).
+        graph_kind: ``"forward"``, ``"backward"`` or ``"unknown"`` (then a graph with a
+            ``tangents_*`` placeholder or reduce-scatters and no all-gather before them is
+            taken as backward).
+        other_colls: its other collectives (tensor / expert parallel): they get a block from
+            their module stack only.
+    """
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    if graph_kind not in ("forward", "backward"):
+        graph_kind = _guess_kind(nodes)
+    backward = graph_kind == "backward"
+    colls = [by_name[c] for c in param_colls]
+
+    names: dict[str, str] = {}
+    source_of: dict[str, str] = {}
+    for c in colls:
+        for source, namer in _NAMERS.items():
+            try:
+                name = namer(c, graph_kind, gm)
+            except Exception as e:  # a source that cannot read this graph: try the next
+                logger.debug("structure source %s failed on %s: %s", source, c.name, e)
+                name = None
+            if name:
+                names[c.name], source_of[c.name] = name, source
+                break
+    _dedupe(names)
+
+    block: dict[str, int | None] = {}
+    if colls and len(names) == len(colls):
+        block_names = _blocks_from_names(colls, names, block, backward)
+        source = Counter(source_of.values()).most_common(1)[0][0]
+        unit = None
+        sig_keys = []
+        for b, bname in enumerate(block_names):
+            members = [c for c in colls if block[c.name] == b]
+            sig_keys.append(tuple((_op(c), _val_key(c), names[c.name][len(bname):]) for c in members))
+    else:
+        block_names, unit = _blocks_from_graph(nodes, colls, block, backward)
+        source = "graph" if block_names else ("none" if not names else Counter(source_of.values()).most_common(1)[0][0])
+        sig_keys = [tuple((_op(c), _val_key(c)) for c in colls if block[c.name] == b) for b in range(len(block_names))]
+    for name in other_colls:
+        block[name] = _block_of_other(by_name[name], block_names)
+    structure = Structure(block, names, source_of, block_names, _classes(sig_keys), source, unit)
+    logger.info("structure of %s graph: %d blocks from %s, %d signature(s)", graph_kind, len(block_names),
+                source, len(set(structure.signatures)))
+    return structure
+
+
+def _guess_kind(nodes: list[Any]) -> str:
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in nodes):
+        return "backward"
+    ops = [_op(n) for n in nodes if n.op == "call_function"]
+    rs = [i for i, o in enumerate(ops) if o.startswith("reduce_scatter")]
+    ag = [i for i, o in enumerate(ops) if o.startswith("all_gather")]
+    return "backward" if rs and (not ag or rs[0] < ag[0]) else "forward"
+
+
+def _val_key(c: Any) -> tuple:
+    val = _param_val(c)
+    shape = getattr(val, "shape", None)
+    return (str(getattr(val, "dtype", None)), tuple(int(s) if isinstance(s, int) else str(s) for s in shape)
+            if shape is not None else None)
+
+
+def _dedupe(names: dict[str, str]) -> None:
+    """Two collectives of one graph guessed to one name (one module, two parameters): the
+    second becomes ``<module>.bias``, further ones ``<name>#k``. An all-gather and a
+    reduce-scatter of one parameter in one graph (backward re-gather) keep their name."""
+    seen: dict[tuple[str, str], int] = {}
+    for c in list(names):
+        kind = "ag" if "all_gather" in c else "other"
+        key = (names[c], kind)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        if k == 1 and names[c].endswith(".weight"):
+            names[c] = names[c][: -len("weight")] + "bias"
+        elif k >= 1:
+            names[c] = f"{names[c]}#{k}"
+
+
+def _blocks_from_names(colls: list[Any], names: dict[str, str], block: dict[str, int | None],
+                       backward: bool) -> list[str]:
+    """Number the blocks named by ``names``: containers in execution order (reversed in a
+    backward graph), blocks of a container by their index."""
+    first_seen: dict[str, int] = {}
+    keys: dict[str, tuple[str, int] | None] = {}
+    for i, c in enumerate(colls):
+        k = block_key(names[c.name])
+        keys[c.name] = k
+        if k is not None:
+            first_seen.setdefault(k[0], i)
+    containers = sorted(first_seen, key=first_seen.get, reverse=backward)
+    ordered = sorted({k for k in keys.values() if k is not None}, key=lambda k: (containers.index(k[0]), k[1]))
+    index = {k: b for b, k in enumerate(ordered)}
+    for c in colls:
+        k = keys[c.name]
+        block[c.name] = index[k] if k is not None else None
+    return [f"{p}.{i}" if p else str(i) for p, i in ordered]
+
+
+def _blocks_from_graph(nodes: list[Any], colls: list[Any], block: dict[str, int | None],
+                       backward: bool) -> tuple[list[str], int | None]:
+    for c in colls:
+        block[c.name] = None
+    tokens = _tokens(nodes, colls)
+    rep = find_repetition(tokens) if len(colls) >= 2 else None
+    if rep is None:
+        return [], None
+    period = rep[1]
+    start, units = _place_units(tokens, [_val_key(c) for c in colls], rep, backward=backward)
+    for k in range(units):
+        b = units - 1 - k if backward else k
+        for c in colls[start + k * period: start + (k + 1) * period]:
+            block[c.name] = b
+    return [f"block{b}" for b in range(units)], period
+
+
+def _block_of_other(node: Any, block_names: list[str]) -> int | None:
+    index = {n: b for b, n in enumerate(block_names)}
+    for path in reversed(_module_paths(node)):
+        k = block_key(path + ".x")
+        if k is not None:
+            name = f"{k[0]}.{k[1]}" if k[0] else str(k[1])
+            if name in index:
+                return index[name]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the DAG
+# --------------------------------------------------------------------------------------------
+def annotate_structure(dag: "nx.DiGraph", gm: "torch.fx.GraphModule") -> Structure:
+    """Infer the structure of ``gm`` and write it on its DAG (see the module docstring)."""
+    order = dag.graph["order"]
+    colls = [n for n in order if dag.nodes[n]["kind"] == "collective"]
+    param = [n for n in colls if dag.nodes[n].get("role") == "fsdp"]
+    other = [n for n in colls if dag.nodes[n].get("role") != "fsdp"]
+    structure = infer_structure(gm, param, graph_kind=dag.graph.get("graph_kind", "unknown"), other_colls=other)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for n in colls:
+        a = dag.nodes[n]
+        a["block"] = structure.block.get(n)
+        a["structure_source"] = structure.source_of.get(n)
+        if n in structure.names and not by_name[n].meta.get("fsdp_fqn"):
+            a["fqns"] = [structure.names[n]]
+    dag.graph["structure"] = structure.summary()
+    return structure
