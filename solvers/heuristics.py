@@ -316,15 +316,19 @@ class FSDP2Config:
 
 
 def fsdp2_blocks(problem: Problem) -> dict[str, str]:
-    """Block id of every collective: ``"layers.N"`` for a transformer block's parameters,
-    ``"root"`` for other module parameters (tok_embeddings, norm, output: FSDP2's root
-    group), ``"coll:<name>"`` (its own block) when the collective has no module FQN (e.g. only
-    a placeholder name)."""
+    """Block id of every collective, FSDP2's module groups: ``"block:N"`` for the parameters of
+    repeated block N as the export inferred it (:mod:`scheduler.structure`) and ``"root"`` for
+    the others (embeddings, final norm, output: FSDP2's root group). A DAG without inferred
+    blocks (an old file) falls back to its FQNs: ``"layers.N"``, ``"root"`` for other module
+    parameters, ``"coll:<name>"`` (its own block) when only a placeholder name is known."""
     out: dict[str, str] = {}
+    inferred = any(c.block is not None for c in problem.colls.values())
     for name, c in problem.colls.items():
         fqn = c.fqns[0] if c.fqns else ""
         m = _LAYER_RE.search(fqn)
-        if m:
+        if inferred:
+            out[name] = f"block:{c.block}" if c.block is not None else "root"
+        elif m:
             out[name] = f"layers.{m.group(1)}"
         elif "." in fqn:
             out[name] = "root"

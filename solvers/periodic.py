@@ -67,6 +67,34 @@ class Periodicity:
         return self.blocks[len(self.blocks) // 2]
 
 
+def _roles_by_block(problem: Problem) -> dict[int, dict[tuple, str]] | None:
+    """block -> role -> collective, for the movable collectives. The block is the export's
+    inferred ``block`` (:mod:`scheduler.structure`); the role is the collective's bucket key and
+    its rank among its block's members of that chain. Without inferred blocks (an old DAG), the
+    block and role come from the FQNs (``layers.N.<name>``). None when one block has two
+    collectives of one role (not a plain repetition)."""
+    per_block: dict[int, dict[tuple, str]] = {}
+    rank: dict[tuple, int] = {}
+    for key, names in problem.chains.items():
+        for n in names:
+            c = problem.colls[n]
+            if not c.movable:
+                continue
+            if c.block is not None:
+                b = c.block
+                role: tuple = (c.coll_type, key, rank.setdefault((b, key), 0))
+                rank[(b, key)] += 1
+            else:
+                br = _block_and_role(c.fqns)
+                if br is None:
+                    continue
+                b, role = br[0], (c.coll_type, key, br[1])
+            if role in per_block.setdefault(b, {}):
+                return None
+            per_block[b][role] = n
+    return per_block
+
+
 def detect_periodicity(problem: Problem, *, min_blocks: int = 4) -> Periodicity | None:
     """The longest run of consecutive layers whose collectives and compute repeat with one period.
 
@@ -76,18 +104,9 @@ def detect_periodicity(problem: Problem, *, min_blocks: int = 4) -> Periodicity 
     exist from the start, gradients are needed only at the end), and the compute costs of the ``|P|`` positions from block ``b``'s first
     need on equal those ``P`` later. None when no run has ``min_blocks`` blocks.
     """
-    per_block: dict[int, dict[tuple, str]] = {}
-    for c in problem.colls.values():
-        if not c.movable:
-            continue
-        br = _block_and_role(c.fqns)
-        if br is None:
-            continue
-        b, role = br
-        key = (c.coll_type, c.key, role)
-        if key in per_block.setdefault(b, {}):
-            return None  # two collectives of one role in one block: not a plain repetition
-        per_block[b][key] = c.name
+    per_block = _roles_by_block(problem)
+    if per_block is None:
+        return None
     if len(per_block) < min_blocks:
         return None
     cm = problem.compute_ms

@@ -50,6 +50,10 @@ class Collective:
     needed: int  #: latest wait gap
     traced_issue: int
     traced_wait: int
+    #: the repeated block (layer) the parameter belongs to, numbered in forward execution order,
+    #: as the export inferred it (:mod:`scheduler.structure`); None outside any repeated block
+    #: or when the DAG carries no inferred structure
+    block: int | None = None
 
     @property
     def key(self) -> tuple[str, str, str | None, str | None]:
@@ -143,6 +147,7 @@ class Problem:
                 needed=needed,
                 traced_issue=t_issue,
                 traced_wait=t_wait,
+                block=a.get("block"),
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
                 raise ScheduleError(f"collective {name!r}: traced positions outside its window")
