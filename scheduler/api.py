@@ -145,6 +145,11 @@ class ScheduleReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
     fell_back: bool = False
+    #: ``"forward"``, ``"backward"``, ``"inference"`` or ``"unknown"`` (a graph given by hand)
+    graph_kind: str = "unknown"
+    #: torch's compile id of the graph (``"0/0"``: frame 0, first compile; the forward and the
+    #: backward of one compile share it), None outside ``torch.compile``
+    compile_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,11 +161,17 @@ class ScheduleReport:
     def summary_line(self) -> str:
         """One line for logs."""
         return (
-            f"fsdp-sched {self.graph_name}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
+            f"fsdp-sched {self._title()}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
             f"peak {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}, "
             f"collectives {self.n_collectives_before} -> {self.n_collectives_after} "
             f"({self.solver}, {self.status}, gap {self.gap:.1%}{', fell back' if self.fell_back else ''})"
         )
+
+    def _title(self) -> str:
+        title = self.graph_name
+        if self.graph_kind not in ("unknown", self.graph_name):
+            title += f" ({self.graph_kind})"
+        return title + (f" [compile {self.compile_id}]" if self.compile_id else "")
 
     def __str__(self) -> str:
         budget = fmt_bytes(self.mem_budget_bytes) if self.mem_budget_bytes else "none"
@@ -171,7 +182,7 @@ class ScheduleReport:
             ("collectives", str(self.n_collectives_before), str(self.n_collectives_after)),
         ]
         lines = [
-            f"fsdp-sched report: {self.graph_name} (solver {self.solver}, status {self.status}, "
+            f"fsdp-sched report: {self._title()} (solver {self.solver}, status {self.status}, "
             f"{self.solve_time_s:.2f} s, budget {budget})",
             f"  {'':<14}{'traced':>14}{'scheduled':>14}",
         ]
@@ -437,6 +448,7 @@ def _report(
         digest=schedule.digest(),
         notes=list(notes),
         fell_back=fell_back,
+        graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
     )
 
 
@@ -479,6 +491,9 @@ def optimize_schedule(
     fallback: bool = True,
     broadcast_from: int | None = None,
     num_workers: int = 1,
+    agree: bool = True,
+    consensus_group: Any = None,
+    schedule_hook: Any = None,
 ) -> "torch.fx.GraphModule":
     """Schedule the collectives of a partitioned FSDP graph and rewrite it in place.
 
@@ -503,6 +518,18 @@ def optimize_schedule(
             rank solves and broadcasts the schedule to the others (identical graphs get the
             identical schedule even if solves were not deterministic). None (default): every
             rank solves by itself.
+        agree: with an initialised process group of more than one rank (default True), the
+            ranks agree before writing back (:mod:`scheduler.consensus`): one all-gather of
+            schedule digests; on a mismatch every rank takes the schedule of rank 0 (or of
+            ``broadcast_from``) and the report says so; if the pass fails on any rank, every
+            rank leaves its graph unchanged and logs why (if it fails on every rank, each
+            raises). False: no collective at all (each rank on its own, as with one rank).
+        consensus_group: the process group whose ranks must agree (default None: the world).
+            With pipeline parallelism, pass the group of the ranks that compile this graph.
+        schedule_hook: ``hook(problem, schedule) -> Schedule | None``, called on the solved
+            schedule before the ranks agree; a returned schedule replaces it (validated, and
+            the report updated); it may also raise. For custom edits of a schedule, and to
+            inject faults in tests (a different schedule or an error on one rank).
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
@@ -511,17 +538,21 @@ def optimize_schedule(
         ValueError: a malformed budget or unknown solver.
         InfeasibleBudgetError: no schedule fits ``mem_budget`` (states the smallest peak).
         ScheduleError: the solve failed and ``fallback`` is False, or the schedule cannot be
-            written back (the message says why).
+            written back (the message says why). With ``agree``, these are raised only when
+            the pass failed on every rank of the group; otherwise the graph stays unchanged.
     """
+    from scheduler import consensus
     from scheduler.dag import export_dag
-    from scheduler.writeback import apply_schedule
 
     budget = parse_bytes(mem_budget)
-    dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
-    problem = Problem.from_dag(dag)
+    group = consensus.agreement_group(consensus_group) if agree else None
 
-    def solve_here() -> tuple[Schedule, ScheduleReport]:
-        return _solve_problem(
+    def export() -> Problem:
+        dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
+        return Problem.from_dag(dag)
+
+    def solve_here(problem: Problem) -> tuple[Schedule, ScheduleReport]:
+        schedule, report = _solve_problem(
             problem,
             budget,
             solver=solver,
@@ -530,16 +561,156 @@ def optimize_schedule(
             fallback=fallback,
             num_workers=num_workers,
         )
+        return _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
 
-    if broadcast_from is not None and _world_size() > 1:
-        schedule, report = _solve_and_broadcast(solve_here, problem, budget, broadcast_from)
+    def write_back(problem: Problem, schedule: Schedule) -> None:
+        from scheduler.writeback import apply_schedule
+
+        if problem.colls:
+            apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)
+
+    if group is None:
+        problem = export()
+        if broadcast_from is not None and _world_size() > 1:
+            schedule, report = _solve_and_broadcast(lambda: solve_here(problem), problem, budget, broadcast_from)
+        else:
+            schedule, report = solve_here(problem)
+        write_back(problem, schedule)
     else:
-        schedule, report = solve_here()
-    if problem.colls:
-        apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)  # type: ignore[arg-type]
+        report = _optimize_agreed(gm, group, export, solve_here, write_back, budget=budget, solver=solver,
+                                  broadcast_from=broadcast_from)
+    report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = report
     logger.info("%s", report.summary_line())
     return gm
+
+
+def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:
+    """:func:`optimize_schedule` on a group of ranks that must agree (see
+    :mod:`scheduler.consensus`): solve, agree on one schedule, write back, agree that every
+    rank wrote it back (else every rank restores its graph). Returns this rank's report."""
+    import torch.distributed as dist
+
+    from scheduler import consensus
+
+    src = 0 if broadcast_from is None else dist.get_group_rank(group, broadcast_from)
+    problem: Problem | None = None
+    schedule: Schedule | None = None
+    report: ScheduleReport | None = None
+    error: BaseException | None = None
+    try:
+        problem = export()
+        if broadcast_from is None or dist.get_rank(group) == src:
+            schedule, report = solve_here(problem)
+    except Exception as e:  # the other ranks must learn of it, or they hang in a collective
+        error = e
+        logger.warning("fsdp-sched: the pass failed on this rank (%s: %s)", type(e).__name__, e)
+    agreed = consensus.agree_on_schedule(schedule, report.to_json() if report else None, error, group=group, src=src)
+    if agreed.action == "raise":
+        if error is not None:
+            raise error
+        raise ScheduleError(f"rank {src} failed to solve the schedule: {agreed.failures.get(src)}")
+    if agreed.action == "skip":
+        return _unchanged_report(problem, budget=budget, requested=solver, notes=agreed.notes)
+    assert problem is not None and agreed.schedule is not None
+    if agreed.report_json is not None:
+        report = ScheduleReport.from_json(agreed.report_json)
+    assert report is not None
+    report.notes += agreed.notes
+
+    backup = _copy_graph(gm.graph) if problem.colls else None
+    write_error: BaseException | None = None
+    try:
+        if agreed.adopted_from is not None:  # it must fit this rank's graph
+            try:
+                validate_schedule(problem, agreed.schedule, mem_budget_bytes=budget)
+            except ScheduleInvalidError as e:
+                raise ScheduleError(
+                    f"the schedule of rank {agreed.adopted_from} does not fit this rank's graph ({e}); "
+                    "every rank must trace the identical graph"
+                ) from e
+        write_back(problem, agreed.schedule)
+    except Exception as e:
+        write_error = e
+        logger.warning("fsdp-sched: writing the schedule back failed on this rank (%s: %s)", type(e).__name__, e)
+    failures = consensus.agree_on_outcome(write_error, group=group)
+    if not failures:
+        return report
+    if backup is not None:
+        gm.graph = backup  # the graph as it was, on every rank (names and meta kept)
+    rank = min(failures)
+    note = (
+        f"the schedule was not written back on any rank: writing it back failed on rank(s) {sorted(failures)} "
+        f"(rank {rank}: {failures[rank]}); every rank keeps the graph as traced"
+    )
+    logger.warning("fsdp-sched: %s", note)
+    return _unchanged_report(problem, budget=budget, requested=solver, notes=[note])
+
+
+def _run_schedule_hook(hook, problem: Problem, schedule: Schedule, report: ScheduleReport, budget: int | None):
+    """Apply ``optimize_schedule(schedule_hook=...)``; a changed schedule is validated and the
+    report updated."""
+    if hook is None:
+        return schedule, report
+    new = hook(problem, schedule)
+    if new is None or new.digest() == schedule.digest():
+        return schedule, report
+    sim = validate_schedule(problem, new, mem_budget_bytes=budget)
+    buckets, types, prefetch, rs_delay, rs_wait = _bucket_stats(problem, new)
+    report = dataclasses.replace(
+        report,
+        step_ms_after=sim.step_ms,
+        peak_bytes_after=sim.peak_bytes,
+        exposed_comm_ms_after=sim.exposed_comm_ms,
+        n_collectives_after=sim.n_collectives,
+        gap=max(0.0, (sim.step_ms - report.best_bound_ms) / sim.step_ms) if sim.step_ms > 0 else 0.0,
+        buckets=buckets,
+        bucket_types=types,
+        ag_prefetch=prefetch,
+        rs_issue_delay=rs_delay,
+        rs_wait_distance=rs_wait,
+        digest=new.digest(),
+        notes=report.notes + ["schedule replaced by schedule_hook"],
+    )
+    return new, report
+
+
+def _unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]) -> ScheduleReport:
+    """The report of a graph left as traced because the ranks could not agree on a schedule."""
+    if problem is not None:
+        traced = problem.traced_schedule()
+        before = simulate(problem.dag, traced, problem=problem)
+        return _report(problem, traced, before, before, graph_name=str(problem.dag.graph.get("name", "graph")),
+                       budget=budget, t0=time.perf_counter(), solver="none", requested=requested,
+                       status="unchanged", best_bound=None, notes=notes, fell_back=True)
+    nan = float("nan")  # this rank could not even export its graph
+    return ScheduleReport(graph_name="graph", solver="none", requested_solver=requested, status="unchanged",
+                          solve_time_s=0.0, mem_budget_bytes=budget, step_ms_before=nan, step_ms_after=nan,
+                          peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
+                          exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
+                          lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes), fell_back=True)
+
+
+def _copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
+    """A copy of ``graph`` with the same node names and meta (to restore it)."""
+    import copy
+
+    import torch.fx
+
+    out = torch.fx.Graph()
+    out._codegen = copy.deepcopy(graph._codegen)
+    value, output_node = out.graph_copy(graph, {}, return_output_node=True)
+    new_output = out.output(value, type_expr=output_node.type)
+    new_output.meta = dict(output_node.meta)
+    return out
+
+
+def _compile_id() -> str | None:
+    """torch's id of the compile in progress ("0/0"), None outside ``torch.compile``."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else str(compile_id)
 
 
 def _world_size() -> int:
@@ -645,26 +816,31 @@ def inductor_post_grad_pass(**options: Any):
     ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
     True here, so that inductor's own reordering keeps the chosen overlap. The pass wraps the
     ``fx.Graph`` it receives in its owning GraphModule (or a fresh one) and rewrites it in
-    place; reports are collected in the pass's ``reports`` list. Its ``uuid()`` is built from
+    place; reports are collected in the pass's ``reports`` list, each naming its graph
+    (``graph_name`` / ``graph_kind``: "forward", "backward" or "inference"; ``compile_id``:
+    torch's compile id, shared by the forward and backward of one compile). On a process
+    group the ranks agree on the schedule before it is written back (see
+    :func:`optimize_schedule`'s ``agree``). Its ``uuid()`` is built from
     the options, so inductor's FX graph cache tells differently configured passes apart
     (objects such as a cost model enter by ``repr``; give them a stable one to get cache hits
     across processes).
     """
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
     options = {"control_deps": True, **options}
     parse_bytes(options.get("mem_budget"))
 
-    class _FsdpSchedPass(CustomGraphPass):
+    class _FsdpSchedPass(CustomInferenceAwareGraphPass):
         def __init__(self) -> None:
             self.reports: list[ScheduleReport] = []
 
-        def __call__(self, graph: "torch.fx.Graph") -> None:
+        def __call__(self, graph: "torch.fx.Graph", is_inference: bool = False) -> None:
             import torch.fx
 
             gm = graph.owning_module
             if not isinstance(gm, torch.fx.GraphModule):
                 gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+            gm.meta["fsdp_graph_kind"] = _post_grad_graph_kind(graph, is_inference)
             optimize_schedule(gm, **options)
             self.reports.append(gm.meta[REPORT_KEY])
 
@@ -672,3 +848,14 @@ def inductor_post_grad_pass(**options: Any):
             return "fsdp-sched:" + json.dumps(options, sort_keys=True, default=repr)
 
     return _FsdpSchedPass()
+
+
+def _post_grad_graph_kind(graph: "torch.fx.Graph", is_inference: bool) -> str:
+    """Which graph an inductor post-grad pass sees. Inductor tells a custom pass only whether
+    the graph is an inference graph; aot_autograd names the backward graph's gradient inputs
+    ``tangents_<i>`` (the forward graph has only ``primals_<i>``)."""
+    if is_inference:
+        return "inference"
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return "backward"
+    return "forward"
