@@ -15,8 +15,8 @@ so (``fell_back``, ``notes``) and a warning is logged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler.dag import DagError, export_dag, graph_has_collectives
-from scheduler.report import ScheduleReport, make_report
+from scheduler import consensus
+from scheduler.report import ScheduleReport, bucket_stats, make_report
 from scheduler.writeback import apply_schedule
 from solvers.core import (
     InfeasibleBudgetError,
@@ -198,6 +199,9 @@ def optimize_schedule(
     fallback: bool = True,
     broadcast_from: int | None = None,
     num_workers: int = 1,
+    agree: bool = True,
+    consensus_group: Any = None,
+    schedule_hook: Any = None,
 ) -> "torch.fx.GraphModule":
     """Schedule the collectives of a partitioned FSDP graph and rewrite it in place.
 
@@ -222,6 +226,18 @@ def optimize_schedule(
             rank solves and broadcasts the schedule to the others (identical graphs get the
             identical schedule even if solves were not deterministic). None (default): every
             rank solves by itself.
+        agree: with an initialised process group of more than one rank (default True), the
+            ranks agree before writing back (:mod:`scheduler.consensus`): one all-gather of
+            schedule digests; on a mismatch every rank takes the schedule of rank 0 (or of
+            ``broadcast_from``) and the report says so; if the pass fails on any rank, every
+            rank leaves its graph unchanged and logs why (if it fails on every rank, each
+            raises). False: no collective at all (each rank on its own, as with one rank).
+        consensus_group: the process group whose ranks must agree (default None: the world).
+            With pipeline parallelism, pass the group of the ranks that compile this graph.
+        schedule_hook: ``hook(problem, schedule) -> Schedule | None``, called on the solved
+            schedule before the ranks agree; a returned schedule replaces it (validated, and
+            the report updated); it may also raise. For custom edits of a schedule, and to
+            inject faults in tests (a different schedule or an error on one rank).
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
@@ -230,21 +246,28 @@ def optimize_schedule(
         ValueError: a malformed budget or unknown solver.
         InfeasibleBudgetError: no schedule fits ``mem_budget`` (states the smallest peak).
         ScheduleError: the solve failed and ``fallback`` is False, or the schedule cannot be
-            written back (the message says why).
+            written back (the message says why). With ``agree``, these are raised only when
+            the pass failed on every rank of the group; otherwise the graph stays unchanged.
     """
     budget = parse_bytes(mem_budget)
-    if not graph_has_collectives(gm):
+    exported: list[Problem] = []
+    if graph_has_collectives(gm):
+        group = consensus.agreement_group(consensus_group) if agree else None
+    else:
+        # nothing to schedule, alike on every rank: no agreement needed; and never fail on
+        # metadata that would not be used
+        group = None
         try:
-            dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
-        except DagError as e:  # nothing to schedule: never fail on metadata we would not use
+            exported.append(Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster)))
+        except DagError as e:
             logger.info("graph has no collectives: left unchanged (not exported: %s)", e)
             return gm
-    else:
-        dag = export_dag(gm, cost_model=cost_model, cluster=cluster)
-    problem = Problem.from_dag(dag)
 
-    def solve_here() -> tuple[Schedule, ScheduleReport]:
-        return _solve_problem(
+    def export() -> Problem:
+        return exported[0] if exported else Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
+
+    def solve_here(problem: Problem) -> tuple[Schedule, ScheduleReport]:
+        schedule, report = _solve_problem(
             problem,
             budget,
             solver=solver,
@@ -253,16 +276,146 @@ def optimize_schedule(
             fallback=fallback,
             num_workers=num_workers,
         )
+        return _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
 
-    if broadcast_from is not None and _world_size() > 1:
-        schedule, report = _solve_and_broadcast(solve_here, problem, budget, broadcast_from)
+    def write_back(problem: Problem, schedule: Schedule) -> None:
+        if problem.colls:
+            apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)
+
+    if group is None:
+        problem = export()
+        if broadcast_from is not None and _world_size() > 1:
+            schedule, report = _solve_and_broadcast(lambda: solve_here(problem), problem, budget, broadcast_from)
+        else:
+            schedule, report = solve_here(problem)
+        write_back(problem, schedule)
     else:
-        schedule, report = solve_here()
-    if problem.colls:
-        apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)  # type: ignore[arg-type]
+        report = _optimize_agreed(gm, group, export, solve_here, write_back, budget=budget, solver=solver,
+                                  broadcast_from=broadcast_from)
+    report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = report
     logger.info("%s", report.summary_line())
     return gm
+
+
+def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:
+    """:func:`optimize_schedule` on a group of ranks that must agree (see
+    :mod:`scheduler.consensus`): solve, agree on one schedule, write back, agree that every
+    rank wrote it back (else every rank restores its graph). Returns this rank's report."""
+    import torch.distributed as dist
+
+    from scheduler import consensus
+
+    src = 0 if broadcast_from is None else dist.get_group_rank(group, broadcast_from)
+    problem: Problem | None = None
+    schedule: Schedule | None = None
+    report: ScheduleReport | None = None
+    error: BaseException | None = None
+    try:
+        problem = export()
+        if broadcast_from is None or dist.get_rank(group) == src:
+            schedule, report = solve_here(problem)
+    except Exception as e:  # the other ranks must learn of it, or they hang in a collective
+        error = e
+        logger.warning("fsdp-sched: the pass failed on this rank (%s: %s)", type(e).__name__, e)
+    agreed = consensus.agree_on_schedule(schedule, report.to_json() if report else None, error, group=group, src=src)
+    if agreed.action == "raise":
+        if error is not None:
+            raise error
+        raise ScheduleError(f"rank {src} failed to solve the schedule: {agreed.failures.get(src)}")
+    if agreed.action == "skip":
+        return _unchanged_report(problem, budget=budget, requested=solver, notes=agreed.notes)
+    assert problem is not None and agreed.schedule is not None
+    if agreed.report_json is not None:
+        report = ScheduleReport.from_json(agreed.report_json)
+    assert report is not None
+    report.notes += agreed.notes
+
+    backup = _copy_graph(gm.graph) if problem.colls else None
+    write_error: BaseException | None = None
+    try:
+        if agreed.adopted_from is not None:  # it must fit this rank's graph
+            try:
+                validate_schedule(problem, agreed.schedule, mem_budget_bytes=budget)
+            except ScheduleInvalidError as e:
+                raise ScheduleError(
+                    f"the schedule of rank {agreed.adopted_from} does not fit this rank's graph ({e}); "
+                    "every rank must trace the identical graph"
+                ) from e
+        write_back(problem, agreed.schedule)
+    except Exception as e:
+        write_error = e
+        logger.warning("fsdp-sched: writing the schedule back failed on this rank (%s: %s)", type(e).__name__, e)
+    failures = consensus.agree_on_outcome(write_error, group=group)
+    if not failures:
+        return report
+    if backup is not None:
+        gm.graph = backup  # the graph as it was, on every rank (names and meta kept)
+    rank = min(failures)
+    note = (
+        f"the schedule was not written back on any rank: writing it back failed on rank(s) {sorted(failures)} "
+        f"(rank {rank}: {failures[rank]}); every rank keeps the graph as traced"
+    )
+    logger.warning("fsdp-sched: %s", note)
+    return _unchanged_report(problem, budget=budget, requested=solver, notes=[note])
+
+
+def _run_schedule_hook(hook, problem: Problem, schedule: Schedule, report: ScheduleReport, budget: int | None):
+    """Apply ``optimize_schedule(schedule_hook=...)``; a changed schedule is validated and the
+    report updated."""
+    if hook is None:
+        return schedule, report
+    new = hook(problem, schedule)
+    if new is None or new.digest() == schedule.digest():
+        return schedule, report
+    sim = validate_schedule(problem, new, mem_budget_bytes=budget)
+    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(problem, new)
+    report = dataclasses.replace(
+        report,
+        step_ms_after=sim.step_ms,
+        peak_bytes_after=sim.peak_bytes,
+        exposed_comm_ms_after=sim.exposed_comm_ms,
+        n_collectives_after=sim.n_collectives,
+        gap=max(0.0, (sim.step_ms - report.best_bound_ms) / sim.step_ms) if sim.step_ms > 0 else 0.0,
+        buckets=buckets,
+        bucket_types=types,
+        ag_prefetch=prefetch,
+        rs_issue_delay=rs_delay,
+        rs_wait_distance=rs_wait,
+        digest=new.digest(),
+        notes=report.notes + ["schedule replaced by schedule_hook"],
+    )
+    return new, report
+
+
+def _unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]) -> ScheduleReport:
+    """The report of a graph left as traced because the ranks could not agree on a schedule."""
+    if problem is not None:
+        traced = problem.traced_schedule()
+        before = simulate(problem.dag, traced, problem=problem)
+        return make_report(problem, before, before, graph_name=str(problem.dag.graph.get("name", "graph")),
+                           mem_budget_bytes=budget, t0=time.perf_counter(), solver="none", requested=requested,
+                           status="unchanged", best_bound=None, notes=notes, fell_back=True)
+    nan = float("nan")  # this rank could not even export its graph
+    return ScheduleReport(graph_name="graph", solver="none", requested_solver=requested, status="unchanged",
+                          solve_time_s=0.0, mem_budget_bytes=budget, step_ms_before=nan, step_ms_after=nan,
+                          peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
+                          exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
+                          lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes), fell_back=True)
+
+
+def _copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
+    """A copy of ``graph`` with the same node names and meta (to restore it)."""
+    import copy
+
+    import torch.fx
+
+    out = torch.fx.Graph()
+    out._codegen = copy.deepcopy(graph._codegen)
+    value, output_node = out.graph_copy(graph, {}, return_output_node=True)
+    new_output = out.output(value, type_expr=output_node.type)
+    new_output.meta = dict(output_node.meta)
+    return out
 
 
 def _world_size() -> int:
@@ -307,91 +460,9 @@ def _solve_and_broadcast(solve_here, problem: Problem, budget: int | None, src: 
     return schedule, report
 
 
-# --------------------------------------------------------------------------------------------
-# compiler integration
-# --------------------------------------------------------------------------------------------
-def backend(**options: Any):
-    """A ``torch.compile`` backend that schedules the partitioned forward and backward graphs.
+def _compile_id() -> str | None:
+    """torch's id of the compile in progress ("0/0"), None outside ``torch.compile``."""
+    from torch._guards import CompileContext
 
-    Uses aot_autograd; its forward and backward compilers run :func:`optimize_schedule` with
-    ``options`` on each graph and return it for eager execution. ``options`` are
-    :func:`optimize_schedule`'s keyword arguments, plus ``fw_mem_budget`` / ``bw_mem_budget``
-    (budgets for one graph only, overriding ``mem_budget``) and ``partition_fn`` (default
-    ``min_cut_rematerialization_partition``, as SimpleFSDP uses). The returned backend has a
-    ``reports`` list collecting every graph's :class:`ScheduleReport`.
-
-    Example::
-
-        compiled = torch.compile(model, backend=scheduler.backend(mem_budget="40GiB"))
-    """
-    from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_compiler
-
-    options = dict(options)
-    partition_fn = options.pop("partition_fn", min_cut_rematerialization_partition)
-    fw_budget = options.pop("fw_mem_budget", options.get("mem_budget"))
-    bw_budget = options.pop("bw_mem_budget", options.get("mem_budget"))
-    options.pop("mem_budget", None)
-    # fail on a bad budget now, not at the first compile
-    parse_bytes(fw_budget), parse_bytes(bw_budget)
-    reports: list[ScheduleReport] = []
-
-    def compiler(kind: str, budget: Any):
-        def compile_graph(gm: "torch.fx.GraphModule", example_inputs: Any) -> "torch.fx.GraphModule":
-            gm.meta.setdefault("fsdp_graph_kind", kind)
-            optimize_schedule(gm, budget, **options)
-            reports.append(gm.meta[REPORT_KEY])
-            return gm
-
-        return make_boxed_compiler(compile_graph)
-
-    fn = aot_autograd(
-        fw_compiler=compiler("forward", fw_budget),
-        bw_compiler=compiler("backward", bw_budget),
-        partition_fn=partition_fn,
-    )
-    fn.reports = reports  # type: ignore[attr-defined]
-    return fn
-
-
-def inductor_post_grad_pass(**options: Any):
-    """An inductor post-grad custom pass that schedules each graph inductor compiles.
-
-    Usage::
-
-        import torch._inductor.config as inductor_config
-        inductor_config.post_grad_custom_post_pass = scheduler.api.inductor_post_grad_pass(
-            mem_budget="40GiB")
-        compiled = torch.compile(model)   # the default inductor backend
-
-    ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
-    True here, so that inductor's own reordering keeps the chosen overlap. The pass wraps the
-    ``fx.Graph`` it receives in its owning GraphModule (or a fresh one) and rewrites it in
-    place; reports are collected in the pass's ``reports`` list. Its ``uuid()`` is built from
-    the options, so inductor's FX graph cache tells differently configured passes apart
-    (objects such as a cost model enter by ``repr``; give them a stable one to get cache hits
-    across processes).
-    """
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    options = {"control_deps": True, **options}
-    parse_bytes(options.get("mem_budget"))
-
-    class _FsdpSchedPass(CustomGraphPass):
-        def __init__(self) -> None:
-            self.reports: list[ScheduleReport] = []
-
-        def __call__(self, graph: "torch.fx.Graph") -> None:
-            import torch.fx
-
-            gm = graph.owning_module
-            if not isinstance(gm, torch.fx.GraphModule):
-                gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-            optimize_schedule(gm, **options)
-            self.reports.append(gm.meta[REPORT_KEY])
-
-        def uuid(self) -> str:
-            return "fsdp-sched:" + json.dumps(options, sort_keys=True, default=repr)
-
-    return _FsdpSchedPass()
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else str(compile_id)

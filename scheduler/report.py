@@ -63,6 +63,11 @@ class ScheduleReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
     fell_back: bool = False
+    #: ``"forward"``, ``"backward"``, ``"inference"`` or ``"unknown"`` (a graph given by hand)
+    graph_kind: str = "unknown"
+    #: torch's compile id of the graph (``"0/0"``: frame 0, first compile; the forward and the
+    #: backward of one compile share it), None outside ``torch.compile``
+    compile_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -74,11 +79,17 @@ class ScheduleReport:
     def summary_line(self) -> str:
         """One line for logs."""
         return (
-            f"fsdp-sched {self.graph_name}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
+            f"fsdp-sched {self._title()}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
             f"peak {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}, "
             f"collectives {self.n_collectives_before} -> {self.n_collectives_after} "
             f"({self.solver}, {self.status}, gap {self.gap:.1%}{', fell back' if self.fell_back else ''})"
         )
+
+    def _title(self) -> str:
+        title = self.graph_name
+        if self.graph_kind not in ("unknown", self.graph_name):
+            title += f" ({self.graph_kind})"
+        return title + (f" [compile {self.compile_id}]" if self.compile_id else "")
 
     def __str__(self) -> str:
         budget = fmt_bytes(self.mem_budget_bytes) if self.mem_budget_bytes else "none"
@@ -89,7 +100,7 @@ class ScheduleReport:
             ("collectives", str(self.n_collectives_before), str(self.n_collectives_after)),
         ]
         lines = [
-            f"fsdp-sched report: {self.graph_name} (solver {self.solver}, status {self.status}, "
+            f"fsdp-sched report: {self._title()} (solver {self.solver}, status {self.status}, "
             f"{self.solve_time_s:.2f} s, budget {budget})",
             f"  {'':<14}{'traced':>14}{'scheduled':>14}",
         ]
@@ -144,7 +155,7 @@ def make_report(
     bound = max(lower, best_bound) if best_bound is not None else lower
     bound = min(bound, after.step_ms)
     gap = max(0.0, (after.step_ms - bound) / after.step_ms) if after.step_ms > 0 else 0.0
-    buckets, types, prefetch, rs_delay, rs_wait = _bucket_stats(problem, schedule)
+    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(problem, schedule)
     return ScheduleReport(
         graph_name=graph_name,
         solver=solver,
@@ -171,10 +182,13 @@ def make_report(
         digest=schedule.digest(),
         notes=list(notes),
         fell_back=fell_back,
+        graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
     )
 
 
-def _bucket_stats(problem: Problem, schedule: Schedule):
+def bucket_stats(problem: Problem, schedule: Schedule):
+    """Per bucket: member FQNs, type, all-gather prefetch, reduce-scatter issue delay and
+    issue-to-wait distance (compute nodes), as in :class:`ScheduleReport`."""
     # computes[p] = number of compute nodes in seq[:p]
     computes = [0]
     for name in problem.seq:

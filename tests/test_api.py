@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import scheduler
 from scheduler import InfeasibleBudgetError, ScheduleError, ScheduleReport, optimize_schedule, parse_bytes, solve_dag
 from scheduler import api
+from scheduler import compile as compile_
 from scheduler.dag import dag_from_json, dag_to_json, export_dag
 from solvers import Problem, SolveResult, SolveStatus
 from solvers.heuristics import HEURISTICS
@@ -235,9 +236,9 @@ def test_inductor_post_grad_pass_pins_order(pg):
     inputs = real_inputs()
     ref = gm(*inputs)
     # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned
-    post_pass = api.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2")
-    assert post_pass.uuid() == api.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2").uuid()
-    assert post_pass.uuid() != api.inductor_post_grad_pass(mem_budget="2 GiB", cost_model=COSTS, solver="fsdp2").uuid()
+    post_pass = compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2")
+    assert post_pass.uuid() == compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2").uuid()
+    assert post_pass.uuid() != compile_.inductor_post_grad_pass(mem_budget="2 GiB", cost_model=COSTS, solver="fsdp2").uuid()
     post_pass(gm.graph)
     (report,) = post_pass.reports
     assert report.n_collectives_before == 5 and max(report.ag_prefetch) > 0
