@@ -73,7 +73,8 @@ def inductor_post_grad_pass(**options: Any):
         compiled = torch.compile(model)   # the default inductor backend
 
     ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
-    True here, so that inductor's own reordering keeps the chosen overlap. The pass wraps the
+    False here: pinning the order with control dependencies changed inductor's numerics in our
+    tests (issue 14), and a rewritten graph must compute exactly what the original does. The pass wraps the
     ``fx.Graph`` it receives in its owning GraphModule (or a fresh one) and rewrites it in
     place; reports are collected in the pass's ``reports`` list, each naming its graph
     (``graph_name`` / ``graph_kind``: "forward", "backward" or "inference"; ``compile_id``:
@@ -86,7 +87,10 @@ def inductor_post_grad_pass(**options: Any):
     """
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-    options = {"control_deps": True, **options}
+    # control dependencies changed inductor's numerics (not bitwise equal to inductor without
+    # the pass, tests/test_inductor_gloo.py): off by default until that is understood; the order
+    # written back is then a hint inductor may reorder
+    options = {"control_deps": False, **options}
     parse_bytes(options.get("mem_budget"))
 
     class _FsdpSchedPass(CustomInferenceAwareGraphPass):

@@ -235,8 +235,9 @@ def test_inductor_post_grad_pass_pins_order(pg):
     gm = toy_graph(pg, 1)
     inputs = real_inputs()
     ref = gm(*inputs)
-    # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned
-    post_pass = compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2")
+    # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned (control_deps=True:
+    # off by default since pins changed inductor's numerics, see tests/test_inductor_gloo.py)
+    post_pass = compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2", control_deps=True)
     assert post_pass.uuid() == compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2").uuid()
     assert post_pass.uuid() != compile_.inductor_post_grad_pass(mem_budget="2 GiB", cost_model=COSTS, solver="fsdp2").uuid()
     post_pass(gm.graph)
