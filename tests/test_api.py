@@ -238,8 +238,8 @@ def test_inductor_post_grad_pass_pins_order(pg):
     # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned (control_deps=True:
     # off by default since pins changed inductor's numerics, see tests/test_inductor_gloo.py)
     post_pass = compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2", control_deps=True)
-    assert post_pass.uuid() == compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2").uuid()
-    assert post_pass.uuid() != compile_.inductor_post_grad_pass(mem_budget="2 GiB", cost_model=COSTS, solver="fsdp2").uuid()
+    assert post_pass.uuid() == compile_.inductor_post_grad_pass(mem_budget="1 GiB", cost_model=COSTS, solver="fsdp2", control_deps=True).uuid()
+    assert post_pass.uuid() != compile_.inductor_post_grad_pass(mem_budget="2 GiB", cost_model=COSTS, solver="fsdp2", control_deps=True).uuid()
     post_pass(gm.graph)
     (report,) = post_pass.reports
     assert report.n_collectives_before == 5 and max(report.ag_prefetch) > 0
