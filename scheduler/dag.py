@@ -262,7 +262,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None)
 
     packet = _packet_name(node.target)
     namespace = getattr(node.target, "namespace", "")
-    written = _written_argument(node)
+    written = written_argument(node)
     if namespace in ("_c10d_functional", "c10d_functional") and packet == "wait_tensor":
         attrs["kind"] = "wait"
     elif namespace in ("_c10d_functional", "c10d_functional") and (
@@ -302,7 +302,7 @@ def _is_alias_op(node: "torch.fx.Node") -> bool:
     )
 
 
-def _written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
+def written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
     """The argument an op writes into and returns (schema ``Tensor(a!) -> Tensor(a!)``: the
     ``out`` of ``all_gather_into_tensor_out``, the ``self`` of ``copy_`` and other in-place ops);
     None when the op returns new storage."""

@@ -40,6 +40,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from scheduler.dag import written_argument
+
 if TYPE_CHECKING:
     import torch.fx
 
@@ -301,20 +303,7 @@ def _written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
     if node.target is torch.ops._c10d_functional.wait_tensor.default:
         arg = node.args[0]
         return arg if isinstance(arg, torch.fx.Node) else None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or len(schema.returns) != 1:
-        return None
-    ret = schema.returns[0].alias_info
-    if ret is None or not ret.is_write:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write or not (info.before_set & ret.before_set):
-            continue
-        value = node.kwargs.get(arg.name) if (arg.kwarg_only or i >= len(node.args)) else node.args[i]
-        if isinstance(value, torch.fx.Node):
-            return value
-    return None
+    return written_argument(node)
 
 
 def _wait_of(node: "torch.fx.Node") -> "torch.fx.Node | None":
