@@ -248,7 +248,7 @@ class CpSatModel:
             self.mrg[n] = mrg = m.NewBoolVar(f"mrg_{n}")
             m.AddBoolOr([starts.Not(), ends.Not()]).OnlyEnforceIf(mrg)
             m.AddBoolAnd([starts, ends]).OnlyEnforceIf(mrg.Not())
-            if x.copy_us > 0:
+            if x.copy_us != 0:  # negative where a folded cast costs more than its copy
                 terms[x.charge].append(x.copy_us * mrg)
             if x.copy_fixed_us > 0:
                 lead = m.NewBoolVar(f"lead_{n}")

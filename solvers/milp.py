@@ -431,7 +431,7 @@ class MilpModel:
                 self._add(s, "<=", last, f"s_l_{n}")
                 self._add(s, ">=", b + last - 1, f"s_and_{n}")
             self.s[n] = s
-            if mem.copy_us > 0:
+            if mem.copy_us != 0:  # negative where a folded cast costs more than its copy
                 terms[mem.charge].append(mem.copy_us * (1 - s))
             if mem.copy_fixed_us > 0:
                 terms[mem.charge].append(mem.copy_fixed_us * (b - s))

@@ -15,17 +15,26 @@ Sets and data (:class:`ModelData`)
     d_k              beta * payload_k of member k (us); alpha_c the per-collective latency of k's
                      chain c                                                       (:class:`Member`)
     out_k, pay_k, grad_k   output / input / unreduced-gradient bytes
-    copy_k           copy-in (+ copy-out for all-gathers) of k's bytes when merged (us)
-    fix_k            fixed copy cost of a merged bucket (kernel overheads), charged at its first
-                     member: one copy for reduce-scatters, two for all-gathers (us)
-    pro_k            k's prologue casts, run at issue whether merged or not (us)
+    copy_k           k's share of its bucket's copies when merged (us), as torch's merge
+                     functions emit them (Problem.merge_copy_ms; f, c the fixed and per-byte
+                     copy costs, P_k payload, Q_k bytes read: the input of the dtype cast the
+                     merge folds, else P_k; cast_k that cast's time, taken back):
+                       all-gather      c Q_k + c (Q_k + P_k) / 2 - cast_k   (copy-in)
+                                       + f + c out_k                         (copy-out, per member)
+                       reduce-scatter  c P_k
+    fix_k            fixed copy cost of a merged bucket, charged at its first member
+                     (Problem.merge_copy_fixed_ms): 2 f for all-gathers, f for reduce-scatters;
+                     so that for any bucket B, sum_{k in B} (copy_k + pro_k + epi_k) + fix_k =
+                     Problem.copy_in_ms(B) + Problem.copy_out_ms(B), up to rounding to us
+    pro_k, epi_k     k's prologue casts (at issue) and epilogue casts (at the wait), run whether
+                     merged or not (us)
     ch_k             anchor charged with k's copies: need_k (all-gathers), ready_k (reduce-scatters)
     [lo_k, hi_k]     issue window of k (anchors); reduce-scatters also a wait window [wlo_k, whi_k]
     F                fixed intervals: the reference's buckets without a decided member, each with
                      its group, issue and wait anchors, reference start ref_f, duration dur_f and
                      compute-stream copies cin_f (at issue) and cout_f (at wait)
                                                                            (:class:`FixedInterval`)
-    cfix_a           constant compute-stream work at anchor a: sum of pro_k charged at a, cin_f
+    cfix_a           constant compute-stream work at anchor a: sum of pro_k + epi_k charged at a, cin_f
                      of fixed intervals issued at a, cout_f of those waited at a
     base_a           memory at anchor a that no decision moves: the reference run's simulated
                      live bytes there minus the decided members' terms at their reference
@@ -155,6 +164,7 @@ class Member:
     copy_us: int = 0
     copy_fixed_us: int = 0  #: per merged bucket (kernel overheads), charged at its first member
     prologue_us: int = 0  #: casts run at issue whether merged or not
+    epilogue_us: int = 0  #: casts run at the wait whether merged or not
     charge: int = 0  #: anchor charged with the merge copies
 
     @property
@@ -310,10 +320,10 @@ class ModelData:
                 x.pay_bytes = c.payload_bytes
                 head = c.prologue[0] if c.prologue else name
                 x.grad_bytes = sum(dag.nodes[u]["size_bytes"] for u in dag.predecessors(head))
-                copy_bytes = c.payload_bytes + (c.out_bytes if coll_type == "all_gather" else 0)
-                x.copy_us = us(p.copy_ms_per_byte * copy_bytes)
-                x.copy_fixed_us = us(p.copy_ms_fixed * (2 if coll_type == "all_gather" else 1))
+                x.copy_us = us(sum(p.merge_copy_ms(c)))
+                x.copy_fixed_us = us(sum(p.merge_copy_fixed_ms(coll_type)))
                 x.prologue_us = us(c.prologue_ms)
+                x.epilogue_us = us(c.epilogue_ms)
                 x.charge = need_a if coll_type == "all_gather" else ready_a
                 members.append(x)
             chains.append(members)
@@ -358,8 +368,8 @@ class ModelData:
         """cfix_a: prologues of decided members and copies of fixed intervals, per anchor."""
         out: dict[int, int] = defaultdict(int)
         for x in self.member.values():
-            if x.prologue_us:
-                out[x.charge] += x.prologue_us
+            if x.prologue_us or x.epilogue_us:
+                out[x.charge] += x.prologue_us + x.epilogue_us
         for f in self.fixed:
             if f.copy_in_us and not f.before_range:
                 out[f.issue] += f.copy_in_us

@@ -128,9 +128,11 @@ def test_merged_bucket_charges_copies_and_alpha_once():
     0.001 ms/B; each AG moves 25 B (1.25 ms alone) and outputs 100 B.
 
     traced (alone, one after the other): 1.25 + 1.25 + 1 = 3.5
-    merged, issued and waited before mm:
-        copy-in 0.1 + 0.001 * 50 = 0.15 || comm 1 + 0.01 * 50 = 1.5 (ends at 1.65)
-        || copy-out 0.1 + 0.001 * 200 = 0.3 || mm 1           -> 2.95, exposed 1.5
+    merged, issued and waited before mm (as torch's merge emits it; no casts, so the copy-in
+    reads Q = P = 50 B):
+        copy-in (0.1 + 0.001 * 50) + (0.1 + 0.001 * (50 + 50) / 2) = 0.3
+        || comm 1 + 0.01 * 50 = 1.5 (ends at 1.8)
+        || copy-out, one per member: 2 * (0.1 + 0.001 * 100) = 0.4 || mm 1  -> 3.2, exposed 1.5
     """
     b = DagBuilder()
     b.add_input("x", size_bytes=100)
@@ -145,10 +147,10 @@ def test_merged_bucket_charges_copies_and_alpha_once():
     assert traced.step_ms == pytest.approx(3.5)
     merged = Schedule.from_positions(p.seq, [Bucket(("ag1", "ag2"))], [0], [0])
     sim = simulate(dag, merged, problem=p)
-    assert sim.bucket_times[0][1:3] == (pytest.approx(0.15), pytest.approx(1.65))
+    assert sim.bucket_times[0][1:3] == (pytest.approx(0.3), pytest.approx(1.8))
     assert sim.exposed_comm_ms == pytest.approx(1.5)
-    assert sim.step_ms == pytest.approx(2.95)
-    assert sim.compute_ms == pytest.approx(0.15 + 0.3 + 1.0)
+    assert sim.step_ms == pytest.approx(3.2)
+    assert sim.compute_ms == pytest.approx(0.3 + 0.4 + 1.0)
 
 
 def _two_rs():
@@ -184,15 +186,15 @@ def test_reduce_scatter_input_alive_until_wait():
 
 
 def test_merged_reduce_scatter_frees_inputs_at_copy_in():
-    """Merged: at the issue the bucket buffer (400 B) is allocated while g1, g2 are still
-    alive (peak 500 + 100 outs + 400 = 1000), then g1, g2 are freed: live 600 through c3, and
-    the buffer goes at the wait."""
+    """Merged, as torch's merge emits it: the cat into the bucket buffer (400 B) runs while
+    g1, g2 are still alive (peak 500 + 400 = 900), then g1, g2 are freed and the outputs
+    allocated (900 - 400 + 100 = 600): live 600 through c3, and the buffer goes at the wait."""
     dag, p = _two_rs()
     sched = Schedule.from_positions(p.seq, [Bucket(("rs1", "rs2"))], [2], [3])
     sim = simulate(dag, sched, problem=p)
     live = [m for _, m in sim.memory]
     assert live == [100, 300, 500, 600, 600, 200]
-    assert sim.peak_bytes == 1000
+    assert sim.peak_bytes == 900
 
 
 def test_never_waited_bucket_is_rejected():

@@ -24,6 +24,10 @@ import networkx as nx
 
 from solvers.core.schedule import Bucket, Schedule, ScheduleError
 
+#: casts that torch's ``merge_all_gather_bucket`` folds into a bucket's copy-in when they feed
+#: an all-gather and have no other user (``bucketing.has_mergeable_all_gather_convert_dtype``)
+FOLDED_CAST_OPS = frozenset({"convert_element_type", "_to_copy"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -54,6 +58,13 @@ class Collective:
     #: as the export inferred it (:mod:`scheduler.structure`); None outside any repeated block
     #: or when the DAG carries no inferred structure
     block: int | None = None
+    #: bytes a merged all-gather's copy-in reads for this member: the input of its dtype cast
+    #: when torch's merge folds that cast into the copy (see :meth:`Problem.copy_in_ms`), else
+    #: the payload
+    merge_read_bytes: int = 0
+    #: the prologue cast that a merge folds into the copy-in (None: none), and its time
+    folded_cast: str | None = None
+    folded_cast_ms: float = 0.0
 
     @property
     def key(self) -> tuple[str, str, str | None, str | None]:
@@ -125,6 +136,9 @@ class Problem:
             if not movable:
                 ready, needed = t_issue, t_wait
             prologue_ms = sum(float(nodes[p]["runtime_ms"]) for p in prologue)
+            folded_cast = _folded_cast(dag, a, prologue)
+            folded_cast_ms = float(nodes[folded_cast]["runtime_ms"]) if folded_cast else 0.0
+            merge_read_bytes = _merge_read_bytes(dag, a, folded_cast)
             colls[name] = Collective(
                 name=name,
                 wait=wait,
@@ -148,6 +162,9 @@ class Problem:
                 traced_issue=t_issue,
                 traced_wait=t_wait,
                 block=a.get("block"),
+                merge_read_bytes=merge_read_bytes,
+                folded_cast=folded_cast,
+                folded_cast_ms=folded_cast_ms,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
                 raise ScheduleError(f"collective {name!r}: traced positions outside its window")
@@ -189,21 +206,51 @@ class Problem:
         return self.copy_ms_fixed + self.copy_ms_per_byte * nbytes
 
     def copy_in_ms(self, members: Sequence[str]) -> float:
-        """Compute-stream time at a bucket's issue: prologues, plus the copy into the bucket
-        buffer when merged."""
+        """Compute-stream time at a bucket's issue (ms): the members' prologues, plus, when
+        merged, the copy into the bucket buffer as torch's merge functions emit it.
+
+        Reduce-scatter: one copy (the ``cat`` into the bucket), ``f + c * P``. All-gather: a
+        ``cat`` of the members' inputs, ``f + c * Q``, then its ``copy_`` into the bucket
+        buffer, which reads ``Q`` and writes ``P`` bytes, ``f + c * (Q + P) / 2``; the dtype
+        casts the merge folds into that copy no longer run (their time is taken back). ``P``
+        is the payload, ``Q`` the bytes read (:attr:`Collective.merge_read_bytes`), ``f`` /
+        ``c`` the fixed and per-byte cost of a copy that reads and writes ``n`` bytes
+        (``copy_ms(n) = f + c * n``). :meth:`merge_copy_ms` gives each member's share and
+        :meth:`merge_copy_fixed_ms` the bucket's fixed part."""
         t = sum(self.colls[m].prologue_ms for m in members)
         if len(members) > 1:
-            t += self.copy_ms(sum(self.colls[m].payload_bytes for m in members))
+            fixed_in, _ = self.merge_copy_fixed_ms(self.colls[members[0]].coll_type)
+            t += fixed_in + sum(self.merge_copy_ms(self.colls[m])[0] for m in members)
         return t
 
     def copy_out_ms(self, members: Sequence[str]) -> float:
-        """Compute-stream time at a bucket's wait: epilogues (casts), plus, for a merged
-        all-gather, copying members out of the bucket buffer (torch's merge splits along a
-        strided dim, which copies). Reduce-scatter outputs are contiguous views: free."""
+        """Compute-stream time at a bucket's wait (ms): the members' epilogues (casts), plus,
+        for a merged all-gather, one copy per member out of the bucket buffer
+        (``sum_m f + c * out_m``: torch's merge splits along a strided dim, which copies).
+        Reduce-scatter outputs are contiguous views: free."""
         t = sum(self.colls[m].epilogue_ms for m in members)
-        if len(members) > 1 and self.colls[members[0]].coll_type == "all_gather":
-            t += self.copy_ms(sum(self.colls[m].out_bytes for m in members))
+        if len(members) > 1:
+            _, fixed_out = self.merge_copy_fixed_ms(self.colls[members[0]].coll_type)
+            t += fixed_out + sum(self.merge_copy_ms(self.colls[m])[1] for m in members)
         return t
+
+    def merge_copy_ms(self, c: Collective) -> tuple[float, float]:
+        """(copy-in, copy-out) time member ``c`` adds to a merged bucket (ms), beyond the
+        bucket's fixed part (:meth:`merge_copy_fixed_ms`); the copy-in share may be below the
+        per-byte cost where a folded cast is taken back."""
+        f, per_byte = self.copy_ms_fixed, self.copy_ms_per_byte
+        if c.coll_type != "all_gather":
+            return per_byte * c.payload_bytes, 0.0
+        q, p = c.merge_read_bytes, c.payload_bytes
+        copy_in = per_byte * q + per_byte * (q + p) / 2 - c.folded_cast_ms
+        return copy_in, f + per_byte * c.out_bytes
+
+    def merge_copy_fixed_ms(self, coll_type: str) -> tuple[float, float]:
+        """(copy-in, copy-out) time of a merged bucket that does not grow with its members (ms):
+        all-gathers two fixed copy costs at issue (the read and the write into the buffer),
+        reduce-scatters one."""
+        f = self.copy_ms_fixed
+        return (2 * f, 0.0) if coll_type == "all_gather" else (f, 0.0)
 
     # ------------------------------------------------------------------------------------
     def traced_schedule(self) -> Schedule:
@@ -287,3 +334,24 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+
+
+def _folded_cast(dag: nx.DiGraph, a: dict, prologue: tuple[str, ...]) -> str | None:
+    """The prologue cast that torch's merge folds into a merged all-gather's copy-in (the
+    collective of DAG attributes ``a``): a single-use dtype cast feeding it directly (the
+    prologue holds single-use nodes only). None for anything else."""
+    if a["coll_type"] != "all_gather" or not prologue:
+        return None
+    last = dag.nodes[prologue[-1]]
+    parts = str(last["target"]).split(".")
+    if last["kind"] != "compute" or len(parts) < 3 or parts[1] not in FOLDED_CAST_OPS:
+        return None
+    return prologue[-1] if dag.in_degree(prologue[-1]) == 1 else None
+
+
+def _merge_read_bytes(dag: nx.DiGraph, a: dict, folded_cast: str | None) -> int:
+    """Bytes a merged copy-in reads for one member: its folded cast's input, else its payload."""
+    if folded_cast is None:
+        return int(a["payload_bytes"])
+    (source,) = dag.predecessors(folded_cast)
+    return int(dag.nodes[source]["size_bytes"])

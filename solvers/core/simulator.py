@@ -12,8 +12,13 @@ Execution model:
   input stays alive until its wait (until the copy-in when merged: the bucket buffer then
   holds the data until the wait); epilogue casts of a collective's result run at its wait;
   graph inputs named ``primals*`` and graph outputs are never
-  freed. A merged all-gather holds its bucket buffer from issue to wait, where members are
-  copied out; a merged reduce-scatter holds its input buffer from issue to wait.
+  freed. Merged buckets follow torch's ``merge_all_gather_bucket`` /
+  ``merge_reduce_scatter_bucket``: an all-gather allocates its bucket buffer (the members'
+  outputs), copies a ``cat`` of the members' inputs into it (a single-use dtype cast feeding
+  a member is folded into that copy and never runs: the cat reads the cast's input) and holds
+  the buffer until the wait, where members are copied out one by one; a reduce-scatter's
+  ``cat`` of its inputs is its buffer, held until the wait, and the inputs are freed before
+  the outputs are allocated.
 - Step time is when the compute stream finishes (every collective is waited on).
 
 Differences from ``torch._inductor.fx_passes.memory_estimator`` on unmodified graphs: torch
@@ -275,37 +280,15 @@ class _Simulator:
     def _issue(self, k: int, b: int) -> None:
         """Issue bucket ``b``: copy-in (and prologue casts) on the compute stream, outputs and
         the bucket buffer allocated, then the collective queued on its group's stream."""
-        p, nodes, mem = self.p, self.nodes, self.mem
+        p = self.p
         members = self.s.buckets[b].members
-        merged = len(members) > 1
         cin = p.copy_in_ms(members)
         t_issue = self.t
         self.t += cin
         self.busy += cin
-        # prologue casts run before the collective: their inputs are freed before the
-        # collective's output is allocated (as torch's memory_estimator counts it)
-        for m in members:
-            for pn in p.colls[m].prologue:
-                mem.alloc(pn, int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0)
-        step_peak = mem.total
-        for m in members:
-            for pn in p.colls[m].prologue:
-                self._release_inputs(pn)
-        for m in members:
-            c = p.colls[m]
-            if not merged or c.coll_type != "all_gather":
-                mem.alloc(m, c.out_bytes)
+        live = self._merge_inputs(b) if len(members) > 1 else self._alloc_alone(members[0])
+        self._record(k, live)
         c0 = p.colls[members[0]]
-        if merged:
-            if c0.coll_type == "all_gather":
-                buf = sum(p.colls[m].out_bytes for m in members)
-            else:
-                buf = sum(p.colls[m].payload_bytes for m in members)
-            mem.alloc(f"bucket:{b}", buf)
-        self._record(k, max(step_peak, mem.total))
-        if merged:  # the bucket buffer now holds the members' inputs
-            for m in members:
-                self._release_inputs(m)
         dur = p.bucket_comm_ms(members)
         start = max(self.t, self.stream_free[c0.group_name])
         end = start + dur
@@ -314,6 +297,58 @@ class _Simulator:
         self.bucket_end[b] = end
         self.bucket_times[b] = (t_issue, start, end, float("nan"))
         self.issued.add(b)
+
+    def _run_prologue(self, members: tuple[str, ...], *, skip: frozenset[str] = frozenset()) -> int:
+        """Prologue casts run before the collective: allocated, then their inputs released
+        (as torch's memory_estimator counts it). Returns the live bytes in between."""
+        nodes, mem = self.nodes, self.mem
+        prologue = [pn for m in members for pn in self.p.colls[m].prologue if pn not in skip]
+        for pn in prologue:
+            mem.alloc(pn, int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0)
+        live = mem.total
+        for pn in prologue:
+            self._release_inputs(pn)
+        return live
+
+    def _alloc_alone(self, m: str) -> int:
+        """A collective alone: prologue, then its output. Returns the step's peak live bytes;
+        its input stays alive until the wait."""
+        live = self._run_prologue((m,))
+        self.mem.alloc(m, self.p.colls[m].out_bytes)
+        return max(live, self.mem.total)
+
+    def _merge_inputs(self, b: int) -> int:
+        """A merged bucket's copy-in, as torch's merge functions emit it; the bucket buffer
+        lives until the wait. Returns the step's peak live bytes."""
+        members = self.s.buckets[b].members
+        if self.p.colls[members[0]].coll_type == "all_gather":
+            return self._merge_all_gather(b, members)
+        return self._merge_reduce_scatter(b, members)
+
+    def _merge_all_gather(self, b: int, members: tuple[str, ...]) -> int:
+        """The bucket buffer (the members' outputs) is allocated, then a ``cat`` of the
+        members' inputs is copied into it and dropped: folded dtype casts never run, the cat
+        reads their inputs (``merge_read_bytes``)."""
+        p, mem = self.p, self.mem
+        folded = frozenset(p.colls[m].folded_cast for m in members) - {None}
+        live = self._run_prologue(members, skip=folded)
+        mem.alloc(f"bucket:{b}", sum(p.colls[m].out_bytes for m in members))
+        live = max(live, mem.total + sum(p.colls[m].merge_read_bytes for m in members))
+        for name in (*members, *folded):
+            self._release_inputs(name)
+        return live
+
+    def _merge_reduce_scatter(self, b: int, members: tuple[str, ...]) -> int:
+        """The ``cat`` of the members' inputs is the bucket buffer; the inputs are released
+        after it, then the outputs allocated."""
+        p, mem = self.p, self.mem
+        live = self._run_prologue(members)
+        mem.alloc(f"bucket:{b}", sum(p.colls[m].payload_bytes for m in members))
+        live = max(live, mem.total)
+        for m in members:
+            self._release_inputs(m)
+            mem.alloc(m, p.colls[m].out_bytes)
+        return max(live, mem.total)
 
     def _wait(self, k: int, b: int) -> None:
         """Wait on bucket ``b``: the compute stream blocks until it completes, then copies out
