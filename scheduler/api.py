@@ -26,6 +26,7 @@ import networkx as nx
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
 from scheduler.report import ScheduleReport, bucket_stats, make_report
+from scheduler.verify import Candidate, install, verify_and_choose
 from scheduler.writeback import apply_schedule
 from solvers.core import (
     InfeasibleBudgetError,
@@ -202,6 +203,7 @@ def optimize_schedule(
     agree: bool = True,
     consensus_group: Any = None,
     schedule_hook: Any = None,
+    verify: bool = True,
 ) -> "torch.fx.GraphModule":
     """Schedule the collectives of a partitioned FSDP graph and rewrite it in place.
 
@@ -238,13 +240,21 @@ def optimize_schedule(
             schedule before the ranks agree; a returned schedule replaces it (validated, and
             the report updated); it may also raise. For custom edits of a schedule, and to
             inject faults in tests (a different schedule or an error on one rank).
+        verify: close the loop (default True, :mod:`scheduler.verify`): write the solver's
+            schedule, the heuristics that fit, the traced order and torch's overlap scheduler
+            (with and without its FSDP pre-bucketing) back on copies of ``gm``, re-export and
+            judge each, and keep the fastest re-exported graph whose peaks (re-export,
+            liveness count, torch's MemoryTracker) all fit ``mem_budget``. The report shows
+            the prediction, the re-exported figures and why each candidate was dropped.
+            False: write back the solver's schedule on the model's word alone.
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
 
     Raises:
         ValueError: a malformed budget or unknown solver.
-        InfeasibleBudgetError: no schedule fits ``mem_budget`` (states the smallest peak).
+        InfeasibleBudgetError: no schedule fits ``mem_budget`` (states the smallest peak);
+            with ``verify``, no rewritten graph fits it.
         ScheduleError: the solve failed and ``fallback`` is False, or the schedule cannot be
             written back (the message says why). With ``agree``, these are raised only when
             the pass failed on every rank of the group; otherwise the graph stays unchanged.
@@ -266,7 +276,9 @@ def optimize_schedule(
     def export() -> Problem:
         return exported[0] if exported else Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
 
-    def solve_here(problem: Problem) -> tuple[Schedule, ScheduleReport]:
+    writeback = {"payload_order": payload_order, "control_deps": control_deps}
+
+    def solve_here(problem: Problem) -> tuple[Candidate, ScheduleReport]:
         schedule, report = _solve_problem(
             problem,
             budget,
@@ -276,19 +288,29 @@ def optimize_schedule(
             fallback=fallback,
             num_workers=num_workers,
         )
-        return _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
+        solved = schedule.digest()
+        schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
+        if not verify or not problem.colls:
+            return Candidate(name=report.solver, schedule=schedule), report
+        # a schedule the hook imposed is judged alone: it is the user's (or a test's) choice
+        return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
+                                 seed=seed, alternatives=schedule.digest() == solved, **writeback)
 
-    def write_back(problem: Problem, schedule: Schedule) -> None:
-        if problem.colls:
-            apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)
+    def write_back(problem: Problem, chosen: Candidate) -> None:
+        if not problem.colls:
+            return
+        if verify:
+            install(gm, problem, chosen, cluster=cluster, **writeback)  # the graph that was judged
+        else:
+            apply_schedule(gm, problem, chosen.schedule, **writeback)
 
     if group is None:
         problem = export()
         if broadcast_from is not None and _world_size() > 1:
-            schedule, report = _solve_and_broadcast(lambda: solve_here(problem), problem, budget, broadcast_from)
+            chosen, report = _solve_and_broadcast(lambda: solve_here(problem), problem, budget, broadcast_from)
         else:
-            schedule, report = solve_here(problem)
-        write_back(problem, schedule)
+            chosen, report = solve_here(problem)
+        write_back(problem, chosen)
     else:
         report = _optimize_agreed(gm, group, export, solve_here, write_back, budget=budget, solver=solver,
                                   broadcast_from=broadcast_from)
@@ -308,17 +330,18 @@ def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solve
 
     src = 0 if broadcast_from is None else dist.get_group_rank(group, broadcast_from)
     problem: Problem | None = None
-    schedule: Schedule | None = None
+    chosen: Candidate | None = None
     report: ScheduleReport | None = None
     error: BaseException | None = None
     try:
         problem = export()
         if broadcast_from is None or dist.get_rank(group) == src:
-            schedule, report = solve_here(problem)
+            chosen, report = solve_here(problem)
     except Exception as e:  # the other ranks must learn of it, or they hang in a collective
         error = e
         logger.warning("fsdp-sched: the pass failed on this rank (%s: %s)", type(e).__name__, e)
-    agreed = consensus.agree_on_schedule(schedule, report.to_json() if report else None, error, group=group, src=src)
+    agreed = consensus.agree_on_schedule(chosen, report.to_json() if report else None, error, group=group, src=src,
+                                         decode=Candidate.from_json)
     if agreed.action == "raise":
         if error is not None:
             raise error
@@ -334,9 +357,9 @@ def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solve
     backup = _copy_graph(gm.graph) if problem.colls else None
     write_error: BaseException | None = None
     try:
-        if agreed.adopted_from is not None:  # it must fit this rank's graph
+        if agreed.adopted_from is not None and agreed.schedule.schedule is not None:  # it must fit this rank's graph
             try:
-                validate_schedule(problem, agreed.schedule, mem_budget_bytes=budget)
+                validate_schedule(problem, agreed.schedule.schedule, mem_budget_bytes=budget)
             except ScheduleInvalidError as e:
                 raise ScheduleError(
                     f"the schedule of rank {agreed.adopted_from} does not fit this rank's graph ({e}); "
@@ -431,8 +454,8 @@ def _solve_and_broadcast(solve_here, problem: Problem, budget: int | None, src: 
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         try:
-            schedule, report = solve_here()
-            payload[0] = {"schedule": schedule.to_json(), "report": report.to_json()}
+            chosen, report = solve_here()
+            payload[0] = {"schedule": chosen.to_json(), "report": report.to_json()}
         except InfeasibleBudgetError as e:
             payload[0] = {"infeasible": str(e), "budget": e.budget_bytes, "min_peak": e.min_peak_bytes}
         except Exception as e:  # every rank must learn that the solve failed, or they hang
@@ -446,18 +469,19 @@ def _solve_and_broadcast(solve_here, problem: Problem, budget: int | None, src: 
         raise InfeasibleBudgetError(data["infeasible"], budget_bytes=data["budget"], min_peak_bytes=data["min_peak"])
     if "error" in data:
         raise ScheduleError(f"rank {src} failed to solve the schedule: {data['error']}")
-    schedule = Schedule.from_json(data["schedule"])
+    chosen = Candidate.from_json(data["schedule"])
     report = ScheduleReport.from_json(data["report"])
-    if dist.get_rank() != src:
+    if dist.get_rank() != src and chosen.schedule is not None:
         try:  # the schedule must fit this rank's graph (identical graphs on every rank)
-            validate_schedule(problem, schedule, mem_budget_bytes=budget)
+            validate_schedule(problem, chosen.schedule, mem_budget_bytes=budget)
         except ScheduleInvalidError as e:
             raise ScheduleError(
                 f"the schedule broadcast from rank {src} does not fit this rank's graph ({e}); "
                 "every rank must trace the identical graph"
             ) from e
+    if dist.get_rank() != src:
         report.notes.append(f"schedule received from rank {src}")
-    return schedule, report
+    return chosen, report
 
 
 def _compile_id() -> str | None:

@@ -71,9 +71,11 @@ def torch_overlap_schedule(
     cluster: "Cluster | None" = None,
     max_memory_increase_gb: float | None = 1.0,
     max_memory_increase_ratio: float | None = 0.05,
+    inplace: bool = False,
     **kw: Any,
 ) -> "torch.fx.GraphModule":
-    """Run torch's ``schedule_overlap_bucketing`` on a deep copy of ``gm`` and return the copy.
+    """Run torch's ``schedule_overlap_bucketing`` on a deep copy of ``gm`` (or on ``gm`` itself
+    with ``inplace``) and return the rewritten module.
 
     Runs with ``collective_bucketing=True`` and analytical compute and collective estimators
     (no GPU needed), priced for ``cluster`` (default :class:`scheduler.costs.Cluster`): the
@@ -88,6 +90,8 @@ def torch_overlap_schedule(
             estimator sees it) by this many GB (torch default 1.0; None: no absolute term).
         max_memory_increase_ratio: ... or by this fraction of the original peak (torch default
             0.05; None: no ratio term). torch allows the larger of the two.
+        inplace: rewrite ``gm``'s own graph object (an inductor pass must mutate the graph it
+            was given); default False: ``gm`` is not modified.
         **kw: any other keyword of ``schedule_overlap_bucketing`` (``max_in_flight_gb``,
             ``max_compute_pre_fetch``, ``max_coll_distance``, ``compute_overlap_multipler``,
             ``pre_bucketing_fsdp_collectives``, ``bucket_mode``, ...); they override the
@@ -115,7 +119,7 @@ def torch_overlap_schedule(
         if options[key] != "analytical":
             raise ValueError(f"{key}={options[key]!r} needs a GPU; only 'analytical' runs here")
 
-    out = copy.deepcopy(gm)
+    out = gm if inplace else copy.deepcopy(gm)
     before = _collective_count(out)
     with _process_groups_for(out), _cpu_estimator_patches(cluster):
         try:
@@ -129,10 +133,9 @@ def torch_overlap_schedule(
             ) from e
     after = _collective_count(out)
     logger.info(
-        "torch overlap scheduler: %d -> %d collectives, %d -> %d nodes",
+        "torch overlap scheduler: %d -> %d collectives, %d nodes after",
         before,
         after,
-        len(gm.graph.nodes),
         len(out.graph.nodes),
     )
     return out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from solvers.core.schedule import Schedule
@@ -56,8 +57,9 @@ class Agreement:
     #: ``"apply"``: write back :attr:`schedule`; ``"skip"``: leave the graph unchanged;
     #: ``"raise"``: every rank failed, re-raise the local error
     action: str
-    #: the schedule to write back (identical on every rank); None unless ``action == "apply"``
-    schedule: Schedule | None = None
+    #: the schedule (or choice) to write back (identical on every rank); None unless
+    #: ``action == "apply"``
+    schedule: Any = None
     #: the source rank's report (JSON) when this rank took the source rank's schedule
     report_json: dict[str, Any] | None = None
     #: group rank whose schedule this rank took; None when it keeps its own
@@ -82,22 +84,27 @@ def agreement_group(group: Any = None) -> Any | None:
 
 
 def agree_on_schedule(
-    schedule: Schedule | None,
+    schedule: Any,
     report_json: dict[str, Any] | None,
     error: BaseException | None,
     *,
     group: Any,
     src: int = 0,
+    decode: Callable[[dict[str, Any]], Any] = Schedule.from_json,
 ) -> Agreement:
     """Make every rank of ``group`` write back the same schedule, or none (round 1).
 
     Args:
-        schedule: this rank's schedule; None when this rank failed (``error`` set) or did not
-            solve (``broadcast_from`` mode, not the source rank).
+        schedule: this rank's schedule (a :class:`Schedule`, or any choice with ``digest()``
+            and ``to_json()``, such as a :class:`scheduler.verify.Candidate`); None when this
+            rank failed (``error`` set) or did not solve (``broadcast_from`` mode, not the
+            source rank).
         report_json: this rank's report as JSON (sent when the others adopt this schedule).
         error: what failed on this rank, or None.
         group: the process group (from :func:`agreement_group`).
         src: group rank whose schedule wins on a mismatch (default 0).
+        decode: turns the source rank's ``to_json()`` back into a schedule (default
+            :meth:`Schedule.from_json`).
 
     Returns:
         The :class:`Agreement`, identical in ``action`` and schedule digest on every rank.
@@ -143,7 +150,7 @@ def agree_on_schedule(
         logger.warning("fsdp-sched: %s", notes[0])
     if me == src or (statuses[me] == OK and me not in disagreeing):
         return Agreement(action="apply", schedule=schedule, disagreeing_ranks=disagreeing, notes=notes)
-    received = Schedule.from_json(payload[0]["schedule"])
+    received = decode(payload[0]["schedule"])
     return Agreement(
         action="apply",
         schedule=received,

@@ -68,6 +68,24 @@ class ScheduleReport:
     #: torch's compile id of the graph (``"0/0"``: frame 0, first compile; the forward and the
     #: backward of one compile share it), None outside ``torch.compile``
     compile_id: str | None = None
+    #: the candidates were judged on their written-back graphs (:mod:`scheduler.verify`); the
+    #: fields below are set only then
+    verified: bool = False
+    #: the candidate written back ("cpsat", a heuristic, "traced", "torch-overlap", ...)
+    chosen_candidate: str | None = None
+    #: the chosen graph re-exported and simulated as written (same cost model), ms and bytes
+    reexported_step_ms: float | None = None
+    reexported_peak_bytes: int | None = None
+    #: the chosen graph's peak by the reference liveness count and by torch's MemoryTracker
+    liveness_peak_bytes: int | None = None
+    tracker_peak_bytes: int | None = None
+    #: per candidate: name, the model's prediction (predicted_step_ms, predicted_peak_bytes;
+    #: None for torch's), its re-exported step_ms (per cost model), peak_bytes,
+    #: liveness_peak_bytes, tracker_peak_bytes, error, and outcome ("chosen: ..." or
+    #: "dropped: <why>")
+    candidates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: wall time of the verification (included in solve_time_s), s
+    verify_time_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,12 +137,34 @@ class ScheduleReport:
                 f"  reduce-scatter issue delay: {_spread(self.rs_issue_delay)}; "
                 f"issue-to-wait: {_spread(self.rs_wait_distance)}"
             )
+        lines += self._verification_lines()
         if self.fell_back:
             lines.append(f"  fell back from {self.requested_solver} to {self.solver}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.digest:
             lines.append(f"  schedule digest {self.digest[:16]}")
         return "\n".join(lines)
+
+
+    def _verification_lines(self) -> list[str]:
+        """The chosen graph as written back, and every candidate's outcome."""
+        if not self.verified:
+            return []
+        lines = [
+            f"  written graph ({self.chosen_candidate}, {self.verify_time_s:.2f} s to verify): step "
+            f"{fmt_ms(self.reexported_step_ms)} re-exported (model {fmt_ms(self.step_ms_after)}); peak "
+            f"{_fmt_opt_bytes(self.reexported_peak_bytes)} re-exported, {_fmt_opt_bytes(self.liveness_peak_bytes)} "
+            f"liveness, {_fmt_opt_bytes(self.tracker_peak_bytes)} torch tracker"
+        ]
+        for c in self.candidates:
+            model = "-" if c["predicted_step_ms"] is None else fmt_ms(c["predicted_step_ms"])
+            step = "-" if not c["step_ms"] else " / ".join(f"{k} {fmt_ms(v)}" for k, v in c["step_ms"].items())
+            lines.append(f"    candidate {c['name']:<30} model {model:>12}, written {step}: {c['outcome']}")
+        return lines
+
+
+def _fmt_opt_bytes(n: int | None) -> str:
+    return "-" if n is None else fmt_bytes(n)
 
 
 def _spread(xs: list[int]) -> str:

@@ -1,0 +1,397 @@
+"""Close the loop: judge every candidate schedule on the graph it writes back, then choose.
+
+What is written back is what counts (issue 13). :func:`scheduler.optimize_schedule` (with
+``verify=True``, the default) does not trust the model's prediction alone:
+
+1. candidates (:func:`schedule_candidates`, :func:`torch_candidates`): the solver's schedule,
+   every heuristic that fits the budget in the model (:func:`solvers.warmstart.fitting_heuristics`),
+   the graph as traced, and torch's own overlap scheduler with and without its FSDP
+   pre-bucketing (:data:`TORCH_CANDIDATES`; it raises "cyclic extra dep(s)" on some graphs: the
+   candidate is then dropped with the reason);
+2. each is written back on a copy of the graph and judged there (:func:`judge_graph`): the
+   rewritten graph is re-exported with the same cost model and simulated as traced (step time
+   and peak), and its peak memory is also taken by the reference liveness count
+   (:func:`scheduler.judge.liveness_peak`) and torch's ``MemoryTracker``
+   (:func:`scheduler.judge.torch_tracker_peak`);
+3. :func:`choose` keeps the candidates whose three peaks are all within the budget and returns
+   the fastest by re-exported step time (or by a caller's ``key``), with the reason every
+   other candidate was dropped.
+
+Rank agreement: a candidate's :meth:`Candidate.digest` covers what is written back: the
+schedule's digest for a schedule over the traced graph, and for torch's candidates (which have
+no schedule over the traced problem) a hash of the rewritten graph's node sequence
+(:func:`graph_digest`: op, target and argument structure of every node, by position, not by
+name). A rank that adopts another rank's torch candidate re-runs torch's pass (deterministic on
+identical graphs) and checks that hash before writing back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
+from scheduler.dag import export_dag
+from scheduler.judge import liveness_peak, torch_tracker_peak
+from scheduler.report import ScheduleReport, bucket_stats
+from scheduler.writeback import apply_schedule
+from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
+from solvers.warmstart import fitting_heuristics
+
+if TYPE_CHECKING:
+    import torch.fx
+
+logger = logging.getLogger(__name__)
+
+#: torch's overlap scheduler as candidates: name -> keywords of
+#: :func:`scheduler.baselines.torch_overlap_schedule`
+TORCH_CANDIDATES: dict[str, dict[str, Any]] = {
+    "torch-overlap": {},
+    "torch-overlap-no-prebucketing": {"pre_bucketing_fsdp_collectives": False},
+}
+#: name of the candidate that leaves the graph as traced
+TRACED = "traced"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Figures:
+    """A rewritten graph as judged on itself (times in ms, memory in bytes)."""
+
+    #: re-exported step time per cost model label (:func:`cost_model_label`)
+    step_ms: dict[str, float]
+    #: label of the cost model the choice is made under (a key of ``step_ms``)
+    cost_model: str
+    #: peak of the re-export simulated as traced
+    peak_bytes: int
+    #: reference liveness count of the rewritten graph
+    liveness_peak_bytes: int
+    #: torch's MemoryTracker on the rewritten graph
+    tracker_peak_bytes: int
+    n_collectives: int
+    exposed_comm_ms: float
+    #: the re-export under the primary cost model (this process only)
+    problem: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The largest of the three peaks: what a budget must hold."""
+        return max(self.peak_bytes, self.liveness_peak_bytes, self.tracker_peak_bytes)
+
+    @property
+    def primary_step_ms(self) -> float:
+        return self.step_ms[self.cost_model]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Candidate:
+    """One way to rewrite the graph, and how it was judged."""
+
+    name: str
+    #: a schedule over the traced problem; None for torch's candidates
+    schedule: Schedule | None = None
+    #: the model's prediction on the traced problem (schedule candidates only)
+    predicted_step_ms: float | None = None
+    predicted_peak_bytes: int | None = None
+    figures: Figures | None = None
+    #: why the candidate could not be judged (None when it was)
+    error: str | None = None
+    #: :func:`graph_digest` of the rewritten graph ("" before it is rewritten)
+    graph_digest: str = ""
+    #: the rewritten copy of the graph (kept on this rank only)
+    graph: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def digest(self) -> str:
+        """What the ranks agree on: the schedule's digest, or the rewritten graph's."""
+        return self.schedule.digest() if self.schedule is not None else self.graph_digest
+
+    def to_json(self) -> dict[str, Any]:
+        """The choice, for other ranks (the rewritten graph and figures stay here)."""
+        return {"name": self.name, "schedule": self.schedule.to_json() if self.schedule else None,
+                "graph_digest": self.graph_digest}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "Candidate":
+        schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
+        return Candidate(name=data["name"], schedule=schedule, graph_digest=data.get("graph_digest", ""))
+
+    def summary(self) -> dict[str, Any]:
+        """Plain figures for the report."""
+        f = self.figures
+        return {
+            "name": self.name,
+            "predicted_step_ms": self.predicted_step_ms,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "step_ms": dict(f.step_ms) if f else None,
+            "peak_bytes": f.peak_bytes if f else None,
+            "liveness_peak_bytes": f.liveness_peak_bytes if f else None,
+            "tracker_peak_bytes": f.tracker_peak_bytes if f else None,
+            "error": self.error,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# the loop (what optimize_schedule runs)
+# --------------------------------------------------------------------------------------------
+def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
+                      mem_budget_bytes: int | None, *, cost_model: Any = None, cluster: Any = None, seed: int = 0,
+                      alternatives: bool = True, **writeback: Any) -> tuple[Candidate, ScheduleReport]:
+    """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
+    choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
+    report updated with the verification. ``alternatives=False`` judges ``schedule`` alone
+    (a schedule the user imposed, e.g. through ``optimize_schedule(schedule_hook=...)``).
+
+    Raises:
+        InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
+            error states the smallest peak found.
+    """
+    t0 = time.perf_counter()
+    solved = schedule_candidate(problem, report.solver, schedule)
+    candidates = [solved]
+    if alternatives:
+        candidates = schedule_candidates(problem, solved, mem_budget_bytes, seed=seed) + torch_candidates()
+    judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster, **writeback)
+    best, reasons = choose(candidates, mem_budget_bytes)
+    for c in candidates:
+        if c is not best:
+            c.graph = None  # rewritten copies are large: keep the winner's only
+    if best is None:
+        raise _none_fits(candidates, mem_budget_bytes)
+    logger.info("fsdp-sched: verified %d candidates in %.2f s: %s", len(candidates), time.perf_counter() - t0,
+                reasons[best.name])
+    return best, verified_report(report, problem, best, candidates, reasons, time.perf_counter() - t0)
+
+
+def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, cluster: Any = None,
+            **writeback: Any) -> None:
+    """Write ``chosen`` into ``gm``'s own graph (an inductor pass must mutate the graph it was
+    given). A torch candidate is re-run on ``gm`` and must give the judged graph; it gets no
+    control dependencies (``writeback``'s ``control_deps`` applies to schedules only).
+
+    Raises:
+        ScheduleError: torch's pass gave another graph here (differing graphs or torch builds
+            across ranks).
+    """
+    rewrite(gm, problem, chosen, cluster=cluster, inplace=True, **writeback)
+    if chosen.schedule is not None:
+        return
+    if chosen.graph_digest and graph_digest(gm) != chosen.graph_digest:
+        raise ScheduleError(f"torch's overlap scheduler ({chosen.name}) rewrote this rank's graph differently "
+                            "from the chosen one; every rank must trace the identical graph")
+
+
+def _none_fits(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Exception:
+    judged = [c for c in candidates if c.figures is not None]
+    if not judged or mem_budget_bytes is None:
+        errors = "; ".join(f"{c.name}: {c.error}" for c in candidates if c.error)
+        return ScheduleError(f"no candidate could be written back and judged ({errors})")
+    least = min(judged, key=lambda c: c.figures.max_peak_bytes)
+    peak = least.figures.max_peak_bytes
+    return InfeasibleBudgetError(
+        f"no rewritten graph keeps peak memory under {fmt_bytes(mem_budget_bytes)} ({mem_budget_bytes} B) by the "
+        f"re-export, the liveness count and torch's MemoryTracker; the smallest is {fmt_bytes(peak)} ({peak} B, "
+        f"{least.name}): raise mem_budget to at least that",
+        budget_bytes=mem_budget_bytes, min_peak_bytes=peak)
+
+
+def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate, candidates: Sequence[Candidate],
+                    reasons: Mapping[str, str], verify_time_s: float) -> ScheduleReport:
+    """``report`` describing ``chosen`` (the model's prediction where it has one, else its
+    re-export) with the re-exported figures and every candidate's outcome."""
+    f = chosen.figures
+    assert f is not None
+    rows = [{**c.summary(), "outcome": reasons.get(c.name, "")} for c in candidates]
+    fields: dict[str, Any] = dict(
+        verified=True, chosen_candidate=chosen.name, candidates=rows, verify_time_s=verify_time_s,
+        reexported_step_ms=f.primary_step_ms, reexported_peak_bytes=f.peak_bytes,
+        liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
+        solve_time_s=report.solve_time_s + verify_time_s, digest=chosen.digest(),
+    )
+    if chosen.name == report.solver:
+        return dataclasses.replace(report, **fields)
+    fields.update(solver=chosen.name, fell_back=True, notes=report.notes + [
+        f"verified on the written graph: {chosen.name} beats {report.solver} ({reasons.get(report.solver, '')})"])
+    # torch's graph has no schedule over the traced problem: its re-export is its prediction
+    on, schedule = (problem, chosen.schedule) if chosen.schedule is not None else (f.problem, None)
+    sim = simulate(on.dag, schedule, problem=on)
+    step, peak, exposed, n = sim.step_ms, sim.peak_bytes, sim.exposed_comm_ms, sim.n_collectives
+    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(on, sim.schedule)
+    gap = max(0.0, (step - report.best_bound_ms) / step) if step > 0 else 0.0
+    return dataclasses.replace(
+        report, step_ms_after=step, peak_bytes_after=peak, exposed_comm_ms_after=exposed, n_collectives_after=n,
+        gap=gap, buckets=buckets, bucket_types=types, ag_prefetch=prefetch, rs_issue_delay=rs_delay,
+        rs_wait_distance=rs_wait, **fields)
+
+
+# --------------------------------------------------------------------------------------------
+# judging one graph
+# --------------------------------------------------------------------------------------------
+def cost_model_label(cost_model: Any) -> str:
+    """``"analytic"`` for None, the name for a name, else the model's ``name`` (as the export
+    records it in ``dag.graph["cost_model"]``) or its class name."""
+    if cost_model is None:
+        return "analytic"
+    if isinstance(cost_model, str):
+        return cost_model.strip().lower()
+    return str(getattr(cost_model, "name", type(cost_model).__name__))
+
+
+def judge_graph(
+    gm: "torch.fx.GraphModule",
+    cost_model: Any = None,
+    cluster: Any = None,
+    *,
+    other_cost_models: Mapping[str, Any] | None = None,
+) -> Figures:
+    """Judge ``gm`` as written: re-export it with ``cost_model`` on ``cluster`` and simulate it
+    in its node order; take its liveness and torch tracker peaks. ``other_cost_models`` (label
+    -> cost model) add step times under other models (e.g. for a robust choice)."""
+    label = cost_model_label(cost_model)
+    models = {label: cost_model, **(other_cost_models or {})}
+    step_ms: dict[str, float] = {}
+    runs = {}
+    for name, model in models.items():
+        problem = Problem.from_dag(export_dag(gm, cost_model=model, cluster=cluster))
+        runs[name] = (problem, simulate(problem.dag, problem=problem))
+        step_ms[name] = runs[name][1].step_ms
+    problem, sim = runs[label]
+    return Figures(step_ms=step_ms, cost_model=label, peak_bytes=sim.peak_bytes, liveness_peak_bytes=liveness_peak(gm),
+                   tracker_peak_bytes=torch_tracker_peak(gm), n_collectives=sim.n_collectives,
+                   exposed_comm_ms=sim.exposed_comm_ms, problem=problem)
+
+
+def graph_digest(gm: "torch.fx.GraphModule | torch.fx.Graph") -> str:
+    """sha256 of a graph's node sequence: each node's op, target and arguments, with nodes
+    named by position (equal graphs give equal digests whatever their node names)."""
+    import torch.fx
+
+    graph = getattr(gm, "graph", gm)
+    index: dict[torch.fx.Node, int] = {}
+    h = hashlib.sha256()
+    for i, n in enumerate(graph.nodes):
+        index[n] = i
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, -1)}")
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", repr(n.target))
+        h.update(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args!r}\n".encode())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# candidates
+# --------------------------------------------------------------------------------------------
+def schedule_candidates(problem: Problem, solved: Candidate, mem_budget_bytes: int | None, *,
+                        seed: int = 0) -> list[Candidate]:
+    """The solver's candidate, the heuristics that fit the budget in the model, and the graph
+    as traced; a schedule already listed (equal digest) is not repeated."""
+    out = [solved]
+    extra = [(r.solver, r.schedule) for r in fitting_heuristics(problem, mem_budget_bytes, seed=seed)]
+    extra.append((TRACED, problem.traced_schedule()))
+    seen = {solved.digest()}
+    for name, schedule in extra:
+        if schedule.digest() in seen:
+            continue
+        seen.add(schedule.digest())
+        out.append(schedule_candidate(problem, name, schedule))
+    return out
+
+
+def schedule_candidate(problem: Problem, name: str, schedule: Schedule) -> Candidate:
+    """A schedule over ``problem`` as a candidate, with the model's prediction."""
+    sim = simulate(problem.dag, schedule, problem=problem)
+    return Candidate(name=name, schedule=schedule, predicted_step_ms=sim.step_ms, predicted_peak_bytes=sim.peak_bytes)
+
+
+def rewrite(gm: "torch.fx.GraphModule", problem: Problem, candidate: Candidate, *, cluster: Any = None,
+            inplace: bool = False, **writeback: Any) -> "torch.fx.GraphModule":
+    """``gm`` rewritten as ``candidate`` says: its schedule written back
+    (:func:`scheduler.apply_schedule`, ``writeback`` passed on), or torch's overlap scheduler
+    run on it. On a copy unless ``inplace``. Raises :class:`TorchBaselineError` when torch's
+    pass fails."""
+    if candidate.schedule is None:
+        return torch_overlap_schedule(gm, cluster=cluster, inplace=inplace, **TORCH_CANDIDATES[candidate.name])
+    if _is_traced(problem, candidate.schedule):
+        return gm  # nothing to write: the graph as traced is judged as it is
+    out = gm if inplace else copy.deepcopy(gm)
+    apply_schedule(out, problem, candidate.schedule, **writeback)
+    return out
+
+
+def _is_traced(problem: Problem, schedule: Schedule) -> bool:
+    return not problem.colls or schedule.digest() == problem.traced_schedule().digest()
+
+
+def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: Sequence[Candidate], *,
+                     cost_model: Any = None, cluster: Any = None, **writeback: Any) -> list[Candidate]:
+    """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`). A
+    candidate that cannot be written back or judged keeps the reason in ``error``. Copies are
+    written without control dependencies (they pin the same order, and their subgraphs carry
+    no FakeTensors to re-export)."""
+    writeback = {**writeback, "control_deps": False}
+    for c in candidates:
+        try:
+            c.graph = rewrite(gm, problem, c, cluster=cluster, **writeback)
+            c.graph_digest = graph_digest(c.graph)
+            c.figures = judge_graph(c.graph, cost_model, cluster)
+        except Exception as e:  # one candidate failing must not fail the pass
+            c.error = _short(f"{type(e).__name__}: {e}")
+            if not isinstance(e, TorchBaselineError):
+                logger.warning("fsdp-sched: candidate %s could not be judged (%s)", c.name, c.error)
+    return list(candidates)
+
+
+def torch_candidates() -> list[Candidate]:
+    """torch's overlap scheduler, with and without FSDP pre-bucketing (judged like the others)."""
+    return [Candidate(name=name) for name in TORCH_CANDIDATES]
+
+
+# --------------------------------------------------------------------------------------------
+# the choice
+# --------------------------------------------------------------------------------------------
+def choose(judged: Sequence[Candidate], mem_budget_bytes: int | None,
+           key: Callable[[Candidate], float] | None = None) -> tuple[Candidate | None, dict[str, str]]:
+    """The best candidate whose rewritten graph fits the budget by all three peaks.
+
+    Args:
+        judged: candidates after :func:`judge_candidates`.
+        mem_budget_bytes: the budget (None: no limit).
+        key: what to minimise (default: the re-exported step time under the cost model in use,
+            ``figures.primary_step_ms``); a criterion across cost models reads
+            ``figures.step_ms``. Ties keep the earlier candidate (the solver's first).
+
+    Returns:
+        The chosen candidate (None when none fits) and, for every candidate, why it was
+        chosen or dropped.
+    """
+    key = key or (lambda c: c.figures.primary_step_ms)
+    reasons: dict[str, str] = {}
+    fitting: list[Candidate] = []
+    for c in judged:
+        if c.figures is None:
+            reasons[c.name] = f"dropped: {c.error or 'not judged'}"
+        elif mem_budget_bytes is not None and c.figures.max_peak_bytes > mem_budget_bytes:
+            reasons[c.name] = f"dropped: over budget ({_peaks(c.figures)} > {fmt_bytes(mem_budget_bytes)})"
+        else:
+            fitting.append(c)
+    best = min(fitting, key=key) if fitting else None
+    for c in fitting:
+        if c is best:
+            reasons[c.name] = f"chosen: {fmt_ms(c.figures.primary_step_ms)} re-exported, fits"
+        else:
+            reasons[c.name] = (f"dropped: slower ({fmt_ms(c.figures.primary_step_ms)} vs "
+                               f"{fmt_ms(best.figures.primary_step_ms)})")
+    return best, reasons
+
+
+def _short(message: str, limit: int = 400) -> str:
+    """First line of an error, at most ``limit`` characters (torch's list every cyclic dep)."""
+    line = message.splitlines()[0] if message else message
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _peaks(f: Figures) -> str:
+    return (f"peaks {fmt_bytes(f.peak_bytes)} re-export, {fmt_bytes(f.liveness_peak_bytes)} liveness, "
+            f"{fmt_bytes(f.tracker_peak_bytes)} torch tracker")

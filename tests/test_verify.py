@@ -1,0 +1,150 @@
+"""Closing the loop (scheduler.verify): candidates judged on the graph they write back, the
+choice under the budget, and optimize_schedule returning exactly the judged graph."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import FAKE_WORLD as WORLD  # noqa: E402
+from scheduler import optimize_schedule  # noqa: E402
+from scheduler import verify  # noqa: E402
+from scheduler.api import REPORT_KEY  # noqa: E402
+from scheduler.baselines import TorchBaselineError  # noqa: E402
+from scheduler.dag import export_dag  # noqa: E402
+from scheduler.verify import Candidate, Figures, choose, graph_digest, judge_graph  # noqa: E402
+from solvers import Problem  # noqa: E402
+from solvers.core import InfeasibleBudgetError, ScheduleError  # noqa: E402
+
+
+def _judged(name: str, step_ms: float, peaks: tuple[int, int, int], torch_ms: float | None = None) -> Candidate:
+    steps = {"analytic": step_ms} if torch_ms is None else {"analytic": step_ms, "torch": torch_ms}
+    figures = Figures(step_ms=steps, cost_model="analytic", peak_bytes=peaks[0], liveness_peak_bytes=peaks[1],
+                      tracker_peak_bytes=peaks[2], n_collectives=1, exposed_comm_ms=0.0)
+    return Candidate(name=name, figures=figures)
+
+
+def test_choose_keeps_the_fastest_that_fits_by_all_three_peaks():
+    fast_but_tracker_over = _judged("a", 1.0, (90, 90, 120))
+    fast_but_liveness_over = _judged("b", 1.5, (90, 101, 90))
+    fits = _judged("c", 2.0, (100, 100, 100))
+    slower = _judged("d", 3.0, (50, 50, 50))
+    failed = Candidate(name="e", error="TorchBaselineError: detected 2 cyclic extra dep(s)")
+    best, reasons = choose([fast_but_tracker_over, fast_but_liveness_over, fits, slower, failed], 100)
+    assert best is fits
+    assert reasons["a"].startswith("dropped: over budget") and reasons["b"].startswith("dropped: over budget")
+    assert reasons["c"].startswith("chosen") and reasons["d"].startswith("dropped: slower")
+    assert "cyclic extra dep" in reasons["e"]
+    # without a budget the fastest wins; a key can choose by another cost model
+    assert choose([fast_but_tracker_over, fits], None)[0] is fast_but_tracker_over
+    x, y = _judged("x", 1.0, (1, 1, 1), torch_ms=5.0), _judged("y", 2.0, (1, 1, 1), torch_ms=1.0)
+    assert choose([x, y], None, key=lambda c: c.figures.step_ms["torch"])[0] is y
+    assert choose([fast_but_tracker_over, failed], 100) == (None, {
+        "a": reasons["a"], "e": reasons["e"]})
+
+
+@pytest.fixture(scope="module")
+def llama(group_name):
+    from models import capture_fsdp_graphs
+
+    return capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=1)
+
+
+def _optimized(gm, *args, **kw):
+    gm = copy.deepcopy(gm)
+    optimize_schedule(gm, *args, time_limit_s=2, **kw)
+    return gm, gm.meta[REPORT_KEY]
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_returned_graph_is_the_judged_one(llama, kind):
+    """The report's re-exported figures are those of the graph returned; the chosen candidate
+    is the fastest of those that fit; every candidate, torch's included, was judged."""
+    gm, report = _optimized(getattr(llama, kind))
+    assert report.verified and report.chosen_candidate == report.solver
+    again = judge_graph(gm)
+    assert again.primary_step_ms == pytest.approx(report.reexported_step_ms)
+    assert (again.peak_bytes, again.liveness_peak_bytes, again.tracker_peak_bytes) == (
+        report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes)
+    names = [c["name"] for c in report.candidates]
+    assert {"torch-overlap", "torch-overlap-no-prebucketing", "traced"} <= set(names)
+    assert len(set(names)) == len(names)
+    judged = [c for c in report.candidates if c["step_ms"]]
+    assert min(c["step_ms"]["analytic"] for c in judged) == pytest.approx(report.reexported_step_ms)
+    assert sum(c["outcome"].startswith("chosen") for c in report.candidates) == 1
+    assert "written graph" in str(report)
+
+
+def test_budget_holds_on_the_written_graph(llama):
+    """A budget between the smallest and the largest candidate peak: what is returned fits it
+    by the re-export, the liveness count and torch's tracker; candidates over it are dropped."""
+    _, free = _optimized(llama.backward)
+    peaks = sorted(max(c["peak_bytes"], c["liveness_peak_bytes"], c["tracker_peak_bytes"])
+                   for c in free.candidates if c["step_ms"])
+    budget = (peaks[0] + peaks[-1]) // 2
+    gm, report = _optimized(llama.backward, budget)
+    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= budget
+    again = judge_graph(gm)
+    assert again.max_peak_bytes <= budget
+    assert any("over budget" in c["outcome"] for c in report.candidates)
+
+
+def test_no_fitting_rewritten_graph_raises(llama, monkeypatch):
+    """If every rewritten graph is over budget (here: torch's tracker made to over-count), the
+    pass raises InfeasibleBudgetError with the smallest peak, and leaves the graph alone."""
+    monkeypatch.setattr(verify, "torch_tracker_peak", lambda gm: 1 << 40)
+    gm = copy.deepcopy(llama.forward)
+    before = graph_digest(gm)
+    with pytest.raises(InfeasibleBudgetError, match="torch's MemoryTracker") as err:
+        optimize_schedule(gm, "1 GiB", time_limit_s=2)
+    assert err.value.min_peak_bytes == 1 << 40
+    assert graph_digest(gm) == before
+
+
+def test_torch_scheduler_failure_is_reported(llama, monkeypatch):
+    def cyclic(*args, **kw):
+        raise TorchBaselineError("torch's overlap scheduler failed on this graph (RuntimeError: detected 3 "
+                                 "cyclic extra dep(s))")
+
+    monkeypatch.setattr(verify, "torch_overlap_schedule", cyclic)
+    _, report = _optimized(llama.forward)
+    torch_rows = [c for c in report.candidates if c["name"].startswith("torch-overlap")]
+    assert len(torch_rows) == 2
+    assert all("cyclic extra dep" in c["outcome"] and c["step_ms"] is None for c in torch_rows)
+    assert "cyclic extra dep" in str(report)
+
+
+def test_torch_candidate_installed_in_place(llama):
+    """A torch candidate is re-run on the graph itself (the graph object is kept, as an
+    inductor pass needs) and must give the judged graph; another digest is refused."""
+    gm = copy.deepcopy(llama.backward)
+    problem = Problem.from_dag(export_dag(gm))
+    [judged] = verify.judge_candidates(gm, problem, [Candidate(name="torch-overlap")])
+    assert judged.figures is not None and judged.graph_digest != graph_digest(gm)
+    graph = gm.graph
+    verify.install(gm, problem, Candidate.from_json(judged.to_json()))
+    assert gm.graph is graph and graph_digest(gm) == judged.graph_digest
+    other = copy.deepcopy(llama.backward)
+    with pytest.raises(ScheduleError, match="differently"):
+        verify.install(other, problem, Candidate(name="torch-overlap", graph_digest="0" * 64))
+
+
+def test_verify_off_is_todays_behaviour(llama):
+    gm, report = _optimized(llama.forward, verify=False)
+    assert not report.verified and report.candidates == [] and report.reexported_step_ms is None
+    assert "written graph" not in str(report)
+
+
+def test_graph_digest_ignores_names_not_structure(llama):
+    gm = copy.deepcopy(llama.forward)
+    assert graph_digest(gm) == graph_digest(copy.deepcopy(gm))
+    renamed = copy.deepcopy(gm)
+    for i, n in enumerate(renamed.graph.nodes):
+        if n.op == "call_function":
+            n.name = f"node_{i}"
+    assert graph_digest(renamed) == graph_digest(gm)
+    optimized, _ = _optimized(gm)
+    assert graph_digest(optimized) != graph_digest(gm)
