@@ -112,3 +112,40 @@ def test_console_script_help(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--budget" in text and "--time-limit" in text and "--n-layers" in text
+
+
+# --------------------------------------------------------------------------------------------
+# --cost-model
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["demo", "trace", "solve", "sweep"])
+def test_every_command_takes_a_cost_model_by_name(command):
+    from scheduler.cli.parser import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command, *TINY, "--cost-model", "torch"]).cost_model == "torch"
+    assert parser.parse_args([command, *TINY]).cost_model is None  # the analytic default
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([command, *TINY, "--cost-model", "roofline"])
+    assert info.value.code == 2
+
+
+def test_trace_and_solve_price_with_the_named_cost_model(tmp_path, capsys):
+    from scheduler.dag import load_dag
+
+    steps = {}
+    for name in ("analytic", "torch"):
+        out = tmp_path / name
+        assert main(["-q", "trace", *TINY, "--graph", "forward", "--cost-model", name, "--out", str(out)]) == 0
+        dag = load_dag(out / "llama3-debug-forward.dag.json")
+        assert dag.graph["cost_model"] == name
+        capsys.readouterr()
+        assert main(["-q", "solve", *TINY, "--graph", "forward", "--cost-model", name, "--solver", "fsdp2",
+                     "--out", str(out), "--json"]) == 0
+        steps[name] = json.loads(capsys.readouterr().out)["report"]["step_ms_before"]
+    assert steps["analytic"] != steps["torch"]
+
+
+def test_cost_model_with_a_dag_file_is_refused(traced, capsys):
+    forward, _ = traced
+    assert main(["solve", str(forward), "--cost-model", "torch"]) == 2
+    assert "a DAG file keeps the costs" in capsys.readouterr().err

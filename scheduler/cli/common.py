@@ -122,7 +122,7 @@ def trace_model(args: argparse.Namespace, graphs: tuple[str, ...] = GRAPHS) -> t
     for g in graphs:
         gm = getattr(captured, g)
         gm.meta.setdefault("fsdp_graph_kind", g)
-        dags[g] = export_dag(gm, cluster=cluster, name=g)
+        dags[g] = export_dag(gm, cost_model=getattr(args, "cost_model", None), cluster=cluster, name=g)
     logger.info("traced in %.1f s", time.perf_counter() - t0)
     return dags, captured
 
@@ -205,6 +205,9 @@ def input_dag(args: argparse.Namespace) -> nx.DiGraph:
     if args.dag and args.model:
         raise CliError("give a DAG file or --model, not both")
     if args.dag:
+        if getattr(args, "cost_model", None):
+            raise CliError("--cost-model prices a traced model (--model); a DAG file keeps the costs it was traced "
+                           "with: re-trace it with `fsdp-sched trace --cost-model ...`")
         return load_dag_file(args.dag)
     if args.model:
         dags, _ = trace_model(args, (args.graph,))

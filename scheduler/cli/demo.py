@@ -57,7 +57,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             from scheduler.baselines import simulate_torch_baseline  # imports torch's inductor
 
             t0 = time.perf_counter()
-            tsim = simulate_torch_baseline(getattr(captured, g), cluster=cluster_of(args))
+            tsim = simulate_torch_baseline(getattr(captured, g), cost_model=args.cost_model, cluster=cluster_of(args))
             rows.append(row("torch", tsim, solve_s=time.perf_counter() - t0, budget=budget))
             sims["torch"] = tsim
         except Exception as e:

@@ -8,6 +8,7 @@ from scheduler.cli.common import GRAPHS, budget_arg, positive_float, positive_in
 from scheduler.cli.demo import cmd_demo
 from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import cmd_sweep
+from scheduler.costs import COST_MODELS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,6 +26,10 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
                    help="FSDP ranks, also the cluster size for the cost model (default %(default)s, 8 per node)")
     p.add_argument("--inter-node-gbps", type=positive_float, default=None,
                    help="inter-node bus bandwidth per GPU in GB/s (default: the Cluster default, 50)")
+    p.add_argument("--cost-model", choices=sorted(COST_MODELS), default=None,
+                   help="how a traced model's nodes and collectives are priced: analytic (roofline + NCCL "
+                        "alpha-beta, the default) or torch (torch's own roofline and NCCL estimators); a DAG "
+                        "file keeps the costs it was traced with")
 
 
 def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
