@@ -10,7 +10,9 @@ Failure policy: a memory budget that no schedule reaches raises
 :class:`solvers.core.schedule.InfeasibleBudgetError` with the smallest peak found; a solver that
 fails or times out is replaced (``fallback=True``) by the best valid schedule among its
 incumbent and the heuristics, which is never worse than the graph as traced; the report says
-so (``fell_back``, ``notes``) and a warning is logged.
+so (``fell_back``, ``notes``) and a warning is logged. With ``verify=True`` (default),
+:func:`optimize_schedule` then judges the solver's schedule and the other candidates on the
+graphs they write back and installs the fastest that fits (:mod:`scheduler.verify`).
 """
 
 from __future__ import annotations

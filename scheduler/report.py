@@ -99,7 +99,9 @@ class ScheduleReport:
         return (
             f"fsdp-sched {self._title()}: step {fmt_ms(self.step_ms_before)} -> {fmt_ms(self.step_ms_after)}, "
             f"peak {fmt_bytes(self.peak_bytes_before)} -> {fmt_bytes(self.peak_bytes_after)}, "
-            f"collectives {self.n_collectives_before} -> {self.n_collectives_after} "
+            f"collectives {self.n_collectives_before} -> {self.n_collectives_after}"
+            + (f", written {fmt_ms(self.reexported_step_ms)} by {self.chosen_candidate}" if self.verified else "")
+            + " "
             f"({self.solver}, {self.status}, gap {self.gap:.1%}{', fell back' if self.fell_back else ''})"
         )
 

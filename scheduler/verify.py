@@ -139,11 +139,15 @@ class Candidate:
 # --------------------------------------------------------------------------------------------
 def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
                       mem_budget_bytes: int | None, *, cost_model: Any = None, cluster: Any = None, seed: int = 0,
-                      alternatives: bool = True, **writeback: Any) -> tuple[Candidate, ScheduleReport]:
+                      alternatives: bool = True, key: Callable[[Candidate], float] | None = None,
+                      other_cost_models: Mapping[str, Any] | None = None,
+                      **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
     report updated with the verification. ``alternatives=False`` judges ``schedule`` alone
     (a schedule the user imposed, e.g. through ``optimize_schedule(schedule_hook=...)``).
+    ``key`` and ``other_cost_models`` (label -> cost model, judged as well and kept in
+    ``figures.step_ms``) let a criterion across cost models choose (see :func:`choose`).
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
@@ -154,8 +158,9 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     candidates = [solved]
     if alternatives:
         candidates = schedule_candidates(problem, solved, mem_budget_bytes, seed=seed) + torch_candidates()
-    judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster, **writeback)
-    best, reasons = choose(candidates, mem_budget_bytes)
+    judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster,
+                     other_cost_models=other_cost_models, **writeback)
+    best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         if c is not best:
             c.graph = None  # rewritten copies are large: keep the winner's only
@@ -325,7 +330,8 @@ def _is_traced(problem: Problem, schedule: Schedule) -> bool:
 
 
 def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: Sequence[Candidate], *,
-                     cost_model: Any = None, cluster: Any = None, **writeback: Any) -> list[Candidate]:
+                     cost_model: Any = None, cluster: Any = None, other_cost_models: Mapping[str, Any] | None = None,
+                     **writeback: Any) -> list[Candidate]:
     """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`). A
     candidate that cannot be written back or judged keeps the reason in ``error``. Copies are
     written without control dependencies (they pin the same order, and their subgraphs carry
@@ -335,7 +341,7 @@ def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: S
         try:
             c.graph = rewrite(gm, problem, c, cluster=cluster, **writeback)
             c.graph_digest = graph_digest(c.graph)
-            c.figures = judge_graph(c.graph, cost_model, cluster)
+            c.figures = judge_graph(c.graph, cost_model, cluster, other_cost_models=other_cost_models)
         except Exception as e:  # one candidate failing must not fail the pass
             c.error = _short(f"{type(e).__name__}: {e}")
             if not isinstance(e, TorchBaselineError):
@@ -366,6 +372,7 @@ def choose(judged: Sequence[Candidate], mem_budget_bytes: int | None,
         The chosen candidate (None when none fits) and, for every candidate, why it was
         chosen or dropped.
     """
+    custom = key is not None
     key = key or (lambda c: c.figures.primary_step_ms)
     reasons: dict[str, str] = {}
     fitting: list[Candidate] = []
@@ -380,6 +387,8 @@ def choose(judged: Sequence[Candidate], mem_budget_bytes: int | None,
     for c in fitting:
         if c is best:
             reasons[c.name] = f"chosen: {fmt_ms(c.figures.primary_step_ms)} re-exported, fits"
+        elif custom:
+            reasons[c.name] = f"dropped: worse by the criterion ({key(c):.6g} vs {key(best):.6g})"
         else:
             reasons[c.name] = (f"dropped: slower ({fmt_ms(c.figures.primary_step_ms)} vs "
                                f"{fmt_ms(best.figures.primary_step_ms)})")

@@ -148,3 +148,25 @@ def test_graph_digest_ignores_names_not_structure(llama):
     assert graph_digest(renamed) == graph_digest(gm)
     optimized, _ = _optimized(gm)
     assert graph_digest(optimized) != graph_digest(gm)
+
+
+def test_judged_under_several_cost_models_and_chosen_by_a_key(llama):
+    """A cross-model criterion (issue 13's robust option) plugs in: figures carry the step
+    time under every cost model asked for, and ``key`` picks by them."""
+    gm = llama.backward
+    both = judge_graph(gm, "analytic", other_cost_models={"torch": "torch"})
+    assert both.step_ms["torch"] == pytest.approx(judge_graph(gm, "torch").primary_step_ms)
+    assert both.step_ms["analytic"] == pytest.approx(both.primary_step_ms) != both.step_ms["torch"]
+    problem = Problem.from_dag(export_dag(gm))
+    solved = problem.traced_schedule()
+    from scheduler.report import make_report
+    from solvers.core import simulate
+
+    sim = simulate(problem.dag, solved, problem=problem)
+    report = make_report(problem, sim, sim, graph_name="backward", mem_budget_bytes=None, t0=0.0, solver="traced",
+                         requested="traced", status="heuristic", best_bound=None, notes=[], fell_back=False)
+    by_torch = lambda c: c.figures.step_ms["torch"]  # noqa: E731
+    chosen, report = verify.verify_and_choose(gm, problem, solved, report, None, key=by_torch,
+                                              other_cost_models={"torch": "torch"})
+    judged = [c for c in report.candidates if c["step_ms"]]
+    assert chosen.figures.step_ms["torch"] == pytest.approx(min(c["step_ms"]["torch"] for c in judged))
