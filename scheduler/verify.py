@@ -102,7 +102,7 @@ class Candidate:
     error: str | None = None
     #: :func:`graph_digest` of the rewritten graph ("" before it is rewritten)
     graph_digest: str = ""
-    #: the rewritten copy of the graph (kept on this rank only)
+    #: the rewritten copy of the graph while it is judged (this rank only)
     graph: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def digest(self) -> str:
@@ -111,12 +111,12 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         """The choice, for other ranks (the rewritten graph and figures stay here)."""
-        return {"name": self.name, "schedule": self.schedule.to_json() if self.schedule else None,
+        return {"name": self.name, "schedule": self.schedule.to_json() if self.schedule is not None else None,
                 "graph_digest": self.graph_digest}
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "Candidate":
-        schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") else None
+        schedule = Schedule.from_json(data["schedule"]) if data.get("schedule") is not None else None
         return Candidate(name=data["name"], schedule=schedule, graph_digest=data.get("graph_digest", ""))
 
     def summary(self) -> dict[str, Any]:
@@ -162,8 +162,7 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
                      other_cost_models=other_cost_models, **writeback)
     best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
-        if c is not best:
-            c.graph = None  # rewritten copies are large: keep the winner's only
+        c.graph = None  # rewritten copies are large; install() rewrites the graph itself
     if best is None:
         raise _none_fits(candidates, mem_budget_bytes)
     logger.info("fsdp-sched: verified %d candidates in %.2f s: %s", len(candidates), time.perf_counter() - t0,
@@ -210,7 +209,8 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
     f = chosen.figures
     assert f is not None
     rows = [{**c.summary(), "outcome": reasons.get(c.name, "")} for c in candidates]
-    fields: dict[str, Any] = dict(
+    notes = report.notes + [f"candidate {c.name} unavailable: {c.error}" for c in candidates if c.error]
+    fields: dict[str, Any] = dict(notes=notes,
         verified=True, chosen_candidate=chosen.name, candidates=rows, verify_time_s=verify_time_s,
         reexported_step_ms=f.primary_step_ms, reexported_peak_bytes=f.peak_bytes,
         liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
@@ -218,7 +218,7 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
     )
     if chosen.name == report.solver:
         return dataclasses.replace(report, **fields)
-    fields.update(solver=chosen.name, fell_back=True, notes=report.notes + [
+    fields.update(solver=chosen.name, fell_back=True, notes=notes + [
         f"verified on the written graph: {chosen.name} beats {report.solver} ({reasons.get(report.solver, '')})"])
     # torch's graph has no schedule over the traced problem: its re-export is its prediction
     on, schedule = (problem, chosen.schedule) if chosen.schedule is not None else (f.problem, None)
