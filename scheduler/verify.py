@@ -56,6 +56,9 @@ TORCH_CANDIDATES: dict[str, dict[str, Any]] = {
 }
 #: name of the candidate that leaves the graph as traced
 TRACED = "traced"
+#: a schedule candidate predicted this much slower than the best written graph that fits is
+#: not written back (prediction and re-export agree within 1 %: tests/test_merge_pricing.py)
+PRUNE_MARGIN = 0.02
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,8 +101,10 @@ class Candidate:
     predicted_step_ms: float | None = None
     predicted_peak_bytes: int | None = None
     figures: Figures | None = None
-    #: why the candidate could not be judged (None when it was)
+    #: why the candidate could not be written back or judged (None when it was)
     error: str | None = None
+    #: why the candidate was not judged at all (hopeless by its prediction)
+    skipped: str | None = None
     #: :func:`graph_digest` of the rewritten graph ("" before it is rewritten)
     graph_digest: str = ""
     #: the rewritten copy of the graph while it is judged (this rank only)
@@ -131,6 +136,7 @@ class Candidate:
             "liveness_peak_bytes": f.liveness_peak_bytes if f else None,
             "tracker_peak_bytes": f.tracker_peak_bytes if f else None,
             "error": self.error,
+            "skipped": self.skipped,
         }
 
 
@@ -156,10 +162,13 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     t0 = time.perf_counter()
     solved = schedule_candidate(problem, report.solver, schedule)
     candidates = [solved]
-    if alternatives:
-        candidates = schedule_candidates(problem, solved, mem_budget_bytes, seed=seed) + torch_candidates()
+    if alternatives:  # the solver's first, torch's (no prediction), then the most promising
+        others = sorted(schedule_candidates(problem, solved, mem_budget_bytes, seed=seed)[1:],
+                        key=lambda c: c.predicted_step_ms)
+        candidates += torch_candidates() + others
+    skip = _hopeless(candidates, mem_budget_bytes) if key is None else None
     judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster,
-                     other_cost_models=other_cost_models, **writeback)
+                     other_cost_models=other_cost_models, skip=skip, **writeback)
     best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         c.graph = None  # rewritten copies are large; install() rewrites the graph itself
@@ -331,13 +340,17 @@ def _is_traced(problem: Problem, schedule: Schedule) -> bool:
 
 def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: Sequence[Candidate], *,
                      cost_model: Any = None, cluster: Any = None, other_cost_models: Mapping[str, Any] | None = None,
-                     **writeback: Any) -> list[Candidate]:
-    """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`). A
-    candidate that cannot be written back or judged keeps the reason in ``error``. Copies are
+                     skip: Callable[[Candidate], str | None] | None = None, **writeback: Any) -> list[Candidate]:
+    """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`), in
+    order. A candidate that cannot be written back or judged keeps the reason in ``error``;
+    one for which ``skip`` gives a reason is not judged and keeps it in ``skipped``. Copies are
     written without control dependencies (they pin the same order, and their subgraphs carry
     no FakeTensors to re-export)."""
     writeback = {**writeback, "control_deps": False}
     for c in candidates:
+        c.skipped = skip(c) if skip is not None else None
+        if c.skipped is not None:
+            continue
         try:
             c.graph = rewrite(gm, problem, c, cluster=cluster, **writeback)
             c.graph_digest = graph_digest(c.graph)
@@ -347,6 +360,21 @@ def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: S
             if not isinstance(e, TorchBaselineError):
                 logger.warning("fsdp-sched: candidate %s could not be judged (%s)", c.name, c.error)
     return list(candidates)
+
+
+def _hopeless(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Callable[[Candidate], str | None]:
+    """``skip`` for :func:`judge_candidates`: a schedule candidate predicted more than
+    :data:`PRUNE_MARGIN` slower than the best written graph judged so far that fits."""
+
+    def reason(c: Candidate) -> str | None:
+        steps = [x.figures.primary_step_ms for x in candidates if x.figures is not None and
+                 (mem_budget_bytes is None or x.figures.max_peak_bytes <= mem_budget_bytes)]
+        if c.predicted_step_ms is None or not steps or c.predicted_step_ms <= min(steps) * (1 + PRUNE_MARGIN):
+            return None
+        return (f"not judged: predicted {fmt_ms(c.predicted_step_ms)}, more than {PRUNE_MARGIN:.0%} slower than "
+                f"the best written graph that fits ({fmt_ms(min(steps))})")
+
+    return reason
 
 
 def torch_candidates() -> list[Candidate]:
@@ -378,7 +406,7 @@ def choose(judged: Sequence[Candidate], mem_budget_bytes: int | None,
     fitting: list[Candidate] = []
     for c in judged:
         if c.figures is None:
-            reasons[c.name] = f"dropped: {c.error or 'not judged'}"
+            reasons[c.name] = f"dropped: {c.skipped or c.error or 'not judged'}"
         elif mem_budget_bytes is not None and c.figures.max_peak_bytes > mem_budget_bytes:
             reasons[c.name] = f"dropped: over budget ({_peaks(c.figures)} > {fmt_bytes(mem_budget_bytes)})"
         else:

@@ -76,6 +76,10 @@ def test_returned_graph_is_the_judged_one(llama, kind):
     assert min(c["step_ms"]["analytic"] for c in judged) == pytest.approx(report.reexported_step_ms)
     assert sum(c["outcome"].startswith("chosen") for c in report.candidates) == 1
     assert "written graph" in str(report)
+    # the traced order is predicted far slower: not even written back
+    skipped = [c for c in report.candidates if c["skipped"]]
+    assert "traced" in {c["name"] for c in skipped}
+    assert all(c["predicted_step_ms"] > 1.02 * report.reexported_step_ms and c["step_ms"] is None for c in skipped)
 
 
 def test_budget_holds_on_the_written_graph(llama):
