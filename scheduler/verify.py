@@ -214,18 +214,19 @@ def _none_fits(candidates: Sequence[Candidate], mem_budget_bytes: int | None) ->
 def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate, candidates: Sequence[Candidate],
                     reasons: Mapping[str, str], verify_time_s: float) -> ScheduleReport:
     """``report`` describing ``chosen`` (the model's prediction where it has one, else its
-    re-export) with the re-exported figures and every candidate's outcome."""
+    re-export) with the re-exported figures and every candidate's outcome; ``candidates[0]``
+    is the solver's."""
     f = chosen.figures
     assert f is not None
     rows = [{**c.summary(), "outcome": reasons.get(c.name, "")} for c in candidates]
     notes = report.notes + [f"candidate {c.name} unavailable: {c.error}" for c in candidates if c.error]
-    fields: dict[str, Any] = dict(notes=notes,
-        verified=True, chosen_candidate=chosen.name, candidates=rows, verify_time_s=verify_time_s,
+    fields: dict[str, Any] = dict(
+        notes=notes, verified=True, chosen_candidate=chosen.name, candidates=rows, verify_time_s=verify_time_s,
         reexported_step_ms=f.primary_step_ms, reexported_peak_bytes=f.peak_bytes,
         liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
         solve_time_s=report.solve_time_s + verify_time_s, digest=chosen.digest(),
     )
-    if chosen.name == report.solver:
+    if chosen is candidates[0]:
         return dataclasses.replace(report, **fields)
     fields.update(solver=chosen.name, fell_back=True, notes=notes + [
         f"verified on the written graph: {chosen.name} beats {report.solver} ({reasons.get(report.solver, '')})"])
