@@ -18,6 +18,9 @@ from the best under another. The robust choice hedges:
 with the public API: candidates from :func:`scheduler.optimize_schedule` under each base model
 and from the baselines, each written back and judged on its rewritten graph under every model
 of the family (:func:`scheduler.rewritten.judge`), the budget held on the rewritten graph.
+
+With a chooser over judged candidates whose figures carry step times under the family, the
+robust choice is ``choose(judged, budget, key=choice_key(judged, budget))``.
 """
 
 from __future__ import annotations
