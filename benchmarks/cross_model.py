@@ -4,7 +4,7 @@ For every graph (forward / backward of each model):
 
 1. budget = the FSDP2-like peak: the largest of the re-export, liveness and torch-tracker
    peaks of the FSDP2-like schedule written back (``--budget none``: no limit);
-2. :func:`scheduler.robust.robust_schedule` at that budget: fsdp-sched solved under A
+2. :func:`scheduler.rewritten.robust_schedule` at that budget: fsdp-sched solved under A
    (``optimize_schedule(cost_model=A)``) for A in {analytic, torch}, and the baselines
    (FSDP2-, SimpleFSDP-, AutoParallel-like, traced, torch's overlap scheduler), each written
    back and judged on its rewritten graph under every model of the family (analytic and torch,
@@ -65,8 +65,7 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
                budget_of: str = "fsdp2") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The A x B rows and the robust row of one graph (module docstring); ``budget_of``:
     ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``."""
-    from scheduler.rewritten import judge, rewrite_baseline
-    from scheduler.robust import robust_schedule
+    from scheduler.rewritten import judge, rewrite_baseline, robust_schedule
 
     budget = None
     if budget_of == "fsdp2":

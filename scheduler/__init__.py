@@ -38,7 +38,7 @@ _EXPORTS = {
     "backend": "scheduler.compile",
     "inductor_post_grad_pass": "scheduler.compile",
     "apply_schedule": "scheduler.writeback",
-    "robust_schedule": "scheduler.robust",
+    "robust_schedule": "scheduler.rewritten",
     "cost_model_family": "scheduler.robust",
     "Schedule": "solvers.core.schedule",
     "Bucket": "solvers.core.schedule",

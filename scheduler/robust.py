@@ -14,10 +14,9 @@ from the best under another. The robust choice hedges:
   over the family; ties go to the first name in sorted order, so every rank agrees.
 
 :func:`choice_key` turns the criterion into a ``key`` for a chooser over judged candidates
-(objects with ``name`` and ``figures.step_ms``); :func:`robust_schedule` does the whole thing
-with the public API: candidates from :func:`scheduler.optimize_schedule` under each base model
-and from the baselines, each written back and judged on its rewritten graph under every model
-of the family (:func:`scheduler.rewritten.judge`), the budget held on the rewritten graph.
+(objects with ``name`` and ``figures.step_ms``); :func:`scheduler.rewritten.robust_schedule`
+does the whole thing with the public API. This module imports no torch and nothing above the
+cost models, so that the API can use the criterion.
 
 With a chooser over judged candidates whose figures carry step times under the family, the
 robust choice is ``choose(judged, budget, key=choice_key(judged, budget))``.
@@ -27,16 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scheduler.costs import Cluster, CostModel, resolve_cost_model
-from scheduler.rewritten import Judged, judge, rewrite_baseline, rewrite_product
-from solvers.core import InfeasibleBudgetError, ScheduleError, fmt_bytes, parse_bytes
-
-if TYPE_CHECKING:
-    import torch.fx
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +37,6 @@ logger = logging.getLogger(__name__)
 BASE_COST_MODELS = ("analytic", "torch")
 #: factors applied to the cluster's intra- and inter-node bandwidths (-30 %, +30 %)
 BANDWIDTH_SCALES = (0.7, 1.3)
-#: baselines :func:`robust_schedule` considers besides its own solves
-ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", "torch")
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,145 +152,3 @@ def _candidates(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> list[str
         if bad:
             raise ValueError(f"cost model {label!r}: step times must be > 0 (candidates {bad})")
     return sorted(names)
-
-
-# --------------------------------------------------------------------------------------------
-# the whole thing on an FX graph
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(kw_only=True)
-class RobustResult:
-    """What :func:`robust_schedule` found: the choice, and every candidate as judged."""
-
-    #: name of the chosen candidate
-    chosen: str
-    #: the chosen rewritten graph (a copy: the input graph is not modified)
-    gm: Any = dataclasses.field(repr=False)
-    mem_budget_bytes: int | None
-    #: every candidate that could be written back, judged under every model of the family
-    judged: dict[str, Judged]
-    #: candidates that were dropped (not made, or over the budget) and why
-    dropped: dict[str, str]
-    #: names of the candidates solved by fsdp-sched, by the label of the model solved under
-    solved_under: dict[str, str]
-    time_s: float = 0.0
-
-    @property
-    def fitting(self) -> list[str]:
-        return sorted(n for n, j in self.judged.items() if j.fits(self.mem_budget_bytes))
-
-    def step_ms_by_model(self) -> dict[str, dict[str, float]]:
-        """Model label -> fitting candidate -> re-exported step time (ms)."""
-        labels = next(iter(self.judged.values())).step_ms
-        return {label: {n: self.judged[n].step_ms[label] for n in self.fitting} for label in labels}
-
-    def worst_regret(self) -> dict[str, float]:
-        return worst_regret(self.step_ms_by_model())
-
-    def table(self) -> str:
-        """Step time (ms) of every fitting candidate under every model, its worst regret."""
-        times = self.step_ms_by_model()
-        worst = self.worst_regret()
-        head = f"{'candidate':<24}" + "".join(f"{label:>16}" for label in times) + f"{'worst regret':>14}"
-        lines = [head, "-" * len(head)]
-        for n in self.fitting:
-            mark = " <- robust" if n == self.chosen else ""
-            lines.append(f"{n:<24}" + "".join(f"{times[label][n]:16.2f}" for label in times)
-                         + f"{worst[n]:14.2%}{mark}")
-        return "\n".join(lines)
-
-
-def robust_schedule(
-    gm: "torch.fx.GraphModule",
-    mem_budget: int | str | None = None,
-    *,
-    cluster: Cluster | None = None,
-    cost_models: Mapping[str, Any] | None = None,
-    solve_under: Sequence[str] = BASE_COST_MODELS,
-    baselines: Sequence[str] = ROBUST_BASELINES,
-    time_limit_s: float = 15.0,
-) -> RobustResult:
-    """The schedule of ``gm`` that is best in the worst case across cost models.
-
-    Candidates: :func:`scheduler.optimize_schedule` at ``mem_budget`` under each model of
-    ``solve_under`` (labels of the family) and each baseline of ``baselines``
-    (:func:`scheduler.rewritten.rewrite_baseline`), each on its own copy of ``gm``. Each
-    rewritten graph is re-exported and simulated under every model of ``cost_models``
-    (default :func:`cost_model_family` of ``cluster``); those whose re-export, liveness and
-    torch tracker peaks are all within the budget compete, and :func:`robust_key` chooses.
-    ``gm`` itself is not modified: the result holds the chosen rewritten copy. Needs an
-    initialised process group in which the graph's groups resolve (a fake one is enough).
-
-    Args:
-        mem_budget: bytes or a string like ``"40GiB"``; None: no limit.
-        time_limit_s: time limit of each solve (default 15 s).
-
-    Raises:
-        InfeasibleBudgetError: no candidate's rewritten graph fits the budget (states the
-            smallest peak).
-    """
-    t0 = time.perf_counter()
-    budget = parse_bytes(mem_budget)
-    family = dict(cost_models) if cost_models is not None else cost_model_family(cluster)
-    unknown = [label for label in solve_under if label not in family]
-    if unknown:
-        raise ValueError(f"solve_under {unknown} are not models of the family {list(family)}")
-    graphs, dropped, solved_under = _candidate_graphs(gm, budget, family, cluster=cluster, solve_under=solve_under,
-                                                      baselines=baselines, time_limit_s=time_limit_s)
-    judged = {}
-    for i, (name, g) in enumerate(graphs.items()):
-        logger.info("robust: judging %s (%d/%d) under %d cost models", name, i + 1, len(graphs), len(family))
-        judged[name] = judge(g, family, name=name, cluster=cluster, keep_graph=True)
-    result = RobustResult(chosen="", gm=None, mem_budget_bytes=budget, judged=judged, dropped=dropped,
-                          solved_under=solved_under)
-    _drop_over_budget(result)
-    if not result.fitting:
-        raise _none_fits(judged, budget)
-    result.chosen = robust_key(result.step_ms_by_model())
-    result.gm = judged[result.chosen].gm
-    for j in judged.values():
-        j.gm = None  # the copies are large; the result keeps the chosen one
-    result.time_s = time.perf_counter() - t0
-    logger.info("robust: chose %s (worst regret %.2f %%) among %d candidates in %.1f s", result.chosen,
-                100 * result.worst_regret()[result.chosen], len(result.fitting), result.time_s)
-    return result
-
-
-def _candidate_graphs(gm, budget, family, *, cluster, solve_under, baselines, time_limit_s):
-    """Name -> rewritten copy of ``gm``; name -> why a candidate was not made; and the
-    product's candidate names -> the label solved under."""
-    graphs: dict[str, Any] = {}
-    dropped: dict[str, str] = {}
-    solved_under: dict[str, str] = {}
-    for label in solve_under:
-        name = f"fsdp-sched[{label}]"
-        logger.info("robust: solving under %s (limit %g s)", label, time_limit_s)
-        try:
-            graphs[name] = rewrite_product(gm, budget, cost_model=family[label], cluster=cluster,
-                                           time_limit_s=time_limit_s)
-            solved_under[name] = label
-        except (InfeasibleBudgetError, ScheduleError) as e:
-            dropped[name] = f"{type(e).__name__}: {e}"
-    for name in baselines:
-        logger.info("robust: writing back baseline %s", name)
-        try:
-            graphs[name] = rewrite_baseline(gm, name, cluster=cluster)
-        except Exception as e:  # torch's pass fails on some graphs; one baseline must not stop the others
-            dropped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return graphs, dropped, solved_under
-
-
-def _drop_over_budget(result: RobustResult) -> None:
-    for name, j in result.judged.items():
-        if not j.fits(result.mem_budget_bytes):
-            result.dropped[name] = (f"over budget: peak {fmt_bytes(j.peak_bytes)} > "
-                                    f"{fmt_bytes(result.mem_budget_bytes)} on the rewritten graph")
-
-
-def _none_fits(judged: Mapping[str, Judged], budget: int | None) -> Exception:
-    if not judged:
-        return ScheduleError("no candidate could be written back")
-    least = min(judged.values(), key=lambda j: j.peak_bytes)
-    return InfeasibleBudgetError(
-        f"no rewritten graph keeps peak memory under {fmt_bytes(budget)}; the smallest is "
-        f"{fmt_bytes(least.peak_bytes)} ({least.name}): raise mem_budget to at least that",
-        budget_bytes=budget or 0, min_peak_bytes=least.peak_bytes)

@@ -94,8 +94,7 @@ def llama_graphs():
 def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     from models.capture import fake_process_group
     from scheduler.judge import liveness_peak, torch_tracker_peak
-    from scheduler.rewritten import judge, rewrite_baseline
-    from scheduler.robust import robust_schedule
+    from scheduler.rewritten import judge, rewrite_baseline, robust_schedule
 
     gm = getattr(llama_graphs, kind)
     n_nodes = len(gm.graph.nodes)
