@@ -38,6 +38,8 @@ _EXPORTS = {
     "backend": "scheduler.compile",
     "inductor_post_grad_pass": "scheduler.compile",
     "apply_schedule": "scheduler.writeback",
+    "robust_schedule": "scheduler.rewritten",
+    "cost_model_family": "scheduler.robust",
     "Schedule": "solvers.core.schedule",
     "Bucket": "solvers.core.schedule",
     "SolveResult": "solvers.core.schedule",

@@ -194,7 +194,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def pareto(points: Sequence[Any], path: str | Path, baselines: Mapping[str, Any] | None = None, *,
-           title: str | None = None) -> Path:
+           title: str | None = None, equal_memory: Sequence[tuple[str, Any, Any]] | None = None) -> Path:
     """Step time against peak memory: every solved point, its Pareto frontier, and baselines.
 
     Args:
@@ -203,10 +203,13 @@ def pareto(points: Sequence[Any], path: str | Path, baselines: Mapping[str, Any]
             a :class:`SimResult`), or a ``(peak_bytes, step_ms)`` pair.
         path: PNG to write.
         baselines: name -> point in the same forms (e.g. ``{"fsdp2": sim}``), marked and labelled.
+        equal_memory: ``(baseline name, baseline point, fsdp-sched point)`` triples: fsdp-sched
+            solved at that baseline's peak, drawn as a star with an arrow from the baseline.
     """
     xy = [_xy(p) for p in points]
     base = {k: _xy(v) for k, v in (baselines or {}).items()}
-    top = max([x for x, _ in xy] + [x for x, _ in base.values()] + [1.0])
+    pairs = [(name, _xy(b), _xy(p)) for name, b, p in (equal_memory or ())]
+    top = max([x for x, _ in xy] + [x for x, _ in base.values()] + [p[0] for _, _, p in pairs] + [1.0])
     unit, f = _mem_unit(top)
     fig = Figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
@@ -219,9 +222,20 @@ def pareto(points: Sequence[Any], path: str | Path, baselines: Mapping[str, Any]
     for i, (name, (x, y)) in enumerate(sorted(base.items())):
         ax.scatter([x / f], [y], marker=markers[i % len(markers)], s=60, color=f"C{(i + 1) % 10}",
                    edgecolors="black", label=name, zorder=4)
+    _mark_equal_memory(ax, pairs, f)
     ax.set_xlabel(f"peak memory ({unit})")
     ax.set_ylabel("step time (ms)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax.set_title(title or "step time vs peak memory")
     return _save(fig, path)
+
+
+def _mark_equal_memory(ax: Any, pairs: Sequence[tuple[str, tuple[float, float], tuple[float, float]]],
+                       f: float) -> None:
+    """A star per fsdp-sched point solved at a baseline's peak, an arrow from that baseline."""
+    for i, (name, (bx, by), (px, py)) in enumerate(pairs):
+        ax.annotate("", xy=(px / f, py), xytext=(bx / f, by),
+                    arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.8}, zorder=5)
+        ax.scatter([px / f], [py], marker="*", s=140, color=f"C{(i + 4) % 10}", edgecolors="black",
+                   label=f"fsdp-sched at peak({name})", zorder=6)

@@ -40,8 +40,19 @@ def test_demo_prints_comparison_table(tmp_path, capsys):
         assert row in text
     assert "step" in text and "exposed comm" in text and "peak" in text
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"forward", "backward"}
+    assert set(summary) == {"forward", "backward", "equal_memory"}
     assert any(p.name.endswith("_gantt.png") for p in out.iterdir())
+    # the headline: at equal memory with each baseline, under both cost models, after the tables
+    headline = text.index("== headline: fsdp-sched at equal memory")
+    assert headline > text.index("== backward graph")
+    for model in ("analytic", "torch"):
+        assert f"fsdp-sched at equal memory, {model} cost model: x" in text[headline:]
+    for graph in ("forward", "backward"):
+        rows = summary["equal_memory"][graph]["rows"]
+        assert {r["baseline"] for r in rows} >= {"fsdp2", "simplefsdp"}
+        assert all(r["budget_bytes"] == summary["equal_memory"][graph]["baselines"][r["baseline"]]["peak_bytes"]
+                   for r in rows)
+        assert (out / f"{graph}_torch_equal_memory.png").stat().st_size > 0
 
 
 def test_trace_solve_round_trip(traced, tmp_path, capsys):

@@ -1,0 +1,153 @@
+"""Cross-model regret: solve under one cost model, judge under another, and the robust choice.
+
+For every graph (forward / backward of each model):
+
+1. budget = the FSDP2-like peak: the largest of the re-export, liveness and torch-tracker
+   peaks of the FSDP2-like schedule written back (``--budget none``: no limit);
+2. :func:`scheduler.rewritten.robust_schedule` at that budget: fsdp-sched solved under A
+   (``optimize_schedule(cost_model=A)``) for A in {analytic, torch}, and the baselines
+   (FSDP2-, SimpleFSDP-, AutoParallel-like, traced, torch's overlap scheduler), each written
+   back and judged on its rewritten graph under every model of the family (analytic and torch,
+   each with bandwidths x0.7 and x1.3);
+3. prints, for A, B in {analytic, torch}: the step time under B of the graph solved under A and
+   its regret against the best rewritten graph under B that fits; then the regret of the robust
+   choice under each base model and its worst case over the whole family.
+
+    python benchmarks/cross_model.py                       # llama3-8b at 8 layers + a foreign style
+    python benchmarks/cross_model.py llama3-debug:2:4 --time-limit 3
+    python benchmarks/cross_model.py --json cross.json
+    python benchmarks/cross_model.py llama3-8b:8:64 --budget none   # where the models disagree most
+
+A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size`` (a style of
+``tests/foreign_models.py``, captured with plain torch.compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODELS = ("llama3-8b:8:64", "foreign:tied:8:64")
+BASE = ("analytic", "torch")
+#: the robust choice's target (issue 13): at most this regret
+TARGET_REGRET = 0.02
+
+
+def capture(spec: str) -> tuple[Any, int]:
+    """(object with .forward / .backward graphs, world size) of a model spec."""
+    parts = spec.split(":")
+    if parts[0] == "foreign" and len(parts) == 4:
+        from foreign_models import capture as capture_foreign
+
+        world_size = int(parts[3])
+        return capture_foreign(parts[1], n_layers=int(parts[2]), world_size=world_size), world_size
+    if len(parts) != 3:
+        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size or foreign:style:n_layers:world_size")
+    from models import capture_fsdp_graphs
+
+    world_size = int(parts[2])
+    return capture_fsdp_graphs(parts[0], world_size=world_size, n_layers=int(parts[1])), world_size
+
+
+def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
+               budget_of: str = "fsdp2") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The A x B rows and the robust row of one graph (module docstring); ``budget_of``:
+    ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``."""
+    from scheduler.rewritten import judge, rewrite_baseline, robust_schedule
+
+    budget = None
+    if budget_of == "fsdp2":
+        fsdp2 = rewrite_baseline(gm, "fsdp2", cluster=cluster)
+        budget = judge(fsdp2, {"analytic": "analytic"}, cluster=cluster).peak_bytes
+    result = robust_schedule(gm, budget, cluster=cluster, time_limit_s=time_limit_s)
+    times = result.step_ms_by_model()
+    rows = []
+    for solved, a in result.solved_under.items():
+        for b in BASE:
+            fits = solved in result.fitting
+            best = min(times[b].values())
+            step = result.judged[solved].step_ms[b]
+            rows.append({"solved_under": a, "judged_under": b, "step_ms": step, "best_ms": best,
+                         "best": min(times[b], key=times[b].get), "regret": step / best - 1 if fits else None,
+                         "fits": fits})
+    worst = result.worst_regret()
+    robust = {"chosen": result.chosen, "budget_bytes": budget, "worst_regret_family": worst[result.chosen],
+              "regret": {b: times[b][result.chosen] / min(times[b].values()) - 1 for b in BASE},
+              "dropped": result.dropped, "time_s": result.time_s, "table": result.table()}
+    return rows, robust
+
+
+def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2") -> list[dict[str, Any]]:
+    from models.capture import fake_process_group
+    from scheduler.costs import Cluster
+
+    out = []
+    for spec in models:
+        t0 = time.perf_counter()
+        graphs, world_size = capture(spec)
+        logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
+        cluster = Cluster(n_gpus=world_size)
+        for kind in ("forward", "backward"):
+            t0 = time.perf_counter()
+            with fake_process_group(world_size):
+                rows, robust = cross_rows(getattr(graphs, kind), cluster=cluster, time_limit_s=time_limit_s,
+                                          budget_of=budget_of)
+            case = {"model": spec, "graph": kind, "rows": rows, "robust": robust, "time_s": time.perf_counter() - t0}
+            out.append(case)
+            print(_format(case), flush=True)
+    return out
+
+
+def _format(case: dict[str, Any]) -> str:
+    from solvers.core import fmt_bytes
+
+    r = case["robust"]
+    budget = "none" if r["budget_bytes"] is None else f"{fmt_bytes(r['budget_bytes'])} (FSDP2-like peak)"
+    lines = [f"\n== {case['model']} {case['graph']}: budget {budget}, "
+             f"{case['time_s']:.0f} s ==",
+             f"{'solved under':<14}{'judged under':<14}{'step ms':>10}{'best ms':>10}  {'best':<24}{'regret':>8}"]
+    for row in case["rows"]:
+        regret = "over budget" if row["regret"] is None else f"{row['regret']:.2%}"
+        lines.append(f"{row['solved_under']:<14}{row['judged_under']:<14}{row['step_ms']:10.2f}{row['best_ms']:10.2f}  "
+                     f"{row['best']:<24}{regret:>8}")
+    per = ", ".join(f"{b} {v:.2%}" for b, v in r["regret"].items())
+    lines.append(f"robust choice: {r['chosen']}: regret {per}; worst over the family {r['worst_regret_family']:.2%}")
+    lines += [f"  dropped {k}: {v[:160]}" for k, v in r["dropped"].items()]
+    lines.append(r["table"])
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
+                        help="preset:n_layers:world_size or foreign:style:n_layers:world_size")
+    parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve (default %(default)s)")
+    parser.add_argument("--budget", choices=("fsdp2", "none"), default="fsdp2",
+                        help="the FSDP2-like peak (default) or no limit")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cases = run(args.models, args.time_limit, args.budget)
+    if args.json:
+        args.json.write_text(json.dumps(cases, indent=1))
+    worst = max(c["robust"]["worst_regret_family"] for c in cases)
+    worst_base = max(max(c["robust"]["regret"].values()) for c in cases)
+    print(f"\nrobust choice: worst regret {worst_base:.2%} under analytic / torch, {worst:.2%} over the family "
+          f"(target <= {TARGET_REGRET:.0%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

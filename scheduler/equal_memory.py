@@ -1,0 +1,237 @@
+"""The headline at equal memory: fsdp-sched at each baseline's peak against that baseline.
+
+A user compares at equal memory with the tool they use today (issue 13), on the graph that is
+written back, under more than one cost model. For each baseline B of :data:`BASELINES`
+(FSDP2-like, torch's overlap scheduler, SimpleFSDP-like) and each cost model A of
+:data:`COST_MODELS`:
+
+1. B's rewritten graph (:func:`scheduler.rewritten.rewrite_baseline`) is judged on itself
+   (:func:`scheduler.rewritten.judge`): ``peak(B)`` is the largest of its re-export, liveness
+   and torch-tracker peaks, ``t_A(B)`` its re-exported step time under A;
+2. fsdp-sched (:func:`scheduler.optimize_schedule` on a copy, cost model A) runs at
+   ``mem_budget = peak(B)``; its rewritten graph is judged the same way (``fits`` when all
+   three of its peaks are within ``peak(B)``);
+3. speedup vs B = ``t_A(B) / t_A(fsdp-sched)``; speedup vs the best baseline that fits =
+   ``min t_A(B')`` over the baselines with ``peak(B') <= peak(B)``, divided by the same.
+
+:func:`compare` returns the rows; :func:`format_table`, :func:`headline` and :func:`plot` show
+them (the demo and ``benchmarks/equal_memory.py`` print them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scheduler.rewritten import Judged, judge, rewrite_baseline, rewrite_product
+from solvers.core import InfeasibleBudgetError, ScheduleError, fmt_bytes
+
+if TYPE_CHECKING:
+    import torch.fx
+
+logger = logging.getLogger(__name__)
+
+#: the baselines fsdp-sched is compared with, each at its own peak
+BASELINES = ("fsdp2", "torch", "simplefsdp")
+#: the cost models each comparison is made under
+COST_MODELS = ("analytic", "torch")
+#: display names of the baselines
+BASELINE_NAMES = {"fsdp2": "FSDP2-like", "torch": "torch 2.13 overlap", "simplefsdp": "SimpleFSDP-like"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Row:
+    """fsdp-sched against one baseline under one cost model, at the baseline's peak."""
+
+    graph: str
+    baseline: str
+    cost_model: str
+    #: peak(B): the budget fsdp-sched is given
+    budget_bytes: int
+    baseline_ms: float
+    #: the fastest baseline whose peak is within the budget (B itself at least)
+    best_baseline: str
+    best_baseline_ms: float
+    #: fsdp-sched's rewritten graph (None when no schedule fitted in the model)
+    product_ms: float | None = None
+    product_peak_bytes: int | None = None
+    #: all three peaks of fsdp-sched's rewritten graph within the budget
+    fits: bool = False
+    solve_time_s: float = 0.0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        """``t(B) / t(fsdp-sched)``; None when fsdp-sched has no graph that fits."""
+        return self.baseline_ms / self.product_ms if self.product_ms and self.fits else None
+
+    @property
+    def speedup_vs_best(self) -> float | None:
+        return self.best_baseline_ms / self.product_ms if self.product_ms and self.fits else None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Comparison:
+    """Every row of one graph, the baselines as judged and those that could not be made."""
+
+    graph: str
+    rows: list[Row]
+    baselines: dict[str, Judged]
+    unavailable: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "graph": self.graph,
+            "rows": [{**dataclasses.asdict(r), "speedup": r.speedup, "speedup_vs_best": r.speedup_vs_best}
+                     for r in self.rows],
+            "baselines": {n: {"peak_bytes": j.peak_bytes, "step_ms": j.step_ms} for n, j in self.baselines.items()},
+            "unavailable": self.unavailable,
+        }
+
+
+def compare(
+    gm: "torch.fx.GraphModule",
+    *,
+    graph: str = "",
+    baselines: Sequence[str] = BASELINES,
+    cost_models: Sequence[str] = COST_MODELS,
+    cluster: Any = None,
+    time_limit_s: float = 15.0,
+    on_row: Callable[[Row], None] | None = None,
+) -> Comparison:
+    """fsdp-sched at each baseline's peak against it, under each cost model (module docstring).
+
+    ``gm`` is not modified. Needs an initialised process group in which the graph's groups
+    resolve (a fake one is enough). A baseline that cannot be made (torch's pass fails on some
+    graphs) is listed in ``unavailable`` with the reason. ``on_row`` is called on each row as
+    it is made (progress). Solves at equal budgets under one model are made once.
+    """
+    judged, unavailable = judge_baselines(gm, baselines, cost_models, cluster=cluster, graph=graph)
+    rows: list[Row] = []
+    solved: dict[tuple[int, str], tuple[Judged | None, float, str]] = {}
+    for name in baselines:
+        if name not in judged:
+            continue
+        for model in cost_models:
+            budget = judged[name].peak_bytes
+            if (budget, model) not in solved:
+                solved[(budget, model)] = _product(gm, budget, model, cluster=cluster, time_limit_s=time_limit_s,
+                                                   graph=graph)
+            rows.append(_row(graph, name, model, judged, solved[(budget, model)]))
+            if on_row is not None:
+                on_row(rows[-1])
+    return Comparison(graph=graph, rows=rows, baselines=judged, unavailable=unavailable)
+
+
+def judge_baselines(gm: "torch.fx.GraphModule", baselines: Sequence[str], cost_models: Sequence[str], *,
+                    cluster: Any = None, graph: str = "") -> tuple[dict[str, Judged], dict[str, str]]:
+    """Each baseline's rewritten graph judged under every cost model; the reasons of those
+    that could not be made."""
+    judged: dict[str, Judged] = {}
+    unavailable: dict[str, str] = {}
+    for name in baselines:
+        logger.info("%s: writing back and judging baseline %s", graph, name)
+        try:
+            rewritten = rewrite_baseline(gm, name, cluster=cluster)
+            judged[name] = judge(rewritten, {m: m for m in cost_models}, name=name, cluster=cluster)
+        except Exception as e:  # torch's pass fails on some graphs; the others still compare
+            unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            logger.warning("%s: baseline %s unavailable: %s", graph, name, unavailable[name])
+    return judged, unavailable
+
+
+def _product(gm, budget: int, model: str, *, cluster: Any, time_limit_s: float,
+             graph: str) -> tuple[Judged | None, float, str]:
+    """(fsdp-sched's rewritten graph judged under ``model``, solve seconds, note)."""
+    logger.info("%s: fsdp-sched at %s under %s (limit %g s)", graph, fmt_bytes(budget), model, time_limit_s)
+    t0 = time.perf_counter()
+    try:
+        rewritten = rewrite_product(gm, budget, cost_model=model, cluster=cluster, time_limit_s=time_limit_s)
+    except (InfeasibleBudgetError, ScheduleError) as e:
+        return None, time.perf_counter() - t0, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    seconds = time.perf_counter() - t0
+    report = rewritten.meta.get("fsdp_sched_report")
+    note = f"{report.solver}, {report.status}" if report is not None else ""
+    return judge(rewritten, {model: model}, name="fsdp-sched", cluster=cluster), seconds, note
+
+
+def _row(graph: str, name: str, model: str, judged: dict[str, Judged], product) -> Row:
+    budget = judged[name].peak_bytes
+    fitting = {n: j.step_ms[model] for n, j in judged.items() if j.peak_bytes <= budget}
+    best = min(sorted(fitting), key=fitting.get)
+    p, seconds, note = product
+    row = Row(graph=graph, baseline=name, cost_model=model, budget_bytes=budget, baseline_ms=judged[name].step_ms[model],
+              best_baseline=best, best_baseline_ms=fitting[best], solve_time_s=seconds, note=note)
+    if p is not None:
+        row.product_ms, row.product_peak_bytes, row.fits = p.step_ms[model], p.peak_bytes, p.fits(budget)
+        if not row.fits:
+            row.note = f"over budget on the rewritten graph ({fmt_bytes(p.peak_bytes)}); {note}"
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# showing it
+# --------------------------------------------------------------------------------------------
+def format_table(rows: Sequence[Row], title: str = "") -> str:
+    """One line per (graph, baseline, cost model): budget, both step times, both speedups."""
+    head = (f"{'graph':<10}{'baseline':<20}{'cost':<10}{'budget = peak(B)':>17}{'B ms':>11}{'fsdp-sched ms':>15}"
+            f"{'vs B':>8}{'best that fits':>22}{'vs best':>9}")
+    lines = ([title] if title else []) + [head, "-" * len(head)]
+    for r in rows:
+        mine = "-" if r.product_ms is None else f"{r.product_ms:.2f}"
+        lines.append(
+            f"{r.graph:<10}{BASELINE_NAMES.get(r.baseline, r.baseline):<20}{r.cost_model:<10}"
+            f"{fmt_bytes(r.budget_bytes):>17}{r.baseline_ms:11.2f}{mine:>15}{_x(r.speedup):>8}"
+            f"{BASELINE_NAMES.get(r.best_baseline, r.best_baseline):>22}{_x(r.speedup_vs_best):>9}"
+            + (f"  {r.note}" if r.note and not r.fits else ""))
+    return "\n".join(lines)
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def headline(rows: Sequence[Row]) -> str:
+    """Per cost model: geometric-mean speedup vs each baseline and vs the best that fits, the
+    worst row, and how many rows lose or do not fit."""
+    lines = []
+    for model in dict.fromkeys(r.cost_model for r in rows):
+        mine = [r for r in rows if r.cost_model == model]
+        ok = [r for r in mine if r.speedup is not None]
+        per = ", ".join(
+            f"x{geomean([r.speedup for r in ok if r.baseline == b]):.2f} vs {BASELINE_NAMES.get(b, b)}"
+            for b in dict.fromkeys(r.baseline for r in ok))
+        best = geomean([r.speedup_vs_best for r in ok])
+        line = f"fsdp-sched at equal memory, {model} cost model: {per or 'no row fits'}"
+        if best is not None:
+            worst = min(ok, key=lambda r: r.speedup)
+            line += (f"; x{best:.2f} vs the best baseline that fits (geomean); worst x{worst.speedup:.2f} "
+                     f"({worst.graph}, vs {BASELINE_NAMES.get(worst.baseline, worst.baseline)})")
+        slower = sum(r.speedup < 1 for r in ok)
+        missing = len(mine) - len(ok)
+        if slower or missing:
+            line += f"; slower than B in {slower} rows, no fitting graph in {missing}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"x{v:.2f}"
+
+
+def plot(comparison: Comparison, cost_model: str, path: str | Path) -> Path:
+    """Pareto picture of one graph under ``cost_model``: each baseline at (peak, step), and
+    fsdp-sched at the same budget, an arrow from each baseline to it."""
+    from scheduler import plots
+
+    rows = [r for r in comparison.rows if r.cost_model == cost_model]
+    base = {BASELINE_NAMES.get(n, n): (j.peak_bytes, j.step_ms[cost_model]) for n, j in comparison.baselines.items()}
+    pairs = [(BASELINE_NAMES.get(r.baseline, r.baseline), (r.budget_bytes, r.baseline_ms),
+              (r.product_peak_bytes, r.product_ms)) for r in rows if r.product_ms is not None]
+    return plots.pareto([p for _, _, p in pairs], path, base, equal_memory=pairs,
+                        title=f"{comparison.graph}: fsdp-sched at each baseline's peak ({cost_model} cost model)")

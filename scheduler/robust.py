@@ -1,0 +1,154 @@
+"""Robust to the cost model: the schedule whose worst case across cost models is best.
+
+No cost model is the machine: ours (analytic roofline + NCCL ring) and torch's estimators
+disagree by 1.3x to 1.8x on the same graphs and prefer different schedules (issue 13), and
+bandwidths vary from one cluster to the next. A schedule chosen under one model can be far
+from the best under another. The robust choice hedges:
+
+- the family of cost models (:func:`cost_model_family`): each of :data:`BASE_COST_MODELS`
+  (``"analytic"``, ``"torch"``) on the cluster as given and with its intra- and inter-node
+  bandwidths scaled by each factor of :data:`BANDWIDTH_SCALES` (-30 %, +30 %);
+- the regret of candidate ``c`` under model ``m``: ``t_m(c) / min_c' t_m(c') - 1``, the
+  minimum over the candidates compared (those that fit the budget);
+- the robust choice (:func:`robust_key`): the candidate with the smallest worst-case regret
+  over the family; ties go to the first name in sorted order, so every rank agrees.
+
+:func:`choice_key` turns the criterion into a ``key`` for a chooser over judged candidates
+(objects with ``name`` and ``figures.step_ms``); :func:`scheduler.rewritten.robust_schedule`
+does the whole thing with the public API. This module imports no torch and nothing above the
+cost models, so that the API can use the criterion.
+
+With a chooser over judged candidates whose figures carry step times under the family, the
+robust choice is ``choose(judged, budget, key=choice_key(judged, budget))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from scheduler.costs import Cluster, CostModel, resolve_cost_model
+
+logger = logging.getLogger(__name__)
+
+#: the cost models every family starts from (names of :data:`scheduler.costs.COST_MODELS`)
+BASE_COST_MODELS = ("analytic", "torch")
+#: factors applied to the cluster's intra- and inter-node bandwidths (-30 %, +30 %)
+BANDWIDTH_SCALES = (0.7, 1.3)
+
+
+# --------------------------------------------------------------------------------------------
+# the family of cost models
+# --------------------------------------------------------------------------------------------
+def scale_bandwidth(cluster: Cluster, factor: float) -> Cluster:
+    """``cluster`` with its intra- and inter-node bus bandwidths multiplied by ``factor``."""
+    return dataclasses.replace(cluster, intra_node_gbps=cluster.intra_node_gbps * factor,
+                               inter_node_gbps=cluster.inter_node_gbps * factor)
+
+
+def family_label(base: str, factor: float = 1.0) -> str:
+    """``"analytic"`` for the cluster as given, ``"analytic bw-30%"`` for bandwidths x 0.7."""
+    return base if factor == 1.0 else f"{base} bw{factor - 1:+.0%}"
+
+
+def cost_model_family(
+    cluster: Cluster | None = None,
+    *,
+    base: Sequence[str] = BASE_COST_MODELS,
+    bandwidth_scales: Sequence[float] = BANDWIDTH_SCALES,
+) -> dict[str, CostModel]:
+    """Label -> cost model: each model of ``base`` on ``cluster`` (default
+    :class:`scheduler.costs.Cluster`), then on the cluster with bandwidths scaled by each
+    factor of ``bandwidth_scales`` (labels by :func:`family_label`, in that order)."""
+    cluster = cluster or Cluster()
+    family: dict[str, CostModel] = {}
+    for name in base:
+        family[family_label(name)] = resolve_cost_model(name, cluster)
+        for factor in bandwidth_scales:
+            if not factor > 0:
+                raise ValueError(f"bandwidth scale factors must be > 0, got {factor!r}")
+            family[family_label(name, factor)] = resolve_cost_model(name, scale_bandwidth(cluster, factor))
+    return family
+
+
+# --------------------------------------------------------------------------------------------
+# the criterion
+# --------------------------------------------------------------------------------------------
+def regrets(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Candidate -> model label -> ``t_m(c) / min_c' t_m(c') - 1`` (0 for the best under m).
+
+    Args:
+        step_ms_by_model: model label -> candidate -> step time (ms); every model must time
+            the same candidates, every time must be > 0.
+
+    Raises:
+        ValueError: no model or no candidate, models that time different candidates, or a
+            time that is not > 0.
+    """
+    names = _candidates(step_ms_by_model)
+    out: dict[str, dict[str, float]] = {c: {} for c in names}
+    for label, times in step_ms_by_model.items():
+        best = min(times.values())
+        for c in names:
+            out[c][label] = times[c] / best - 1.0
+    return out
+
+
+def worst_regret(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Candidate -> its largest regret over the models (:func:`regrets`)."""
+    return {c: max(by_model.values()) for c, by_model in regrets(step_ms_by_model).items()}
+
+
+def robust_key(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> str:
+    """The candidate with the smallest worst-case ratio to the best candidate under each model;
+    among equal ratios, the first name in sorted order. Same argument as :func:`regrets`."""
+    worst = worst_regret(step_ms_by_model)
+    return min(sorted(worst), key=lambda c: worst[c])
+
+
+def single_model_pick(step_ms_by_model: Mapping[str, Mapping[str, float]], label: str) -> str:
+    """The candidate that model ``label`` alone would choose (ties: the first name)."""
+    times = step_ms_by_model[label]
+    return min(sorted(times), key=lambda c: times[c])
+
+
+def choice_key(candidates: Iterable[Any], mem_budget_bytes: int | None = None, *,
+               fits: Callable[[Any, int | None], bool] | None = None) -> Callable[[Any], tuple[float, str]]:
+    """A ``key`` that makes a ``min`` over ``candidates`` the robust choice.
+
+    Candidates are objects with ``name`` and ``figures.step_ms`` (label -> ms, the same
+    labels for all), as a chooser over judged candidates holds them; regrets are taken among
+    those that fit ``mem_budget_bytes`` (``fits(candidate, budget)``, default: every
+    candidate with figures whose ``figures.max_peak_bytes`` is within the budget). The key is
+    ``(worst-case regret, name)``; a candidate outside that set keys as ``(inf, name)``.
+    """
+    fits = fits or _fits_by_figures
+    pool = [c for c in candidates if getattr(c, "figures", None) is not None and fits(c, mem_budget_bytes)]
+    if not pool:
+        return lambda c: (float("inf"), c.name)
+    labels = pool[0].figures.step_ms.keys()
+    table = {label: {c.name: c.figures.step_ms[label] for c in pool} for label in labels}
+    worst = worst_regret(table)
+    return lambda c: (worst.get(c.name, float("inf")), c.name)
+
+
+def _fits_by_figures(candidate: Any, mem_budget_bytes: int | None) -> bool:
+    return mem_budget_bytes is None or candidate.figures.max_peak_bytes <= mem_budget_bytes
+
+
+def _candidates(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> list[str]:
+    if not step_ms_by_model:
+        raise ValueError("no cost model: give at least one model's step times")
+    sets = {label: set(times) for label, times in step_ms_by_model.items()}
+    names = next(iter(sets.values()))
+    if not names:
+        raise ValueError("no candidate to choose from")
+    for label, s in sets.items():
+        if s != names:
+            raise ValueError(f"cost model {label!r} times other candidates ({sorted(s ^ names)} differ)")
+        bad = [c for c, t in step_ms_by_model[label].items() if not t > 0]
+        if bad:
+            raise ValueError(f"cost model {label!r}: step times must be > 0 (candidates {bad})")
+    return sorted(names)
