@@ -283,7 +283,7 @@ def _pin_order(graph: "torch.fx.Graph") -> int:
     them with control dependencies; returns how many nodes got extra dependencies.
 
     The anchors are the collectives, the waits and the compute nodes inductor lowers to an
-    extern kernel (matmuls, attention, fallbacks: :func:`_is_extern_compute`), chained in
+    extern kernel (matmuls, attention, custom ops: :func:`_is_extern_compute`), chained in
     graph order: each anchor depends on the one before it. Both sides of every overlap window
     are fixed: an issue can neither rise above the matmul before it nor sink below the one
     after it, and the same for a wait. Matmuls are chained to each other too: inductor moves
@@ -316,10 +316,26 @@ def _is_wait(node: "torch.fx.Node") -> bool:
 
 
 def _is_extern_compute(node: "torch.fx.Node") -> bool:
-    """A compute node whose inputs inductor realises and whose output is an extern kernel's
-    buffer (matmuls, attention, ops without a lowering): inductor's ``needs_realized_inputs``."""
-    from torch._inductor.lowering import needs_realized_inputs
+    """A compute node that inductor lowers to an extern kernel, whose inputs it realises and
+    whose output is a buffer: a matmul, an op in ``needs_realized_inputs`` (attention,
+    convolution, ...) or an op with neither a lowering nor a decomposition (inductor falls
+    back to it; custom ops such as a flash attention). The last test is needed because
+    inductor adds a fallback to ``needs_realized_inputs`` only when it first lowers it: the
+    set depends on what the process compiled before."""
+    import torch
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings, needs_realized_inputs
 
-    if node.op != "call_function" or getattr(node.target, "namespace", "") == "_c10d_functional":
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    return node.target in needs_realized_inputs
+    if target.namespace == "_c10d_functional":
+        return False
+    if target.namespace == "aten" and target.overloadpacket.__name__ in _MATMULS:
+        return True
+    return target in needs_realized_inputs or (target not in lowerings and target not in select_decomp_table())
+
+
+#: aten matmuls whose lowerings realise their inputs themselves (mm_args) and are not all in
+#: ``needs_realized_inputs`` (addmm, baddbmm, _scaled_mm)
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"})
