@@ -24,7 +24,8 @@ the fault cases end the same way on both ranks, without a hang.
 Speed (2 cores): inductor's FX-graph and AOT-autograd caches are off for ``sched`` only (a
 cache hit would skip the pass); the kernel cache stays on; ``cpp.simdlen = 1`` (no
 vectorisation) for both runs halves a cold C++ compile and changes nothing the test compares
-(both runs use it).
+(both runs use it). Measured on 2 cores shared with other jobs (torch 2.13): about 50 s with
+a warm kernel cache, 150 s wall (75 s CPU) with an empty ``TORCHINDUCTOR_CACHE_DIR``.
 """
 
 from __future__ import annotations
