@@ -73,8 +73,10 @@ def inductor_post_grad_pass(**options: Any):
         compiled = torch.compile(model)   # the default inductor backend
 
     ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
-    False here: pinning the order with control dependencies changed inductor's numerics in our
-    tests (issue 14), and a rewritten graph must compute exactly what the original does. The pass wraps the
+    True here: inductor reorders by itself (torch 2.14: its ``simple_overlap`` pass), and the
+    control dependencies keep every collective and wait between the same matmuls as in the
+    schedule, without changing what inductor computes (bitwise equal to inductor without the
+    pass, ``tests/test_inductor_gloo.py``). The pass wraps the
     ``fx.Graph`` it receives in its owning GraphModule (or a fresh one) and rewrites it in
     place; reports are collected in the pass's ``reports`` list, each naming its graph
     (``graph_name`` / ``graph_kind``: "forward", "backward" or "inference"; ``compile_id``:
@@ -87,10 +89,8 @@ def inductor_post_grad_pass(**options: Any):
     """
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-    # control dependencies changed inductor's numerics (not bitwise equal to inductor without
-    # the pass, tests/test_inductor_gloo.py): off by default until that is understood; the order
-    # written back is then a hint inductor may reorder
-    options = {"control_deps": False, **options}
+    # without pins the order written back is only a hint that inductor may reorder
+    options = {"control_deps": True, **options}
     parse_bytes(options.get("mem_budget"))
 
     class _FsdpSchedPass(CustomInferenceAwareGraphPass):

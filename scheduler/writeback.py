@@ -14,8 +14,9 @@
    position and the merged wait (plus the copy-out) at its wait position.
 3. **Pin (optional).** Control dependencies
    (``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``) so that
-   inductor, which reorders by itself, keeps the overlap: the first compute node after an issue
-   depends on the collective, a wait depends on the last compute node before it.
+   inductor, which reorders by itself (torch 2.14: its ``simple_overlap`` pass), keeps the
+   overlap: every collective and wait is chained between the extern compute nodes (matmuls)
+   before and after it (:func:`_pin_order`).
 4. ``graph.lint()`` and ``gm.recompile()``.
 
 Requirements of torch's merge functions (checked up front, with a message saying what to fix):
@@ -94,16 +95,12 @@ def apply_schedule(
         _check_merge_preconditions(problem, schedule, by_name)
     _move_into_order(graph, order)
 
-    # Anchors of every step, taken before merging erases the members' nodes.
-    issue_first, wait_first = _step_anchors(problem, schedule, by_name)
-    for b, bucket in enumerate(schedule.buckets):
-        if len(bucket.members) == 1:
-            continue
+    for bucket in merged:
         members = _payload_order(problem, bucket.members, payload_order)
         # the reorder placed the members' collectives and waits in member order: the last
         # member's nodes close the issue and wait groups
         last = bucket.members[-1]
-        new_coll, new_wait = _merge_bucket(
+        _merge_bucket(
             graph,
             problem,
             [by_name[m] for m in members],
@@ -112,9 +109,8 @@ def apply_schedule(
             last_wait=by_name[problem.colls[last].wait],
             bucket_mode=bucket_mode,
         )
-        issue_first[b], wait_first[b] = new_coll, new_wait
     if control_deps:
-        n_deps = _pin_order(graph, problem, schedule, by_name, issue_first, wait_first)
+        n_deps = _pin_order(graph)
         logger.debug("added control dependencies to %d nodes", n_deps)
     graph.lint()
     gm.recompile()
@@ -186,15 +182,6 @@ def _move_into_order(graph: "torch.fx.Graph", order: Sequence["torch.fx.Node"]) 
         output.prepend(node)
 
 
-def _step_anchors(
-    problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]
-) -> tuple[dict[int, "torch.fx.Node"], dict[int, "torch.fx.Node"]]:
-    """Per bucket, the first collective node of its issue and the first wait node."""
-    issue_first = {b: by_name[bucket.members[0]] for b, bucket in enumerate(schedule.buckets)}
-    wait_first = {b: by_name[problem.colls[bucket.members[0]].wait] for b, bucket in enumerate(schedule.buckets)}
-    return issue_first, wait_first
-
-
 # --------------------------------------------------------------------------------------------
 # 2. merge
 # --------------------------------------------------------------------------------------------
@@ -247,8 +234,8 @@ def _merge_bucket(
     last_coll: "torch.fx.Node",
     last_wait: "torch.fx.Node",
     bucket_mode: str,
-) -> tuple["torch.fx.Node", "torch.fx.Node"]:
-    """Merge one bucket in place; returns the merged collective and wait nodes.
+) -> None:
+    """Merge one bucket in place.
 
     The merged collective (with its copy-in) goes just before the first node after the
     members' issue group that is not one of the bucket's own nodes; the merged wait (with its
@@ -275,13 +262,11 @@ def _merge_bucket(
         wait_insertion_point=wait_insertion_point,
     )
     new_coll = next(n for n in new_nodes if _is_collective(n))
-    new_wait = next(n for n in new_nodes if bucketing.is_wait_tensor(n))
     # Keep the FSDP annotations on the merged collective (reports, re-export).
     new_coll.meta["fsdp_fqn"] = fqns
     new_coll.meta["fsdp_role"] = "fsdp"
     new_coll.meta["fsdp_param_index"] = next((i for i in indices if i is not None), None)
     new_coll.meta["fsdp_sched_members"] = [n.name for n in colls]
-    return new_coll, new_wait
 
 
 def _is_collective(node: "torch.fx.Node") -> bool:
@@ -293,50 +278,64 @@ def _is_collective(node: "torch.fx.Node") -> bool:
 # --------------------------------------------------------------------------------------------
 # 3. control dependencies
 # --------------------------------------------------------------------------------------------
-def _pin_order(
-    graph: "torch.fx.Graph",
-    problem: "Problem",
-    schedule: Schedule,
-    by_name: dict[str, "torch.fx.Node"],
-    issue_first: dict[int, "torch.fx.Node"],
-    wait_first: dict[int, "torch.fx.Node"],
-) -> int:
-    """Pin every bucket's overlap window with control dependencies; returns how many nodes got
-    extra dependencies.
+def _pin_order(graph: "torch.fx.Graph") -> int:
+    """Pin the written order of collectives and waits relative to the extern compute around
+    them with control dependencies; returns how many nodes got extra dependencies.
 
-    For a bucket issued at gap ``i`` and waited at gap ``w``: the first compute node at or
-    after ``i`` depends on the collective (the issue cannot sink below it), and the wait depends
-    on the last compute node before ``w`` (the wait cannot rise above it). Dependencies that are
+    The anchors are the collectives, the waits and the compute nodes inductor lowers to an
+    extern kernel (matmuls, attention, custom ops: :func:`_is_extern_compute`), chained in
+    graph order: each anchor depends on the one before it. Both sides of every overlap window
+    are fixed: an issue can neither rise above the matmul before it nor sink below the one
+    after it, and the same for a wait. Matmuls are chained to each other too: inductor moves
+    a matmul whose inputs are ready above a wait it does not read. Dependencies that are
     already data dependencies are left out.
+
+    Only extern nodes are pinned, because inductor realises every dependency of a
+    control_deps node: a pointwise node that it would otherwise inline into its consumer
+    then becomes a buffer of the node's dtype, and a bf16 product that a fused reduction
+    used to sum in fp32 gets rounded to bf16 first (issue 14). An extern kernel's inputs and
+    output are buffers anyway.
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
     from torch.utils._ordered_set import OrderedSet
 
-    seq = problem.seq
-    kinds = problem.dag.nodes
-    issue, wait = schedule.positions()
+    anchors = [n for n in graph.nodes if _is_collective(n) or _is_wait(n) or _is_extern_compute(n)]
     deps: dict = {}
-
-    def compute_at_or_after(p: int) -> "torch.fx.Node | None":
-        for k in range(p, len(seq)):
-            if kinds[seq[k]]["kind"] == "compute":
-                return by_name[seq[k]]
-        return None
-
-    def compute_before(p: int) -> "torch.fx.Node | None":
-        for k in range(p - 1, -1, -1):
-            if kinds[seq[k]]["kind"] == "compute":
-                return by_name[seq[k]]
-        return None
-
-    for b in range(len(schedule.buckets)):
-        coll, w_node = issue_first[b], wait_first[b]
-        after = compute_at_or_after(issue[b])
-        if after is not None and issue[b] < wait[b] and coll not in after.all_input_nodes:
-            deps.setdefault(after, OrderedSet()).add(coll)
-        before = compute_before(wait[b])
-        if before is not None and wait[b] > issue[b] and before not in w_node.all_input_nodes:
-            deps.setdefault(w_node, OrderedSet()).add(before)
-    # a dependency on a node that is itself wrapped later is remapped by torch
+    for before, node in zip(anchors, anchors[1:]):
+        if before not in node.all_input_nodes:
+            deps[node] = OrderedSet([before])
+    # in graph order: a dependency that is itself wrapped earlier is remapped by torch
     preserve_node_ordering(graph, deps)
     return len(deps)
+
+
+def _is_wait(node: "torch.fx.Node") -> bool:
+    from torch._inductor.fx_passes.bucketing import is_wait_tensor
+
+    return is_wait_tensor(node)
+
+
+def _is_extern_compute(node: "torch.fx.Node") -> bool:
+    """A compute node that inductor lowers to an extern kernel, whose inputs it realises and
+    whose output is a buffer: a matmul, an op in ``needs_realized_inputs`` (attention,
+    convolution, ...) or an op with neither a lowering nor a decomposition (inductor falls
+    back to it; custom ops such as a flash attention). The last test is needed because
+    inductor adds a fallback to ``needs_realized_inputs`` only when it first lowers it: the
+    set depends on what the process compiled before."""
+    import torch
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings, needs_realized_inputs
+
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace == "_c10d_functional":
+        return False
+    if target.namespace == "aten" and target.overloadpacket.__name__ in _MATMULS:
+        return True
+    return target in needs_realized_inputs or (target not in lowerings and target not in select_decomp_table())
+
+
+#: aten matmuls whose lowerings realise their inputs themselves (mm_args) and are not all in
+#: ``needs_realized_inputs`` (addmm, baddbmm, _scaled_mm)
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"})

@@ -24,7 +24,8 @@ the fault cases end the same way on both ranks, without a hang.
 Speed (2 cores): inductor's FX-graph and AOT-autograd caches are off for ``sched`` only (a
 cache hit would skip the pass); the kernel cache stays on; ``cpp.simdlen = 1`` (no
 vectorisation) for both runs halves a cold C++ compile and changes nothing the test compares
-(both runs use it).
+(both runs use it). Measured on 2 cores shared with other jobs (torch 2.13): about 50 s with
+a warm kernel cache, 150 s wall (75 s CPU) with an empty ``TORCHINDUCTOR_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ def _inductor_case(rank: int, world_size: int) -> dict[str, Any]:
             sched = _train(model, torch.compile(model, fullgraph=True), batches,
                            first_step=lambda step: run_and_get_code(step))
     codes = [c for c in sched["codes"] if "def call(self, args)" in c]
+    distributed_config = getattr(inductor_config, "aten_distributed_optimizations", None)
     return {
+        "simple_overlap": getattr(distributed_config, "enable_simple_overlap", None),
         "mismatch": _mismatch(base, sched),
         "reports": [r.to_json() for r in post_pass.reports],
         "lowered": lowered,
@@ -253,8 +256,8 @@ def results(case: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_inductor_with_pass_bitwise_equal_to_inductor_without():
-    """The pass's default (no control dependencies): losses, gradients and parameters over two
-    steps are bitwise those of inductor without the pass."""
+    """The pass with its defaults (order pinned with control dependencies): losses, gradients
+    and parameters over two steps are bitwise those of inductor without the pass."""
     for rank, res in enumerate(results("inductor")):
         assert res["mismatch"] == [], f"rank {rank}: not bitwise equal to inductor without the pass: {res['mismatch']}"
 
@@ -280,17 +283,19 @@ def test_inductor_pass_buckets_and_names_its_graphs():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the pins fix only one side of each window (an issue cannot sink below the next compute node, "
-    "a wait cannot rise above the previous one); inductor hoists a later collective above a wait "
-    "and a matmul (torch 2.13: backward, 33rd collective/wait event), and 2.14's simple_overlap "
-    "moves issues earlier and waits later by design. Pinning the other sides too is open."))
 def test_inductor_runs_the_pinned_order():
+    """Every collective and wait runs between the same matmuls, in the same order, as in the
+    graph the pass hands to inductor (both sides of each window pinned). On torch 2.14 with
+    its default ``simple_overlap`` pass on (2.13 has no such pass)."""
+    import torch
+
+    on_214 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14)
     for res in results("inductor"):
+        assert res["simple_overlap"] is (True if on_214 else None)
         lowered, code = res["lowered"], res["code_signatures"]
         assert len(lowered) == len(code) == 2
-        assert lowered[1]["control_deps"] > 0  # backward: reduce-scatters and prefetches pinned
         for graph, sig in zip(lowered, code):
+            assert graph["control_deps"] > 0
             assert sum(k == "C" for k, _ in sig) > 0
             assert sig == graph["signature"]
 

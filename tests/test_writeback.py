@@ -233,20 +233,35 @@ def test_payload_order(pg, payload_order, expected):
     _assert_same(ref, gm(*inputs))
 
 
-def test_control_deps_pin_the_overlap(pg):
+def test_control_deps_pin_both_sides_of_every_window(pg):
+    """The bucketed schedule, written back and pinned (inductor's extern compute: the mms)::
+
+        ag01 ag2 wait(ag01) | mm mm_1 relu wait(ag2) mm_2 mm_3 mm_4 | rs01 wait(rs01)
+
+    The anchors are chained, each after the one before it where no data edge does so already:
+    ag2 after ag01, wait(ag01) after ag2, mm after wait(ag01), wait(ag2) after mm_1 (not
+    relu: inductor realises every dependency, and a pointwise one would no longer be inlined
+    into its consumer), mm_3 after mm_2, mm_4 after mm_3, rs01 after mm_4. mm_1 reads mm,
+    mm_2 reads wait(ag2), wait(rs01) reads rs01: data edges, no pins."""
     gm = toy_graph(pg, 1)
     problem = _problem(gm)
-    schedule = bucketed_schedule(problem)
     inputs = real_inputs()
     ref = gm(*inputs)
-    apply_schedule(gm, problem, schedule, control_deps=True)
-    pinned = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.control_deps]
-    # only ag2 is in flight over compute: mm depends on its issue, its wait on relu
-    assert sorted(n.name for n in pinned) == ["mm", problem.colls[AG[2]].wait]
-    wait = next(n for n in pinned if n.name != "mm")
-    assert [d.name for d in wait.args[0]] == ["relu"]
-    mm = next(n for n in pinned if n.name == "mm")
-    assert [d.name for d in mm.args[0]] == [AG[2]]
+    apply_schedule(gm, problem, bucketed_schedule(problem), control_deps=True)
+    merged = {frozenset(n.meta["fsdp_sched_members"]): n for n in gm.graph.nodes if "fsdp_sched_members" in n.meta}
+    ag01, rs01 = merged[frozenset(AG[:2])], merged[frozenset(RS)]
+    pinned = {n.name: [d.name for d in n.args[0]] for n in gm.graph.nodes
+              if n.target is torch.ops.higher_order.control_deps}
+    wait_ag01 = next(n.name for n in gm.graph.nodes if n.name in pinned and n.args[2] is ag01)
+    assert pinned == {
+        AG[2]: [ag01.name],
+        wait_ag01: [AG[2]],
+        "mm": [wait_ag01],
+        problem.colls[AG[2]].wait: ["mm_1"],
+        "mm_3": ["mm_2"],
+        "mm_4": ["mm_3"],
+        rs01.name: ["mm_4"],
+    }
     _assert_same(ref, gm(*inputs))
 
 
