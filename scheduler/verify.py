@@ -39,7 +39,7 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, bucket_stats
-from scheduler.writeback import apply_schedule
+from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
 from solvers.warmstart import fitting_heuristics
 
@@ -182,8 +182,9 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
 def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, cluster: Any = None,
             **writeback: Any) -> None:
     """Write ``chosen`` into ``gm``'s own graph (an inductor pass must mutate the graph it was
-    given). A torch candidate is re-run on ``gm`` and must give the judged graph; it gets no
-    control dependencies (``writeback``'s ``control_deps`` applies to schedules only).
+    given). A torch candidate is re-run on ``gm`` and must give the judged graph; with
+    ``control_deps`` its order is then pinned like a written schedule's
+    (:func:`scheduler.writeback.pin_order`).
 
     Raises:
         ScheduleError: torch's pass gave another graph here (differing graphs or torch builds
@@ -195,6 +196,8 @@ def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, 
     if chosen.graph_digest and graph_digest(gm) != chosen.graph_digest:
         raise ScheduleError(f"torch's overlap scheduler ({chosen.name}) rewrote this rank's graph differently "
                             "from the chosen one; every rank must trace the identical graph")
+    if writeback.get("control_deps"):
+        pin_order(gm)
 
 
 def _none_fits(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Exception:

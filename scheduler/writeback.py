@@ -278,6 +278,17 @@ def _is_collective(node: "torch.fx.Node") -> bool:
 # --------------------------------------------------------------------------------------------
 # 3. control dependencies
 # --------------------------------------------------------------------------------------------
+def pin_order(gm: "torch.fx.GraphModule") -> int:
+    """Pin ``gm``'s current order of collectives, waits and extern compute with control
+    dependencies (as ``apply_schedule(control_deps=True)`` does after writing a schedule), for
+    a graph rewritten by other code (torch's overlap scheduler); returns how many nodes got
+    extra dependencies."""
+    n_deps = _pin_order(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return n_deps
+
+
 def _pin_order(graph: "torch.fx.Graph") -> int:
     """Pin the written order of collectives and waits relative to the extern compute around
     them with control dependencies; returns how many nodes got extra dependencies.

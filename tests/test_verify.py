@@ -136,6 +136,22 @@ def test_torch_candidate_installed_in_place(llama):
         verify.install(other, problem, Candidate(name="torch-overlap", graph_digest="0" * 64))
 
 
+def test_torch_candidate_pinned_with_control_deps(llama):
+    """With control_deps, an installed torch candidate gets the same pins as a written
+    schedule: inductor must not undo torch's order either."""
+    import torch
+
+    gm = copy.deepcopy(llama.backward)
+    problem = Problem.from_dag(export_dag(gm))
+    [judged] = verify.judge_candidates(gm, problem, [Candidate(name="torch-overlap")])
+    verify.install(gm, problem, Candidate.from_json(judged.to_json()), control_deps=True)
+    pins = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.control_deps]
+    assert pins, "torch's candidate was installed without control dependencies"
+    plain = copy.deepcopy(llama.backward)
+    verify.install(plain, problem, Candidate.from_json(judged.to_json()))
+    assert not [n for n in plain.graph.nodes if n.target is torch.ops.higher_order.control_deps]
+
+
 def test_verify_off_is_todays_behaviour(llama):
     gm, report = _optimized(llama.forward, verify=False)
     assert not report.verified and report.candidates == [] and report.reexported_step_ms is None
