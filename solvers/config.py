@@ -75,12 +75,15 @@ class SearchConfig:
     #: process. The search's limits are deterministic; when the cap is hit the result is
     #: reported (a note) and is no longer rank-deterministic
     wall_clock_factor: float = 4.0
+    #: seconds added to every wall-clock cap (one solve's and the whole search's): short limits
+    #: are dominated by fixed costs (model loading, presolve) that a loaded machine stretches
+    wall_clock_slack_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.memory_repair_rounds < 0:
             raise ValueError("memory_repair_rounds must be >= 0")
-        if self.lns_window_s <= 0 or self.wall_clock_factor < 1:
-            raise ValueError("lns_window_s must be > 0 and wall_clock_factor >= 1")
+        if self.lns_window_s <= 0 or self.wall_clock_factor < 1 or self.wall_clock_slack_s < 0:
+            raise ValueError("lns_window_s must be > 0, wall_clock_factor >= 1 and wall_clock_slack_s >= 0")
         if self.template_max_period_blocks < 1 or self.split_blocks_over < 1:
             raise ValueError("template_max_period_blocks and split_blocks_over must be >= 1")
         if self.template_rounds < 0 or self.template_window_blocks < 1 or self.template_window_s <= 0:

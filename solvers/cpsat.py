@@ -397,7 +397,7 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.max_deterministic_time = float(time_limit_s) * cfg.deterministic_units_per_second
-    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor
+    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor + cfg.wall_clock_slack_s
     prm.random_seed = int(seed)
     prm.num_workers = int(num_workers)
     prm.log_search_progress = False
@@ -436,7 +436,7 @@ class CpSatBackend:
         status = STATUS_NAMES.get(solver.Solve(model), "unknown")
         prm = solver.parameters
         if (status not in ("optimal", "infeasible") and solver.WallTime() >= prm.max_time_in_seconds * 0.99
-                and solver.DeterministicTime() < prm.max_deterministic_time * 0.99):
+                and solver.response_proto.deterministic_time < prm.max_deterministic_time * 0.99):
             self.wall_cap_hits += 1
             logger.warning("a CP-SAT solve hit its wall-clock cap (%.1f s) before its deterministic limit",
                            prm.max_time_in_seconds)

@@ -20,8 +20,9 @@
 Determinism: ``time_limit_s`` is a budget of *deterministic* work (:class:`WorkBudget`): every
 model and window gets a fixed share of it, whatever the wall clock says, so every rank runs the
 same solves and gets the same schedule. The wall clock is only a safety cap
-(``wall_clock_factor`` x the limit); when it stops a solve the result says so in a note and is
-no longer rank-deterministic (the API's rank agreement, :mod:`scheduler.consensus`, settles it).
+(``wall_clock_factor`` x the limit + ``wall_clock_slack_s``); when it stops a solve the result
+says so in a note and is no longer rank-deterministic (the API's rank agreement,
+:mod:`scheduler.consensus`, settles it).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class _Run:
         self.seed = seed
         self.num_workers = num_workers
         self.t0 = time.perf_counter()
-        self.budget = WorkBudget(time_limit_s, time_limit_s * self.cfg.wall_clock_factor)
+        self.budget = WorkBudget(time_limit_s, time_limit_s * self.cfg.wall_clock_factor + self.cfg.wall_clock_slack_s)
         self.cap_hits0 = getattr(backend, "wall_cap_hits", 0)
         self.warm: SolveResult | None = None
         self.notes: list[str] = []
@@ -187,7 +188,7 @@ class _Run:
         """The whole-graph model gave nothing usable: the decomposition from the warm start
         with the work left (its windows keep only fitting improvements), or the warm start."""
         assert self.warm is not None
-        if self.budget.exhausted(self.cfg.lns_window_s):
+        if self.budget.exhausted(0.1):
             self.notes.append(f"{why}; returned the best warm start ({self.warm.solver})")
             return self._warm_result()
         self.notes.append(f"{why}; searched windows from the best warm start ({self.warm.solver})")
