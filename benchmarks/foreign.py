@@ -102,8 +102,9 @@ def graph_rows(style: str, kind: str, gm: Any, true_blocks: dict, cost_model: st
     from scheduler import export_dag, simulate
     from solvers import InfeasibleBudgetError, Problem, solve, solve_budgets
 
-    dag = _with_true_blocks(export_dag(gm, cost_model=cost_model), gm, true_blocks)
-    p = Problem.from_dag(dag)
+    dag = export_dag(gm, cost_model=cost_model)
+    p = Problem.from_dag(dag)  # blocks as inferred: what fsdp-sched and SimpleFSDP-like see
+    p_true = Problem.from_dag(_with_true_blocks(export_dag(gm, cost_model=cost_model), gm, true_blocks))
     peak = simulate(dag, p.traced_schedule(), problem=p).peak_bytes
     budgets = [int(peak * f) for f in BUDGET_FACTORS]
     torch_runs = {"torch": _torch(gm, cost_model, False), "torch+prebucket": _torch(gm, cost_model, True)}
@@ -115,8 +116,9 @@ def graph_rows(style: str, kind: str, gm: Any, true_blocks: dict, cost_model: st
         row: dict[str, Any] = {"style": style, "graph": kind, "cost_model": cost_model, "budget": f,
                                "budget_bytes": budget, "solve_s": round(solve_s, 1)}
         for name in ("traced", "fsdp2", "simplefsdp"):
+            q = p_true if name == "fsdp2" else p
             try:
-                row[name] = _written(gm, p, solve(p, solver=name, mem_budget_bytes=budget).schedule, cost_model)
+                row[name] = _written(gm, q, solve(q, solver=name, mem_budget_bytes=budget).schedule, cost_model)
             except InfeasibleBudgetError:
                 row[name] = "over"
         row.update(torch_runs)

@@ -66,8 +66,9 @@ class SearchConfig:
     #: fewest repeating blocks for the template to be tried
     template_min_blocks: int = 6
     #: longest period, in blocks, of the repetition the template looks for (2: alternating
-    #: layers, as :func:`scheduler.structure` reports in ``signature_period``)
-    template_max_period_blocks: int = 4
+    #: layers, 6 for widths alternating every 2 with every 3rd wider; see ``signature_period``
+    #: in :mod:`scheduler.structure`)
+    template_max_period_blocks: int = 6
     #: split buckets spanning more than this many blocks at block boundaries before the windows
     #: (a window frees whole buckets: one bucket of everything would free the whole graph)
     split_blocks_over: int = 2

@@ -136,27 +136,27 @@ def detect_periodicity(problem: Problem, *, min_blocks: int = 4, max_stride: int
 
 
 def _shift(problem: Problem, per_block: dict[int, dict[tuple, str]], b0: int, b1: int) -> int | None:
-    """Positions from block ``b0`` to block ``b1``, or None if they do not repeat."""
+    """Positions from block ``b0`` to block ``b1``, or None if they do not repeat. Gaps equal in
+    both blocks are fixed points (the graph's start or end, the gradients' common consumer)."""
     r0, r1 = per_block[b0], per_block[b1]
     if r0.keys() != r1.keys():
         return None
-    periods = set()
+    periods, moving = set(), {0: [], 1: []}
     for role, n0 in r0.items():
         c0, c1 = problem.colls[n0], problem.colls[r1[role]]
         for g0, g1 in ((c0.ready, c1.ready), (c0.needed, c1.needed)):
-            if not (g0 == g1 and g0 in (0, problem.n)):  # the graph's start / end: fixed
+            if g0 != g1:
                 periods.add(g1 - g0)
+                moving[0].append(g0)
+                moving[1].append(g1)
     if len(periods) != 1:
         return None
     p = periods.pop()
-    if p == 0:
-        return None
-    inner = [c for c in (problem.colls[n] for n in (r0 if p > 0 else r1).values()) if c.needed < problem.n]
-    if not inner:
-        return None
-    start = min(c.needed for c in inner)
-    span = range(start, start + abs(p))
-    if span.stop + abs(p) > problem.n:
+    # the compute of the earlier block must equal the later one's, position by position (about
+    # one block's positions: a period of k blocks spans |p| positions)
+    start = min(moving[0] if p > 0 else moving[1])
+    span = range(start, start + max(1, abs(p) // abs(b1 - b0)))
+    if start < 0 or span.stop + abs(p) > problem.n:
         return None
     cm = problem.compute_ms
     if any(not math.isclose(cm[i], cm[i + abs(p)], rel_tol=1e-9, abs_tol=1e-12) for i in span):

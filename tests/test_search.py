@@ -26,10 +26,22 @@ from solvers.periodic import detect_periodicity, replicate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def foreign_forward() -> Problem:
-    """A 12-layer foreign forward graph (tied embeddings), 8 ranks."""
-    captured = fm.capture("tied", n_layers=12, world_size=8)
-    return Problem.from_dag(export_dag(captured.forward))
+def tied() -> fm.Captured:
+    """A 12-layer foreign model (tied embeddings), 8 ranks."""
+    return fm.capture("tied", n_layers=12, world_size=8)
+
+
+@pytest.fixture(scope="module")
+def foreign_forward(tied) -> Problem:
+    return Problem.from_dag(export_dag(tied.forward))
+
+
+def test_backward_blocks_repeat_around_a_common_consumer(tied):
+    """In a backward graph every gradient's reduce-scatter is needed by the same output node:
+    that gap does not shift from block to block, the ready gaps do; still one repetition."""
+    p = Problem.from_dag(export_dag(tied.backward))
+    per = detect_periodicity(p, min_blocks=6)
+    assert per is not None and per.stride == 1 and per.period < 0 and len(per.blocks) >= 10
 
 
 def _one_bucket_of_everything(p: Problem):
