@@ -180,6 +180,8 @@ def ring_collective_ms(coll_type: str, payload_bytes: int, group: GroupInfo, clu
     if n <= 1:
         return 0.0
     nodes = group.n_nodes(cluster)
+    if is_all_to_all(coll_type):
+        return all_to_all_ms(payload_bytes, group, cluster)
     if coll_type == "all_gather":
         total = payload_bytes * n
         steps, inter = n - 1, nodes - 1
@@ -197,6 +199,27 @@ def ring_collective_ms(coll_type: str, payload_bytes: int, group: GroupInfo, clu
     )
     transfer_us = total * steps / n / (busbw_gbps * 1e3)  # GB/s = 1e3 bytes/us
     return (latency_us + transfer_us) / 1e3
+
+
+def is_all_to_all(coll_type: str) -> bool:
+    """``all_to_all`` (or torch's ``all_to_all_single``, as the export names it)."""
+    return coll_type.startswith("all_to_all")
+
+
+def all_to_all_ms(payload_bytes: int, group: GroupInfo, cluster: Cluster) -> float:
+    """Alpha-beta time of one all-to-all, in ms: every rank sends ``(n - 1) / n`` of its
+    ``payload_bytes`` input to the others at once (NCCL pairs n - 1 sends and receives), so
+    ``t = base_latency + hop + payload * (n - 1) / (n * busbw)`` with the inter-node hop and
+    bandwidth when the group spans nodes. With data-dependent split sizes, ``payload_bytes`` is
+    the input tensor (an even split)."""
+    n = group.size
+    if n <= 1:
+        return 0.0
+    spans = group.n_nodes(cluster) > 1
+    busbw_gbps = cluster.inter_node_gbps if spans else cluster.intra_node_gbps
+    hop_us = cluster.inter_hop_latency_us if spans else cluster.intra_hop_latency_us
+    transfer_us = payload_bytes * (n - 1) / n / (busbw_gbps * 1e3)
+    return (cluster.base_latency_us + hop_us + transfer_us) / 1e3
 
 
 class AnalyticCostModel:
@@ -300,21 +323,28 @@ class TorchCostModel:
 
         from torch._inductor import comm_analysis, config
 
-        coll = {
-            "all_gather": comm_analysis.NCCL_COLL.ALL_GATHER,
-            "reduce_scatter": comm_analysis.NCCL_COLL.REDUCE_SCATTER,
-            "all_reduce": comm_analysis.NCCL_COLL.ALL_REDUCE,
-        }[coll_type]
+        colls = {
+            "all_gather": "ALL_GATHER",
+            "reduce_scatter": "REDUCE_SCATTER",
+            "all_reduce": "ALL_REDUCE",
+            "all_to_all": "ALL_TO_ALL",
+        }
+        coll = getattr(comm_analysis.NCCL_COLL, colls["all_to_all" if is_all_to_all(coll_type) else coll_type], None)
+        if coll is None:  # a torch whose estimator has no all-to-all: the analytic time
+            return all_to_all_ms(payload_bytes, group, self.cluster)
         if coll_type == "all_gather":
             nbytes = payload_bytes * (1 + group.size)
         elif coll_type == "reduce_scatter":
             nbytes = payload_bytes + payload_bytes // max(group.size, 1)
-        else:
+        else:  # input and output of one size (all-reduce; all-to-all with an even split)
             nbytes = 2 * payload_bytes
         with mock.patch.object(config, "intra_node_bw", self.cluster.intra_node_gbps), mock.patch.object(
             config, "inter_node_bw", self.cluster.inter_node_gbps
         ):
-            return float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
+            ms = float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
+        if ms <= 0 and is_all_to_all(coll_type) and group.size > 1:  # estimator declined it
+            return all_to_all_ms(payload_bytes, group, self.cluster)
+        return ms
 
     def copy_ms(self, nbytes: int) -> float:
         # priced as the roofline prices the cat / clone kernels of a merged bucket: read and
@@ -465,7 +495,8 @@ def annotate_costs(
         if kind == "compute":
             a["runtime_ms"] = _check_ms(cost_model.compute_ms({**a, "name": n}, fx_nodes.get(n)), f"node {n!r}")
         elif kind == "collective":
-            if a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce"):
+            # all-to-all (expert parallel) too: not movable, but it occupies its group's stream
+            if a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce") or is_all_to_all(a["coll_type"]):
                 gi = group_info(dag, a["group_name"])
                 a["runtime_ms"] = _check_ms(
                     cost_model.collective_ms(a["coll_type"], a["payload_bytes"], gi), f"collective {n!r}"

@@ -25,7 +25,7 @@ from solvers.core import (
     SolveStatus,
     Step,
 )
-from solvers.registry import available_solvers, solve
+from solvers.registry import available_solvers, solve, solve_budgets
 
 __all__ = [
     "Bucket",
@@ -39,4 +39,5 @@ __all__ = [
     "Step",
     "available_solvers",
     "solve",
+    "solve_budgets",
 ]

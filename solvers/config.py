@@ -48,25 +48,45 @@ class SearchConfig:
     lns_window_members: int = 27
     #: at most this many sweeps over the graph
     lns_max_sweeps: int = 4
-    #: least time given to one window (s); windows are visited most-exposed first, so a short
-    #: limit is spent where the incumbent waits longest on communication
-    lns_min_window_s: float = 3.0
+    #: deterministic limit of one window, in seconds of the backend's calibrated clock (CP-SAT:
+    #: ``deterministic_units_per_second``); never derived from the wall clock, so that every
+    #: rank runs the same windows with the same limits. The driver raises it to 1/30 of the
+    #: solve's time limit (:func:`solvers.driver.scaled_search`)
+    lns_window_s: float = 1.0
     #: rounds of the per-layer template (0: off): solve a window around the middle block of the
     #: repeating layers, copy its decisions onto every layer (see
     #: :func:`solvers.decompose.template_search`)
     template_rounds: int = 6
-    #: blocks in the template's window (the middle one is copied)
+    #: blocks in the template's window (the middle one is copied); with a period of k blocks
+    #: (alternating layers), at least 2k + 1
     template_window_blocks: int = 3
-    #: time for one template window (s)
-    template_window_s: float = 6.0
+    #: deterministic limit of one template window (s, as ``lns_window_s``; raised to 1/10 of
+    #: the time limit)
+    template_window_s: float = 3.0
     #: fewest repeating blocks for the template to be tried
     template_min_blocks: int = 6
+    #: longest period, in blocks, of the repetition the template looks for (2: alternating
+    #: layers, 6 for widths alternating every 2 with every 3rd wider; see ``signature_period``
+    #: in :mod:`scheduler.structure`)
+    template_max_period_blocks: int = 6
+    #: split buckets spanning more than this many blocks at block boundaries before the windows
+    #: (a window frees whole buckets: one bucket of everything would free the whole graph)
+    split_blocks_over: int = 2
+    #: wall-clock safety cap, as a multiple of the time limit: only against a stuck or starved
+    #: process. The search's limits are deterministic; when the cap is hit the result is
+    #: reported (a note) and is no longer rank-deterministic
+    wall_clock_factor: float = 4.0
+    #: seconds added to every wall-clock cap (one solve's and the whole search's): short limits
+    #: are dominated by fixed costs (model loading, presolve) that a loaded machine stretches
+    wall_clock_slack_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.memory_repair_rounds < 0:
             raise ValueError("memory_repair_rounds must be >= 0")
-        if self.lns_min_window_s <= 0:
-            raise ValueError("lns_min_window_s must be > 0")
+        if self.lns_window_s <= 0 or self.wall_clock_factor < 1 or self.wall_clock_slack_s < 0:
+            raise ValueError("lns_window_s must be > 0, wall_clock_factor >= 1 and wall_clock_slack_s >= 0")
+        if self.template_max_period_blocks < 1 or self.split_blocks_over < 1:
+            raise ValueError("template_max_period_blocks and split_blocks_over must be >= 1")
         if self.template_rounds < 0 or self.template_window_blocks < 1 or self.template_window_s <= 0:
             raise ValueError("template_rounds must be >= 0, template_window_blocks >= 1, template_window_s > 0")
         if self.full_model_max_members < 0 or self.lns_window_members < 2:

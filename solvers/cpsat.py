@@ -8,8 +8,11 @@ a second phase (peak memory, then fewer buckets, at the optimal step time).
 
 :class:`CpSatBackend` is what :mod:`solvers.driver` runs (warm start, budget repair,
 infeasibility, never worse than the best heuristic, decomposition of large graphs).
-Determinism: one worker, fixed seed and a deterministic time limit (the same work on every
-rank); a wall-clock cap far above it only guards against a stuck process and is reported.
+Determinism: one worker, fixed seed and a deterministic time limit for every solve (phases of
+the whole-graph model and windows alike get fixed shares of the solve's deterministic budget,
+never what the wall clock leaves), so every rank does the same work; a wall-clock cap far above
+it only guards against a stuck process, and a solve it stops is counted in
+``CpSatBackend.wall_cap_hits`` and reported by the driver.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
@@ -52,16 +56,13 @@ class CpSatConfig(SolverConfig):
     #: 24 s on llama-like graphs), so a limit of T s becomes 0.25 T units: about T s here, and
     #: the same amount of search (hence the same schedule) on every rank and machine
     deterministic_units_per_second: float = 0.25
-    #: wall-clock safety cap, as a multiple of the time limit (only against a stuck process;
-    #: hitting it is logged, since it breaks cross-rank determinism)
-    wall_clock_factor: float = 4.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.1 <= self.primary_share <= 1.0:
             raise ValueError("primary_share must be in [0.1, 1]")
-        if self.deterministic_units_per_second <= 0 or self.wall_clock_factor < 1:
-            raise ValueError("deterministic_units_per_second must be > 0 and wall_clock_factor >= 1")
+        if self.deterministic_units_per_second <= 0:
+            raise ValueError("deterministic_units_per_second must be > 0")
 
 
 class CpSatModel:
@@ -396,7 +397,7 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
     solver = cp_model.CpSolver()
     prm = solver.parameters
     prm.max_deterministic_time = float(time_limit_s) * cfg.deterministic_units_per_second
-    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor
+    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor + cfg.wall_clock_slack_s
     prm.random_seed = int(seed)
     prm.num_workers = int(num_workers)
     prm.log_search_progress = False
@@ -427,21 +428,35 @@ class CpSatBackend:
 
     def __init__(self, config: CpSatConfig | None = None):
         self.config = config or CpSatConfig()
+        self.wall_cap_hits = 0
 
-    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, deadline: float,
+    def _run(self, solver: cp_model.CpSolver, model: cp_model.CpModel) -> str:
+        """Solve; a solve stopped by the wall-clock cap before its deterministic limit is
+        counted (the driver reports it: the result is no longer rank-deterministic)."""
+        status = STATUS_NAMES.get(solver.Solve(model), "unknown")
+        prm = solver.parameters
+        if (status not in ("optimal", "infeasible") and solver.WallTime() >= prm.max_time_in_seconds * 0.99
+                and solver.response_proto.deterministic_time < prm.max_deterministic_time * 0.99):
+            self.wall_cap_hits += 1
+            logger.warning("a CP-SAT solve hit its wall-clock cap (%.1f s) before its deterministic limit",
+                           prm.max_time_in_seconds)
+        return status
+
+    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, limit_s: float,
                    seed: int, num_workers: int) -> driver.ModelOutcome:
-        """The whole graph as one model, from ``start`` completed inside it, then the second
-        phase when time is left."""
+        """The whole graph as one model, from ``start`` completed inside it (10 % of
+        ``limit_s``), the first phase (``primary_share`` of the rest), then the second phase;
+        every share is a deterministic limit."""
         cfg = self.config
-        remaining = max(0.5, deadline - time.perf_counter())
+        limit_s = max(0.5, limit_s)
         t_build = time.perf_counter()
         built = CpSatModel(ModelData(problem, cfg, mem_budget_bytes))
         built.model.Minimize(built.objective)
         build_s = time.perf_counter() - t_build
-        built.start_from(start, max(0.5, remaining * 0.1), seed, num_workers, cfg)
-        phase1 = max(0.5, deadline - time.perf_counter()) * cfg.primary_share
+        built.start_from(start, limit_s * 0.1, seed, num_workers, cfg)
+        phase1 = limit_s * 0.9 * cfg.primary_share
         solver = make_solver(phase1, seed, num_workers, cfg)
-        status = STATUS_NAMES.get(solver.Solve(built.model), "unknown")
+        status = self._run(solver, built.model)
         found = status in ("optimal", "feasible")
         logger.info("cpsat full model (%d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
                     len(built.data.member), status, solver.ObjectiveValue() / US_PER_MS if found else float("nan"),
@@ -453,9 +468,9 @@ class CpSatBackend:
         model_ms, bound_ms = solver.ObjectiveValue() / US_PER_MS, solver.BestObjectiveBound() / US_PER_MS
         schedule = built.extract(solver)
         alternatives = []
-        left = deadline - time.perf_counter()
-        if cfg.secondary_objective and left > 0.5:
-            second = _secondary(built, solver, left, seed, num_workers, cfg)
+        left = limit_s * 0.9 - phase1
+        if cfg.secondary_objective and left > 0.1:
+            second = self._secondary(built, solver, left, seed, num_workers)
             if second is not None:
                 alternatives.append(second)
         note = f"model step {model_ms:.3f} ms, model bound {bound_ms:.3f} ms (full model), status {status.upper()}"
@@ -476,7 +491,7 @@ class CpSatBackend:
         # presolve rewrites the model and loses the complete hint (measured: no solution in 5 s
         # with presolve, the hint improved to 194.5 ms without, on an 8b backward window)
         solver.parameters.cp_model_presolve = False
-        status = STATUS_NAMES.get(solver.Solve(built.model), "unknown")
+        status = self._run(solver, built.model)
         logger.debug("window (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", len(free), status,
                      solver.ObjectiveValue() / US_PER_MS if status in ("optimal", "feasible") else float("nan"),
                      solver.WallTime(), limit_s)
@@ -490,30 +505,29 @@ class CpSatBackend:
         built._hint_decisions(built.data.decisions_of(problem.traced_schedule(), per_bucket=False))
         built.model.Minimize(built.P)
         solver = make_solver(limit_s, seed, num_workers, self.config)
-        if STATUS_NAMES.get(solver.Solve(built.model)) in ("optimal", "feasible"):
+        if self._run(solver, built.model) in ("optimal", "feasible"):
+            return built.extract(solver)
+        return None
+
+    def _secondary(self, built: CpSatModel, solver1: cp_model.CpSolver, limit_s: float, seed: int,
+                   num_workers: int) -> Schedule | None:
+        """Phase 2: keep the step time, minimise peak memory then the number of buckets."""
+        m = built.model
+        best = int(round(solver1.ObjectiveValue()))
+        m.ClearHints()
+        for v in built.decision_vars():
+            m.AddHint(v, solver1.Value(v))
+        m.Add(built.objective <= best)
+        m.Minimize(built.P * (len(built.brk) + 1) + sum(built.brk.values()))
+        solver = make_solver(limit_s, seed, num_workers, self.config)
+        if self._run(solver, m) in ("optimal", "feasible"):
             return built.extract(solver)
         return None
 
 
-def _secondary(built: CpSatModel, solver1: cp_model.CpSolver, limit_s: float, seed: int, num_workers: int,
-               cfg: CpSatConfig) -> Schedule | None:
-    """Phase 2: keep the step time, minimise peak memory then the number of buckets."""
-    m = built.model
-    best = int(round(solver1.ObjectiveValue()))
-    m.ClearHints()
-    for v in built.decision_vars():
-        m.AddHint(v, solver1.Value(v))
-    m.Add(built.objective <= best)
-    m.Minimize(built.P * (len(built.brk) + 1) + sum(built.brk.values()))
-    solver = make_solver(max(0.5, limit_s), seed, num_workers, cfg)
-    if STATUS_NAMES.get(solver.Solve(m)) in ("optimal", "feasible"):
-        return built.extract(solver)
-    return None
-
-
 def solve_cpsat(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
                 seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
-                config: CpSatConfig | None = None) -> SolveResult:
+                config: CpSatConfig | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult:
     """Solve the joint model with CP-SAT through the shared loop of :func:`solvers.driver.solve`."""
     return driver.solve(problem, CpSatBackend(config), mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
-                        seed=seed, hint=hint, num_workers=num_workers)
+                        seed=seed, hint=hint, num_workers=num_workers, extra_starts=extra_starts)

@@ -2,10 +2,13 @@
 
 :func:`solve` runs a :class:`Backend` on a problem:
 
-1. warm start: the fastest of the hint and the heuristics that fit (:mod:`solvers.warmstart`);
+1. warm start: the fastest of the hint, the extra starts (e.g. the best schedule found at a
+   smaller budget) and the heuristics that fit (:mod:`solvers.warmstart`);
 2. solve: graphs with at most ``full_model_max_members`` movable collectives as one model
    (:meth:`Backend.solve_full`), larger ones by the decomposition of :mod:`solvers.decompose`
    (per-layer template, then rolling windows, each window by :meth:`Backend.solve_window`);
+   when the whole-graph model fails (infeasible, nothing found, repair not converging) the
+   decomposition runs from the warm start with the work left, rather than stopping there;
 3. check: every schedule is simulated; when its peak exceeds the budget (the model prices merge
    transients approximately) the model's budget is tightened by the excess and the model
    re-solved, at most ``memory_repair_rounds`` times;
@@ -13,6 +16,13 @@
    repair that does not converge, returns the warm start (flagged) when one fits, and raises
    :class:`InfeasibleBudgetError` naming the smallest peak found when none does; a schedule
    that simulates slower than the warm start is replaced by it.
+
+Determinism: ``time_limit_s`` is a budget of *deterministic* work (:class:`WorkBudget`): every
+model and window gets a fixed share of it, whatever the wall clock says, so every rank runs the
+same solves and gets the same schedule. The wall clock is only a safety cap
+(``wall_clock_factor`` x the limit + ``wall_clock_slack_s``); when it stops a solve the result
+says so in a note and is no longer rank-deterministic (the API's rank agreement,
+:mod:`scheduler.consensus`, settles it).
 """
 
 from __future__ import annotations
@@ -24,12 +34,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from collections.abc import Sequence
+
 from solvers import decompose
 from solvers.config import SolverConfig
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
 from solvers.core.simulator import SimResult, simulate
 from solvers.core.units import fmt_bytes
+from solvers.decompose import CAP_NOTE, WorkBudget
 from solvers.warmstart import best_warm_start
 
 logger = logging.getLogger(__name__)
@@ -61,9 +74,13 @@ class Backend(Protocol):
 
     name: str
     config: SolverConfig
+    #: solves stopped by their wall-clock safety cap rather than their deterministic limit
+    wall_cap_hits: int
 
-    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, deadline: float,
-                   seed: int, num_workers: int) -> ModelOutcome: ...
+    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, limit_s: float,
+                   seed: int, num_workers: int) -> ModelOutcome:
+        """The whole graph as one model within the deterministic limit ``limit_s``."""
+        ...
 
     #: a :data:`solvers.decompose.WindowSolver`
     solve_window: Callable[..., Schedule | None]
@@ -72,8 +89,11 @@ class Backend(Protocol):
 
 
 def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
-          seed: int = 0, hint: Schedule | None = None, num_workers: int = 1) -> SolveResult:
-    """Solve ``problem`` with ``backend`` (see the module docstring).
+          seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
+          extra_starts: Sequence[Schedule] = ()) -> SolveResult:
+    """Solve ``problem`` with ``backend`` (see the module docstring). ``time_limit_s`` is
+    deterministic work (see the module docstring); ``extra_starts`` are more candidate warm
+    starts (the result is never slower than the fastest of them that fits).
 
     Raises:
         InfeasibleBudgetError: no schedule fits the budget; ``min_peak_bytes`` is the smallest
@@ -85,8 +105,16 @@ def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = 
         sim = simulate(problem.dag, problem.traced_schedule(), problem=problem)
         return run.result(sim, SolveStatus.OPTIMAL, sim.step_ms, ["no movable collectives: traced order kept"])
     run.warm = best_warm_start(problem, hint, mem_budget_bytes, seed=seed,
-                               max_bucket_bytes=backend.config.max_bucket_bytes)
+                               max_bucket_bytes=backend.config.max_bucket_bytes, extra_starts=extra_starts)
     return run.loop()
+
+
+def scaled_search(cfg: SolverConfig, time_limit_s: float) -> SolverConfig:
+    """``cfg`` with window limits that grow with the time limit (``lns_window_s`` at least
+    1/30 of it, ``template_window_s`` at least 1/10): a longer limit buys larger searches per
+    window, not only more windows. A function of the arguments only (deterministic)."""
+    return dataclasses.replace(cfg, lns_window_s=max(cfg.lns_window_s, time_limit_s / 30),
+                               template_window_s=max(cfg.template_window_s, time_limit_s / 10))
 
 
 class _Run:
@@ -96,13 +124,14 @@ class _Run:
                  seed: int, num_workers: int):
         self.p = problem
         self.backend = backend
-        self.cfg = backend.config
+        self.cfg = scaled_search(backend.config, time_limit_s)
         self.mem_budget_bytes = mem_budget_bytes
         self.time_limit_s = time_limit_s
         self.seed = seed
         self.num_workers = num_workers
         self.t0 = time.perf_counter()
-        self.deadline = self.t0 + time_limit_s
+        self.budget = WorkBudget(time_limit_s, time_limit_s * self.cfg.wall_clock_factor + self.cfg.wall_clock_slack_s)
+        self.cap_hits0 = getattr(backend, "wall_cap_hits", 0)
         self.warm: SolveResult | None = None
         self.notes: list[str] = []
         self.history: list[tuple[float, float]] = []  # (perf_counter, step ms) of improvements
@@ -121,8 +150,9 @@ class _Run:
                 schedule, sim = self._decomposed(model_budget, start, templates=round_ == 0)
                 proven, bound = False, self.p.lower_bound_ms()
             else:
-                out = self.backend.solve_full(self.p, model_budget, start, self.deadline, self.seed,
-                                              self.num_workers)
+                last = round_ == self.cfg.memory_repair_rounds
+                limit = self.budget.take(self.budget.left_s * (1.0 if last else 0.5))
+                out = self.backend.solve_full(self.p, model_budget, start, limit, self.seed, self.num_workers)
                 self.notes += out.notes
                 if out.schedule is None:
                     return self._no_schedule(out.status)
@@ -137,23 +167,33 @@ class _Run:
             model_budget = (model_budget or self.mem_budget_bytes) - excess - 1
             self.notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
             start = schedule
-            if self.deadline - time.perf_counter() <= 0.5 or model_budget <= 0:
+            if self.budget.exhausted(0.5) or model_budget <= 0:
                 break
         if self.warm is not None:
             # the model's memory terms could not be repaired to the simulator's in time (merge
-            # transients): the best heuristic that fits is the answer, and says so
-            self.notes.append(f"memory repair did not converge; returned the best warm start ({self.warm.solver})")
-            return self._warm_result()
+            # transients): search windows from the best heuristic that fits, and say so
+            return self._rescue("memory repair did not converge")
         raise self._infeasible("the model's schedules exceeded it in simulation after "
                                f"{self.cfg.memory_repair_rounds} repair rounds", sim)
 
     def _decomposed(self, model_budget: int | None, start: Schedule, *, templates: bool):
         schedule, sim, notes = decompose.search(
-            self.p, self.cfg, self.backend.solve_window, model_budget, start, self.deadline, self.seed,
+            self.p, self.cfg, self.backend.solve_window, model_budget, start, self.budget, self.seed,
             self.num_workers, self.mem_budget_bytes, templates=templates, history=self.history,
         )
         self.notes += notes
         return schedule, sim
+
+    def _rescue(self, why: str) -> SolveResult:
+        """The whole-graph model gave nothing usable: the decomposition from the warm start
+        with the work left (its windows keep only fitting improvements), or the warm start."""
+        assert self.warm is not None
+        if self.budget.exhausted(0.1):
+            self.notes.append(f"{why}; returned the best warm start ({self.warm.solver})")
+            return self._warm_result()
+        self.notes.append(f"{why}; searched windows from the best warm start ({self.warm.solver})")
+        _, sim = self._decomposed(self.mem_budget_bytes, self.warm.schedule, templates=True)
+        return self._final(sim, False, self.p.lower_bound_ms())
 
     def _fastest(self, schedule: Schedule, alternatives: tuple[Schedule, ...]) -> tuple[Schedule, SimResult]:
         sim = simulate(self.p.dag, schedule, problem=self.p)
@@ -169,8 +209,7 @@ class _Run:
             # the model restricts positions to anchors and prices memory conservatively, so its
             # infeasibility proves nothing while a heuristic schedule fits: return that
             why = "under the budget" if self.mem_budget_bytes is not None else "within the time limit"
-            self.notes.append(f"model {status.upper()} {why}; returned the best warm start ({self.warm.solver})")
-            return self._warm_result()
+            return self._rescue(f"model {status.upper()} {why}")
         if self.mem_budget_bytes is None:
             raise ScheduleError(f"{self.backend.name} found no schedule ({status}) within {self.time_limit_s:g} s; "
                                 "raise time_limit_s")
@@ -216,6 +255,8 @@ class _Run:
         return self.result(sim, status, min(bound_ms, sim.step_ms), self.notes)
 
     def result(self, sim: SimResult, status: SolveStatus, bound_ms: float, notes: list[str]) -> SolveResult:
+        if self.budget.cap_hit or getattr(self.backend, "wall_cap_hits", 0) > self.cap_hits0:
+            notes = [*notes, CAP_NOTE]
         history = tuple((round(t - self.t0, 3), ms) for t, ms in self.history)
         return SolveResult(
             schedule=sim.schedule,

@@ -702,12 +702,16 @@ class MilpBackend:
 
     def __init__(self, config: MilpConfig | None = None):
         self.config = config or MilpConfig()
+        #: the MILP solver's limits are wall-clock (CBC/HiGHS through PuLP): not counted here
+        self.wall_cap_hits = 0
 
-    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, deadline: float,
+    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, limit_s: float,
                    seed: int, num_workers: int) -> driver.ModelOutcome:
-        """The whole graph as one MILP, started from ``start`` completed by CP-SAT."""
+        """The whole graph as one MILP, started from ``start`` completed by CP-SAT, within
+        ``limit_s`` of wall time (the MILP solver has no deterministic clock)."""
         cfg = self.config
-        remaining = max(0.5, deadline - time.perf_counter())
+        remaining = max(0.5, limit_s)
+        deadline = time.perf_counter() + remaining
         t_build = time.perf_counter()
         model, sol = build(ModelData(problem, cfg, mem_budget_bytes), start, remaining * cfg.warm_start_share, seed,
                            num_workers)
@@ -765,8 +769,9 @@ class MilpBackend:
 
 
 def solve_milp(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0, seed: int = 0,
-               hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None) -> SolveResult:
+               hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None,
+               extra_starts: tuple[Schedule, ...] = ()) -> SolveResult:
     """Solve the joint model as a MILP through the shared loop of :func:`solvers.driver.solve`.
     ``num_workers`` only affects the warm-start completion (the MILP runs on one thread)."""
     return driver.solve(problem, MilpBackend(config), mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
-                        seed=seed, hint=hint, num_workers=num_workers)
+                        seed=seed, hint=hint, num_workers=num_workers, extra_starts=extra_starts)

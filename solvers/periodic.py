@@ -49,13 +49,16 @@ class Periodicity:
     Attributes:
         blocks: layer indices of the regular run, in increasing order (consecutive integers).
         period: positions of the compute sequence between a role's need in block ``b`` and in
-            block ``b + 1`` (negative in backward graphs, where layers run in reverse).
+            block ``b + stride`` (negative in backward graphs, where layers run in reverse).
         members: block -> role -> collective name, for the blocks of the run.
+        stride: blocks per period: 1 when every layer repeats the previous one, k when only
+            every k-th does (e.g. 2 for MLP widths that alternate between layers).
     """
 
     blocks: tuple[int, ...]
     period: int
     members: dict[int, dict[tuple, str]]
+    stride: int = 1
 
     def block_of(self) -> dict[str, int]:
         return {n: b for b, roles in self.members.items() for n in roles.values()}
@@ -64,7 +67,14 @@ class Periodicity:
         return {n: r for roles in self.members.values() for r, n in roles.items()}
 
     def middle(self) -> int:
-        return self.blocks[len(self.blocks) // 2]
+        """First block of the middle period (its ``stride`` blocks all lie in the run)."""
+        k = self.stride
+        mid = self.blocks[0] + (len(self.blocks) // 2 // k) * k
+        return mid if mid + k - 1 <= self.blocks[-1] else mid - k
+
+    def source_of(self, source: int, target: int) -> int:
+        """The block of the period starting at ``source`` that ``target`` repeats."""
+        return source + (target - source) % self.stride
 
 
 def _roles_by_block(problem: Problem) -> dict[int, dict[tuple, str]] | None:
@@ -95,80 +105,89 @@ def _roles_by_block(problem: Problem) -> dict[int, dict[tuple, str]] | None:
     return per_block
 
 
-def detect_periodicity(problem: Problem, *, min_blocks: int = 4) -> Periodicity | None:
+def detect_periodicity(problem: Problem, *, min_blocks: int = 4, max_stride: int = 1) -> Periodicity | None:
     """The longest run of consecutive layers whose collectives and compute repeat with one period.
 
-    Blocks ``b`` and ``b + 1`` are in one run when they have the same roles (collective type,
-    bucket key, parameter names up to the layer index), every role's needed and ready gaps shift
-    by the same period ``P`` (gaps at the graph's start or end on both sides also count: parameters
-    exist from the start, gradients are needed only at the end), and the compute costs of the ``|P|`` positions from block ``b``'s first
-    need on equal those ``P`` later. None when no run has ``min_blocks`` blocks.
+    With stride ``k`` (1 to ``max_stride``), blocks ``b`` and ``b + k`` repeat when they have the
+    same roles (collective type, bucket key, rank in the block), every role's needed and ready
+    gaps shift by the same period ``P`` (gaps at the graph's start or end on both sides also
+    count: parameters exist from the start, gradients are needed only at the end), and the
+    compute costs of the ``|P|`` positions from block ``b``'s first need on equal those ``P``
+    later. A run of stride ``k`` is at least ``2k`` blocks long. The longest run wins; ties go to
+    the smaller stride. None when no run has ``min_blocks`` blocks.
     """
     per_block = _roles_by_block(problem)
-    if per_block is None:
+    if per_block is None or len(per_block) < min_blocks:
         return None
-    if len(per_block) < min_blocks:
-        return None
-    cm = problem.compute_ms
-
-    def shift(b: int) -> int | None:
-        """Period from block b to b + 1, or None if they do not repeat."""
-        r0, r1 = per_block.get(b), per_block.get(b + 1)
-        if r0 is None or r1 is None or r0.keys() != r1.keys():
-            return None
-        periods = set()
-        for role, n0 in r0.items():
-            c0, c1 = problem.colls[n0], problem.colls[r1[role]]
-            for g0, g1 in ((c0.ready, c1.ready), (c0.needed, c1.needed)):
-                if not (g0 == g1 and g0 in (0, problem.n)):  # the graph's start / end: fixed
-                    periods.add(g1 - g0)
-        if len(periods) != 1:
-            return None
-        p = periods.pop()
-        if p == 0:
-            return None
-        inner = [c for c in (problem.colls[n] for n in (r0 if p > 0 else r1).values()) if c.needed < problem.n]
-        if not inner:
-            return None
-        start = min(c.needed for c in inner)
-        span = range(start, start + abs(p))
-        if span.stop + abs(p) > problem.n:
-            return None
-        if any(not math.isclose(cm[i], cm[i + abs(p)], rel_tol=1e-9, abs_tol=1e-12) for i in span):
-            return None
-        return p
-
-    best: tuple[int, int, int] | None = None  # (length, first block, period)
-    ordered = sorted(per_block)
-    i = 0
-    while i < len(ordered):
-        b0, p = ordered[i], None
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            pj = shift(ordered[j])
-            if pj is None or (p is not None and pj != p):
-                break
-            p = pj
-            j += 1
-        if p is not None and (best is None or j - i + 1 > best[0]):
-            best = (j - i + 1, b0, p)
-        i = j + 1 if j > i else i + 1
+    best: tuple[int, int, int, int] | None = None  # (length, -stride, first block, period)
+    for k in range(1, max_stride + 1):
+        shifts = {b: _shift(problem, per_block, b, b + k) for b in sorted(per_block) if b + k in per_block}
+        for first, last, p in _equal_runs(shifts):
+            length = last + k - first + 1
+            if last - first + 1 >= k and (best is None or (length, -k) > best[:2]):
+                best = (length, -k, first, p)
     if best is None or best[0] < min_blocks:
         return None
-    length, first, period = best
+    length, stride, first, period = best[0], -best[1], best[2], best[3]
     blocks = tuple(range(first, first + length))
-    logger.debug("periodicity: blocks %d..%d, period %d positions", blocks[0], blocks[-1], period)
-    return Periodicity(blocks=blocks, period=period, members={b: per_block[b] for b in blocks})
+    logger.debug("periodicity: blocks %d..%d, %d block(s) per period of %d positions", blocks[0], blocks[-1],
+                 stride, period)
+    return Periodicity(blocks=blocks, period=period, members={b: per_block[b] for b in blocks}, stride=stride)
+
+
+def _shift(problem: Problem, per_block: dict[int, dict[tuple, str]], b0: int, b1: int) -> int | None:
+    """Positions from block ``b0`` to block ``b1``, or None if they do not repeat. Gaps equal in
+    both blocks are fixed points (the graph's start or end, the gradients' common consumer)."""
+    r0, r1 = per_block[b0], per_block[b1]
+    if r0.keys() != r1.keys():
+        return None
+    periods, moving = set(), {0: [], 1: []}
+    for role, n0 in r0.items():
+        c0, c1 = problem.colls[n0], problem.colls[r1[role]]
+        for g0, g1 in ((c0.ready, c1.ready), (c0.needed, c1.needed)):
+            if g0 != g1:
+                periods.add(g1 - g0)
+                moving[0].append(g0)
+                moving[1].append(g1)
+    if len(periods) != 1:
+        return None
+    p = periods.pop()
+    # the compute of the earlier block must equal the later one's, position by position (about
+    # one block's positions: a period of k blocks spans |p| positions)
+    start = min(moving[0] if p > 0 else moving[1])
+    span = range(start, start + max(1, abs(p) // abs(b1 - b0)))
+    if start < 0 or span.stop + abs(p) > problem.n:
+        return None
+    cm = problem.compute_ms
+    if any(not math.isclose(cm[i], cm[i + abs(p)], rel_tol=1e-9, abs_tol=1e-12) for i in span):
+        return None
+    return p
+
+
+def _equal_runs(shifts: dict[int, int | None]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive blocks with one (not None) shift: (first, last, shift)."""
+    runs: list[tuple[int, int, int]] = []
+    for b in sorted(shifts):
+        p = shifts[b]
+        if p is None:
+            continue
+        if runs and runs[-1][1] == b - 1 and runs[-1][2] == p:
+            runs[-1] = (runs[-1][0], b, p)
+        else:
+            runs.append((b, b, p))
+    return runs
 
 
 def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: int,
               targets: Iterable[int], *, onto: Schedule | None = None) -> Schedule | None:
-    """``schedule`` with block ``source``'s decisions copied onto every block in ``targets``.
+    """``schedule`` with the decisions of the period starting at block ``source`` copied onto
+    every block in ``targets``.
 
-    A bucket *belongs* to the block of its first member. For each target block ``t`` and each
-    bucket of the source block, the bucket with every member moved ``t - source`` blocks is
-    issued and waited ``(t - source) * period`` positions from the source's positions (issue no
-    earlier than its members are ready, wait no later than they are needed). Buckets of the
+    A bucket *belongs* to the block of its first member. Target block ``t`` repeats block
+    ``s = per.source_of(source, t)``; each bucket of block ``s``, with every member moved
+    ``d = t - s`` blocks, is issued and waited ``d / stride * period`` positions from the
+    source's positions (issue no earlier than its members are ready, wait no later than they
+    are needed). Buckets of the
     schedule that hold a copied collective are dissolved; their other members stay where they
     were, alone. The result keeps every chain's buckets issued in chain order.
 
@@ -177,18 +196,19 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
     no bucket could be issued in chain order; the caller then keeps ``schedule``. With ``onto``,
     the copies go into that schedule instead (``schedule`` only supplies block ``source``).
     """
-    targets = sorted(set(targets) - {source})
+    sources = set(range(source, source + per.stride))
+    targets = sorted(set(targets) - sources)
     if not targets:
         return schedule
     block_of, role_of = per.block_of(), per.role_of()
     issue, wait = schedule.positions()
-    src_buckets = [b for b, bk in enumerate(schedule.buckets) if block_of.get(bk.members[0]) == source]
     covered: set[str] = set()
     new: list[tuple[Bucket, int, int]] = []
     for t in targets:
-        d = t - source
+        s = per.source_of(source, t)
+        d = t - s
         copies = []
-        for b in src_buckets:
+        for b in (b for b, bk in enumerate(schedule.buckets) if block_of.get(bk.members[0]) == s):
             members = []
             for m in schedule.buckets[b].members:
                 tb = block_of[m] + d if m in block_of else None
@@ -197,8 +217,9 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
                 members.append(per.members[tb][role_of[m]])
             else:
                 cs = [problem.colls[m] for m in members]
-                i = max(issue[b] + d * per.period, max(c.ready for c in cs))
-                w = min(wait[b] + d * per.period, min(c.needed for c in cs))
+                shift = d // per.stride * per.period
+                i = max(issue[b] + shift, max(c.ready for c in cs))
+                w = min(wait[b] + shift, min(c.needed for c in cs))
                 if 0 <= i <= w <= problem.n:
                     copies.append((Bucket(tuple(members)), i, w))
                     continue
@@ -264,6 +285,29 @@ def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Sched
         else:
             entries.append((bk, issue[b], wait[b]))
     return _from_entries(problem, entries)
+
+
+def split_at_blocks(problem: Problem, schedule: Schedule, max_blocks: int) -> tuple[Schedule, int]:
+    """``schedule`` with every bucket whose members span more than ``max_blocks`` blocks (the
+    export's inferred ``block``; collectives outside any block count as one more) split into
+    runs of one block each, at the bucket's positions. Returns (schedule, buckets split)."""
+    issue, wait = schedule.positions()
+    entries: list[tuple[Bucket, int, int]] = []
+    n_split = 0
+    for b, bk in enumerate(schedule.buckets):
+        blocks = [problem.colls[m].block for m in bk.members]
+        if len(set(blocks)) <= max_blocks:
+            entries.append((bk, issue[b], wait[b]))
+            continue
+        n_split += 1
+        runs: list[list[str]] = []
+        for m, blk in zip(bk.members, blocks):
+            if runs and problem.colls[runs[-1][-1]].block == blk:
+                runs[-1].append(m)
+            else:
+                runs.append([m])
+        entries.extend((Bucket(tuple(r)), issue[b], wait[b]) for r in runs)
+    return (_from_entries(problem, entries), n_split) if n_split else (schedule, 0)
 
 
 def _dissolved(problem: Problem, schedule: Schedule, removed: set[str]) -> list[tuple[Bucket, int, int]]:

@@ -7,10 +7,10 @@ back (no registration side effects, no circle).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from solvers.core.problem import Problem
-from solvers.core.schedule import Schedule, ScheduleError, SolveResult
+from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult
 from solvers.cpsat import solve_cpsat
 from solvers.heuristics import HEURISTICS
 from solvers.milp import solve_milp
@@ -44,6 +44,7 @@ def solve(
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
+    extra_starts: Sequence[Schedule] = (),
 ) -> SolveResult:
     """Solve ``problem`` with the named solver or heuristic.
 
@@ -51,11 +52,16 @@ def solve(
         solver: "cpsat", "milp", a heuristic name (see :func:`available_solvers`), or a callable
             with the signature of :data:`SolverFn` (your own solver).
         mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
-        time_limit_s: limit of the solve. For CP-SAT it is converted to a deterministic time
-            limit, so that every rank stops at the same point and gets the same schedule.
+        time_limit_s: limit of the solve. For CP-SAT it is a budget of deterministic work (about
+            that many seconds on the reference machine), so that every rank stops at the same
+            point and gets the same schedule; the search usually stops earlier, when a sweep of
+            windows brings no gain.
         seed: solver random seed (fixed for determinism).
         hint: a schedule to warm-start from.
         num_workers: solver threads (1 keeps solves deterministic and cheap).
+        extra_starts: exact solvers only: more schedules to start from (e.g. the best schedule
+            found at a smaller budget, see :func:`solve_budgets`); the result is never slower
+            than the fastest of them that fits.
 
     Raises:
         ValueError: unknown solver name.
@@ -69,8 +75,12 @@ def solve(
         raise ValueError(f"mem_budget_bytes must be > 0, got {mem_budget_bytes}")
     if time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
-    if hint is not None:
-        _check_hint_shape(problem, hint)
+    for given in (hint, *extra_starts):
+        if given is not None:
+            _check_hint_shape(problem, given)
+    if extra_starts and fn not in EXACT_SOLVERS.values():
+        raise ValueError(f"extra_starts are taken by the exact solvers {sorted(EXACT_SOLVERS)} only")
+    more = {"extra_starts": tuple(extra_starts)} if extra_starts else {}
     result = fn(
         problem,
         mem_budget_bytes=mem_budget_bytes,
@@ -78,11 +88,36 @@ def solve(
         seed=seed,
         hint=hint,
         num_workers=num_workers,
+        **more,
     )
     if not result.schedule.buckets and problem.colls:
         raise ScheduleError(
             f"solver {solver_name(solver)!r} returned an empty schedule for a graph with collectives")
     return result
+
+
+def solve_budgets(problem: Problem, budgets: Iterable[int | None], *, solver: str | SolverFn = "cpsat",
+                  **kwargs) -> dict[int | None, SolveResult | Exception]:
+    """Solve ``problem`` at several memory budgets (bytes; None: no limit) so that more memory
+    never gives a slower step: budgets run in increasing order (None last), and the best
+    schedule found at every smaller budget is a start at the larger ones (it fits them). A
+    budget that cannot be met maps to its exception (:class:`InfeasibleBudgetError`).
+    ``kwargs`` go to :func:`solve`. Returns budget -> result, in the order given."""
+    budgets = list(budgets)
+    ordered = sorted(set(budgets), key=lambda b: (b is None, b or 0))
+    out: dict[int | None, SolveResult | Exception] = {}
+    found: list[SolveResult] = []
+    exact = (solver in EXACT_SOLVERS) if isinstance(solver, str) else solver in EXACT_SOLVERS.values()
+    for budget in ordered:
+        starts = (min(found, key=lambda r: r.objective_ms).schedule,) if found and exact else ()
+        try:
+            out[budget] = solve(problem, solver=solver, mem_budget_bytes=budget, extra_starts=starts, **kwargs)
+        except InfeasibleBudgetError as e:
+            out[budget] = e
+            continue
+        found.append(out[budget])
+        logger.info("budget %s: step %.3f ms", budget, out[budget].objective_ms)
+    return {b: out[b] for b in budgets}
 
 
 def _check_hint_shape(problem: Problem, hint: Schedule) -> None:

@@ -160,3 +160,17 @@ def test_cost_model_with_a_dag_file_is_refused(traced, capsys):
     forward, _ = traced
     assert main(["solve", str(forward), "--cost-model", "torch"]) == 2
     assert "a DAG file keeps the costs" in capsys.readouterr().err
+
+
+def test_sweep_rows_are_monotone_in_memory():
+    """A point slower than one at a smaller budget reports that budget's schedule instead."""
+    from scheduler.cli.sweep import monotone
+
+    def row(budget, step, peak):
+        return {"budget_bytes": budget, "status": "feasible", "step_ms": step, "exposed_comm_ms": 0.0,
+                "peak_bytes": peak, "n_collectives": 3, "solve_time_s": 1.0, "gap": 0.1, "error": None}
+
+    rows = monotone([row(300, 12.0, 290), row(200, 10.0, 190), row(100, 11.0, 95)])
+    assert [r["budget_bytes"] for r in rows] == [300, 200, 100]
+    assert rows[0]["step_ms"] == 10.0 and rows[0]["peak_bytes"] == 190 and rows[0]["status"] == "smaller"
+    assert rows[1]["status"] == rows[2]["status"] == "feasible"

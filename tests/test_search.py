@@ -1,0 +1,148 @@
+"""The search around the model: degenerate starts, more memory never slower, deterministic
+limits (no wall clock in any decision), templates over a period of several blocks.
+
+Graphs: foreign captures (tests/foreign_models.py, no helper of models/) exported with the
+analytic cost model, and the synthetic FSDP DAG.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import foreign_models as fm  # noqa: E402
+from scheduler import export_dag  # noqa: E402
+from scheduler.synthetic import make_fsdp_dag  # noqa: E402
+from solvers import Problem, solve, solve_budgets  # noqa: E402
+from solvers.core.simulator import simulate  # noqa: E402
+from solvers.core.validator import validate_schedule  # noqa: E402
+from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat  # noqa: E402
+from solvers.decompose import CAP_NOTE, WorkBudget, search  # noqa: E402
+from solvers.heuristics import SimpleFSDPConfig, simplefsdp_schedule  # noqa: E402
+from solvers.periodic import detect_periodicity, replicate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tied() -> fm.Captured:
+    """A 12-layer foreign model (tied embeddings), 8 ranks."""
+    return fm.capture("tied", n_layers=12, world_size=8)
+
+
+@pytest.fixture(scope="module")
+def foreign_forward(tied) -> Problem:
+    return Problem.from_dag(export_dag(tied.forward))
+
+
+def test_backward_blocks_repeat_around_a_common_consumer(tied):
+    """In a backward graph every gradient's reduce-scatter is needed by the same output node:
+    that gap does not shift from block to block, the ready gaps do; still one repetition."""
+    p = Problem.from_dag(export_dag(tied.backward))
+    per = detect_periodicity(p, min_blocks=6)
+    assert per is not None and per.stride == 1 and per.period < 0 and len(per.blocks) >= 10
+
+
+def _one_bucket_of_everything(p: Problem):
+    return simplefsdp_schedule(p, SimpleFSDPConfig(bucket_cap_bytes=2**62))
+
+
+def test_degenerate_start_ends_no_worse_than_the_per_block_plan(foreign_forward):
+    """Started from one bucket of every all-gather, the decomposition ends at or below the
+    FSDP2-like plan (one bucket per block) and splits the bucket before the windows."""
+    p = foreign_forward
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes * 6 // 5
+    start = _one_bucket_of_everything(p)
+    assert max(len(b.members) for b in start.buckets) >= 12  # degenerate: spans every block
+    per_block = solve(p, solver="fsdp2", mem_budget_bytes=budget)
+    cfg = CpSatConfig(template_rounds=0, lns_window_s=0.5)
+    sched, sim, notes = search(p, cfg, CpSatBackend(cfg).solve_window, budget, start, WorkBudget(20.0, 600.0), 0, 1,
+                               budget)
+    validate_schedule(p, sched, mem_budget_bytes=budget)
+    assert sim.step_ms <= per_block.objective_ms + 1e-6
+    assert max(len(b.members) for b in sched.buckets) < max(len(b.members) for b in start.buckets)
+
+
+def test_degenerate_hint_is_not_a_trap(foreign_forward):
+    """The same start given as the solve's hint: the answer is no worse than the per-block plan."""
+    p = foreign_forward
+    per_block = solve(p, solver="fsdp2")
+    res = solve_cpsat(p, hint=_one_bucket_of_everything(p), time_limit_s=6.0,
+                      config=CpSatConfig(full_model_max_members=0))
+    validate_schedule(p, res.schedule)
+    assert res.objective_ms <= per_block.objective_ms + 1e-6
+
+
+def test_two_budget_sweep_is_monotone(foreign_forward):
+    """More memory never gives a slower step: the smaller budget's best is a start at the larger."""
+    p = foreign_forward
+    peak = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
+    budgets = [peak * 6 // 5, peak]  # given out of order on purpose
+    out = solve_budgets(p, budgets, time_limit_s=4.0)
+    small, large = out[peak], out[peak * 6 // 5]
+    assert small.peak_bytes <= peak and large.peak_bytes <= peak * 6 // 5
+    assert large.objective_ms <= small.objective_ms + 1e-9
+
+
+def test_extra_starts_bound_the_result():
+    """A start given in ``extra_starts`` is a candidate: the result is never slower than it."""
+    p = Problem.from_dag(make_fsdp_dag(n_layers=4, graph_kind="forward", reshard_after_forward=True, seed=2))
+    good = solve_cpsat(p, time_limit_s=4.0)
+    res = solve(p, time_limit_s=0.5, extra_starts=[good.schedule])
+    assert res.objective_ms <= good.objective_ms + 1e-9
+    with pytest.raises(ValueError, match="exact solvers"):
+        solve(p, solver="fsdp2", extra_starts=[good.schedule])
+
+
+@pytest.mark.parametrize("full_model", [True, False], ids=["full-model", "windows"])
+def test_same_schedule_on_a_slower_machine(monkeypatch, full_model):
+    """No limit depends on the wall clock: with a clock running 3x fast (a machine 3x slower)
+    the schedule is the same, as long as the safety cap is not hit (and then it says so)."""
+    p = Problem.from_dag(make_fsdp_dag(n_layers=8, graph_kind="backward", reshard_after_forward=True))
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
+    # a generous cap: this test is about the limits, not about the cap on a loaded CI machine
+    cfg = CpSatConfig(full_model_max_members=10_000 if full_model else 0, lns_window_members=10,
+                      wall_clock_slack_s=300.0)
+    base = solve_cpsat(p, mem_budget_bytes=budget, time_limit_s=3.0, config=cfg)
+    real = time.perf_counter
+    t0 = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: t0 + 3.0 * (real() - t0))
+    slow = solve_cpsat(p, mem_budget_bytes=budget, time_limit_s=3.0, config=cfg)
+    assert CAP_NOTE not in base.notes and CAP_NOTE not in slow.notes
+    assert slow.schedule.digest() == base.schedule.digest()
+
+
+def test_wall_clock_cap_is_reported(monkeypatch):
+    """A clock that jumps past the safety cap stops the windows and the result says so."""
+    p = Problem.from_dag(make_fsdp_dag(n_layers=8, graph_kind="backward", reshard_after_forward=True))
+    real = time.perf_counter
+    t0 = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: t0 + 1000.0 * (real() - t0))
+    res = solve_cpsat(p, time_limit_s=2.0, config=CpSatConfig(full_model_max_members=0, lns_window_members=10))
+    validate_schedule(p, res.schedule)
+    assert CAP_NOTE in res.notes
+
+
+def test_template_over_a_two_block_period():
+    """Alternating MLP widths repeat every 2 blocks: the periodicity has stride 2, and copying
+    the middle period's decisions puts each block where the block 2 before it is, one period
+    later."""
+    captured = fm.capture("alternating", n_layers=12, world_size=8, wide_every=1000)
+    p = Problem.from_dag(export_dag(captured.forward))
+    assert detect_periodicity(p, min_blocks=6, max_stride=1) is None or \
+        len(detect_periodicity(p, min_blocks=6, max_stride=1).blocks) < 12
+    per = detect_periodicity(p, min_blocks=6, max_stride=4)
+    assert per is not None and per.stride == 2 and len(per.blocks) >= 10
+    source = solve(p, solver="fsdp2").schedule
+    copied = replicate(p, per, source, per.middle(), per.blocks)
+    assert copied is not None
+    validate_schedule(p, copied)
+    issue, _ = copied.positions()
+    bucket_of = copied.bucket_of()
+    for b in per.blocks[2:]:  # the first blocks' copies are clamped at the graph's start
+        if b + 2 not in per.members:
+            continue
+        for role, name in per.members[b].items():
+            nxt = per.members[b + 2][role]
+            assert issue[bucket_of[nxt]] - issue[bucket_of[name]] == per.period
