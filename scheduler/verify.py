@@ -129,6 +129,7 @@ class Candidate:
         f = self.figures
         return {
             "name": self.name,
+            "digest": self.digest(),
             "predicted_step_ms": self.predicted_step_ms,
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "step_ms": dict(f.step_ms) if f else None,
