@@ -15,8 +15,12 @@ and simulated in its own order; torch's scheduler rewrites its own copy, judged 
 - SimpleFSDP-like: greedy size-capped buckets;
 - torch: ``scheduler.baselines.torch_overlap_schedule`` without and with
   ``pre_bucketing_fsdp_collectives`` ("unavailable" when it raises TorchBaselineError);
-- fsdp-sched: ``solvers.solve_budgets`` (the default CP-SAT solve, budgets in increasing
-  order so the smaller budget's best is a start at the larger).
+- fsdp-sched: what a user runs, ``scheduler.optimize_schedule(gm, mem_budget=..., cost_model=...)``
+  with its defaults (CP-SAT, then the closed loop of :mod:`scheduler.verify`: the solver's
+  schedule, the heuristics, the traced order and torch's scheduler are written back and the
+  fastest whose written graph fits is installed), judged on the graph it returns.
+  ``--product solver`` judges the solver's own schedule instead (``solvers.solve_budgets``,
+  budgets in increasing order so the smaller budget's best is a start at the larger).
 
 Per row: step ms of each (``over`` when the written-back peak exceeds the budget), the best
 baseline that fits, and fsdp-sched's speedup over it; at the end the geometric mean and the
@@ -51,6 +55,8 @@ COST_MODELS = ("analytic", "torch")
 BUDGET_FACTORS = (1.0, 1.2)
 BASELINES = ("traced", "fsdp2", "simplefsdp", "torch", "torch+prebucket")
 WORLD = 64
+#: what "fsdp-sched" is: "api" (optimize_schedule's returned graph) or "solver" (set by --product)
+PRODUCT = "api"
 
 
 def _dim(style: str) -> int:
@@ -109,7 +115,7 @@ def graph_rows(style: str, kind: str, gm: Any, true_blocks: dict, cost_model: st
     budgets = [int(peak * f) for f in BUDGET_FACTORS]
     torch_runs = {"torch": _torch(gm, cost_model, False), "torch+prebucket": _torch(gm, cost_model, True)}
     t0 = time.perf_counter()
-    ours = solve_budgets(p, budgets)
+    ours = _api(gm, budgets, cost_model) if PRODUCT == "api" else solve_budgets(p, budgets)
     solve_s = (time.perf_counter() - t0) / len(budgets)
     rows = []
     for f, budget in zip(BUDGET_FACTORS, budgets):
@@ -123,9 +129,29 @@ def graph_rows(style: str, kind: str, gm: Any, true_blocks: dict, cost_model: st
                 row[name] = "over"
         row.update(torch_runs)
         r = ours[budget]
-        row["fsdp-sched"] = "over" if isinstance(r, Exception) else _written(gm, p, r.schedule, cost_model)
+        if isinstance(r, Exception):
+            row["fsdp-sched"] = "over"
+        elif PRODUCT == "api":
+            row["fsdp-sched"] = _judge(r, cost_model)
+        else:
+            row["fsdp-sched"] = _written(gm, p, r.schedule, cost_model)
         rows.append(_score(row))
     return rows
+
+
+def _api(gm: Any, budgets: list[int], cost_model: str) -> dict[int, Any]:
+    """The graph ``optimize_schedule`` returns at each budget (or its InfeasibleBudgetError)."""
+    from scheduler import optimize_schedule
+    from solvers import InfeasibleBudgetError
+
+    out: dict[int, Any] = {}
+    for budget in budgets:
+        g = copy.deepcopy(gm)
+        try:
+            out[budget] = optimize_schedule(g, mem_budget=budget, cost_model=cost_model)
+        except InfeasibleBudgetError as e:
+            out[budget] = e
+    return out
 
 
 def _score(row: dict[str, Any]) -> dict[str, Any]:
@@ -144,8 +170,10 @@ def _score(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def style_rows(style: str, cost_models: tuple[str, ...]) -> list[dict[str, Any]]:
+def style_rows(style: str, cost_models: tuple[str, ...], product: str = "api") -> list[dict[str, Any]]:
     """Capture ``style`` (16 layers, 64 ranks) and score both graphs under every cost model."""
+    global PRODUCT
+    PRODUCT = product  # a spawned worker starts from the module's default
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -209,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-models", nargs="+", default=list(COST_MODELS), choices=COST_MODELS)
     ap.add_argument("--jobs", type=int, default=2, help="styles traced and solved in parallel (processes)")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--product", choices=("api", "solver"), default="api",
+                    help="judge optimize_schedule's returned graph (default) or the solver's own schedule")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    work = [(s, tuple(args.cost_models)) for s in args.styles]
+    work = [(s, tuple(args.cost_models), args.product) for s in args.styles]
     ctx = multiprocessing.get_context("spawn")  # one fake process group per process
     with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
         per_style = pool.starmap(style_rows, work, chunksize=1)
