@@ -12,7 +12,14 @@ written back, under more than one cost model. For each baseline B of :data:`BASE
    ``mem_budget = peak(B)``; its rewritten graph is judged the same way (``fits`` when all
    three of its peaks are within ``peak(B)``);
 3. speedup vs B = ``t_A(B) / t_A(fsdp-sched)``; speedup vs the best baseline that fits =
-   ``min t_A(B')`` over the baselines with ``peak(B') <= peak(B)``, divided by the same.
+   ``min t_A(B')`` over the baselines with ``peak(B') <= peak(B)``, divided by the same;
+4. whether a speedup is possible at all: ``bound_A``, the analytic lower bound on the step time
+   of any schedule of the graph (:meth:`solvers.core.Problem.lower_bound_ms` of the traced
+   graph re-exported under A: the largest of all compute, each communication stream at its
+   cheapest after its first collective is ready plus the compute it cannot overlap, and the
+   exposed first all-gather; it ignores memory, so at a budget it can only be lower than the
+   true optimum), and the headroom of the best baseline over it, ``min t_A(B') / bound_A``:
+   the largest speedup vs the best baseline any schedule could reach.
 
 :func:`compare` returns the rows; :func:`format_table`, :func:`headline` and :func:`plot` show
 them (the demo and ``benchmarks/equal_memory.py`` print them).
@@ -29,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scheduler.rewritten import Judged, judge, rewrite_baseline, rewrite_product
-from solvers.core import InfeasibleBudgetError, ScheduleError, fmt_bytes
+from scheduler.dag import export_dag
+from solvers.core import InfeasibleBudgetError, Problem, ScheduleError, fmt_bytes
 
 if TYPE_CHECKING:
     import torch.fx
@@ -64,6 +72,8 @@ class Row:
     fits: bool = False
     solve_time_s: float = 0.0
     note: str = ""
+    #: lower bound on any schedule's step time under this cost model (point 4 above)
+    lower_bound_ms: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -73,6 +83,12 @@ class Row:
     @property
     def speedup_vs_best(self) -> float | None:
         return self.best_baseline_ms / self.product_ms if self.product_ms and self.fits else None
+
+    @property
+    def headroom(self) -> float | None:
+        """``best_baseline_ms / lower_bound_ms``: the most any schedule could gain on the best
+        baseline that fits (x1.00: none)."""
+        return self.best_baseline_ms / self.lower_bound_ms if self.lower_bound_ms else None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -87,8 +103,8 @@ class Comparison:
     def to_json(self) -> dict[str, Any]:
         return {
             "graph": self.graph,
-            "rows": [{**dataclasses.asdict(r), "speedup": r.speedup, "speedup_vs_best": r.speedup_vs_best}
-                     for r in self.rows],
+            "rows": [{**dataclasses.asdict(r), "speedup": r.speedup, "speedup_vs_best": r.speedup_vs_best,
+                      "headroom": r.headroom} for r in self.rows],
             "baselines": {n: {"peak_bytes": j.peak_bytes, "step_ms": j.step_ms} for n, j in self.baselines.items()},
             "unavailable": self.unavailable,
         }
@@ -112,6 +128,7 @@ def compare(
     it is made (progress). Solves at equal budgets under one model are made once.
     """
     judged, unavailable = judge_baselines(gm, baselines, cost_models, cluster=cluster, graph=graph)
+    bounds = lower_bounds(gm, cost_models, cluster=cluster)
     rows: list[Row] = []
     solved: dict[tuple[int, str], tuple[Judged | None, float, str]] = {}
     for name in baselines:
@@ -123,6 +140,7 @@ def compare(
                 solved[(budget, model)] = _product(gm, budget, model, cluster=cluster, time_limit_s=time_limit_s,
                                                    graph=graph)
             rows.append(_row(graph, name, model, judged, solved[(budget, model)]))
+            rows[-1].lower_bound_ms = bounds[model]
             if on_row is not None:
                 on_row(rows[-1])
     return Comparison(graph=graph, rows=rows, baselines=judged, unavailable=unavailable)
@@ -143,6 +161,12 @@ def judge_baselines(gm: "torch.fx.GraphModule", baselines: Sequence[str], cost_m
             unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             logger.warning("%s: baseline %s unavailable: %s", graph, name, unavailable[name])
     return judged, unavailable
+
+
+def lower_bounds(gm: "torch.fx.GraphModule", cost_models: Sequence[str], *, cluster: Any = None) -> dict[str, float]:
+    """Cost model -> lower bound on the step time of any schedule of ``gm`` (ms; module
+    docstring, point 4)."""
+    return {m: Problem.from_dag(export_dag(gm, cost_model=m, cluster=cluster)).lower_bound_ms() for m in cost_models}
 
 
 def _product(gm, budget: int, model: str, *, cluster: Any, time_limit_s: float,
@@ -178,9 +202,10 @@ def _row(graph: str, name: str, model: str, judged: dict[str, Judged], product) 
 # showing it
 # --------------------------------------------------------------------------------------------
 def format_table(rows: Sequence[Row], title: str = "") -> str:
-    """One line per (graph, baseline, cost model): budget, both step times, both speedups."""
+    """One line per (graph, baseline, cost model): budget, both step times, both speedups, the
+    lower bound and the headroom of the best baseline over it."""
     head = (f"{'graph':<10}{'baseline':<20}{'cost':<10}{'budget = peak(B)':>17}{'B ms':>11}{'fsdp-sched ms':>15}"
-            f"{'vs B':>8}{'best that fits':>22}{'vs best':>9}")
+            f"{'vs B':>8}{'best that fits':>22}{'vs best':>9}{'bound ms':>10}{'headroom':>10}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
         mine = "-" if r.product_ms is None else f"{r.product_ms:.2f}"
@@ -188,6 +213,7 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
             f"{r.graph:<10}{BASELINE_NAMES.get(r.baseline, r.baseline):<20}{r.cost_model:<10}"
             f"{fmt_bytes(r.budget_bytes):>17}{r.baseline_ms:11.2f}{mine:>15}{_x(r.speedup):>8}"
             f"{BASELINE_NAMES.get(r.best_baseline, r.best_baseline):>22}{_x(r.speedup_vs_best):>9}"
+            f"{_ms(r.lower_bound_ms):>10}{_x(r.headroom):>10}"
             + (f"  {r.note}" if r.note and not r.fits else ""))
     return "\n".join(lines)
 
@@ -212,6 +238,9 @@ def headline(rows: Sequence[Row]) -> str:
             worst = min(ok, key=lambda r: r.speedup)
             line += (f"; x{best:.2f} vs the best baseline that fits (geomean); worst x{worst.speedup:.2f} "
                      f"({worst.graph}, vs {BASELINE_NAMES.get(worst.baseline, worst.baseline)})")
+        room = geomean([r.headroom for r in mine if r.headroom is not None])
+        if room is not None:
+            line += f"; at most x{room:.2f} possible vs the best baseline (geomean of its headroom over the lower bound)"
         slower = sum(r.speedup < 1 for r in ok)
         missing = len(mine) - len(ok)
         if slower or missing:
@@ -222,6 +251,10 @@ def headline(rows: Sequence[Row]) -> str:
 
 def _x(v: float | None) -> str:
     return "-" if v is None else f"x{v:.2f}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def plot(comparison: Comparison, cost_model: str, path: str | Path) -> Path:

@@ -42,11 +42,22 @@ def test_budget_is_the_baselines_peak_and_the_product_holds_it(comparison):
         assert r.speedup_vs_best <= r.speedup
 
 
+def test_lower_bound_is_below_every_judged_graph(comparison):
+    """The bound holds for any schedule: no baseline and no product graph is faster."""
+    for r in comparison.rows:
+        assert r.lower_bound_ms is not None and 0 < r.lower_bound_ms
+        assert r.lower_bound_ms <= r.best_baseline_ms * (1 + 1e-9), r
+        assert r.lower_bound_ms <= r.product_ms * (1 + 1e-9), r
+        assert r.headroom == pytest.approx(r.best_baseline_ms / r.lower_bound_ms)
+        assert r.headroom >= r.speedup_vs_best * (1 - 1e-9)
+
+
 def test_headline_and_table_name_each_baseline(comparison):
     text = equal_memory.headline(comparison.rows)
     assert text.count("fsdp-sched at equal memory") == len(equal_memory.COST_MODELS)
     assert "FSDP2-like" in text and "best baseline that fits" in text
     table = equal_memory.format_table(comparison.rows)
+    assert "headroom" in table and "possible vs the best baseline" in text
     assert len(table.splitlines()) == len(comparison.rows) + 2
     assert comparison.to_json()["rows"][0]["speedup"] == comparison.rows[0].speedup
 
