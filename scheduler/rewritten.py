@@ -233,7 +233,8 @@ def robust_schedule(
                (budget is None or c.figures.max_peak_bytes <= budget)}
     result = RobustResult(chosen=best.name, gm=best.graph if best.graph is not gm else copy.deepcopy(gm),
                           mem_budget_bytes=budget, judged={c.name: c for c in candidates if c.figures is not None},
-                          dropped={c.name: reasons[c.name] for c in candidates if c.name not in fitting},
+                          dropped={c.name: reasons[c.name].removeprefix("dropped: ") for c in candidates
+                                   if c.name not in fitting},
                           solved_under={n: label for n, label in solved_under.items()
                                         if any(c.name == n and c.figures is not None for c in candidates)},
                           time_s=time.perf_counter() - t0)
