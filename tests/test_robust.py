@@ -163,3 +163,12 @@ def test_robust_needs_verify(llama_graphs):
     with pytest.raises(ValueError, match="needs verify=True"):
         optimize_schedule(llama_graphs.forward, robust=True, verify=False)
     assert len(llama_graphs.forward.graph.nodes) == n_nodes
+
+
+def test_inductor_pass_forwards_robust_as_an_option():
+    """The pass forwards its options to optimize_schedule; robust enters its cache key."""
+    pytest.importorskip("torch._inductor.custom_graph_pass")
+    from scheduler.compile import inductor_post_grad_pass
+
+    assert inductor_post_grad_pass(robust=True).uuid() != inductor_post_grad_pass().uuid()
+    assert '"robust": true' in inductor_post_grad_pass(robust=True).uuid()
