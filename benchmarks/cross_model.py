@@ -65,12 +65,12 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
                budget_of: str = "fsdp2") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The A x B rows and the robust row of one graph (module docstring); ``budget_of``:
     ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``."""
-    from scheduler.rewritten import judge, rewrite_baseline, robust_schedule
+    from scheduler.rewritten import rewrite_baseline, robust_schedule
+    from scheduler.verify import judge_graph
 
     budget = None
     if budget_of == "fsdp2":
-        fsdp2 = rewrite_baseline(gm, "fsdp2", cluster=cluster)
-        budget = judge(fsdp2, {"analytic": "analytic"}, cluster=cluster).peak_bytes
+        budget = judge_graph(rewrite_baseline(gm, "fsdp2", cluster=cluster), cluster=cluster).max_peak_bytes
     result = robust_schedule(gm, budget, cluster=cluster, time_limit_s=time_limit_s)
     times = result.step_ms_by_model()
     rows = []
@@ -78,7 +78,7 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
         for b in BASE:
             fits = solved in result.fitting
             best = min(times[b].values())
-            step = result.judged[solved].step_ms[b]
+            step = result.judged[solved].figures.step_ms[b]
             rows.append({"solved_under": a, "judged_under": b, "step_ms": step, "best_ms": best,
                          "best": min(times[b], key=times[b].get), "regret": step / best - 1 if fits else None,
                          "fits": fits})

@@ -28,7 +28,8 @@ import networkx as nx
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
 from scheduler.report import ScheduleReport, bucket_stats, make_report
-from scheduler.verify import Candidate, install, verify_and_choose
+from scheduler.robust import choice_key, cost_model_family
+from scheduler.verify import Candidate, Criterion, cost_model_label, install, verify_and_choose
 from scheduler.writeback import apply_schedule
 from solvers.core import (
     InfeasibleBudgetError,
@@ -206,6 +207,7 @@ def optimize_schedule(
     consensus_group: Any = None,
     schedule_hook: Any = None,
     verify: bool = True,
+    robust: bool = False,
 ) -> "torch.fx.GraphModule":
     """Schedule the collectives of a partitioned FSDP graph and rewrite it in place.
 
@@ -249,12 +251,19 @@ def optimize_schedule(
             liveness count, torch's MemoryTracker) all fit ``mem_budget``. The report shows
             the prediction, the re-exported figures and why each candidate was dropped.
             False: write back the solver's schedule on the model's word alone.
+        robust: choose robustly to the cost model (default False; needs ``verify``): every
+            candidate is also judged under :func:`scheduler.robust.cost_model_family` of
+            ``cluster`` (analytic and torch, bandwidths as given and +-30 %), and the one with
+            the least worst-case regret over those models and ``cost_model`` is kept
+            (:func:`scheduler.robust.choice_key`) instead of the fastest under ``cost_model``.
+            The report names the criterion and each candidate's worst regret. Costs one
+            re-export per candidate and model (6 more per candidate).
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
 
     Raises:
-        ValueError: a malformed budget or unknown solver.
+        ValueError: a malformed budget or unknown solver, or ``robust`` without ``verify``.
         InfeasibleBudgetError: no schedule fits ``mem_budget`` (states the smallest peak);
             with ``verify``, no rewritten graph fits it.
         ScheduleError: the solve failed and ``fallback`` is False, or the schedule cannot be
@@ -262,6 +271,9 @@ def optimize_schedule(
             the pass failed on every rank of the group; otherwise the graph stays unchanged.
     """
     budget = parse_bytes(mem_budget)
+    if robust and not verify:
+        raise ValueError("robust=True chooses among candidates judged on their rewritten graphs: it needs verify=True")
+    choice = robust_choice(cost_model, cluster) if robust else {}
     exported: list[Problem] = []
     if graph_has_collectives(gm):
         group = consensus.agreement_group(consensus_group) if agree else None
@@ -296,7 +308,7 @@ def optimize_schedule(
             return Candidate(name=report.solver, schedule=schedule), report
         # a schedule the hook imposed is judged alone: it is the user's (or a test's) choice
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
-                                 seed=seed, alternatives=schedule.digest() == solved, **writeback)
+                                 seed=seed, alternatives=schedule.digest() == solved, **choice, **writeback)
 
     def write_back(problem: Problem, chosen: Candidate) -> None:
         if not problem.colls:
@@ -320,6 +332,15 @@ def optimize_schedule(
     gm.meta[REPORT_KEY] = report
     logger.info("%s", report.summary_line())
     return gm
+
+
+def robust_choice(cost_model: Any, cluster: Any) -> dict[str, Any]:
+    """Keywords of :func:`scheduler.verify.verify_and_choose` for ``robust=True``: the family
+    of ``cluster`` besides ``cost_model`` (which keeps its own label), and the criterion."""
+    label = cost_model_label(cost_model)
+    others = {k: m for k, m in cost_model_family(cluster).items() if k != label}
+    name = f"robust: least worst-case regret over {len(others) + 1} cost models ({', '.join([label, *others])})"
+    return {"other_cost_models": others, "criterion": Criterion(name=name, make_key=choice_key)}
 
 
 def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:

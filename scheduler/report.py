@@ -86,6 +86,10 @@ class ScheduleReport:
     candidates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: wall time of the verification (included in solve_time_s), s
     verify_time_s: float = 0.0
+    #: what chose among the candidates that fit ("fastest re-exported under analytic", or the
+    #: robust criterion of ``optimize_schedule(robust=True)``); rows of ``candidates`` then
+    #: carry ``worst_regret`` over the cost models that judged them (None: not compared)
+    criterion: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,10 +162,13 @@ class ScheduleReport:
             f"{_fmt_opt_bytes(self.reexported_peak_bytes)} re-exported, {_fmt_opt_bytes(self.liveness_peak_bytes)} "
             f"liveness, {_fmt_opt_bytes(self.tracker_peak_bytes)} torch tracker"
         ]
+        if self.criterion:
+            lines.append(f"  chosen by: {self.criterion}")
         for c in self.candidates:
             model = "-" if c["predicted_step_ms"] is None else fmt_ms(c["predicted_step_ms"])
             step = "-" if not c["step_ms"] else " / ".join(f"{k} {fmt_ms(v)}" for k, v in c["step_ms"].items())
-            lines.append(f"    candidate {c['name']:<30} model {model:>12}, written {step}: {c['outcome']}")
+            regret = "" if c.get("worst_regret") is None else f", worst regret {c['worst_regret']:.2%}"
+            lines.append(f"    candidate {c['name']:<30} model {model:>12}, written {step}{regret}: {c['outcome']}")
         return lines
 
 

@@ -1,21 +1,21 @@
-"""Rewritten graphs, judged on themselves under several cost models.
+"""The baselines and the product as candidates judged on their rewritten graphs, and the
+robust choice among them.
 
-What is written back is what counts (issue 13): a schedule is compared with another by the
-graph each one writes, not by the model's prediction. This module makes such graphs and
-judges them; :mod:`scheduler.robust` (a choice across cost models) and
-:mod:`scheduler.equal_memory` (the product against each baseline at the baseline's peak) build
-on it.
+What is written back is what counts (issue 13). Judging is :mod:`scheduler.verify`'s, the one
+way to judge a rewritten graph: a :class:`scheduler.verify.Candidate` is written back on a copy
+(:func:`scheduler.verify.rewrite`) and its :class:`scheduler.verify.Figures` taken by
+:func:`scheduler.verify.judge_graph` (re-exported step time under every cost model given, and
+the re-export, liveness and torch tracker peaks; a budget must hold all three). This module
+adds the candidates :func:`scheduler.optimize_schedule` does not make for itself, for
+comparisons (:mod:`scheduler.equal_memory`, ``benchmarks/cross_model.py``):
 
-- :func:`rewrite_baseline`: a copy of the graph as a baseline writes it: the graph as traced,
-  a heuristic of :data:`solvers.heuristics.HEURISTICS` written back with
-  :func:`scheduler.apply_schedule`, or torch's overlap scheduler (``"torch"``).
-- :func:`rewrite_product`: a copy rewritten by :func:`scheduler.optimize_schedule`.
-- :func:`judge`: the rewritten graph re-exported and simulated in its node order under every
-  given cost model (step time, ms), and its peak memory by the re-export, the reference
-  liveness count (:func:`scheduler.judge.liveness_peak`) and torch's ``MemoryTracker``
-  (:func:`scheduler.judge.torch_tracker_peak`); a budget must hold all three.
+- :func:`judge_baselines`: each baseline as a candidate, judged: the graph as traced, a
+  heuristic of :data:`solvers.heuristics.HEURISTICS` written back, or torch's overlap
+  scheduler (:data:`TORCH_BASELINE`, one of :data:`scheduler.verify.TORCH_CANDIDATES`);
+- :func:`product_candidate`: a copy rewritten by :func:`scheduler.optimize_schedule`, judged;
 - :func:`robust_schedule`: the candidate best in the worst case across cost models
-  (:mod:`scheduler.robust`), among fsdp-sched solved under each base model and the baselines.
+  (:func:`scheduler.robust.choice_key`), among fsdp-sched solved under each base model and the
+  baselines, chosen by :func:`scheduler.verify.choose`.
 
 Merging buckets needs an initialised process group in which the graph's groups resolve (a fake
 one is enough, e.g. ``models.capture.fake_process_group``).
@@ -33,10 +33,17 @@ from typing import TYPE_CHECKING, Any
 from scheduler.api import optimize_schedule
 from scheduler.costs import Cluster
 from scheduler.dag import export_dag
-from scheduler.judge import liveness_peak, torch_tracker_peak
-from scheduler.robust import BASE_COST_MODELS, cost_model_family, robust_key, worst_regret
-from scheduler.writeback import apply_schedule
-from solvers.core import InfeasibleBudgetError, Problem, ScheduleError, fmt_bytes, parse_bytes, simulate
+from scheduler.robust import BASE_COST_MODELS, choice_key, cost_model_family, worst_regret
+from scheduler.verify import (
+    TORCH_CANDIDATES,
+    Candidate,
+    choose,
+    judge_candidates,
+    judge_graph,
+    none_fits_error,
+    rewrite,
+)
+from solvers.core import InfeasibleBudgetError, Problem, ScheduleError, parse_bytes
 from solvers.heuristics import HEURISTICS
 from solvers.registry import solve
 
@@ -45,103 +52,93 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: name of torch's overlap scheduler as a baseline (:func:`rewrite_baseline`)
-TORCH_BASELINE = "torch"
+#: torch's overlap scheduler (with its FSDP pre-bucketing) as a baseline: the name of its
+#: candidate in :data:`scheduler.verify.TORCH_CANDIDATES`
+TORCH_BASELINE = "torch-overlap"
 #: baselines :func:`robust_schedule` considers besides its own solves
 ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", TORCH_BASELINE)
 
 
-@dataclasses.dataclass(kw_only=True)
-class Judged:
-    """One rewritten graph as judged on itself (times in ms, memory in bytes)."""
+def baseline_candidate(problem: Problem, name: str) -> Candidate:
+    """Baseline ``name`` as a candidate over ``problem``: a heuristic of
+    :data:`solvers.heuristics.HEURISTICS` (``"traced"``, ``"fsdp2"``, ``"simplefsdp"``,
+    ``"autoparallel"``; solved without a budget: they do not read costs) or one of torch's
+    (:data:`scheduler.verify.TORCH_CANDIDATES`, rewritten by torch's pass).
 
-    name: str
-    #: re-exported step time per cost-model label
-    step_ms: dict[str, float]
-    #: peak of the re-export simulated in node order
-    reexport_peak_bytes: int
-    #: reference liveness count (collective inputs alive until their wait, aliases counted once)
-    liveness_peak_bytes: int
-    #: torch's MemoryTracker, every device counted
-    tracker_peak_bytes: int
-    n_collectives: int
-    #: the rewritten graph (None once dropped to save memory)
-    gm: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def peak_bytes(self) -> int:
-        """The largest of the three peaks: what a budget must hold."""
-        return max(self.reexport_peak_bytes, self.liveness_peak_bytes, self.tracker_peak_bytes)
-
-    def fits(self, mem_budget_bytes: int | None) -> bool:
-        return mem_budget_bytes is None or self.peak_bytes <= mem_budget_bytes
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name in TORCH_CANDIDATES:
+        return Candidate(name=name)
+    if name not in HEURISTICS:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {sorted(HEURISTICS) + sorted(TORCH_CANDIDATES)}")
+    return Candidate(name=name, schedule=solve(problem, solver=name).schedule)
 
 
 def rewrite_baseline(gm: "torch.fx.GraphModule", name: str, *, cluster: Any = None) -> "torch.fx.GraphModule":
-    """A copy of ``gm`` rewritten by baseline ``name`` (``gm`` is not modified).
-
-    Args:
-        name: ``"traced"`` (the copy as it is), a heuristic of
-            :data:`solvers.heuristics.HEURISTICS` (``"fsdp2"``, ``"simplefsdp"``,
-            ``"autoparallel"``; solved without a budget on the analytic export: they do not
-            read costs), or ``"torch"`` (:func:`scheduler.baselines.torch_overlap_schedule`
-            priced for ``cluster``, torch's default memory allowance).
+    """A copy of ``gm`` rewritten by baseline ``name`` (:func:`baseline_candidate`; ``gm`` is
+    not modified).
 
     Raises:
         ValueError: an unknown name.
         scheduler.baselines.TorchBaselineError: torch's pass failed on this graph.
     """
-    if name == TORCH_BASELINE:
-        from scheduler.baselines import torch_overlap_schedule  # imports torch's inductor
-
-        return torch_overlap_schedule(gm, cluster=cluster)
-    if name not in HEURISTICS:
-        raise ValueError(f"unknown baseline {name!r}; choose one of {sorted(HEURISTICS) + [TORCH_BASELINE]}")
-    out = copy.deepcopy(gm)
-    if name == "traced":
-        return out
-    problem = Problem.from_dag(export_dag(out, cluster=cluster))
-    apply_schedule(out, problem, solve(problem, solver=name).schedule)
-    return out
+    problem = Problem.from_dag(export_dag(gm, cluster=cluster))
+    out = rewrite(gm, problem, baseline_candidate(problem, name), cluster=cluster)
+    return copy.deepcopy(gm) if out is gm else out
 
 
-def rewrite_product(
-    gm: "torch.fx.GraphModule",
-    mem_budget_bytes: int | None,
-    *,
-    cost_model: Any = None,
-    cluster: Any = None,
-    time_limit_s: float = 15.0,
-) -> "torch.fx.GraphModule":
-    """A copy of ``gm`` rewritten by :func:`scheduler.optimize_schedule` at ``mem_budget_bytes``
-    under ``cost_model`` (one rank's view: no agreement). Its report is at
-    ``meta["fsdp_sched_report"]``.
+def judge_baselines(gm: "torch.fx.GraphModule", names: Sequence[str], cost_models: Mapping[str, Any], *,
+                    cluster: Any = None, keep_graphs: bool = False) -> list[Candidate]:
+    """Each baseline of ``names`` written back on a copy of ``gm`` and judged under every model
+    of ``cost_models`` (label -> a cost model or its name; the first is the primary). One that
+    cannot be made (torch's pass fails on some graphs) keeps the reason in ``error``. The
+    rewritten copies are kept on ``graph`` only if asked."""
+    label, model, others = _primary(cost_models)
+    problem = Problem.from_dag(export_dag(gm, cost_model=model, cluster=cluster))
+    candidates = []
+    for name in names:
+        try:
+            candidates.append(baseline_candidate(problem, name))
+        except (ValueError, ScheduleError) as e:
+            candidates.append(Candidate(name=name, error=f"{type(e).__name__}: {e}"))
+    todo = [c for c in candidates if c.error is None]
+    logger.info("judging baselines %s under %d cost models", [c.name for c in todo], len(cost_models))
+    judge_candidates(gm, problem, todo, cost_model=model, cluster=cluster, other_cost_models=others, label=label)
+    if not keep_graphs:
+        for c in candidates:
+            c.graph = None
+    return candidates
 
-    Raises:
-        InfeasibleBudgetError: no schedule fits the budget in the model.
-    """
-    return optimize_schedule(copy.deepcopy(gm), mem_budget_bytes, cost_model=cost_model, cluster=cluster,
-                             time_limit_s=time_limit_s, agree=False)
+
+def product_candidate(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost_models: Mapping[str, Any], *,
+                      solve_under: str | None = None, cluster: Any = None, time_limit_s: float = 15.0,
+                      name: str = "fsdp-sched", **options: Any) -> Candidate:
+    """fsdp-sched's candidate: :func:`scheduler.optimize_schedule` on a copy of ``gm`` at
+    ``mem_budget_bytes`` under ``cost_models[solve_under]`` (default: the first), one rank's
+    view (no agreement); ``options`` are further keywords of ``optimize_schedule``. The
+    rewritten copy (``graph``, its report at ``meta["fsdp_sched_report"]``) is judged under
+    every model of ``cost_models``; when no schedule fits, the candidate keeps the reason in
+    ``error``."""
+    label, model, others = _primary(cost_models, solve_under)
+    logger.info("%s: solving under %s (limit %g s)", name, label, time_limit_s)
+    try:
+        out = optimize_schedule(copy.deepcopy(gm), mem_budget_bytes, cost_model=model, cluster=cluster,
+                                time_limit_s=time_limit_s, agree=False, **options)
+    except (InfeasibleBudgetError, ScheduleError) as e:
+        return Candidate(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    figures = judge_graph(out, model, cluster, other_cost_models=others, label=label)
+    return Candidate(name=name, graph=out, figures=figures)
 
 
-def judge(gm: "torch.fx.GraphModule", cost_models: Mapping[str, Any], *, name: str = "", cluster: Any = None,
-          keep_graph: bool = False) -> Judged:
-    """Judge ``gm`` as written (module docstring) under every model of ``cost_models`` (label ->
-    a cost model or its name, priced on ``cluster``). Keeps ``gm`` on the result if asked."""
+def _primary(cost_models: Mapping[str, Any], label: str | None = None) -> tuple[str, Any, dict[str, Any]]:
+    """(label, model) of the primary cost model (``label``, default the first) and the others."""
     if not cost_models:
-        raise ValueError("judge needs at least one cost model")
-    step_ms: dict[str, float] = {}
-    sim = None
-    for label, model in cost_models.items():
-        problem = Problem.from_dag(export_dag(gm, cost_model=model, cluster=cluster))
-        sim = simulate(problem.dag, problem=problem)
-        step_ms[label] = sim.step_ms
-    assert sim is not None
-    judged = Judged(name=name, step_ms=step_ms, reexport_peak_bytes=sim.peak_bytes,
-                    liveness_peak_bytes=liveness_peak(gm), tracker_peak_bytes=torch_tracker_peak(gm),
-                    n_collectives=sim.n_collectives, gm=gm if keep_graph else None)
-    logger.debug("judged %s: %s, peak %d B", name, step_ms, judged.peak_bytes)
-    return judged
+        raise ValueError("judging needs at least one cost model")
+    label = label or next(iter(cost_models))
+    if label not in cost_models:
+        raise ValueError(f"cost model {label!r} is not one of {list(cost_models)}")
+    return label, cost_models[label], {k: v for k, v in cost_models.items() if k != label}
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,9 +153,9 @@ class RobustResult:
     #: the chosen rewritten graph (a copy: the input graph is not modified)
     gm: Any = dataclasses.field(repr=False)
     mem_budget_bytes: int | None
-    #: every candidate that could be written back, judged under every model of the family
-    judged: dict[str, Judged]
-    #: candidates that were dropped (not made, or over the budget) and why
+    #: name -> every candidate that could be written back, judged under every model of the family
+    judged: dict[str, Candidate]
+    #: candidates that were not made, or are over the budget, and why
     dropped: dict[str, str]
     #: names of the candidates solved by fsdp-sched, by the label of the model solved under
     solved_under: dict[str, str]
@@ -166,12 +163,12 @@ class RobustResult:
 
     @property
     def fitting(self) -> list[str]:
-        return sorted(n for n, j in self.judged.items() if j.fits(self.mem_budget_bytes))
+        return sorted(n for n in self.judged if n not in self.dropped)
 
     def step_ms_by_model(self) -> dict[str, dict[str, float]]:
         """Model label -> fitting candidate -> re-exported step time (ms)."""
-        labels = next(iter(self.judged.values())).step_ms
-        return {label: {n: self.judged[n].step_ms[label] for n in self.fitting} for label in labels}
+        labels = next(iter(self.judged.values())).figures.step_ms
+        return {label: {n: self.judged[n].figures.step_ms[label] for n in self.fitting} for label in labels}
 
     def worst_regret(self) -> dict[str, float]:
         return worst_regret(self.step_ms_by_model())
@@ -201,15 +198,15 @@ def robust_schedule(
 ) -> RobustResult:
     """The schedule of ``gm`` that is best in the worst case across cost models.
 
-    Candidates: :func:`scheduler.optimize_schedule` at ``mem_budget`` under each model of
-    ``solve_under`` (labels of the family) and each baseline of ``baselines``
-    (:func:`rewrite_baseline`), each on its own copy of ``gm``. Each rewritten graph is
-    re-exported and simulated under every model of ``cost_models`` (default
+    Candidates: :func:`product_candidate` at ``mem_budget`` under each model of ``solve_under``
+    (labels of the family) and each baseline of ``baselines`` (:func:`judge_baselines`), each
+    on its own copy of ``gm``, judged under every model of ``cost_models`` (default
     :func:`scheduler.robust.cost_model_family` of ``cluster``); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
-    :func:`scheduler.robust.robust_key` chooses. ``gm`` itself is not modified: the result
-    holds the chosen rewritten copy. Needs an
-    initialised process group in which the graph's groups resolve (a fake one is enough).
+    :func:`scheduler.robust.choice_key` chooses. ``gm`` itself is not modified: the result holds
+    the chosen rewritten copy. For one solve judged under the family, see
+    ``optimize_schedule(robust=True)``. Needs an initialised process group in which the graph's
+    groups resolve (a fake one is enough).
 
     Args:
         mem_budget: bytes or a string like ``"40GiB"``; None: no limit.
@@ -225,63 +222,24 @@ def robust_schedule(
     unknown = [label for label in solve_under if label not in family]
     if unknown:
         raise ValueError(f"solve_under {unknown} are not models of the family {list(family)}")
-    graphs, dropped, solved_under = _candidate_graphs(gm, budget, family, cluster=cluster, solve_under=solve_under,
-                                                      baselines=baselines, time_limit_s=time_limit_s)
-    judged = {}
-    for i, (name, g) in enumerate(graphs.items()):
-        logger.info("robust: judging %s (%d/%d) under %d cost models", name, i + 1, len(graphs), len(family))
-        judged[name] = judge(g, family, name=name, cluster=cluster, keep_graph=True)
-    result = RobustResult(chosen="", gm=None, mem_budget_bytes=budget, judged=judged, dropped=dropped,
-                          solved_under=solved_under)
-    _drop_over_budget(result)
-    if not result.fitting:
-        raise _none_fits(judged, budget)
-    result.chosen = robust_key(result.step_ms_by_model())
-    result.gm = judged[result.chosen].gm
-    for j in judged.values():
-        j.gm = None  # the copies are large; the result keeps the chosen one
-    result.time_s = time.perf_counter() - t0
+    solved_under = {f"fsdp-sched[{label}]": label for label in solve_under}
+    candidates = [product_candidate(gm, budget, family, solve_under=label, cluster=cluster, time_limit_s=time_limit_s,
+                                    name=name) for name, label in solved_under.items()]
+    candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
+    best, reasons = choose(candidates, budget, choice_key(candidates, budget))
+    if best is None:
+        raise none_fits_error(candidates, budget)
+    fitting = {c.name for c in candidates if c.figures is not None and
+               (budget is None or c.figures.max_peak_bytes <= budget)}
+    result = RobustResult(chosen=best.name, gm=best.graph if best.graph is not gm else copy.deepcopy(gm),
+                          mem_budget_bytes=budget, judged={c.name: c for c in candidates if c.figures is not None},
+                          dropped={c.name: reasons[c.name].removeprefix("dropped: ") for c in candidates
+                                   if c.name not in fitting},
+                          solved_under={n: label for n, label in solved_under.items()
+                                        if any(c.name == n and c.figures is not None for c in candidates)},
+                          time_s=time.perf_counter() - t0)
+    for c in candidates:
+        c.graph = None  # the copies are large; the result keeps the chosen one
     logger.info("robust: chose %s (worst regret %.2f %%) among %d candidates in %.1f s", result.chosen,
                 100 * result.worst_regret()[result.chosen], len(result.fitting), result.time_s)
     return result
-
-
-def _candidate_graphs(gm, budget, family, *, cluster, solve_under, baselines, time_limit_s):
-    """Name -> rewritten copy of ``gm``; name -> why a candidate was not made; and the
-    product's candidate names -> the label solved under."""
-    graphs: dict[str, Any] = {}
-    dropped: dict[str, str] = {}
-    solved_under: dict[str, str] = {}
-    for label in solve_under:
-        name = f"fsdp-sched[{label}]"
-        logger.info("robust: solving under %s (limit %g s)", label, time_limit_s)
-        try:
-            graphs[name] = rewrite_product(gm, budget, cost_model=family[label], cluster=cluster,
-                                           time_limit_s=time_limit_s)
-            solved_under[name] = label
-        except (InfeasibleBudgetError, ScheduleError) as e:
-            dropped[name] = f"{type(e).__name__}: {e}"
-    for name in baselines:
-        logger.info("robust: writing back baseline %s", name)
-        try:
-            graphs[name] = rewrite_baseline(gm, name, cluster=cluster)
-        except Exception as e:  # torch's pass fails on some graphs; one baseline must not stop the others
-            dropped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return graphs, dropped, solved_under
-
-
-def _drop_over_budget(result: RobustResult) -> None:
-    for name, j in result.judged.items():
-        if not j.fits(result.mem_budget_bytes):
-            result.dropped[name] = (f"over budget: peak {fmt_bytes(j.peak_bytes)} > "
-                                    f"{fmt_bytes(result.mem_budget_bytes)} on the rewritten graph")
-
-
-def _none_fits(judged: Mapping[str, Judged], budget: int | None) -> Exception:
-    if not judged:
-        return ScheduleError("no candidate could be written back")
-    least = min(judged.values(), key=lambda j: j.peak_bytes)
-    return InfeasibleBudgetError(
-        f"no rewritten graph keeps peak memory under {fmt_bytes(budget)}; the smallest is "
-        f"{fmt_bytes(least.peak_bytes)} ({least.name}): raise mem_budget to at least that",
-        budget_bytes=budget or 0, min_peak_bytes=least.peak_bytes)

@@ -14,8 +14,9 @@ from the best under another. The robust choice hedges:
   over the family; ties go to the first name in sorted order, so every rank agrees.
 
 :func:`choice_key` turns the criterion into a ``key`` for a chooser over judged candidates
-(objects with ``name`` and ``figures.step_ms``); :func:`scheduler.rewritten.robust_schedule`
-does the whole thing with the public API. This module imports no torch and nothing above the
+(objects with ``name`` and ``figures.step_ms``): ``optimize_schedule(robust=True)`` uses it on
+its own candidates, and :func:`scheduler.rewritten.robust_schedule` on fsdp-sched solved under
+each base model and the baselines. This module imports no torch and nothing above the
 cost models, so that the API can use the criterion.
 
 With a chooser over judged candidates whose figures carry step times under the family, the

@@ -39,7 +39,12 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, bucket_stats
+<<<<<<< HEAD
 from scheduler.writeback import apply_schedule, pin_order
+=======
+from scheduler.robust import worst_regret
+from scheduler.writeback import apply_schedule
+>>>>>>> issue13c
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
 from solvers.warmstart import fitting_heuristics
 
@@ -141,20 +146,35 @@ class Candidate:
         }
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Criterion:
+    """How :func:`verify_and_choose` ranks the candidates that fit (default: the fastest
+    re-exported under the cost model in use)."""
+
+    #: what the report says chose (e.g. "robust: least worst-case regret over 6 cost models")
+    name: str
+    #: ``(judged candidates, budget) -> key`` to minimise over the fitting ones (see
+    #: :func:`choose`; :func:`scheduler.robust.choice_key` is one)
+    make_key: Callable[[Sequence[Candidate], int | None], Callable[[Candidate], Any]]
+
+
 # --------------------------------------------------------------------------------------------
 # the loop (what optimize_schedule runs)
 # --------------------------------------------------------------------------------------------
 def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
                       mem_budget_bytes: int | None, *, cost_model: Any = None, cluster: Any = None, seed: int = 0,
-                      alternatives: bool = True, key: Callable[[Candidate], float] | None = None,
+                      alternatives: bool = True, criterion: Criterion | None = None,
                       other_cost_models: Mapping[str, Any] | None = None,
                       **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
     report updated with the verification. ``alternatives=False`` judges ``schedule`` alone
     (a schedule the user imposed, e.g. through ``optimize_schedule(schedule_hook=...)``).
-    ``key`` and ``other_cost_models`` (label -> cost model, judged as well and kept in
-    ``figures.step_ms``) let a criterion across cost models choose (see :func:`choose`).
+    ``criterion`` and ``other_cost_models`` (label -> cost model, judged as well and kept in
+    ``figures.step_ms``) let a criterion across cost models choose (see :func:`choose`); with a
+    criterion no candidate is pruned by its prediction (it may be slow under the cost model in
+    use and still the best by the criterion), and the report names the criterion and, when
+    several cost models judged, each candidate's worst regret over them.
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
@@ -167,17 +187,20 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
         others = sorted(schedule_candidates(problem, solved, mem_budget_bytes, seed=seed)[1:],
                         key=lambda c: c.predicted_step_ms)
         candidates += torch_candidates() + others
-    skip = _hopeless(candidates, mem_budget_bytes) if key is None else None
+    skip = _hopeless(candidates, mem_budget_bytes) if criterion is None else None
     judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster,
                      other_cost_models=other_cost_models, skip=skip, **writeback)
+    key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
     best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         c.graph = None  # rewritten copies are large; install() rewrites the graph itself
     if best is None:
-        raise _none_fits(candidates, mem_budget_bytes)
+        raise none_fits_error(candidates, mem_budget_bytes)
     logger.info("fsdp-sched: verified %d candidates in %.2f s: %s", len(candidates), time.perf_counter() - t0,
                 reasons[best.name])
-    return best, verified_report(report, problem, best, candidates, reasons, time.perf_counter() - t0)
+    name = criterion.name if criterion is not None else f"fastest re-exported under {best.figures.cost_model}"
+    return best, verified_report(report, problem, best, candidates, reasons, time.perf_counter() - t0,
+                                 criterion=name, mem_budget_bytes=mem_budget_bytes)
 
 
 def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, cluster: Any = None,
@@ -201,7 +224,9 @@ def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, 
         pin_order(gm)
 
 
-def _none_fits(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Exception:
+def none_fits_error(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Exception:
+    """The error to raise when :func:`choose` finds no candidate: what could not be judged, or
+    the smallest peak found and the budget to ask for."""
     judged = [c for c in candidates if c.figures is not None]
     if not judged or mem_budget_bytes is None:
         errors = "; ".join(f"{c.name}: {c.error}" for c in candidates if c.error)
@@ -216,19 +241,23 @@ def _none_fits(candidates: Sequence[Candidate], mem_budget_bytes: int | None) ->
 
 
 def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate, candidates: Sequence[Candidate],
-                    reasons: Mapping[str, str], verify_time_s: float) -> ScheduleReport:
+                    reasons: Mapping[str, str], verify_time_s: float, *, criterion: str = "",
+                    mem_budget_bytes: int | None = None) -> ScheduleReport:
     """``report`` describing ``chosen`` (the model's prediction where it has one, else its
-    re-export) with the re-exported figures and every candidate's outcome; ``candidates[0]``
-    is the solver's."""
+    re-export) with the re-exported figures, the ``criterion`` that chose and every
+    candidate's outcome (and worst regret over the cost models that judged it, among those
+    that fit ``mem_budget_bytes``); ``candidates[0]`` is the solver's."""
     f = chosen.figures
     assert f is not None
-    rows = [{**c.summary(), "outcome": reasons.get(c.name, "")} for c in candidates]
+    worst = worst_regrets(candidates, mem_budget_bytes)
+    rows = [{**c.summary(), "worst_regret": worst.get(c.name), "outcome": reasons.get(c.name, "")}
+            for c in candidates]
     notes = report.notes + [f"candidate {c.name} unavailable: {c.error}" for c in candidates if c.error]
     fields: dict[str, Any] = dict(
         notes=notes, verified=True, chosen_candidate=chosen.name, candidates=rows, verify_time_s=verify_time_s,
         reexported_step_ms=f.primary_step_ms, reexported_peak_bytes=f.peak_bytes,
         liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
-        solve_time_s=report.solve_time_s + verify_time_s, digest=chosen.digest(),
+        solve_time_s=report.solve_time_s + verify_time_s, digest=chosen.digest(), criterion=criterion,
     )
     if chosen is candidates[0]:
         return dataclasses.replace(report, **fields)
@@ -244,6 +273,18 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
         report, step_ms_after=step, peak_bytes_after=peak, exposed_comm_ms_after=exposed, n_collectives_after=n,
         gap=gap, buckets=buckets, bucket_types=types, ag_prefetch=prefetch, rs_issue_delay=rs_delay,
         rs_wait_distance=rs_wait, **fields)
+
+
+def worst_regrets(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> dict[str, float]:
+    """Name -> worst regret over the cost models in ``figures.step_ms``
+    (:func:`scheduler.robust.worst_regret`) of each candidate that fits; empty when the
+    candidates were judged under one model only."""
+    pool = [c for c in candidates if c.figures is not None and
+            (mem_budget_bytes is None or c.figures.max_peak_bytes <= mem_budget_bytes)]
+    if not pool or len(pool[0].figures.step_ms) < 2:
+        return {}
+    labels = pool[0].figures.step_ms
+    return worst_regret({label: {c.name: c.figures.step_ms[label] for c in pool} for label in labels})
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,11 +306,14 @@ def judge_graph(
     cluster: Any = None,
     *,
     other_cost_models: Mapping[str, Any] | None = None,
+    label: str | None = None,
 ) -> Figures:
     """Judge ``gm`` as written: re-export it with ``cost_model`` on ``cluster`` and simulate it
     in its node order; take its liveness and torch tracker peaks. ``other_cost_models`` (label
-    -> cost model) add step times under other models (e.g. for a robust choice)."""
-    label = cost_model_label(cost_model)
+    -> cost model) add step times under other models (e.g. for a robust choice); ``label``
+    names ``cost_model`` in ``step_ms`` (default :func:`cost_model_label`; an entry of
+    ``other_cost_models`` under the same label is that model, not judged twice)."""
+    label = label or cost_model_label(cost_model)
     models = {label: cost_model, **(other_cost_models or {})}
     step_ms: dict[str, float] = {}
     runs = {}
@@ -345,9 +389,10 @@ def _is_traced(problem: Problem, schedule: Schedule) -> bool:
 
 def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: Sequence[Candidate], *,
                      cost_model: Any = None, cluster: Any = None, other_cost_models: Mapping[str, Any] | None = None,
-                     skip: Callable[[Candidate], str | None] | None = None, **writeback: Any) -> list[Candidate]:
-    """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`), in
-    order. A candidate that cannot be written back or judged keeps the reason in ``error``;
+                     label: str | None = None, skip: Callable[[Candidate], str | None] | None = None,
+                     **writeback: Any) -> list[Candidate]:
+    """Rewrite a copy of ``gm`` for every candidate and judge it (:func:`judge_graph`, which
+    ``other_cost_models`` and ``label`` are passed to), in order. A candidate that cannot be written back or judged keeps the reason in ``error``;
     one for which ``skip`` gives a reason is not judged and keeps it in ``skipped``. Copies are
     written without control dependencies (they pin the same order, and their subgraphs carry
     no FakeTensors to re-export)."""
@@ -359,7 +404,7 @@ def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: S
         try:
             c.graph = rewrite(gm, problem, c, cluster=cluster, **writeback)
             c.graph_digest = graph_digest(c.graph)
-            c.figures = judge_graph(c.graph, cost_model, cluster, other_cost_models=other_cost_models)
+            c.figures = judge_graph(c.graph, cost_model, cluster, other_cost_models=other_cost_models, label=label)
         except Exception as e:  # one candidate failing must not fail the pass
             c.error = _short(f"{type(e).__name__}: {e}")
             if not isinstance(e, TorchBaselineError):
@@ -421,11 +466,18 @@ def choose(judged: Sequence[Candidate], mem_budget_bytes: int | None,
         if c is best:
             reasons[c.name] = f"chosen: {fmt_ms(c.figures.primary_step_ms)} re-exported, fits"
         elif custom:
-            reasons[c.name] = f"dropped: worse by the criterion ({key(c):.6g} vs {key(best):.6g})"
+            reasons[c.name] = f"dropped: worse by the criterion ({_key_text(key(c))} vs {_key_text(key(best))})"
         else:
             reasons[c.name] = (f"dropped: slower ({fmt_ms(c.figures.primary_step_ms)} vs "
                                f"{fmt_ms(best.figures.primary_step_ms)})")
     return best, reasons
+
+
+def _key_text(value: Any) -> str:
+    """A key's value for a reason: a number, or the leading number of a tuple key (a tie-break
+    such as the name follows it)."""
+    lead = value[0] if isinstance(value, tuple) and value else value
+    return f"{lead:.6g}" if isinstance(lead, (int, float)) else repr(value)
 
 
 def _short(message: str, limit: int = 400) -> str:

@@ -174,3 +174,20 @@ def test_sweep_rows_are_monotone_in_memory():
     assert [r["budget_bytes"] for r in rows] == [300, 200, 100]
     assert rows[0]["step_ms"] == 10.0 and rows[0]["peak_bytes"] == 190 and rows[0]["status"] == "smaller"
     assert rows[1]["status"] == rows[2]["status"] == "feasible"
+
+
+def test_robust_solve_needs_a_model(traced, capsys):
+    forward, _ = traced
+    assert main(["solve", str(forward), "--robust"]) == 2
+    assert "--robust" in capsys.readouterr().err
+
+
+def test_robust_solve_reports_the_criterion(tmp_path, capsys):
+    out = tmp_path / "robust"
+    assert main(["-q", "solve", *TINY, "--graph", "forward", "--robust", "--time-limit", "2", "--out", str(out),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert report["verified"] and report["criterion"].startswith("robust")
+    chosen = [c for c in report["candidates"] if c["name"] == report["chosen_candidate"]]
+    assert chosen and chosen[0]["worst_regret"] is not None and len(chosen[0]["step_ms"]) == 6
+    assert not (out / "forward_schedule.json").exists() and (out / "forward_report.json").is_file()

@@ -32,14 +32,24 @@ def test_every_baseline_under_every_cost_model(comparison):
 
 def test_budget_is_the_baselines_peak_and_the_product_holds_it(comparison):
     for r in comparison.rows:
-        judged = comparison.baselines[r.baseline]
-        assert r.budget_bytes == judged.peak_bytes >= judged.liveness_peak_bytes
+        judged = comparison.baselines[r.baseline].figures
+        assert r.budget_bytes == judged.max_peak_bytes >= judged.liveness_peak_bytes
         assert r.baseline_ms == judged.step_ms[r.cost_model]
         assert r.fits and r.product_peak_bytes <= r.budget_bytes, r
         # the best baseline that fits is one whose peak is within the budget, and B itself fits
-        best = comparison.baselines[r.best_baseline]
-        assert best.peak_bytes <= r.budget_bytes and r.best_baseline_ms <= r.baseline_ms
+        best = comparison.baselines[r.best_baseline].figures
+        assert best.max_peak_bytes <= r.budget_bytes and r.best_baseline_ms <= r.baseline_ms
         assert r.speedup_vs_best <= r.speedup
+
+
+def test_lower_bound_is_below_every_judged_graph(comparison):
+    """The bound holds for any schedule: no baseline and no product graph is faster."""
+    for r in comparison.rows:
+        assert r.lower_bound_ms is not None and 0 < r.lower_bound_ms
+        assert r.lower_bound_ms <= r.best_baseline_ms * (1 + 1e-9), r
+        assert r.lower_bound_ms <= r.product_ms * (1 + 1e-9), r
+        assert r.headroom == pytest.approx(r.best_baseline_ms / r.lower_bound_ms)
+        assert r.headroom >= r.speedup_vs_best * (1 - 1e-9)
 
 
 def test_headline_and_table_name_each_baseline(comparison):
@@ -47,6 +57,7 @@ def test_headline_and_table_name_each_baseline(comparison):
     assert text.count("fsdp-sched at equal memory") == len(equal_memory.COST_MODELS)
     assert "FSDP2-like" in text and "best baseline that fits" in text
     table = equal_memory.format_table(comparison.rows)
+    assert "headroom" in table and "possible vs the best baseline" in text
     assert len(table.splitlines()) == len(comparison.rows) + 2
     assert comparison.to_json()["rows"][0]["speedup"] == comparison.rows[0].speedup
 

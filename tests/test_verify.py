@@ -186,7 +186,11 @@ def test_judged_under_several_cost_models_and_chosen_by_a_key(llama):
     report = make_report(problem, sim, sim, graph_name="backward", mem_budget_bytes=None, t0=0.0, solver="traced",
                          requested="traced", status="heuristic", best_bound=None, notes=[], fell_back=False)
     by_torch = lambda c: c.figures.step_ms["torch"]  # noqa: E731
-    chosen, report = verify.verify_and_choose(gm, problem, solved, report, None, key=by_torch,
+    criterion = verify.Criterion(name="fastest under torch", make_key=lambda candidates, budget: by_torch)
+    chosen, report = verify.verify_and_choose(gm, problem, solved, report, None, criterion=criterion,
                                               other_cost_models={"torch": "torch"})
+    assert report.criterion == "fastest under torch" and "chosen by: fastest under torch" in str(report)
+    regrets = [c["worst_regret"] for c in report.candidates if c["step_ms"]]
+    assert min(regrets) >= 0 and all(r is not None for r in regrets)
     judged = [c for c in report.candidates if c["step_ms"]]
     assert chosen.figures.step_ms["torch"] == pytest.approx(min(c["step_ms"]["torch"] for c in judged))

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
         if name == "solve":
             _solve_args(p, budget_default="none", time_limit=20.0)
+            p.add_argument("--robust", action="store_true",
+                           help="with --model: write the candidates back, judge them under analytic and torch "
+                                "cost models with bandwidths +-30 %%, keep the least worst-case regret "
+                                "(optimize_schedule(robust=True)); writes the report, not a schedule file")
             p.set_defaults(func=cmd_solve)
         else:
             p.add_argument("--solver", default="cpsat", help="solver to sweep (default %(default)s)")

@@ -8,10 +8,11 @@ import json
 import logging
 from pathlib import Path
 
-from scheduler.api import solve_dag
+from scheduler.api import REPORT_KEY, optimize_schedule, solve_dag
 from scheduler.cli.common import (
     GRAPHS,
     CliError,
+    cluster_of,
     fmt_bytes,
     heuristic_sim,
     input_dag,
@@ -19,7 +20,7 @@ from scheduler.cli.common import (
     trace_model,
     write_pictures,
 )
-from scheduler.dag import save_dag
+from scheduler.dag import export_dag, save_dag
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.registry import available_solvers
 
@@ -47,32 +48,65 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_solve(args: argparse.Namespace) -> int:
     if args.solver not in available_solvers():
         raise CliError(f"unknown solver {args.solver!r}; choose one of {', '.join(available_solvers())}")
-    dag = input_dag(args)
+    if args.robust and not args.model:
+        raise CliError("--robust judges the rewritten graph under several cost models: it needs --model (a DAG "
+                       "file has no graph to rewrite)")
+    dag, captured = (input_dag(args), None) if not args.robust else _traced(args)
     problem = Problem.from_dag(dag)
-    budget = args.budget
-    if isinstance(budget, str) and budget != "none":
-        fsdp2, _ = heuristic_sim(problem, "fsdp2")
-        traced, _ = heuristic_sim(problem, "traced")
-        budget = resolve_budget(budget, fsdp2.peak_bytes, min(fsdp2.peak_bytes, traced.peak_bytes))
-    else:
-        budget = resolve_budget(budget, 0)
-    logger.info("solving %s with %s, budget %s, limit %g s", dag.graph.get("name"), args.solver,
-                fmt_bytes(budget), args.time_limit)
-    try:
-        schedule, report = solve_dag(dag, budget, solver=args.solver, time_limit_s=args.time_limit)
-    except InfeasibleBudgetError as e:
-        raise CliError(f"budget {fmt_bytes(budget)} cannot be met: {e}") from None
-    sim = simulate(dag, schedule, problem=problem)
+    budget = _budget(args.budget, problem)
+    logger.info("solving %s with %s, budget %s, limit %g s%s", dag.graph.get("name"), args.solver,
+                fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = str(dag.graph.get("name", "graph"))
-    (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
+    if args.robust:
+        report, problem = _solve_robust(args, getattr(captured, args.graph), budget)
+        sim = simulate(problem.dag, problem=problem)  # the written graph as re-exported
+        files = []
+    else:
+        try:
+            schedule, report = solve_dag(dag, budget, solver=args.solver, time_limit_s=args.time_limit)
+        except InfeasibleBudgetError as e:
+            raise CliError(f"budget {fmt_bytes(budget)} cannot be met: {e}") from None
+        sim = simulate(dag, schedule, problem=problem)
+        (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
+        files = [out / f"{stem}_schedule.json"]
     (out / f"{stem}_report.json").write_text(json.dumps(report.to_json(), indent=1))
-    files = [out / f"{stem}_schedule.json", out / f"{stem}_report.json",
-             *write_pictures(sim, problem, out, stem, budget)]
+    files += [out / f"{stem}_report.json", *write_pictures(sim, problem, out, stem, budget)]
     if args.json:
         print(json.dumps({"report": report.to_json(), "sim": sim.summary(), "files": [str(f) for f in files]}))
     else:
         print(report)
         print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _budget(arg, problem: Problem) -> int | None:
+    """The budget in bytes: a size, none, or relative to the FSDP2-like peak in the model."""
+    if isinstance(arg, str) and arg != "none":
+        fsdp2, _ = heuristic_sim(problem, "fsdp2")
+        traced, _ = heuristic_sim(problem, "traced")
+        return resolve_budget(arg, fsdp2.peak_bytes, min(fsdp2.peak_bytes, traced.peak_bytes))
+    return resolve_budget(arg, 0)
+
+
+def _traced(args: argparse.Namespace):
+    """(DAG of ``args.graph``, the captured graphs) of ``--model``."""
+    dags, captured = trace_model(args, (args.graph,))
+    return dags[args.graph], captured
+
+
+def _solve_robust(args: argparse.Namespace, gm, budget: int | None):
+    """``optimize_schedule(robust=True)`` on ``gm`` (this process alone, on a fake process
+    group): its report and the written graph re-exported."""
+    from models.capture import fake_process_group  # torch and the models only for commands that trace
+
+    cluster = cluster_of(args)
+    with fake_process_group(args.world_size):
+        try:
+            optimize_schedule(gm, budget, solver=args.solver, time_limit_s=args.time_limit, cost_model=args.cost_model,
+                              cluster=cluster, robust=True, agree=False)
+        except InfeasibleBudgetError as e:
+            raise CliError(f"budget {fmt_bytes(budget)} cannot be met on the rewritten graph: {e}") from None
+        problem = Problem.from_dag(export_dag(gm, cost_model=args.cost_model, cluster=cluster, name=args.graph))
+    return gm.meta[REPORT_KEY], problem
