@@ -39,12 +39,8 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, bucket_stats
-<<<<<<< HEAD
-from scheduler.writeback import apply_schedule, pin_order
-=======
 from scheduler.robust import worst_regret
-from scheduler.writeback import apply_schedule
->>>>>>> issue13c
+from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
 from solvers.warmstart import fitting_heuristics
 
