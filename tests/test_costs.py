@@ -161,7 +161,10 @@ def test_table_cost_model_overrides():
     assert dag.nodes["mm"]["runtime_ms"] == pytest.approx(analytic["mm"])
     assert dag.nodes["rs"]["runtime_ms"] == 1.5
     # the merged-bucket line is fitted from the same model: constant time -> beta 0
-    assert dag.graph["comm_model"]["reduce_scatter|0"] == {"alpha_ms": 1.5, "beta_ms_per_byte": 0.0}
+    line = dict(dag.graph["comm_model"]["reduce_scatter|0"])
+    table = line.pop("table")
+    assert line == {"alpha_ms": 1.5, "beta_ms_per_byte": 0.0}
+    assert {ms for _, ms in table} == {1.5} and len(table) > 2
 
 
 class _Broken:

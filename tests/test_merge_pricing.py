@@ -124,3 +124,25 @@ def test_prediction_equals_reexport(graphs, model, cost_model):
                     assert abs(_model_copies(data, problem, members) - _problem_copies(problem, members)) <= len(
                         members), case  # rounding to us, per member
     assert merged, "no merged bucket: the check saw nothing"
+
+
+def test_merged_collective_priced_at_the_cost_models_time():
+    """torch's NCCL estimate is concave in the payload: a merged bucket is priced at the cost
+    model's own time for its total payload (the export's table, interpolated), not on the line
+    through the smallest and the summed payload, which under-prices block-sized buckets."""
+    from scheduler.costs import Cluster, group_info, resolve_cost_model
+
+    captured = fm.capture("tied", n_layers=2, world_size=WORLD, dim=512)
+    for name in ("torch", "analytic"):
+        dag = export_dag(captured.forward, cost_model=name)
+        p = Problem.from_dag(dag)
+        model = resolve_cost_model(name, Cluster.from_json(dag.graph["cluster"]))
+        for chain in p.chains.values():
+            for k in (2, len(chain) // 2, len(chain)):
+                members = chain[:k]
+                if len(members) < 2:
+                    continue
+                c0 = p.colls[members[0]]
+                total = sum(p.colls[m].payload_bytes for m in members)
+                want = model.collective_ms(c0.coll_type, total, group_info(dag, c0.group_name))
+                assert p.bucket_comm_ms(members) == pytest.approx(want, rel=5e-3), (name, k)

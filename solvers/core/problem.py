@@ -16,6 +16,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from functools import cached_property
@@ -192,7 +193,9 @@ class Problem:
 
     def bucket_comm_ms(self, members: Sequence[str]) -> float:
         """Communication time of a bucket (ms): the collective's own cost when alone, else the
-        fitted ``alpha + beta * total payload`` of its (type, group)."""
+        cost model's time at the total payload, interpolated in the export's table of its
+        (type, group) (``comm_model[key]["table"]``), or the fitted ``alpha + beta * total
+        payload`` when there is no table (older DAGs, synthetic overrides)."""
         if len(members) == 1:
             return self.colls[members[0]].runtime_ms
         c0 = self.colls[members[0]]
@@ -200,6 +203,9 @@ class Problem:
         total = sum(self.colls[x].payload_bytes for x in members)
         if m is None:
             return sum(self.colls[x].runtime_ms for x in members)
+        table = m.get("table")
+        if table and table[0][0] <= total <= table[-1][0]:
+            return _interpolate(table, total)
         return m["alpha_ms"] + m["beta_ms_per_byte"] * total
 
     def copy_ms(self, nbytes: int) -> float:
@@ -334,6 +340,15 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+
+
+def _interpolate(table: Sequence[Sequence[float]], x: float) -> float:
+    """Piecewise-linear value at ``x`` of increasing ``[[x, y], ...]`` points (x in range)."""
+    i = bisect.bisect_left([p[0] for p in table], x)
+    if table[i][0] == x:
+        return float(table[i][1])
+    (x0, y0), (x1, y1) = table[i - 1], table[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 def _folded_cast(dag: nx.DiGraph, a: dict, prologue: tuple[str, ...]) -> str | None:
