@@ -11,7 +11,9 @@ Graph attributes (``dag.graph``):
     cost_model (str): name of the cost model.
     comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
         "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
-        ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model).
+        ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model; the
+        linear solver models use it), and "table": ``[[payload_bytes, ms], ...]``, the cost
+        model's own times, which the simulator interpolates (optional).
     copy_ms_per_byte (float): compute-stream time per byte copied into or out of a bucket.
 
 Node attributes (key = FX node name):
