@@ -13,7 +13,8 @@ Sets and data (:class:`ModelData`)
                      segment a = seq[g_a : g_{a+1}] lasts seg_a                  (:class:`Anchors`)
     chains           per bucket key (type, group, dtype, reduce op), members k in need order
     d_k              beta * payload_k of member k (us); alpha_c the per-collective latency of k's
-                     chain c                                                       (:class:`Member`)
+                     chain c; (alpha, beta): Problem.merged_line, the cost model's times
+                     fitted over the payloads a merged bucket takes           (:class:`Member`)
     out_k, pay_k, grad_k   output / input / unreduced-gradient bytes
     copy_k           k's share of its bucket's copies when merged (us), as torch's merge
                      functions emit them (Problem.merge_copy_ms; f, c the fixed and per-byte
@@ -300,8 +301,8 @@ class ModelData:
                     continue
             ci = len(chains)
             coll_type, group = key[0], key[1]
-            cm = p.comm_model.get(f"{coll_type}|{group}", {"alpha_ms": 0.0, "beta_ms_per_byte": 0.0})
-            alpha_us.append(us(cm["alpha_ms"]))
+            alpha_ms, beta = p.merged_line(coll_type, group)
+            alpha_us.append(us(alpha_ms))
             members = []
             for k, name in enumerate(names):
                 c = p.colls[name]
@@ -315,7 +316,7 @@ class ModelData:
                 if coll_type == "reduce_scatter":
                     x.wlo = lo
                     x.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
-                x.d_us = us(cm["beta_ms_per_byte"] * c.payload_bytes)
+                x.d_us = us(beta * c.payload_bytes)
                 x.out_bytes = c.out_bytes
                 x.pay_bytes = c.payload_bytes
                 head = c.prologue[0] if c.prologue else name

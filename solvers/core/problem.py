@@ -208,6 +208,22 @@ class Problem:
             return _interpolate(table, total)
         return m["alpha_ms"] + m["beta_ms_per_byte"] * total
 
+    def merged_line(self, coll_type: str, group_name: str) -> tuple[float, float]:
+        """``(alpha_ms, beta_ms_per_byte)`` of the line the linear solver models price a merged
+        collective of this key with: fitted, minimising the squared relative error, to the
+        export's table over the payloads a merged bucket takes (twice the median member's
+        payload up to all of them); the export's line where there is no table."""
+        m = self.comm_model.get(f"{coll_type}|{group_name}")
+        if m is None:
+            return 0.0, 0.0
+        pays = sorted(c.payload_bytes for c in self.colls.values()
+                      if c.coll_type == coll_type and c.group_name == group_name)
+        lo = 2 * pays[len(pays) // 2] if pays else 0
+        points = [(x, y) for x, y in m.get("table") or () if x >= lo and y > 0]
+        if len(points) < 2:
+            return float(m["alpha_ms"]), float(m["beta_ms_per_byte"])
+        return _relative_fit(points)
+
     def copy_ms(self, nbytes: int) -> float:
         return self.copy_ms_fixed + self.copy_ms_per_byte * nbytes
 
@@ -340,6 +356,24 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+
+
+def _relative_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` with ``a, b >= 0`` minimising ``sum(((a + b x) / y - 1) ** 2)``."""
+    w = [1.0 / (y * y) for _, y in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points))
+    sy = sum(wi * y for wi, (_, y) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
+    det = sw * sxx - sx * sx
+    b = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    a = (sy - b * sx) / sw
+    if b < 0:
+        return sy / sw, 0.0
+    if a < 0:  # through the origin
+        return 0.0, sxy / sxx
+    return a, b
 
 
 def _interpolate(table: Sequence[Sequence[float]], x: float) -> float:
