@@ -5,8 +5,8 @@ foreign style of ``tests/foreign_models.py`` (64 ranks), forward and backward, a
 model; budgets 1.0x and 1.2x of the traced peak. For each: the wall time and step of the
 default solve (``solvers.solve(problem, mem_budget_bytes=...)``: default time limit and
 search, which stops when a sweep of windows brings no gain), the step of a solve with
-``time_limit_s=60`` (its windows get 2x, its template 2x the deterministic time), and their
-difference. Run it on one core, as the target is stated:
+``time_limit_s=60`` (the same windows and template windows, twice the work budget for more
+sweeps), and their difference. Run it on one core, as the target is stated:
 
     taskset -c 0 python benchmarks/solve_time.py
     taskset -c 0 python benchmarks/solve_time.py --graphs llama --kinds backward --json out.json

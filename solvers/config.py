@@ -41,18 +41,26 @@ class SearchConfig:
 
     #: how many times to re-solve with a tighter budget when the simulated peak exceeds it
     memory_repair_rounds: int = 4
-    #: graphs with at most this many movable collectives are solved as one model; larger ones
-    #: by rolling-window neighbourhood search (exploits the per-layer repetition)
+    #: graphs with at most this many movable collectives and no repeating layers are solved as
+    #: one model; larger or repeating ones by the decomposition (templates, then windows)
     full_model_max_members: int = 64
     #: collectives freed together in one window of the neighbourhood search (about 3 blocks)
     lns_window_members: int = 27
+    #: graphs whose layers repeat (``template_min_blocks`` or more) go to the decomposition even
+    #: with at most ``full_model_max_members`` collectives: templates first
+    decompose_repeating: bool = True
     #: at most this many sweeps over the graph
     lns_max_sweeps: int = 4
     #: deterministic limit of one window, in seconds of the backend's calibrated clock (CP-SAT:
     #: ``deterministic_units_per_second``); never derived from the wall clock, so that every
     #: rank runs the same windows with the same limits. The driver raises it to 1/30 of the
-    #: solve's time limit (:func:`solvers.driver.scaled_search`)
-    lns_window_s: float = 1.0
+    #: solve's time limit (:func:`solvers.driver.scaled_search`). 2 s: at 1 s the windows of a
+    #: 16-layer llama backward found nothing where 2 s windows gained 4.7 %
+    lns_window_s: float = 2.0
+    #: windows whose buckets expose at most this much communication (ms, in the incumbent's
+    #: simulation) are skipped: they can gain only on copy costs (13 of 22 windows of a
+    #: 16-layer llama backward, none of which ever improved)
+    lns_min_exposed_ms: float = 1e-6
     #: rounds of the per-layer template (0: off): solve a window around the middle block of the
     #: repeating layers, copy its decisions onto every layer (see
     #: :func:`solvers.decompose.template_search`)
@@ -62,7 +70,7 @@ class SearchConfig:
     template_window_blocks: int = 3
     #: deterministic limit of one template window (s, as ``lns_window_s``; raised to 1/10 of
     #: the time limit)
-    template_window_s: float = 3.0
+    template_window_s: float = 6.0
     #: fewest repeating blocks for the template to be tried
     template_min_blocks: int = 6
     #: longest period, in blocks, of the repetition the template looks for (2: alternating
@@ -89,6 +97,8 @@ class SearchConfig:
             raise ValueError("template_max_period_blocks and split_blocks_over must be >= 1")
         if self.template_rounds < 0 or self.template_window_blocks < 1 or self.template_window_s <= 0:
             raise ValueError("template_rounds must be >= 0, template_window_blocks >= 1, template_window_s > 0")
+        if self.lns_min_exposed_ms < 0:
+            raise ValueError("lns_min_exposed_ms must be >= 0")
         if self.full_model_max_members < 0 or self.lns_window_members < 2:
             raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
 

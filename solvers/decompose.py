@@ -18,7 +18,8 @@ the result fits whenever the start does.
    the most memory headroom.
 2. Windows (:func:`window_search`): each window frees the incumbent's buckets that hold a run
    of ``lns_window_members`` consecutive collectives (in order of need); windows are visited
-   most-exposed first, sweep after sweep, until a sweep brings no gain. A window whose
+   most-exposed first (those exposing no communication are skipped: ``lns_min_exposed_ms``),
+   sweep after sweep, until a sweep brings no gain. A window whose
    neighbourhood has not changed since it last failed is skipped (the solve would repeat).
 
 Determinism: every limit is a fixed deterministic budget (``lns_window_s``,
@@ -323,7 +324,9 @@ class _Search:
             # most exposed communication first (ties: graph order), from the incumbent's run
             bucket_of = schedule.bucket_of()
             exposed = {n: sim.bucket_exposed_ms.get(b, 0.0) for n, b in bucket_of.items()}
-            visit = sorted(starts, key=lambda s0: (-sum(exposed.get(n, 0.0) for n in order[s0: s0 + k]), s0))
+            window_exposed = {s0: sum(exposed.get(n, 0.0) for n in order[s0: s0 + k]) for s0 in starts}
+            visit = sorted((s0 for s0 in starts if window_exposed[s0] > cfg.lns_min_exposed_ms),
+                           key=lambda s0: (-window_exposed[s0], s0))
             for s0 in visit:
                 if self.budget.exhausted():
                     return schedule, sim, sweeps

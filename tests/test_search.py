@@ -20,7 +20,7 @@ from solvers import Problem, solve, solve_budgets  # noqa: E402
 from solvers.core.simulator import simulate  # noqa: E402
 from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat  # noqa: E402
-from solvers.decompose import CAP_NOTE, WorkBudget, search  # noqa: E402
+from solvers.decompose import CAP_NOTE, WorkBudget, search, window_order, window_search  # noqa: E402
 from solvers.heuristics import SimpleFSDPConfig, simplefsdp_schedule  # noqa: E402
 from solvers.periodic import detect_periodicity, replicate  # noqa: E402
 
@@ -102,8 +102,8 @@ def test_same_schedule_on_a_slower_machine(monkeypatch, full_model):
     p = Problem.from_dag(make_fsdp_dag(n_layers=8, graph_kind="backward", reshard_after_forward=True))
     budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
     # a generous cap: this test is about the limits, not about the cap on a loaded CI machine
-    cfg = CpSatConfig(full_model_max_members=10_000 if full_model else 0, lns_window_members=10,
-                      wall_clock_slack_s=300.0)
+    cfg = CpSatConfig(full_model_max_members=10_000 if full_model else 0, decompose_repeating=not full_model,
+                      lns_window_members=10, wall_clock_slack_s=300.0)
     base = solve_cpsat(p, mem_budget_bytes=budget, time_limit_s=3.0, config=cfg)
     real = time.perf_counter
     t0 = real()
@@ -146,3 +146,40 @@ def test_template_over_a_two_block_period():
         for role, name in per.members[b].items():
             nxt = per.members[b + 2][role]
             assert issue[bucket_of[nxt]] - issue[bucket_of[name]] == per.period
+
+
+def test_windows_exposing_no_communication_are_skipped():
+    """An 8-layer backward under the per-block plan exposes communication only at its two ends
+    (the first all-gathers, the last reduce-scatter): of the windows of 10 collectives, only
+    the two that hold an exposed bucket are solved."""
+    p = Problem.from_dag(make_fsdp_dag(n_layers=8, graph_kind="backward", reshard_after_forward=True))
+    start = solve(p, solver="fsdp2").schedule
+    sim = simulate(p.dag, start, problem=p)
+    bucket_of = start.bucket_of()
+    exposed = {n for n in window_order(p) if sim.bucket_exposed_ms.get(bucket_of[n], 0.0) > 0}
+    assert 0 < len(exposed) < 10  # the premise: most buckets are hidden
+    solved: list[set[str]] = []
+
+    def record(problem, mem_budget_bytes, schedule, free, *args, **kwargs):
+        solved.append(set(free))
+        return None
+
+    cfg = CpSatConfig(lns_window_members=10, lns_max_sweeps=1)
+    window_search(p, cfg, record, None, start, sim, 100.0, 0, 1, None)
+    assert len(solved) == 2
+    assert all(free & exposed for free in solved)
+
+
+def test_repeating_layers_go_to_the_templates_first(foreign_forward):
+    """The 12-layer tied forward has fewer collectives than ``full_model_max_members`` but its
+    layers repeat: it goes to the per-layer template and windows, not the whole-graph model
+    (which it still gets with ``decompose_repeating=False``)."""
+    p = foreign_forward
+    assert sum(len(c) for c in p.chains.values()) <= CpSatConfig().full_model_max_members
+    templated = solve_cpsat(p, time_limit_s=4.0)
+    validate_schedule(p, templated.schedule)
+    assert any("rolling-window search" in n for n in templated.notes)
+    # the whole-graph model's notes open with "model" (its step, or what it found: UNKNOWN ...)
+    assert not any(n.startswith("model ") for n in templated.notes)
+    whole = solve_cpsat(p, time_limit_s=4.0, config=CpSatConfig(decompose_repeating=False))
+    assert any(n.startswith("model ") for n in whole.notes)
