@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import types
 import operator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -684,6 +685,14 @@ def _substitute(val: Any, hints: dict) -> Any:
             return val
         shape.append(int(v))
     return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
+def unbacked_hints(gm: "torch.fx.GraphModule | torch.fx.Graph") -> dict:
+    """The export's estimate of every data-dependent (unbacked) size symbol of ``gm``
+    (symbol -> int; empty when sizes are static): what byte counts of such graphs use, so
+    that every memory count of one graph agrees (:mod:`scheduler.judge`)."""
+    graph = getattr(gm, "graph", gm)
+    return _static_vals(types.SimpleNamespace(graph=graph)).hints
 
 
 def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:

@@ -35,12 +35,13 @@ default device filter skips CPU tensors; a filter accepting every device is pass
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from scheduler.dag import written_argument
+from scheduler.dag import unbacked_hints, written_argument
 
 if TYPE_CHECKING:
     import torch.fx
@@ -109,7 +110,8 @@ def liveness_profile(
     graph = getattr(gm, "graph", gm)
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    held = _node_storages(nodes, storages=storages, alias_written_outputs=alias_written_outputs)
+    held = _node_storages(nodes, storages=storages, alias_written_outputs=alias_written_outputs,
+                          hints=unbacked_hints(graph))
 
     size: dict[Any, int] = {}
     allocator: dict[Any, "torch.fx.Node"] = {}
@@ -183,35 +185,62 @@ def torch_tracker_peak(
     """Peak bytes by torch's ``memory_estimator.MemoryTracker``, nodes scheduled in graph order.
 
     Counts tensors on every device (the default filter skips CPU tensors, so a graph traced
-    on CPU or meta would look as if it used no memory). torch's storage rules as they are:
+    on CPU or meta would look as if it used no memory). Data-dependent sizes (MoE splits) take
+    the export's estimates (:func:`scheduler.dag.unbacked_hints`) instead of torch's fallback. torch's storage rules as they are:
     see the module docstring for how they differ from :func:`liveness_profile`.
     """
-    from torch._inductor.fx_passes.memory_estimator import MemoryTracker
+    from unittest import mock
+
+    from torch._inductor.fx_passes import memory_estimator
 
     graph = getattr(gm, "graph", gm)
-    tracker = MemoryTracker(graph, is_releasable=is_releasable, device_filter=lambda device: True)
-    for n in graph.nodes:
-        tracker.schedule_node(n)
+    hints = unbacked_hints(graph)
+    original = memory_estimator.optimization_hint
+
+    def hint(size: Any) -> int:
+        expr = getattr(getattr(size, "node", None), "expr", None)
+        value = expr.xreplace(hints) if expr is not None else None
+        return int(value) if value is not None and value.is_number else original(size)
+
+    # data-dependent sizes at the export's estimates, as every other count of this graph
+    # (torch's own hint is inductor's fallback, 8192 rows, whatever the graph)
+    with mock.patch.object(memory_estimator, "optimization_hint", hint) if hints else contextlib.nullcontext():
+        tracker = memory_estimator.MemoryTracker(graph, is_releasable=is_releasable, device_filter=lambda device: True)
+        for n in graph.nodes:
+            tracker.schedule_node(n)
     return int(tracker.peak_memory)
 
 
 # --------------------------------------------------------------------------------------------
 # storages
 # --------------------------------------------------------------------------------------------
+def _nbytes(storage: Any, hints: dict) -> int:
+    """Bytes of ``storage``; a data-dependent size is evaluated at ``hints``."""
+    n = storage.nbytes()
+    if isinstance(n, int):
+        return n
+    expr = getattr(getattr(n, "node", None), "expr", None)
+    value = expr.xreplace(hints) if expr is not None else None
+    if value is None or not value.is_number:
+        raise ValueError(f"storage size {n} depends on symbols with no estimate; export the graph first")
+    return int(value)
+
+
 def _node_storages(
-    nodes: Iterable["torch.fx.Node"], *, storages: str, alias_written_outputs: bool
+    nodes: Iterable["torch.fx.Node"], *, storages: str, alias_written_outputs: bool, hints: dict
 ) -> dict["torch.fx.Node", list[tuple[Any, int]]]:
-    """(storage key, bytes) of the storages a node's output holds."""
+    """(storage key, bytes) of the storages a node's output holds; data-dependent sizes take
+    the export's estimates (``hints``: :func:`scheduler.dag.unbacked_hints`)."""
     if storages == "structural":
-        elems = _structural_storages(nodes, alias_written_outputs=alias_written_outputs)
+        elems = _structural_storages(nodes, alias_written_outputs=alias_written_outputs, hints=hints)
         return {n: list(dict(kv for e in es for kv in e).items()) for n, es in elems.items()}
     if storages == "fake":
-        return _fake_storages(nodes, alias_written_outputs=alias_written_outputs)
+        return _fake_storages(nodes, alias_written_outputs=alias_written_outputs, hints=hints)
     raise ValueError(f"storages must be 'structural' or 'fake', got {storages!r}")
 
 
 def _structural_storages(
-    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool
+    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool, hints: dict
 ) -> dict["torch.fx.Node", list[list[tuple[Any, int]]]]:
     """Per node and top-level output element, its (storage key, bytes), from the graph's
     structure: a view (``is_view`` ops, ``_unsafe_view``) holds its first argument's storages,
@@ -246,14 +275,14 @@ def _structural_storages(
             own: dict[Any, int] = {}
             for t in _tensors(top):
                 st = t.untyped_storage()
-                own.setdefault((n.name, j, st._cdata), int(st.nbytes()))
+                own.setdefault((n.name, j, st._cdata), _nbytes(st, hints))
             parts.append(list(own.items()))
         elems[n] = parts
     return elems
 
 
 def _fake_storages(
-    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool
+    nodes: Iterable["torch.fx.Node"], *, alias_written_outputs: bool, hints: dict
 ) -> dict["torch.fx.Node", list[tuple[Any, int]]]:
     """Storages as the FakeTensors in ``meta['val']`` share them (torch's memory_estimator),
     optionally with the wait / written-argument corrections. On a rewritten graph this is
@@ -267,7 +296,7 @@ def _fake_storages(
         own: dict[Any, int] = {}
         for t in _tensors(n.meta.get("val")):
             st = t.untyped_storage()
-            own.setdefault(st._cdata, int(st.nbytes()))
+            own.setdefault(st._cdata, _nbytes(st, hints))
         aliased = _written_argument(n) if alias_written_outputs else None
         if aliased is not None:
             target = out.get(aliased, [])
