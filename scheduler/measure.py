@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from scheduler.costs import AnalyticCostModel, CostModel, GroupInfo
+from solvers.core.units import fit_line
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +291,7 @@ class MeasuredCostModel:
                 dst.copy_(src)
                 samples.append((self._now() - t0) * 1e3)
             points.append((nbytes, statistics.median(samples)))
-        fit = _fit_line(points)
+        fit = fit_line(points)
         self._cache[key] = list(fit)  # type: ignore[assignment]
         self._save_cache(key, list(fit))
         logger.info("copy on %s: %.4f ms + %.3g ms/byte", self.device_name, *fit)
@@ -402,7 +403,7 @@ def fit_collectives(
         result = {"group_name": group.group_name, "group_size": n, "backend": backend, "device": _device_name(device)}
         for coll in ("all_gather", "reduce_scatter"):
             points = [(b, float(t)) for (c, b), t in zip(plan, times.tolist()) if c == coll]
-            alpha, beta = _fit_line(points)
+            alpha, beta = fit_line(points)
             result[coll] = {"alpha_ms": alpha, "beta_ms_per_byte": beta, "samples": [list(p) for p in points]}
         logger.info(
             "collective fit on %d ranks (%.1f s): all_gather %.4f ms + %.3g ms/B, reduce_scatter %.4f ms + %.3g ms/B",
@@ -411,25 +412,6 @@ def fit_collectives(
             result["reduce_scatter"]["alpha_ms"], result["reduce_scatter"]["beta_ms_per_byte"],
         )
     return _broadcast_from_rank0(result, group)
-
-
-def _fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(alpha, beta) >= 0 of ``t = alpha + beta * x``, least squares on relative error
-    (weights 1 / t^2, so that small and large sizes count alike)."""
-    w = [1.0 / max(t, 1e-9) ** 2 for _, t in points]
-    sw = sum(w)
-    sx = sum(wi * x for wi, (x, _) in zip(w, points))
-    sy = sum(wi * t for wi, (_, t) in zip(w, points))
-    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
-    sxy = sum(wi * x * t for wi, (x, t) in zip(w, points))
-    det = sw * sxx - sx * sx
-    beta = (sw * sxy - sx * sy) / det if det > 0 else 0.0
-    alpha = (sy - beta * sx) / sw
-    if alpha < 0:  # a line through the origin
-        alpha, beta = 0.0, sxy / sxx if sxx > 0 else 0.0
-    if beta < 0:  # time does not grow with size (noise): a constant
-        alpha, beta = sy / sw, 0.0
-    return float(alpha), float(beta)
 
 
 @contextlib.contextmanager

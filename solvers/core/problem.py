@@ -24,6 +24,7 @@ from functools import cached_property
 import networkx as nx
 
 from solvers.core.schedule import Bucket, Schedule, ScheduleError
+from solvers.core.units import fit_line
 
 #: casts that torch's ``merge_all_gather_bucket`` folds into a bucket's copy-in when they feed
 #: an all-gather and have no other user (``bucketing.has_mergeable_all_gather_convert_dtype``)
@@ -222,7 +223,7 @@ class Problem:
         points = [(x, y) for x, y in m.get("table") or () if x >= lo and y > 0]
         if len(points) < 2:
             return float(m["alpha_ms"]), float(m["beta_ms_per_byte"])
-        return _relative_fit(points)
+        return fit_line(points)
 
     def copy_ms(self, nbytes: int) -> float:
         return self.copy_ms_fixed + self.copy_ms_per_byte * nbytes
@@ -356,24 +357,6 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
-
-
-def _relative_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``(a, b)`` with ``a, b >= 0`` minimising ``sum(((a + b x) / y - 1) ** 2)``."""
-    w = [1.0 / (y * y) for _, y in points]
-    sw = sum(w)
-    sx = sum(wi * x for wi, (x, _) in zip(w, points))
-    sy = sum(wi * y for wi, (_, y) in zip(w, points))
-    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
-    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points))
-    det = sw * sxx - sx * sx
-    b = (sw * sxy - sx * sy) / det if det > 0 else 0.0
-    a = (sy - b * sx) / sw
-    if b < 0:
-        return sy / sw, 0.0
-    if a < 0:  # through the origin
-        return 0.0, sxy / sxx
-    return a, b
 
 
 def _interpolate(table: Sequence[Sequence[float]], x: float) -> float:

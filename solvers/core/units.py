@@ -1,4 +1,5 @@
-"""Units shared by every layer: memory sizes in bytes and times in ms, parsed and formatted.
+"""Units shared by every layer: memory sizes in bytes and times in ms, parsed and formatted, and
+the line fit of times against sizes.
 
 Sizes travel as integer bytes (``mem_budget_bytes``), times as float milliseconds
 (``step_ms``); model backends count time in integer microseconds (:data:`US_PER_MS`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 #: microseconds per millisecond: the solver models' time unit
 US_PER_MS = 1000.0
@@ -77,3 +79,24 @@ def fmt_ms(ms: float) -> str:
     if math.isnan(ms):
         return "nan"
     return f"{ms:.3f} ms" if ms < 100 else f"{ms:.1f} ms"
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(alpha, beta) >= 0`` of ``t = alpha + beta * x`` through ``(x, t)`` points, least
+    squares on the relative error (weights ``1 / t^2``, so that small and large sizes count
+    alike): a line through the origin when the intercept would be negative, a constant when
+    the slope would be."""
+    w = [1.0 / max(t, 1e-9) ** 2 for _, t in points]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, points))
+    sy = sum(wi * t for wi, (_, t) in zip(w, points))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * x * t for wi, (x, t) in zip(w, points))
+    det = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    alpha = (sy - beta * sx) / sw
+    if alpha < 0:  # a line through the origin
+        alpha, beta = 0.0, sxy / sxx if sxx > 0 else 0.0
+    if beta < 0:  # time does not grow with size (noise): a constant
+        alpha, beta = sy / sw, 0.0
+    return float(alpha), float(beta)
