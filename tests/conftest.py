@@ -21,3 +21,12 @@ def group_name():
     yield dist.group.WORLD.group_name
     if owned:
         dist.destroy_process_group()
+
+
+def capture_llama_debug(n_layers: int):
+    """llama3-debug's forward and backward on 4 fake ranks (``models.capture_fsdp_graphs``);
+    skips where a real process group is up (the capture makes its own fake one)."""
+    models = pytest.importorskip("models")
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        pytest.skip("capture needs a process without a real group")
+    return models.capture_fsdp_graphs("llama3-debug", world_size=4, n_layers=n_layers)

@@ -103,12 +103,9 @@ def test_export_aliases_the_bucket_buffer(merged_graph):
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_graphs():
-    import torch.distributed as dist
+    from conftest import capture_llama_debug
 
-    models = pytest.importorskip("models")
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        pytest.skip("capture needs a process without a real group")
-    return models.capture_fsdp_graphs("llama3-debug", world_size=4, n_layers=1)
+    return capture_llama_debug(n_layers=1)
 
 
 def _rewrite(gm, schedule_name: str):

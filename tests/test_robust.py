@@ -82,12 +82,9 @@ def test_family_has_both_models_and_scaled_bandwidths():
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_graphs():
-    import torch.distributed as dist
+    from conftest import capture_llama_debug
 
-    models = pytest.importorskip("models")
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        pytest.skip("capture needs a process without a real group")
-    return models.capture_fsdp_graphs("llama3-debug", world_size=4, n_layers=2)
+    return capture_llama_debug(n_layers=2)
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
