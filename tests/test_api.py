@@ -238,10 +238,10 @@ def test_inductor_post_grad_pass_pins_order(pg):
     gm = toy_graph(pg, 1)
     inputs = real_inputs()
     ref = gm(*inputs)
-    # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned (control_deps=True:
-    # off by default since pins changed inductor's numerics, see tests/test_inductor_gloo.py)
+    # fsdp2 prefetches each all-gather one use ahead: those overlaps get pinned (control_deps is
+    # the pass's default; given here to make the test's point explicit)
     # verify=False: fsdp2's schedule itself is written back (with verify, torch's scheduler is
-    # faster on this graph, and its graph carries no pins)
+    # faster on this graph; its installed graph is pinned too, see tests/test_verify.py)
     options = dict(cost_model=COSTS, solver="fsdp2", control_deps=True, verify=False)
     post_pass = compile_.inductor_post_grad_pass(mem_budget="1 GiB", **options)
     assert post_pass.uuid() == compile_.inductor_post_grad_pass(mem_budget="1 GiB", **options).uuid()
