@@ -27,7 +27,7 @@ import networkx as nx
 
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
-from scheduler.report import ScheduleReport, bucket_stats, make_report
+from scheduler.report import ScheduleReport, after_fields, make_report
 from scheduler.robust import choice_key, cost_model_family
 from scheduler.verify import Candidate, Criterion, cost_model_label, install, verify_and_choose
 from scheduler.writeback import apply_schedule
@@ -415,22 +415,8 @@ def _run_schedule_hook(hook, problem: Problem, schedule: Schedule, report: Sched
     if new is None or new.digest() == schedule.digest():
         return schedule, report
     sim = validate_schedule(problem, new, mem_budget_bytes=budget)
-    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(problem, new)
-    report = dataclasses.replace(
-        report,
-        step_ms_after=sim.step_ms,
-        peak_bytes_after=sim.peak_bytes,
-        exposed_comm_ms_after=sim.exposed_comm_ms,
-        n_collectives_after=sim.n_collectives,
-        gap=max(0.0, (sim.step_ms - report.best_bound_ms) / sim.step_ms) if sim.step_ms > 0 else 0.0,
-        buckets=buckets,
-        bucket_types=types,
-        ag_prefetch=prefetch,
-        rs_issue_delay=rs_delay,
-        rs_wait_distance=rs_wait,
-        digest=new.digest(),
-        notes=report.notes + ["schedule replaced by schedule_hook"],
-    )
+    report = dataclasses.replace(report, **after_fields(problem, sim, report.best_bound_ms), digest=new.digest(),
+                                 notes=report.notes + ["schedule replaced by schedule_hook"])
     return new, report
 
 

@@ -199,12 +199,9 @@ def make_report(
 ) -> ScheduleReport:
     """The report of ``after`` (the simulation of the chosen schedule) against ``before`` (the
     traced order); ``t0`` is ``time.perf_counter()`` when the solve started."""
-    schedule = after.schedule
     lower = problem.lower_bound_ms()
     bound = max(lower, best_bound) if best_bound is not None else lower
     bound = min(bound, after.step_ms)
-    gap = max(0.0, (after.step_ms - bound) / after.step_ms) if after.step_ms > 0 else 0.0
-    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(problem, schedule)
     return ScheduleReport(
         graph_name=graph_name,
         solver=solver,
@@ -213,25 +210,37 @@ def make_report(
         solve_time_s=time.perf_counter() - t0,
         mem_budget_bytes=mem_budget_bytes,
         step_ms_before=before.step_ms,
-        step_ms_after=after.step_ms,
         peak_bytes_before=before.peak_bytes,
-        peak_bytes_after=after.peak_bytes,
         exposed_comm_ms_before=before.exposed_comm_ms,
-        exposed_comm_ms_after=after.exposed_comm_ms,
         n_collectives_before=before.n_collectives,
-        n_collectives_after=after.n_collectives,
         lower_bound_ms=lower,
         best_bound_ms=bound,
-        gap=gap,
+        digest=after.schedule.digest(),
+        notes=list(notes),
+        fell_back=fell_back,
+        graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
+        **after_fields(problem, after, bound),
+    )
+
+
+def after_fields(problem: Problem, after: SimResult, best_bound_ms: float) -> dict[str, Any]:
+    """The report's "after" figures of ``after`` (a simulation of a schedule over
+    ``problem``): step, peak, exposed communication, collectives, gap to ``best_bound_ms``
+    and the bucket statistics. For :func:`make_report` and for reports whose schedule is
+    replaced later (``dataclasses.replace(report, **after_fields(...))``)."""
+    step = after.step_ms
+    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(problem, after.schedule)
+    return dict(
+        step_ms_after=step,
+        peak_bytes_after=after.peak_bytes,
+        exposed_comm_ms_after=after.exposed_comm_ms,
+        n_collectives_after=after.n_collectives,
+        gap=max(0.0, (step - best_bound_ms) / step) if step > 0 else 0.0,
         buckets=buckets,
         bucket_types=types,
         ag_prefetch=prefetch,
         rs_issue_delay=rs_delay,
         rs_wait_distance=rs_wait,
-        digest=schedule.digest(),
-        notes=list(notes),
-        fell_back=fell_back,
-        graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
     )
 
 

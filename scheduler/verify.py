@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
-from scheduler.report import ScheduleReport, bucket_stats
+from scheduler.report import ScheduleReport, after_fields
 from scheduler.robust import worst_regret
 from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
@@ -262,13 +262,7 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
     # torch's graph has no schedule over the traced problem: its re-export is its prediction
     on, schedule = (problem, chosen.schedule) if chosen.schedule is not None else (f.problem, None)
     sim = simulate(on.dag, schedule, problem=on)
-    step, peak, exposed, n = sim.step_ms, sim.peak_bytes, sim.exposed_comm_ms, sim.n_collectives
-    buckets, types, prefetch, rs_delay, rs_wait = bucket_stats(on, sim.schedule)
-    gap = max(0.0, (step - report.best_bound_ms) / step) if step > 0 else 0.0
-    return dataclasses.replace(
-        report, step_ms_after=step, peak_bytes_after=peak, exposed_comm_ms_after=exposed, n_collectives_after=n,
-        gap=gap, buckets=buckets, bucket_types=types, ag_prefetch=prefetch, rs_issue_delay=rs_delay,
-        rs_wait_distance=rs_wait, **fields)
+    return dataclasses.replace(report, **after_fields(on, sim, report.best_bound_ms), **fields)
 
 
 def worst_regrets(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> dict[str, float]:
