@@ -201,3 +201,13 @@ def _child(
         if dist.is_initialized():
             dist.destroy_process_group()
     results_q.put(message)
+
+
+def bitwise_mismatches(a: dict, b: dict) -> list[str]:
+    """Names of the losses, gradients and parameters of two training runs (dicts with
+    "losses", "grads" (per step, name -> tensor) and "params") that are not bitwise equal."""
+    bad = [f"loss[{i}]" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
+    for i, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        bad += [f"grad[{i}].{n}" for n in ga if not torch.equal(ga[n], gb[n])]
+    bad += [f"param.{n}" for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
+    return bad

@@ -40,7 +40,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, test_writeback, this module in spawned ranks
 
-from gloo_harness import run_multiprocess  # noqa: E402
+from gloo_harness import bitwise_mismatches, run_multiprocess  # noqa: E402
 
 MODEL = "llama3-debug"
 OVERRIDES = {"n_layers": 2}
@@ -132,16 +132,6 @@ def _train(model, compiled, batches, first_step=None) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params, "codes": codes}
 
 
-def _mismatch(a: dict, b: dict) -> list[str]:
-    import torch
-
-    bad = [f"loss[{i}]" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
-    for i, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
-        bad += [f"grad[{i}].{n}" for n in ga if not torch.equal(ga[n], gb[n])]
-    bad += [f"param.{n}" for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
-    return bad
-
-
 def _inductor_case(rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch._inductor.config as inductor_config
@@ -178,7 +168,7 @@ def _inductor_case(rank: int, world_size: int) -> dict[str, Any]:
     distributed_config = getattr(inductor_config, "aten_distributed_optimizations", None)
     return {
         "simple_overlap": getattr(distributed_config, "enable_simple_overlap", None),
-        "mismatch": _mismatch(base, sched),
+        "mismatch": bitwise_mismatches(base, sched),
         "reports": [r.to_json() for r in post_pass.reports],
         "lowered": lowered,
         "code_signatures": [code_signature(c) for c in codes],

@@ -39,7 +39,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module in spawned ranks
 
-from gloo_harness import run_multiprocess  # noqa: E402
+from gloo_harness import bitwise_mismatches, run_multiprocess  # noqa: E402
 
 MODEL = "llama3-debug"
 #: LlamaConfig overrides: one block keeps tracing fast; the graphs still hold 12 parameters
@@ -151,17 +151,6 @@ def _local_part(fqn_sharded: str, full, dp_mesh, tp_rank: int, tp_size: int):
     return local.chunk(dp_mesh.size())[dp_mesh.get_local_rank()], fqn
 
 
-def _compare(a: dict, b: dict) -> list[str]:
-    """Names of everything in ``a`` and ``b`` (base vs sched) that is not bitwise equal."""
-    import torch
-
-    bad = [f"loss[{i}]" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
-    for i, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
-        bad += [f"grad[{i}].{n}" for n in ga if not torch.equal(ga[n], gb[n])]
-    bad += [f"param.{n}" for n in a["params"] if not torch.equal(a["params"][n], b["params"][n])]
-    return bad
-
-
 def _compare_ref(run: dict, ref: dict, dp_mesh, dp_rank: int, tp_rank: int, tp_size: int, tol: dict) -> dict:
     """Max abs differences to the reference and names of tensors outside tolerance."""
     import torch
@@ -258,7 +247,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     ref = _reference(OVERRIDES, batches, dp_size)
     tol = _TOL["bf16" if opts.get("param_dtype") is not None else "fp32"]
     return {
-        "mismatch": _compare(base, sched),
+        "mismatch": bitwise_mismatches(base, sched),
         "sched_vs_ref": _compare_ref(sched, ref, dp_mesh, dp_rank, tp_rank, tp_size, tol),
         "base_vs_ref": _compare_ref(base, ref, dp_mesh, dp_rank, tp_rank, tp_size, tol),
         "budgets": budgets,
