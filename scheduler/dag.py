@@ -222,20 +222,27 @@ def _tensor_bytes(val: Any, node_name: str) -> tuple[int, str | None]:
     return total, dtype
 
 
+#: node attributes every exported node carries, at their value for a node that does nothing
+#: (the export and :class:`scheduler.synthetic.DagBuilder` start from these)
+NODE_DEFAULTS: dict[str, Any] = {
+    "runtime_ms": 0.0,
+    "size_bytes": 0,
+    "alias_of": None,
+    "releasable": True,
+    "flops": 0,
+    "bytes_accessed": 0,
+    "dtype": None,
+    "moves_with": None,
+}
+
+
 def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None) -> dict[str, Any]:
     import torch
 
     attrs: dict[str, Any] = {
         "index": idx,
         "target": _op_name(node.target) if node.op == "call_function" else node.op,
-        "runtime_ms": 0.0,
-        "size_bytes": 0,
-        "alias_of": None,
-        "releasable": True,
-        "flops": 0,
-        "bytes_accessed": 0,
-        "dtype": None,
-        "moves_with": None,
+        **NODE_DEFAULTS,
     }
     if node.op in ("placeholder", "get_attr"):
         attrs["kind"] = "input"

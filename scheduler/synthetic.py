@@ -33,7 +33,7 @@ from typing import Any
 import networkx as nx
 
 from scheduler.costs import AnalyticCostModel, Cluster, TableCostModel, annotate_costs
-from scheduler.dag import SCHEMA, SCHEMA_VERSION, validate_dag
+from scheduler.dag import NODE_DEFAULTS, SCHEMA, SCHEMA_VERSION, validate_dag
 
 logger = logging.getLogger(__name__)
 
@@ -102,18 +102,7 @@ class DagBuilder:
         for u in inputs:
             if u not in self._nodes:
                 raise ValueError(f"node {name!r} reads {u!r}, which is not added yet")
-        base = {
-            "index": len(self._nodes),
-            "target": "placeholder",
-            "runtime_ms": 0.0,
-            "size_bytes": 0,
-            "alias_of": None,
-            "releasable": True,
-            "flops": 0,
-            "bytes_accessed": 0,
-            "dtype": None,
-            "moves_with": None,
-        }
+        base = {"index": len(self._nodes), "target": "placeholder", **NODE_DEFAULTS}
         base.update(attrs)
         self._nodes[name] = base
         self._edges.extend((u, name) for u in inputs)
