@@ -125,14 +125,21 @@ def choice_key(candidates: Iterable[Any], mem_budget_bytes: int | None = None, *
     candidate with figures whose ``figures.max_peak_bytes`` is within the budget). The key is
     ``(worst-case regret, name)``; a candidate outside that set keys as ``(inf, name)``.
     """
+    worst = candidate_worst_regrets(candidates, mem_budget_bytes, fits=fits)
+    return lambda c: (worst.get(c.name, float("inf")), c.name)
+
+
+def candidate_worst_regrets(candidates: Iterable[Any], mem_budget_bytes: int | None = None, *,
+                            fits: Callable[[Any, int | None], bool] | None = None) -> dict[str, float]:
+    """Name -> worst-case regret (:func:`worst_regret`) of each judged candidate that fits
+    ``mem_budget_bytes``, taken among those (candidates as in :func:`choice_key`); empty when
+    none fits."""
     fits = fits or _fits_by_figures
     pool = [c for c in candidates if getattr(c, "figures", None) is not None and fits(c, mem_budget_bytes)]
     if not pool:
-        return lambda c: (float("inf"), c.name)
+        return {}
     labels = pool[0].figures.step_ms.keys()
-    table = {label: {c.name: c.figures.step_ms[label] for c in pool} for label in labels}
-    worst = worst_regret(table)
-    return lambda c: (worst.get(c.name, float("inf")), c.name)
+    return worst_regret({label: {c.name: c.figures.step_ms[label] for c in pool} for label in labels})
 
 
 def _fits_by_figures(candidate: Any, mem_budget_bytes: int | None) -> bool:

@@ -39,7 +39,7 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, after_fields
-from scheduler.robust import worst_regret
+from scheduler.robust import candidate_worst_regrets
 from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
 from solvers.warmstart import fitting_heuristics
@@ -267,14 +267,12 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
 
 def worst_regrets(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> dict[str, float]:
     """Name -> worst regret over the cost models in ``figures.step_ms``
-    (:func:`scheduler.robust.worst_regret`) of each candidate that fits; empty when the
-    candidates were judged under one model only."""
-    pool = [c for c in candidates if c.figures is not None and
-            (mem_budget_bytes is None or c.figures.max_peak_bytes <= mem_budget_bytes)]
-    if not pool or len(pool[0].figures.step_ms) < 2:
+    (:func:`scheduler.robust.candidate_worst_regrets`) of each candidate that fits; empty when
+    the candidates were judged under one model only."""
+    judged = [c for c in candidates if c.figures is not None]
+    if not judged or len(judged[0].figures.step_ms) < 2:
         return {}
-    labels = pool[0].figures.step_ms
-    return worst_regret({label: {c.name: c.figures.step_ms[label] for c in pool} for label in labels})
+    return candidate_worst_regrets(candidates, mem_budget_bytes)
 
 
 # --------------------------------------------------------------------------------------------
