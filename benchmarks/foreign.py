@@ -80,14 +80,10 @@ def _judge(gm: Any, cost_model: str) -> tuple[float, int]:
     """(step ms, peak bytes) of ``gm`` as written: re-exported and simulated in its order; the
     peak is the largest of the re-export's, the reference liveness count's and torch's
     MemoryTracker's (the three counts a budget must hold by, for every column alike)."""
-    from scheduler import export_dag, simulate
-    from scheduler.judge import liveness_peak, torch_tracker_peak
-    from solvers import Problem
+    from scheduler.verify import judge_graph
 
-    dag = export_dag(gm, cost_model=cost_model)
-    p = Problem.from_dag(dag)
-    sim = simulate(dag, p.traced_schedule(), problem=p)
-    return sim.step_ms, max(sim.peak_bytes, liveness_peak(gm), torch_tracker_peak(gm))
+    figures = judge_graph(gm, cost_model)
+    return figures.primary_step_ms, figures.max_peak_bytes
 
 
 def _written(gm: Any, problem: Any, schedule: Any, cost_model: str) -> tuple[float, int]:
