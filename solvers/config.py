@@ -25,6 +25,14 @@ class ModelConfig:
     #: anchors modelled on each side of a window's decisions (its model covers only that range;
     #: the incumbent fixes the state where the range starts)
     lns_range_margin_anchors: int = 8
+    #: trust region of a window (and of a template window): each decided collective is issued
+    #: (and a reduce-scatter waited) at most this many anchors from the incumbent's position
+    #: (None: anywhere in its issue window). Sweeps compound the moves. The small model searches
+    #: far better for the same deterministic time: on 16-layer graphs (64 ranks) with 1 s
+    #: windows, 12 anchors found 426.5 ms against 451.9 ms on the llama3-8b backward at its
+    #: traced peak and 23.0 against 25.7 ms on an alternating-width forward
+    #: (``benchmarks/solve_time.py``, BENCHMARKS.md section 12)
+    lns_radius_anchors: int | None = 12
 
     def __post_init__(self) -> None:
         if self.window_anchors < 1 or self.wait_window_anchors < 0:
@@ -33,6 +41,8 @@ class ModelConfig:
             raise ValueError("max_bucket_bytes must be > 0 or None")
         if self.lns_range_margin_anchors < 0:
             raise ValueError("lns_range_margin_anchors must be >= 0")
+        if self.lns_radius_anchors is not None and self.lns_radius_anchors < 1:
+            raise ValueError("lns_radius_anchors must be >= 1 or None")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,9 +64,10 @@ class SearchConfig:
     #: deterministic limit of one window, in seconds of the backend's calibrated clock (CP-SAT:
     #: ``deterministic_units_per_second``); never derived from the wall clock, so that every
     #: rank runs the same windows with the same limits. The driver raises it to 1/30 of the
-    #: solve's time limit (:func:`solvers.driver.scaled_search`). 2 s: at 1 s the windows of a
-    #: 16-layer llama backward found nothing where 2 s windows gained 4.7 %
-    lns_window_s: float = 2.0
+    #: solve's time limit (:func:`solvers.driver.scaled_search`). 1 s: with the trust region
+    #: (``lns_radius_anchors``) 1 s windows found as good schedules as 2 s ones in less time
+    #: (without it, 1 s windows found nothing on a 16-layer llama backward)
+    lns_window_s: float = 1.0
     #: windows whose buckets expose at most this much communication (ms, in the incumbent's
     #: simulation) are skipped: they can gain only on copy costs (13 of 22 windows of a
     #: 16-layer llama backward, none of which ever improved)

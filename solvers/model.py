@@ -30,7 +30,9 @@ Sets and data (:class:`ModelData`)
     pro_k, epi_k     k's prologue casts (at issue) and epilogue casts (at the wait), run whether
                      merged or not (us)
     ch_k             anchor charged with k's copies: need_k (all-gathers), ready_k (reduce-scatters)
-    [lo_k, hi_k]     issue window of k (anchors); reduce-scatters also a wait window [wlo_k, whi_k]
+    [lo_k, hi_k]     issue window of k (anchors); reduce-scatters also a wait window [wlo_k, whi_k];
+                     in a window of the search, within ``lns_radius_anchors`` of the reference
+                     (the incumbent's) positions: a trust region
     F                fixed intervals: the reference's buckets without a decided member, each with
                      its group, issue and wait anchors, reference start ref_f, duration dur_f and
                      compute-stream copies cin_f (at issue) and cout_f (at wait)
@@ -292,6 +294,7 @@ class ModelData:
     # -- data --------------------------------------------------------------------------------
     def _members(self) -> tuple[list[list[Member]], list[int]]:
         p, A, cfg, dag = self.p, self.anchors, self.cfg, self.p.dag
+        radius = cfg.lns_radius_anchors if self.free is not None else None
         chains: list[list[Member]] = []
         alpha_us: list[int] = []
         for key, names in sorted(p.chains.items(), key=lambda kv: str(kv[0])):
@@ -312,10 +315,17 @@ class ModelData:
                     lo, hi = min(ti, max(ready_a, need_a - cfg.window_anchors)), need_a
                 else:
                     lo, hi = ready_a, max(ti, min(need_a, ready_a + cfg.window_anchors))
+                if radius is not None:
+                    # trust region around the incumbent (an all-gather is still waited at its need)
+                    lo = max(lo, min(ti, hi) - radius)
+                    if coll_type == "reduce_scatter":
+                        hi = min(hi, max(ti, lo) + radius)
                 x = Member(name=name, chain=ci, idx=k, coll_type=coll_type, lo=lo, hi=hi, need=need_a)
                 if coll_type == "reduce_scatter":
                     x.wlo = lo
                     x.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
+                    if radius is not None:
+                        x.whi = max(hi, min(x.whi, max(tw, lo) + radius))
                 x.d_us = us(beta * c.payload_bytes)
                 x.out_bytes = c.out_bytes
                 x.pay_bytes = c.payload_bytes
@@ -335,7 +345,7 @@ class ModelData:
         A, margin = self.anchors, self.cfg.lns_range_margin_anchors
         if not self.member:
             return 0, A.m
-        lo = min(x.lo for x in self.member.values())
+        lo = min(min(x.lo, x.charge) for x in self.member.values())
         # all-gathers are waited at their need; reduce-scatters by the end of their wait window
         hi = max(x.wait_end for x in self.member.values())
         for x in self.member.values():

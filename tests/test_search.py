@@ -20,7 +20,7 @@ from solvers import Problem, solve, solve_budgets  # noqa: E402
 from solvers.core.simulator import simulate  # noqa: E402
 from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat  # noqa: E402
-from solvers.decompose import CAP_NOTE, WorkBudget, search, window_order, window_search  # noqa: E402
+from solvers.decompose import CAP_NOTE, WorkBudget, bucket_free, search, window_order, window_search  # noqa: E402
 from solvers.heuristics import SimpleFSDPConfig, simplefsdp_schedule  # noqa: E402
 from solvers.periodic import detect_periodicity, replicate  # noqa: E402
 
@@ -183,3 +183,42 @@ def test_repeating_layers_go_to_the_templates_first(foreign_forward):
     assert not any(n.startswith("model ") for n in templated.notes)
     whole = solve_cpsat(p, time_limit_s=4.0, config=CpSatConfig(decompose_repeating=False))
     assert any(n.startswith("model ") for n in whole.notes)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_window_moves_its_collectives_within_the_trust_region(tied, kind):
+    """A window decides its collectives only within ``lns_radius_anchors`` of the incumbent's
+    positions (issue, and wait for reduce-scatters): every member's window in the model lies
+    there, and the window's schedule issues each of them there."""
+    from solvers.model import Anchors, ModelData
+
+    p = Problem.from_dag(export_dag(getattr(tied, kind)))
+    start = solve(p, solver="fsdp2").schedule
+    free = set(window_order(p)[:12])
+    anchors = Anchors(p)
+    radius = 3
+    cfg = CpSatConfig(lns_radius_anchors=radius)
+    data = ModelData(p, cfg, None, free=free, reference=start, anchors=anchors)
+    wide = ModelData(p, CpSatConfig(lns_radius_anchors=None), None, free=free, reference=start, anchors=anchors)
+    issue, wait = start.positions()
+    bucket_of = start.bucket_of()
+    narrower = 0
+    for name, x in data.member.items():
+        ti, tw = anchors.at_or_before(issue[bucket_of[name]]), anchors.at_or_before(wait[bucket_of[name]])
+        assert x.lo <= ti and x.lo >= ti - radius, name
+        if x.coll_type == "reduce_scatter":
+            assert x.hi <= max(ti, x.lo) + radius and x.whi <= max(x.hi, tw + radius), name
+        narrower += (x.hi - x.lo) < (wide.member[name].hi - wide.member[name].lo)
+    assert narrower, "the trust region restricted nothing: the test does not exercise it"
+    cand = CpSatBackend(cfg).solve_window(p, None, start, bucket_free(start, free), 2.0, 0, 1, anchors)
+    assert cand is not None
+    c_issue, _ = cand.positions()
+    c_bucket = cand.bucket_of()
+    for name in free:
+        moved = abs(anchors.at_or_before(c_issue[c_bucket[name]]) - anchors.at_or_before(issue[bucket_of[name]]))
+        assert moved <= radius, (name, moved)
+
+
+def test_trust_region_is_validated():
+    with pytest.raises(ValueError, match="lns_radius_anchors"):
+        CpSatConfig(lns_radius_anchors=0)
