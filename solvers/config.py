@@ -26,12 +26,12 @@ class ModelConfig:
     #: the incumbent fixes the state where the range starts)
     lns_range_margin_anchors: int = 8
     #: trust region of a window (and of a template window): each decided collective is issued
-    #: (and a reduce-scatter waited) at most this many anchors from the incumbent's position
-    #: (None: anywhere in its issue window). Sweeps compound the moves. The small model searches
-    #: far better for the same deterministic time: on 16-layer graphs (64 ranks) with 1 s
-    #: windows, 12 anchors found 426.5 ms against 451.9 ms on the llama3-8b backward at its
-    #: traced peak and 23.0 against 25.7 ms on an alternating-width forward
-    #: (``benchmarks/solve_time.py``, BENCHMARKS.md section 12)
+    #: (and a reduce-scatter waited) at most this many anchors from the incumbent's position,
+    #: or as far as the neighbour in its chain it could merge with (None: anywhere in its issue
+    #: window). Sweeps compound the moves. The small model searches far better for the same
+    #: deterministic time: on 16-layer graphs (64 ranks) with 1 s windows it found 422.2 ms
+    #: against 451.9 ms on the llama3-8b backward at its traced peak and 23.1 against 25.7 ms
+    #: on an alternating-width forward (``benchmarks/solve_time.py``, BENCHMARKS.md section 12)
     lns_radius_anchors: int | None = 12
 
     def __post_init__(self) -> None:

@@ -32,7 +32,9 @@ Sets and data (:class:`ModelData`)
     ch_k             anchor charged with k's copies: need_k (all-gathers), ready_k (reduce-scatters)
     [lo_k, hi_k]     issue window of k (anchors); reduce-scatters also a wait window [wlo_k, whi_k];
                      in a window of the search, within ``lns_radius_anchors`` of the reference
-                     (the incumbent's) positions: a trust region
+                     (the incumbent's) positions, or up to the position of the member it could
+                     merge with (the chain's previous all-gather, next reduce-scatter): a trust
+                     region
     F                fixed intervals: the reference's buckets without a decided member, each with
                      its group, issue and wait anchors, reference start ref_f, duration dur_f and
                      compute-stream copies cin_f (at issue) and cout_f (at wait)
@@ -316,10 +318,16 @@ class ModelData:
                 else:
                     lo, hi = ready_a, max(ti, min(need_a, ready_a + cfg.window_anchors))
                 if radius is not None:
-                    # trust region around the incumbent (an all-gather is still waited at its need)
-                    lo = max(lo, min(ti, hi) - radius)
-                    if coll_type == "reduce_scatter":
-                        hi = min(hi, max(ti, lo) + radius)
+                    # trust region around the incumbent (an all-gather is still waited at its
+                    # need), reaching the position of the chain's neighbour it could merge with
+                    # (the previous all-gather, the next reduce-scatter)
+                    if coll_type == "all_gather":
+                        reach = A.at_or_before(self.ref_pos[names[k - 1]][0]) if k else ti
+                        lo = max(lo, min(ti - radius, reach, hi))
+                    else:
+                        reach = A.at_or_before(self.ref_pos[names[k + 1]][0]) if k + 1 < len(names) else ti
+                        lo = max(lo, min(ti, hi) - radius)
+                        hi = min(hi, max(ti + radius, reach, lo))
                 x = Member(name=name, chain=ci, idx=k, coll_type=coll_type, lo=lo, hi=hi, need=need_a)
                 if coll_type == "reduce_scatter":
                     x.wlo = lo
