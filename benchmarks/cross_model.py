@@ -17,6 +17,7 @@ For every graph (forward / backward of each model):
     python benchmarks/cross_model.py llama3-debug:2:4 --time-limit 3
     python benchmarks/cross_model.py --json cross.json
     python benchmarks/cross_model.py llama3-8b:8:64 --budget none   # where the models disagree most
+    python benchmarks/cross_model.py llama3-8b:8:64 --budget none --solve-under family
 
 A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size`` (a style of
 ``tests/foreign_models.py``, captured with plain torch.compile).
@@ -61,17 +62,20 @@ def capture(spec: str) -> tuple[Any, int]:
     return capture_fsdp_graphs(parts[0], world_size=world_size, n_layers=int(parts[1])), world_size
 
 
-def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
-               budget_of: str = "fsdp2") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2",
+               solve_under: str = "base") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The A x B rows and the robust row of one graph (module docstring); ``budget_of``:
-    ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``."""
+    ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``; ``solve_under``: ``"base"`` (one solve
+    under each of analytic and torch) or ``"family"`` (one under each of the six models)."""
     from scheduler.rewritten import rewrite_baseline, robust_schedule
+    from scheduler.robust import cost_model_family
     from scheduler.verify import judge_graph
 
     budget = None
     if budget_of == "fsdp2":
         budget = judge_graph(rewrite_baseline(gm, "fsdp2", cluster=cluster), cluster=cluster).max_peak_bytes
-    result = robust_schedule(gm, budget, cluster=cluster, time_limit_s=time_limit_s)
+    labels = BASE if solve_under == "base" else tuple(cost_model_family(cluster))
+    result = robust_schedule(gm, budget, cluster=cluster, time_limit_s=time_limit_s, solve_under=labels)
     times = result.step_ms_by_model()
     rows = []
     for solved, a in result.solved_under.items():
@@ -89,7 +93,8 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float,
     return rows, robust
 
 
-def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2") -> list[dict[str, Any]]:
+def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2",
+        solve_under: str = "base") -> list[dict[str, Any]]:
     from models.capture import fake_process_group
     from scheduler.costs import Cluster
 
@@ -103,7 +108,7 @@ def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2") -> lis
             t0 = time.perf_counter()
             with fake_process_group(world_size):
                 rows, robust = cross_rows(getattr(graphs, kind), cluster=cluster, time_limit_s=time_limit_s,
-                                          budget_of=budget_of)
+                                          budget_of=budget_of, solve_under=solve_under)
             case = {"model": spec, "graph": kind, "rows": rows, "robust": robust, "time_s": time.perf_counter() - t0}
             out.append(case)
             print(_format(case), flush=True)
@@ -136,10 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve (default %(default)s)")
     parser.add_argument("--budget", choices=("fsdp2", "none"), default="fsdp2",
                         help="the FSDP2-like peak (default) or no limit")
+    parser.add_argument("--solve-under", choices=("base", "family"), default="base",
+                        help="solve under analytic and torch (default), or under all six models of the "
+                             "family (three times the solves: candidates good at the bandwidth extremes)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cases = run(args.models, args.time_limit, args.budget)
+    cases = run(args.models, args.time_limit, args.budget, args.solve_under)
     if args.json:
         args.json.write_text(json.dumps(cases, indent=1))
     worst = max(c["robust"]["worst_regret_family"] for c in cases)

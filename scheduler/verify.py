@@ -157,10 +157,38 @@ class Criterion:
 # --------------------------------------------------------------------------------------------
 # the loop (what optimize_schedule runs)
 # --------------------------------------------------------------------------------------------
+#: rounds of re-solving under a tightened budget when the solver's written graph exceeds the
+#: budget by the liveness count or torch's tracker (see :func:`tightened_budget`)
+TIGHTEN_ROUNDS = 2
+#: largest excess (fraction of the budget) a tightened re-solve is tried for
+TIGHTEN_MAX_EXCESS = 0.05
+
+
+def tightened_budget(candidate: Candidate, chosen: Candidate | None, mem_budget_bytes: int | None) -> int | None:
+    """The model budget to solve again under when ``candidate`` (the solver's) was judged
+    faster than ``chosen`` but its written graph exceeds ``mem_budget_bytes`` by a small excess
+    (at most ``TIGHTEN_MAX_EXCESS`` of it) by one of the three counts: its model peak less the
+    excess (the counts differ from the model's by a margin that hardly moves between nearby
+    schedules: on a tied-embedding forward torch's tracker counts 1.5 MiB above the re-export
+    and the solver's graph was 4 KiB over). None when there is nothing to repair."""
+    f = candidate.figures
+    if mem_budget_bytes is None or f is None or candidate.schedule is None:
+        return None
+    excess = f.max_peak_bytes - mem_budget_bytes
+    if excess <= 0 or excess > TIGHTEN_MAX_EXCESS * mem_budget_bytes:
+        return None
+    if chosen is not None and chosen.figures is not None and f.primary_step_ms >= chosen.figures.primary_step_ms:
+        return None
+    base = min(mem_budget_bytes, candidate.predicted_peak_bytes or f.peak_bytes)
+    tight = base - excess - 1
+    return tight if tight > 0 else None
+
+
 def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
                       mem_budget_bytes: int | None, *, cost_model: Any = None, cluster: Any = None, seed: int = 0,
                       alternatives: bool = True, criterion: Criterion | None = None,
                       other_cost_models: Mapping[str, Any] | None = None,
+                      resolve: Callable[[int], Schedule | None] | None = None,
                       **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
@@ -170,7 +198,11 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     ``figures.step_ms``) let a criterion across cost models choose (see :func:`choose`); with a
     criterion no candidate is pruned by its prediction (it may be slow under the cost model in
     use and still the best by the criterion), and the report names the criterion and, when
-    several cost models judged, each candidate's worst regret over them.
+    several cost models judged, each candidate's worst regret over them. ``resolve(budget)``
+    (the solver again under a model budget; None or InfeasibleBudgetError when it finds
+    nothing) repairs a solver's graph that is faster but over the budget by the written counts:
+    it is solved again under :func:`tightened_budget`, at most ``TIGHTEN_ROUNDS`` times, and
+    each new schedule joins the candidates.
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
@@ -188,6 +220,25 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
                      other_cost_models=other_cost_models, skip=skip, **writeback)
     key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
     best, reasons = choose(candidates, mem_budget_bytes, key)
+    current = solved
+    for _ in range(TIGHTEN_ROUNDS if resolve is not None and alternatives else 0):
+        tight = tightened_budget(current, best, mem_budget_bytes)
+        if tight is None:
+            break
+        try:
+            again = resolve(tight)
+        except InfeasibleBudgetError:
+            again = None
+        if again is None or again.digest() in {c.digest() for c in candidates}:
+            break
+        current = schedule_candidate(problem, f"{solved.name}-tightened", again)
+        logger.info("fsdp-sched: %s's written graph is over the budget; solved again under %s", solved.name,
+                    fmt_bytes(tight))
+        judge_candidates(gm, problem, [current], cost_model=cost_model, cluster=cluster,
+                         other_cost_models=other_cost_models, **writeback)
+        candidates.append(current)
+        key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
+        best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         c.graph = None  # rewritten copies are large; install() rewrites the graph itself
     if best is None:

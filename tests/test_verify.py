@@ -194,3 +194,46 @@ def test_judged_under_several_cost_models_and_chosen_by_a_key(llama):
     assert min(regrets) >= 0 and all(r is not None for r in regrets)
     judged = [c for c in report.candidates if c["step_ms"]]
     assert chosen.figures.step_ms["torch"] == pytest.approx(min(c["step_ms"]["torch"] for c in judged))
+
+
+def test_tightened_budget_repairs_only_a_faster_graph_a_little_over():
+    solver = _judged("cpsat", 1.0, (950, 950, 1004))
+    solver = Candidate(name="cpsat", schedule=object(), figures=solver.figures, predicted_peak_bytes=950)
+    chosen = _judged("fsdp2", 2.0, (900, 900, 990))
+    # 4 B over by the tracker: the model's peak less the excess
+    assert verify.tightened_budget(solver, chosen, 1000) == 950 - 4 - 1
+    assert verify.tightened_budget(solver, chosen, None) is None
+    assert verify.tightened_budget(solver, chosen, 1004) is None  # fits: nothing to repair
+    assert verify.tightened_budget(solver, chosen, 900) is None  # 104 B over: more than 5 %
+    slower = Candidate(name="cpsat", schedule=object(), figures=_judged("c", 3.0, (950, 950, 1004)).figures,
+                       predicted_peak_bytes=950)
+    assert verify.tightened_budget(slower, chosen, 1000) is None  # the chosen one is faster anyway
+
+
+def test_solver_over_budget_by_the_tracker_is_solved_again(llama, monkeypatch):
+    """torch's tracker made to count a constant 16 KiB above the liveness count: at a budget
+    8 KiB above the solver's free peak, its written graph is over by the tracker; the pass solves
+    again under its model peak less the excess, and what it returns fits by all three counts."""
+    from scheduler.judge import liveness_peak
+
+    over = 16 << 10
+    monkeypatch.setattr(verify, "torch_tracker_peak", lambda gm: liveness_peak(gm) + over)
+    _, free = _optimized(llama.backward)
+    solver_row = free.candidates[0]
+    budget = solver_row["peak_bytes"] + over // 2
+    calls = []
+    real = verify.tightened_budget
+
+    def spy(candidate, chosen, mem_budget_bytes):
+        tight = real(candidate, chosen, mem_budget_bytes)
+        calls.append(tight)
+        return tight
+
+    monkeypatch.setattr(verify, "tightened_budget", spy)
+    gm, report = _optimized(llama.backward, budget)
+    tightened = [c for c in report.candidates if c["name"].endswith("-tightened")]
+    assert calls and calls[0] == solver_row["predicted_peak_bytes"] - over // 2 - 1, (calls, report.candidates)
+    # the new schedule joins the candidates unless it is one already judged (a heuristic's)
+    for row in tightened:
+        assert max(row["peak_bytes"], row["liveness_peak_bytes"], row["tracker_peak_bytes"]) <= budget
+    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= budget
