@@ -225,11 +225,17 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
         tight = tightened_budget(current, best, mem_budget_bytes)
         if tight is None:
             break
+        excess = current.figures.max_peak_bytes - mem_budget_bytes
         try:
             again = resolve(tight)
         except InfeasibleBudgetError:
             again = None
-        if again is None or again.digest() in {c.digest() for c in candidates}:
+        known = again is not None and again.digest() in {c.digest() for c in candidates}
+        outcome = "nothing found" if again is None else "a schedule already judged" if known else "a new candidate"
+        report = dataclasses.replace(report, notes=[*report.notes, (
+            f"{current.name}'s written graph was over the budget by {fmt_bytes(excess)} (re-export, liveness or "
+            f"torch's tracker): solved again under a model budget of {fmt_bytes(tight)}: {outcome}")])
+        if again is None or known:
             break
         current = schedule_candidate(problem, f"{solved.name}-tightened", again)
         logger.info("fsdp-sched: %s's written graph is over the budget; solved again under %s", solved.name,

@@ -17,7 +17,10 @@ the result fits whenever the start does.
    state), is solved and its middle period copied onto every layer, or onto the layers with
    the most memory headroom.
 2. Windows (:func:`window_search`): each window frees the incumbent's buckets that hold a run
-   of ``lns_window_members`` consecutive collectives (in order of need); windows are visited
+   of ``lns_window_members`` consecutive collectives (in order of need), each of them free to
+   move only within ``lns_radius_anchors`` of its incumbent position or as far as the chain
+   neighbour it could merge with (a trust region: the small model searches far better in the
+   same deterministic time; sweeps compound the moves); windows are visited
    most-exposed first (those exposing no communication are skipped: ``lns_min_exposed_ms``),
    sweep after sweep, until a sweep brings no gain. A window whose
    neighbourhood has not changed since it last failed is skipped (the solve would repeat).

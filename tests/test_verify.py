@@ -233,6 +233,7 @@ def test_solver_over_budget_by_the_tracker_is_solved_again(llama, monkeypatch):
     gm, report = _optimized(llama.backward, budget)
     tightened = [c for c in report.candidates if c["name"].endswith("-tightened")]
     assert calls and calls[0] == solver_row["predicted_peak_bytes"] - over // 2 - 1, (calls, report.candidates)
+    assert any("solved again under a model budget" in n for n in report.notes), report.notes
     # the new schedule joins the candidates unless it is one already judged (a heuristic's)
     for row in tightened:
         assert max(row["peak_bytes"], row["liveness_peak_bytes"], row["tracker_peak_bytes"]) <= budget
