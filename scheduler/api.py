@@ -248,8 +248,11 @@ def optimize_schedule(
             schedule, the heuristics that fit, the traced order and torch's overlap scheduler
             (with and without its FSDP pre-bucketing) back on copies of ``gm``, re-export and
             judge each, and keep the fastest re-exported graph whose peaks (re-export,
-            liveness count, torch's MemoryTracker) all fit ``mem_budget``. The report shows
-            the prediction, the re-exported figures and why each candidate was dropped.
+            liveness count, torch's MemoryTracker) all fit ``mem_budget``. When the solver's
+            graph is the fastest but over the budget by a count the model does not make
+            (at most 5 % over), the solver runs again under its model peak less the excess, at
+            most twice (so the call can take up to three solves). The report shows the
+            prediction, the re-exported figures and why each candidate was dropped.
             False: write back the solver's schedule on the model's word alone.
         robust: choose robustly to the cost model (default False; needs ``verify``): every
             candidate is also judged under :func:`scheduler.robust.cost_model_family` of
