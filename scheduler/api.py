@@ -296,29 +296,19 @@ def optimize_schedule(
     writeback = {"payload_order": payload_order, "control_deps": control_deps}
 
     def solve_here(problem: Problem) -> tuple[Candidate, ScheduleReport]:
-        schedule, report = _solve_problem(
-            problem,
-            budget,
-            solver=solver,
-            time_limit_s=time_limit_s,
-            seed=seed,
-            fallback=fallback,
-            num_workers=num_workers,
-        )
+        # the solver under a model budget: the user's, or a tightened one when the written graph
+        # of its schedule was over (verify_and_choose's resolve)
+        solve_under = functools.partial(_solve_problem, problem, solver=solver, time_limit_s=time_limit_s,
+                                        seed=seed, fallback=fallback, num_workers=num_workers)
+        schedule, report = solve_under(budget)
         solved = schedule.digest()
         schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
         if not verify or not problem.colls:
             return Candidate(name=report.solver, schedule=schedule), report
-        def resolve(tight: int) -> Schedule | None:
-            # the solver again under a tightened model budget (its written graph was over)
-            again, _ = _solve_problem(problem, tight, solver=solver, time_limit_s=time_limit_s, seed=seed,
-                                                 fallback=fallback, num_workers=num_workers)
-            return again
-
         # a schedule the hook imposed is judged alone: it is the user's (or a test's) choice
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
-                                 seed=seed, alternatives=schedule.digest() == solved, resolve=resolve, **choice,
-                                 **writeback)
+                                 seed=seed, alternatives=schedule.digest() == solved,
+                                 resolve=lambda tight: solve_under(tight)[0], **choice, **writeback)
 
     def write_back(problem: Problem, chosen: Candidate) -> None:
         if not problem.colls:

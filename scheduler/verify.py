@@ -221,7 +221,7 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
     best, reasons = choose(candidates, mem_budget_bytes, key)
     current = solved
-    for _ in range(TIGHTEN_ROUNDS if resolve is not None and alternatives else 0):
+    for round_ in range(TIGHTEN_ROUNDS if resolve is not None and alternatives else 0):
         tight = tightened_budget(current, best, mem_budget_bytes)
         if tight is None:
             break
@@ -237,7 +237,8 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
             f"torch's tracker): solved again under a model budget of {fmt_bytes(tight)}: {outcome}")])
         if again is None or known:
             break
-        current = schedule_candidate(problem, f"{solved.name}-tightened", again)
+        # one name per round: the report and the choice's reasons are keyed by name
+        current = schedule_candidate(problem, f"{solved.name}-tightened" + (f"-{round_ + 1}" if round_ else ""), again)
         logger.info("fsdp-sched: %s's written graph is over the budget; solved again under %s", solved.name,
                     fmt_bytes(tight))
         judge_candidates(gm, problem, [current], cost_model=cost_model, cluster=cluster,
