@@ -48,6 +48,15 @@ CACHE_VERSION = 1
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 
+def parse_model_spec(spec: str) -> tuple[str, int, int]:
+    """(preset, n_layers, world_size) of a model spec ``preset:n_layers:world_size``, as the
+    benchmarks taking several models write them (``equal_memory.py``, ``writeback_agreement.py``)."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size, e.g. llama3-8b:8:64")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
 # --------------------------------------------------------------------------------------------
 # rows
 # --------------------------------------------------------------------------------------------

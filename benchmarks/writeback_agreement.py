@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from run import parse_model_spec  # noqa: E402  (benchmarks/run.py)
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ def run(models: list[str], schedules: list[str], cost_models: list[str]) -> list
 
     rows = []
     for spec in models:
-        preset, n_layers, world_size = _parse_model(spec)
+        preset, n_layers, world_size = parse_model_spec(spec)
         t0 = time.perf_counter()
         graphs = capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers)
         logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
@@ -119,13 +122,6 @@ def _format(r: dict[str, Any]) -> str:
         f"{r['predicted_peak_bytes'] / MiB:10.3f} {r['reexported_peak_bytes'] / MiB:10.3f} "
         f"{r['reference_peak_bytes'] / MiB:10.3f} {r['torch_peak_bytes'] / MiB:10.3f}"
     )
-
-
-def _parse_model(spec: str) -> tuple[str, int, int]:
-    parts = spec.split(":")
-    if len(parts) != 3:
-        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size, e.g. llama3-debug:2:4")
-    return parts[0], int(parts[1]), int(parts[2])
 
 
 def main(argv: list[str] | None = None) -> int:
