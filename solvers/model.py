@@ -470,7 +470,7 @@ class ModelData:
     def times_of(self, schedule: Schedule) -> TimeGuide:
         """Simulated start / end of ``schedule``'s buckets and departures from anchors."""
         p, A = self.p, self.anchors
-        sim = simulate(p.dag, schedule, problem=p)
+        sim = self.ref_sim if schedule is self.reference else simulate(p.dag, schedule, problem=p)
         C: dict[str, int] = {}
         X: dict[str, int] = {}
         for b, (_i, start, end, _d) in sim.bucket_times.items():

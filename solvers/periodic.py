@@ -274,13 +274,14 @@ def at_traced(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Sch
 
 
 def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Schedule:
-    """``schedule`` with every bucket that holds one of ``names`` split into single collectives
-    at the bucket's positions (so that a window over ``names`` frees nothing else)."""
+    """``schedule`` with every bucket that holds one of ``names`` and a collective outside them
+    split into single collectives at the bucket's positions (so that a window over ``names``
+    frees nothing else); buckets of ``names`` alone are kept whole."""
     names = set(names)
     issue, wait = schedule.positions()
     entries: list[tuple[Bucket, int, int]] = []
     for b, bk in enumerate(schedule.buckets):
-        if len(bk.members) > 1 and names.intersection(bk.members):
+        if len(bk.members) > 1 and names.intersection(bk.members) and not names.issuperset(bk.members):
             entries.extend((Bucket((m,)), issue[b], wait[b]) for m in bk.members)
         else:
             entries.append((bk, issue[b], wait[b]))

@@ -166,3 +166,50 @@ def test_unconstrained_pattern_goes_where_memory_allows(llama8b_6_layers):
                                          30.0, 0, 1, budget)
     validate_schedule(p, sched, mem_budget_bytes=budget)
     assert rounds >= 1 and sim.step_ms < 0.95 * best.objective_ms
+
+
+def test_isolate_splits_only_buckets_reaching_outside_the_names():
+    p = _problem("forward")
+    sched = solve(p, solver="fsdp2").schedule
+    inside, outside = [bk for bk in sched.buckets if len(bk.members) > 1][:2]
+    names = set(inside.members) | {outside.members[0]}
+    iso = isolate(p, sched, names)
+    kept = {bk.members for bk in iso.buckets}
+    assert inside.members in kept  # wholly among the names: a window over them frees it whole
+    assert all((m,) in kept for m in outside.members)  # reaching outside: split
+    issue, _ = sched.positions()
+    iso_issue, _ = iso.positions()
+    assert iso_issue[iso.bucket_of()[inside.members[0]]] == issue[sched.bucket_of()[inside.members[0]]]
+
+
+def test_the_template_starts_from_the_fastest_period(llama8b_6_layers):
+    """At the traced order's peak the backward's budget binds on its first layers, where the
+    per-block plan gives up some prefetch: the tied template window starts from the copy of
+    whichever period of the incumbent simulates fastest within the budget (here not the
+    middle one)."""
+    p = llama8b_6_layers["backward"]
+    cfg = CpSatConfig(template_rounds=1, template_min_blocks=3)
+    per = detect_periodicity(p, min_blocks=3, max_stride=cfg.template_max_period_blocks)
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
+    start = solve(p, solver="fsdp2", mem_budget_bytes=budget).schedule
+    bases: list = []
+
+    def record(problem, mem_budget_bytes, schedule, free, *args, **kwargs):
+        bases.append((schedule, set(free)))
+        return None
+
+    template_search(p, cfg, record, budget, start, simulate(p.dag, start, problem=p), 5.0, 0, 1, budget)
+    assert len(bases) == 1
+    base, free = bases[0]
+    blocks = sorted(b for b, roles in per.members.items() if set(roles.values()) <= free)
+    iso = isolate(p, start, free)
+    steps = {}
+    for s in per.blocks:
+        copy = replicate(p, per, iso, s, blocks)
+        csim = simulate(p.dag, copy, problem=p) if copy is not None else None
+        if csim is not None and csim.peak_bytes <= budget:
+            steps[s] = csim.step_ms
+    bsim = simulate(p.dag, base, problem=p)
+    assert bsim.peak_bytes <= budget
+    assert bsim.step_ms <= min(steps.values()) + 1e-6
+    assert bsim.step_ms < steps[per.middle()] - 1e-6  # the premise: the middle period is not the fastest

@@ -230,3 +230,33 @@ def test_a_window_moves_its_collectives_within_the_trust_region(tied, kind):
 def test_trust_region_is_validated():
     with pytest.raises(ValueError, match="lns_radius_anchors"):
         CpSatConfig(lns_radius_anchors=0)
+
+
+def test_a_window_result_is_copied_onto_the_other_layers():
+    """A window that improves the whole blocks it decides has them copied onto the other blocks
+    of the repeating layers (as the template copies its middle period): one window then
+    improves the whole graph, not only its own range."""
+    p = Problem.from_dag(make_fsdp_dag(params_per_layer=4, n_layers=12, graph_kind="forward"))
+    per = detect_periodicity(p)
+    assert per is not None
+    good = solve(p, solver="fsdp2").schedule  # one bucket per block, prefetched a block ahead
+    start = solve(p, solver="traced").schedule  # every all-gather alone, waited where issued
+    sim0 = simulate(p.dag, start, problem=p)
+    block_of = per.block_of()
+    decided: list[set[int]] = []
+
+    def copy_good(problem, mem_budget_bytes, schedule, free, *args, **kwargs):
+        """A window 'solver' that gives the blocks it decides whole the per-block plan's decisions."""
+        whole = {b for b in per.blocks if set(per.members[b].values()) <= free}
+        decided.append(whole)
+        return replicate(p, per, good, per.middle(), sorted(whole), onto=schedule) if whole else None
+
+    cfg = CpSatConfig(lns_max_sweeps=1)
+    sched, sim, _ = window_search(p, cfg, copy_good, None, start, sim0, cfg.lns_window_s, 0, 1, None)
+    assert len(decided) == 1 and decided[0]  # the work budget buys one window, deciding some blocks
+    alone = replicate(p, per, good, per.middle(), sorted(decided[0]), onto=start)
+    assert sim.step_ms < simulate(p.dag, alone, problem=p).step_ms - 1e-6  # the copies gained more
+    validate_schedule(p, sched)
+    grouped = {b for b in per.blocks if len({sched.bucket_of()[n] for n in per.members[b].values()}) == 1}
+    assert grouped - decided[0]  # blocks outside the window took its decisions
+
