@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+#: default time limit of a solve (s of deterministic work, see :class:`SearchConfig`): on one core
+#: of the 2-core CI machine a 16-layer graph gets its final schedule in 3 to 9 s, within 1 % of
+#: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
+#: more: pass ``time_limit_s``
+DEFAULT_TIME_LIMIT_S = 6.5
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -59,15 +65,17 @@ class SearchConfig:
     #: graphs whose layers repeat (``template_min_blocks`` or more) go to the decomposition even
     #: with at most ``full_model_max_members`` collectives: templates first
     decompose_repeating: bool = True
-    #: at most this many sweeps over the graph
-    lns_max_sweeps: int = 4
+    #: at most this many sweeps over the graph (0.3 s windows make sweeps cheap: on a 16-layer
+    #: tied-embedding forward every one of 4 sweeps still gained, and 8 reached 15.89 against
+    #: 16.19 ms within the default limit; no row of ``benchmarks/solve_time.py`` reaches 4)
+    lns_max_sweeps: int = 8
     #: deterministic limit of one window, in seconds of the backend's calibrated clock (CP-SAT:
-    #: ``deterministic_units_per_second``); never derived from the wall clock, so that every
-    #: rank runs the same windows with the same limits. The driver raises it to 1/30 of the
-    #: solve's time limit (:func:`solvers.driver.scaled_search`). 1 s: with the trust region
-    #: (``lns_radius_anchors``) 1 s windows found as good schedules as 2 s ones in less time
-    #: (without it, 1 s windows found nothing on a 16-layer llama backward)
-    lns_window_s: float = 1.0
+    #: ``window_units_per_second``); never derived from the wall clock, so that every rank runs
+    #: the same windows with the same limits. The driver raises it to 1/100 of the solve's time
+    #: limit (:func:`solvers.driver.scaled_search`). 0.3 s: with the trust region
+    #: (``lns_radius_anchors``) and CP-SAT's windows run without probing, short windows find
+    #: as much per second as long ones, and sweeps compound their moves
+    lns_window_s: float = 0.3
     #: windows whose buckets expose at most this much communication (ms, in the incumbent's
     #: simulation) are skipped: they can gain only on copy costs (13 of 22 windows of a
     #: 16-layer llama backward, none of which ever improved)
@@ -79,9 +87,9 @@ class SearchConfig:
     #: blocks in the template's window (the middle one is copied); with a period of k blocks
     #: (alternating layers), at least 2k + 1
     template_window_blocks: int = 3
-    #: deterministic limit of one template window (s, as ``lns_window_s``; raised to 1/10 of
+    #: deterministic limit of one template window (s, as ``lns_window_s``; raised to 1/30 of
     #: the time limit)
-    template_window_s: float = 6.0
+    template_window_s: float = 1.0
     #: fewest repeating blocks for the template to be tried
     template_min_blocks: int = 6
     #: longest period, in blocks, of the repetition the template looks for (2: alternating

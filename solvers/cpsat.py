@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from ortools.sat.python import cp_model
 
 from solvers import driver
-from solvers.config import SolverConfig
+from solvers.config import DEFAULT_TIME_LIMIT_S, SolverConfig
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, ScheduleError, SolveResult
 from solvers.core.units import US_PER_MS
@@ -56,6 +56,11 @@ class CpSatConfig(SolverConfig):
     #: 24 s on llama-like graphs), so a limit of T s becomes 0.25 T units: about T s here, and
     #: the same amount of search (hence the same schedule) on every rank and machine
     deterministic_units_per_second: float = 0.25
+    #: the same for the windows of the decomposition (and the template windows), which run
+    #: without probing and SAT inprocessing (:meth:`CpSatBackend.solve_window`): their clock
+    #: runs slower against the wall clock (measured on this machine: 0.06 units in about 0.3 s
+    #: on 16-layer llama3-8b windows, 0.2 units in about 1 s on their template window)
+    window_units_per_second: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -530,9 +535,19 @@ class CpSatBackend:
         built.model.Minimize(built.objective)
         built.hint_all(schedule)
         solver = make_solver(limit_s, seed, num_workers, cfg)
+        prm = solver.parameters
+        prm.max_deterministic_time = float(limit_s) * cfg.window_units_per_second
         # presolve rewrites the model and loses the hint (measured: no solution in 5 s with
         # presolve, the hint improved to 194.5 ms without, on an 8b backward window)
-        solver.parameters.cp_model_presolve = False
+        prm.cp_model_presolve = False
+        # probing spent 0.23 of a window's 0.25 units before the search started (0.4 s of
+        # 0.54 s wall), and SAT inprocessing most of what the search would use. Without both,
+        # on the 24 windows of a 16-layer llama3-8b backward solve, 0.04 units (5.6 s wall in
+        # all) found a better window solution than 0.25 units with them (14.2 s) on 15 windows
+        # and a worse one on 8; 0.06 units (7.8 s) on 17 and 7; the tied template window
+        # reached 321.3 ms in 0.9 s where it stopped at 339.0 ms in 1.2 s with them
+        prm.cp_model_probing_level = 0
+        prm.use_sat_inprocessing = False
         status = self._run(solver, built.model)
         logger.debug("window (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", len(free), status,
                      solver.ObjectiveValue() / US_PER_MS if status in ("optimal", "feasible") else float("nan"),
@@ -567,7 +582,7 @@ class CpSatBackend:
         return None
 
 
-def solve_cpsat(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
+def solve_cpsat(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                 seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
                 config: CpSatConfig | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult:
     """Solve the joint model with CP-SAT through the shared loop of :func:`solvers.driver.solve`."""

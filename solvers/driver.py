@@ -39,7 +39,7 @@ from typing import Protocol
 from collections.abc import Sequence
 
 from solvers import decompose
-from solvers.config import SolverConfig
+from solvers.config import DEFAULT_TIME_LIMIT_S, SolverConfig
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
 from solvers.core.simulator import SimResult, simulate
@@ -91,7 +91,7 @@ class Backend(Protocol):
     def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None: ...
 
 
-def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
+def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
           seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
           extra_starts: Sequence[Schedule] = ()) -> SolveResult:
     """Solve ``problem`` with ``backend`` (see the module docstring). ``time_limit_s`` is
@@ -114,10 +114,10 @@ def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = 
 
 def scaled_search(cfg: SolverConfig, time_limit_s: float) -> SolverConfig:
     """``cfg`` with window limits that grow with the time limit (``lns_window_s`` at least
-    1/30 of it, ``template_window_s`` at least 1/10): a longer limit buys larger searches per
+    1/100 of it, ``template_window_s`` at least 1/30): a longer limit buys larger searches per
     window, not only more windows. A function of the arguments only (deterministic)."""
-    return dataclasses.replace(cfg, lns_window_s=max(cfg.lns_window_s, time_limit_s / 30),
-                               template_window_s=max(cfg.template_window_s, time_limit_s / 10))
+    return dataclasses.replace(cfg, lns_window_s=max(cfg.lns_window_s, time_limit_s / 100),
+                               template_window_s=max(cfg.template_window_s, time_limit_s / 30))
 
 
 class _Run:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+from solvers.config import DEFAULT_TIME_LIMIT_S
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult
 from solvers.cpsat import solve_cpsat
@@ -40,7 +41,7 @@ def solve(
     *,
     solver: str | SolverFn = "cpsat",
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
