@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 #: default time limit of a solve (s of deterministic work, see :class:`SearchConfig`): on one core
-#: of the 2-core CI machine a 16-layer graph gets its final schedule in 3 to 9 s, within 1 % of
+#: of the 2-core CI machine a 16-layer graph gets its final schedule in 3 to 10 s, within 1 % of
 #: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
 #: more: pass ``time_limit_s``
 DEFAULT_TIME_LIMIT_S = 6.5
