@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import optimize_schedule
-from scheduler.costs import Cluster
+from scheduler.costs import BlendCostModel, Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import BASE_COST_MODELS, choice_key, cost_model_family, worst_regret
 from scheduler.verify import (
@@ -57,6 +57,21 @@ logger = logging.getLogger(__name__)
 TORCH_BASELINE = "torch-overlap"
 #: baselines :func:`robust_schedule` considers besides its own solves
 ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", TORCH_BASELINE)
+#: weights on the first of two models solved under, for the blends robust_schedule solves under
+BLEND_WEIGHTS = (0.25, 0.5, 0.75)
+
+
+def blends(family: Mapping[str, Any], solve_under: Sequence[str]) -> dict[str, BlendCostModel]:
+    """Label -> blend of the models ``solve_under`` (labels of ``family``) that
+    :func:`robust_schedule` also solves under: for two models, one blend per weight of
+    :data:`BLEND_WEIGHTS` on the first (``"blend 25%"`` ...); for more, their equal mean
+    (``"blend"``); none for one."""
+    models = [family[label] for label in solve_under]
+    if len(models) < 2:
+        return {}
+    if len(models) > 2:
+        return {"blend": BlendCostModel(models, name="blend")}
+    return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in BLEND_WEIGHTS}
 
 
 def baseline_candidate(problem: Problem, name: str) -> Candidate:
@@ -113,18 +128,19 @@ def judge_baselines(gm: "torch.fx.GraphModule", names: Sequence[str], cost_model
 
 def product_candidate(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost_models: Mapping[str, Any], *,
                       solve_under: str | None = None, cluster: Any = None, time_limit_s: float = 15.0,
-                      name: str = "fsdp-sched", **options: Any) -> Candidate:
+                      name: str = "fsdp-sched", solve_model: Any = None, **options: Any) -> Candidate:
     """fsdp-sched's candidate: :func:`scheduler.optimize_schedule` on a copy of ``gm`` at
-    ``mem_budget_bytes`` under ``cost_models[solve_under]`` (default: the first), one rank's
-    view (no agreement); ``options`` are further keywords of ``optimize_schedule``. The
-    rewritten copy (``graph``, its report at ``meta["fsdp_sched_report"]``) is judged under
-    every model of ``cost_models``; when no schedule fits, the candidate keeps the reason in
-    ``error``."""
+    ``mem_budget_bytes`` under ``cost_models[solve_under]`` (default: the first) or under
+    ``solve_model`` when given (a model that only solves, such as a
+    :class:`scheduler.costs.BlendCostModel`), one rank's view (no agreement); ``options`` are
+    further keywords of ``optimize_schedule``. The rewritten copy (``graph``, its report at
+    ``meta["fsdp_sched_report"]``) is judged under every model of ``cost_models``; when no
+    schedule fits, the candidate keeps the reason in ``error``."""
     label, model, others = _primary(cost_models, solve_under)
-    logger.info("%s: solving under %s (limit %g s)", name, label, time_limit_s)
+    logger.info("%s: solving under %s (limit %g s)", name, getattr(solve_model, "name", label), time_limit_s)
     try:
-        out = optimize_schedule(copy.deepcopy(gm), mem_budget_bytes, cost_model=model, cluster=cluster,
-                                time_limit_s=time_limit_s, agree=False, **options)
+        out = optimize_schedule(copy.deepcopy(gm), mem_budget_bytes, cost_model=solve_model or model,
+                                cluster=cluster, time_limit_s=time_limit_s, agree=False, **options)
     except (InfeasibleBudgetError, ScheduleError) as e:
         return Candidate(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     figures = judge_graph(out, model, cluster, other_cost_models=others, label=label)
@@ -195,11 +211,15 @@ def robust_schedule(
     solve_under: Sequence[str] = BASE_COST_MODELS,
     baselines: Sequence[str] = ROBUST_BASELINES,
     time_limit_s: float = 15.0,
+    blend: bool = True,
 ) -> RobustResult:
     """The schedule of ``gm`` that is best in the worst case across cost models.
 
     Candidates: :func:`product_candidate` at ``mem_budget`` under each model of ``solve_under``
-    (labels of the family) and each baseline of ``baselines`` (:func:`judge_baselines`), each
+    (labels of the family), with ``blend`` and two or more of them also under blends of them
+    (:func:`blends`, :class:`scheduler.costs.BlendCostModel`: where the models prefer different
+    schedules, a compromise can be within a few percent of both), and each
+    baseline of ``baselines`` (:func:`judge_baselines`), each
     on its own copy of ``gm``, judged under every model of ``cost_models`` (default
     :func:`scheduler.robust.cost_model_family` of ``cluster``); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
@@ -225,6 +245,12 @@ def robust_schedule(
     solved_under = {f"fsdp-sched[{label}]": label for label in solve_under}
     candidates = [product_candidate(gm, budget, family, solve_under=label, cluster=cluster, time_limit_s=time_limit_s,
                                     name=name) for name, label in solved_under.items()]
+    for label, mix in (blends(family, solve_under) if blend else {}).items():
+        # compromises between the models solved under, judged like the others
+        name = f"fsdp-sched[{label}]"
+        candidates.append(product_candidate(gm, budget, family, cluster=cluster, time_limit_s=time_limit_s,
+                                            name=name, solve_model=mix))
+        solved_under[name] = label
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))
     if best is None:

@@ -102,7 +102,8 @@ def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     assert len(gm.graph.nodes) == n_nodes  # the input graph is not modified
     assert liveness_peak(result.gm) <= budget and torch_tracker_peak(result.gm) <= budget
     assert result.chosen in result.fitting and "fsdp2" in result.fitting
-    assert set(result.solved_under.values()) <= {"analytic", "torch"}
+    # one solve under each base model and three blends of them (compromises)
+    assert set(result.solved_under.values()) == {"analytic", "torch", "blend 25%", "blend 50%", "blend 75%"}
     worst = result.worst_regret()
     table = result.step_ms_by_model()
     assert len(table) == 6
@@ -169,3 +170,25 @@ def test_inductor_pass_forwards_robust_as_an_option():
 
     assert inductor_post_grad_pass(robust=True).uuid() != inductor_post_grad_pass().uuid()
     assert '"robust": true' in inductor_post_grad_pass(robust=True).uuid()
+
+
+def test_blend_cost_model_is_the_mean_of_its_models():
+    from scheduler.costs import AnalyticCostModel, BlendCostModel, Cluster, GroupInfo
+
+    slow, fast = AnalyticCostModel(Cluster(intra_node_gbps=100)), AnalyticCostModel(Cluster(intra_node_gbps=400))
+    blend = BlendCostModel([slow, fast])
+    group = GroupInfo(name="0", size=8, ranks=tuple(range(8)))
+    for b in (1 << 20, 1 << 26):
+        expect = (slow.collective_ms("all_gather", b, group) + fast.collective_ms("all_gather", b, group)) / 2
+        assert blend.collective_ms("all_gather", b, group) == pytest.approx(expect)
+        assert fast.collective_ms("all_gather", b, group) < expect < slow.collective_ms("all_gather", b, group)
+    attrs = {"flops": 1e12, "bytes_accessed": 1e9, "dtype": "bfloat16"}
+    assert blend.compute_ms(attrs) == pytest.approx(slow.compute_ms(attrs))  # same GPU: same compute
+    leaning = BlendCostModel([slow, fast], (3, 1))
+    big = 1 << 26
+    expect = 0.75 * slow.collective_ms("all_gather", big, group) + 0.25 * fast.collective_ms("all_gather", big, group)
+    assert leaning.collective_ms("all_gather", 1 << 26, group) == pytest.approx(expect)
+    with pytest.raises(ValueError, match="at least one"):
+        BlendCostModel([])
+    with pytest.raises(ValueError, match="one non-negative weight per model"):
+        BlendCostModel([slow, fast], (1.0,))
