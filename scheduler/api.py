@@ -21,15 +21,17 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from scheduler.costs import resolve_cost_model
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
-from scheduler.robust import choice_key, cost_model_family
-from scheduler.verify import Candidate, Criterion, cost_model_label, install, verify_and_choose
+from scheduler.robust import BASE_COST_MODELS, blends, choice_key, cost_model_family
+from scheduler.verify import Candidate, Criterion, cost_model_label, install, schedule_candidate, verify_and_choose
 from scheduler.writeback import apply_schedule
 from solvers.core import (
     InfeasibleBudgetError,
@@ -261,8 +263,11 @@ def optimize_schedule(
             ``cluster`` (analytic and torch, bandwidths as given and +-30 %), and the one with
             the least worst-case regret over those models and ``cost_model`` is kept
             (:func:`scheduler.robust.choice_key`) instead of the fastest under ``cost_model``.
-            The report names the criterion and each candidate's worst regret. Costs one
-            re-export per candidate and model (6 more per candidate).
+            The graph is also solved under three blends of ``cost_model`` and the other base
+            model (:func:`scheduler.robust.blends`), each a candidate (compromises where the
+            models prefer different schedules). The report names the criterion and each
+            candidate's worst regret. Costs three more solves and one re-export per candidate
+            and model (6 more per candidate).
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
@@ -308,9 +313,14 @@ def optimize_schedule(
         if not verify or not problem.colls:
             return Candidate(name=report.solver, schedule=schedule), report
         # a schedule the hook imposed is judged alone: it is the user's (or a test's) choice
+        alternatives = schedule.digest() == solved
+        extra = _blend_candidates(gm, problem, budget, cost_model, cluster, report.solver,
+                                  functools.partial(_solve_problem, solver=solver, time_limit_s=time_limit_s,
+                                                    seed=seed, fallback=False, num_workers=num_workers),
+                                  ) if robust and alternatives else []
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
-                                 seed=seed, alternatives=schedule.digest() == solved,
-                                 resolve=lambda tight: solve_under(tight)[0], **choice, **writeback)
+                                 seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
+                                 extra=extra, **choice, **writeback)
 
     def write_back(problem: Problem, chosen: Candidate) -> None:
         if not problem.colls:
@@ -334,6 +344,27 @@ def optimize_schedule(
     gm.meta[REPORT_KEY] = report
     logger.info("%s", report.summary_line())
     return gm
+
+
+def _blend_candidates(gm: "torch.fx.GraphModule", problem: Problem, budget: int | None, cost_model: Any,
+                      cluster: Any, solver_label: str, solve_problem: Callable[..., Any]) -> list[Candidate]:
+    """``optimize_schedule(robust=True)``'s extra candidates: the graph solved under blends of
+    ``cost_model`` and the other base models (:func:`scheduler.robust.blends`), each schedule
+    a candidate over ``problem`` named ``"<solver>[blend 25%]"`` ...; a blend whose solve fails
+    is left out (logged)."""
+    label = cost_model_label(cost_model)
+    family = {label: resolve_cost_model(cost_model, cluster)}
+    family.update({b: resolve_cost_model(b, cluster) for b in BASE_COST_MODELS if b != label})
+    out = []
+    for name, blend in blends(family, list(family)).items():
+        try:
+            blended = Problem.from_dag(export_dag(gm, cost_model=blend, cluster=cluster))
+            schedule, _ = solve_problem(blended, budget)
+        except (DagError, ScheduleError, ValueError) as e:
+            logger.info("robust: no candidate under %s: %s", name, e)
+            continue
+        out.append(schedule_candidate(problem, f"{solver_label}[{name}]", schedule))
+    return out
 
 
 def robust_choice(cost_model: Any, cluster: Any) -> dict[str, Any]:

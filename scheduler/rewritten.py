@@ -31,9 +31,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import optimize_schedule
-from scheduler.costs import BlendCostModel, Cluster
+from scheduler.costs import Cluster
 from scheduler.dag import export_dag
-from scheduler.robust import BASE_COST_MODELS, choice_key, cost_model_family, worst_regret
+from scheduler.robust import BASE_COST_MODELS, blends, choice_key, cost_model_family, worst_regret
 from scheduler.verify import (
     TORCH_CANDIDATES,
     Candidate,
@@ -57,23 +57,6 @@ logger = logging.getLogger(__name__)
 TORCH_BASELINE = "torch-overlap"
 #: baselines :func:`robust_schedule` considers besides its own solves
 ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", TORCH_BASELINE)
-#: weights on the first of two models solved under, for the blends robust_schedule solves under
-BLEND_WEIGHTS = (0.25, 0.5, 0.75)
-
-
-def blends(family: Mapping[str, Any], solve_under: Sequence[str]) -> dict[str, BlendCostModel]:
-    """Label -> blend of the models ``solve_under`` (labels of ``family``) that
-    :func:`robust_schedule` also solves under: for two models, one blend per weight of
-    :data:`BLEND_WEIGHTS` on the first (``"blend 25%"`` ...); for more, their equal mean
-    (``"blend"``); none for one."""
-    models = [family[label] for label in solve_under]
-    if len(models) < 2:
-        return {}
-    if len(models) > 2:
-        return {"blend": BlendCostModel(models, name="blend")}
-    return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in BLEND_WEIGHTS}
-
-
 def baseline_candidate(problem: Problem, name: str) -> Candidate:
     """Baseline ``name`` as a candidate over ``problem``: a heuristic of
     :data:`solvers.heuristics.HEURISTICS` (``"traced"``, ``"fsdp2"``, ``"simplefsdp"``,

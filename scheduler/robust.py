@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from scheduler.costs import Cluster, CostModel, resolve_cost_model
+from scheduler.costs import BlendCostModel, Cluster, CostModel, resolve_cost_model
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ BANDWIDTH_SCALES = (0.7, 1.3)
 
 
 # --------------------------------------------------------------------------------------------
-# the family of cost models
+# the family of cost models, and blends of them to solve under
 # --------------------------------------------------------------------------------------------
 def scale_bandwidth(cluster: Cluster, factor: float) -> Cluster:
     """``cluster`` with its intra- and inter-node bus bandwidths multiplied by ``factor``."""
@@ -77,6 +77,25 @@ def cost_model_family(
 # --------------------------------------------------------------------------------------------
 # the criterion
 # --------------------------------------------------------------------------------------------
+#: weights on the first of two models, for the blends solved under as well (:func:`blends`)
+BLEND_WEIGHTS = (0.25, 0.5, 0.75)
+
+
+def blends(family: Mapping[str, Any], solve_under: Sequence[str]) -> dict[str, BlendCostModel]:
+    """Label -> blend of the models ``solve_under`` (labels of ``family``) that
+    :func:`scheduler.rewritten.robust_schedule` and ``optimize_schedule(robust=True)`` also
+    solve under: for two models, one blend per weight of
+    :data:`BLEND_WEIGHTS` on the first (``"blend 25%"`` ...); for more, their equal mean
+    (``"blend"``); none for one."""
+    models = [family[label] for label in solve_under]
+    if len(models) < 2:
+        return {}
+    if len(models) > 2:
+        return {"blend": BlendCostModel(models, name="blend")}
+    return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in BLEND_WEIGHTS}
+
+
+
 def regrets(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
     """Candidate -> model label -> ``t_m(c) / min_c' t_m(c') - 1`` (0 for the best under m).
 

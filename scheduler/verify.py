@@ -189,6 +189,7 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
                       alternatives: bool = True, criterion: Criterion | None = None,
                       other_cost_models: Mapping[str, Any] | None = None,
                       resolve: Callable[[int], Schedule | None] | None = None,
+                      extra: Sequence[Candidate] = (),
                       **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
@@ -202,7 +203,9 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     (the solver again under a model budget; None or InfeasibleBudgetError when it finds
     nothing) repairs a solver's graph that is faster but over the budget by the written counts:
     it is solved again under :func:`tightened_budget`, at most ``TIGHTEN_ROUNDS`` times, and
-    each new schedule joins the candidates.
+    each new schedule joins the candidates. ``extra`` are more candidates over ``problem``
+    (``optimize_schedule(robust=True)``'s solves under blends of cost models), judged with the
+    others when ``alternatives``.
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
@@ -214,7 +217,8 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     if alternatives:  # the solver's first, torch's (no prediction), then the most promising
         others = sorted(schedule_candidates(problem, solved, mem_budget_bytes, seed=seed)[1:],
                         key=lambda c: c.predicted_step_ms)
-        candidates += torch_candidates() + others
+        seen = {c.digest() for c in others} | {solved.digest()}
+        candidates += [c for c in extra if c.digest() not in seen] + torch_candidates() + others
     skip = _hopeless(candidates, mem_budget_bytes) if criterion is None else None
     judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster,
                      other_cost_models=other_cost_models, skip=skip, **writeback)

@@ -141,6 +141,8 @@ def test_optimize_schedule_robust_fits_and_regrets_no_more_than_the_fastest(llam
     assert liveness_peak(robust) <= budget and torch_tracker_peak(robust) <= budget
     assert report.criterion.startswith("robust") and "chosen by: robust" in str(report)
     rows = {c["name"]: c for c in report.candidates}
+    # solved under blends of the two base models too (compromises), each judged like the others
+    assert {f"cpsat[blend {w}%]" for w in (25, 50, 75)} & set(rows)
     pool = {n: c["step_ms"] for n, c in rows.items() if c["worst_regret"] is not None}
     assert set(pool[report.chosen_candidate]) == set(family)
     assert rows[report.chosen_candidate]["worst_regret"] == min(c["worst_regret"] for c in rows.values()
