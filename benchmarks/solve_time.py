@@ -6,7 +6,8 @@ model; budgets 1.0x and 1.2x of the traced peak. For each: the wall time and ste
 default solve (``solvers.solve(problem, mem_budget_bytes=...)``: default time limit and
 search, which stops when a sweep of windows brings no gain or its work is spent), the step of
 a solve with ``time_limit_s=60`` (windows and template windows twice as long, and far more work
-for more sweeps: :func:`solvers.driver.scaled_search`), and their difference. Run it on one core, as the target is stated:
+for more sweeps: :func:`solvers.driver.scaled_search`), and their difference. Run it on one
+core, as the target is stated:
 
     taskset -c 0 python benchmarks/solve_time.py
     taskset -c 0 python benchmarks/solve_time.py --graphs llama --kinds backward --json out.json

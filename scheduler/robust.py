@@ -74,9 +74,6 @@ def cost_model_family(
     return family
 
 
-# --------------------------------------------------------------------------------------------
-# the criterion
-# --------------------------------------------------------------------------------------------
 #: weights on the first of two models, for the blends solved under as well (:func:`blends`)
 BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 
@@ -95,7 +92,9 @@ def blends(family: Mapping[str, Any], solve_under: Sequence[str]) -> dict[str, B
     return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in BLEND_WEIGHTS}
 
 
-
+# --------------------------------------------------------------------------------------------
+# the criterion
+# --------------------------------------------------------------------------------------------
 def regrets(step_ms_by_model: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
     """Candidate -> model label -> ``t_m(c) / min_c' t_m(c') - 1`` (0 for the best under m).
 

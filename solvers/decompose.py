@@ -277,11 +277,11 @@ class _Search:
         for round_ in range(cfg.template_rounds):
             if self.budget.exhausted():
                 break
-            base = self._template_start(per, schedule, window_blocks)
+            base = self._template_start(per, schedule, window_blocks, free)
             if neighbourhood(base, free) in seen:
                 break  # the same start again: the solve would repeat
             seen.add(neighbourhood(base, free))
-            cand = self._template_window(per, base, window_blocks, self.budget.take(cfg.template_window_s))
+            cand = self._template_window(per, base, window_blocks, free, self.budget.take(cfg.template_window_s))
             if cand is None:
                 break
             schedule, sim, improved = self._accept(schedule, sim, cand, simulate(p.dag, cand, problem=p))
@@ -295,21 +295,21 @@ class _Search:
             accepted += 1
         return schedule, sim, accepted
 
-    def _template_start(self, per: Periodicity, schedule: Schedule, window_blocks: list[int]) -> Schedule:
-        """The start of the tied window over ``window_blocks``: the fastest periodic copy of one
-        period of ``schedule`` onto every window block (:meth:`_template_base`), or else the
-        traced positions there (they repeat exactly, so the tied model can complete them)."""
-        free = {n for b in window_blocks for n in per.members[b].values()}
+    def _template_start(self, per: Periodicity, schedule: Schedule, window_blocks: list[int],
+                        free: set[str]) -> Schedule:
+        """The start of the tied window over ``window_blocks`` (whose collectives are ``free``):
+        the fastest periodic copy of one period of ``schedule`` onto every window block
+        (:meth:`_template_base`), or else the traced positions there (they repeat exactly, so
+        the tied model can complete them)."""
         return (self._template_base(per, schedule, window_blocks, free)
                 or at_traced(self.p, schedule, free) or isolate(self.p, schedule, free))
 
-    def _template_window(self, per: Periodicity, base: Schedule, window_blocks: list[int],
+    def _template_window(self, per: Periodicity, base: Schedule, window_blocks: list[int], free: set[str],
                          limit_s: float) -> Schedule | None:
         """Solve the tied window over ``window_blocks`` from ``base``: it decides exactly their
-        collectives (buckets reaching outside are split), each block tied to the one a period
-        earlier."""
+        collectives ``free`` (buckets reaching outside are split), each block tied to the one a
+        period earlier."""
         p, k = self.p, per.stride
-        free = {n for b in window_blocks for n in per.members[b].values()}
         pairs = [(per.members[b][r], per.members[b + k][r]) for b in window_blocks if b + k in window_blocks
                  for r in per.members[b]]
         return self.solve_window(p, self.model_budget_bytes, base, free, limit_s, self.seed, self.num_workers,

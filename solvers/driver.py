@@ -91,8 +91,8 @@ class Backend(Protocol):
     def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None: ...
 
 
-def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
+def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = None,
+          time_limit_s: float = DEFAULT_TIME_LIMIT_S, seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
           extra_starts: Sequence[Schedule] = ()) -> SolveResult:
     """Solve ``problem`` with ``backend`` (see the module docstring). ``time_limit_s`` is
     deterministic work (see the module docstring); ``extra_starts`` are more candidate warm
