@@ -309,10 +309,62 @@ class FSDP2Config:
     """Wait each reduce-scatter when the next is issued (FSDP2); False: wait right at issue."""
     block_buckets: bool = True
     """One bucket per block; False: every collective alone (smallest buffers)."""
+    gather_groups: "BlockGroups" = dataclasses.field(default_factory=lambda: BlockGroups())
+    """Several blocks per all-gather bucket (not FSDP2's own setting: :func:`solvers.warmstart.grouped_fsdp2`
+    searches it); the default, one block per bucket, is FSDP2's."""
+    reduce_groups: "BlockGroups" = dataclasses.field(default_factory=lambda: BlockGroups())
+    """Several blocks per reduce-scatter bucket, as ``gather_groups``."""
 
     def __post_init__(self) -> None:
         if self.prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGroups:
+    """Consecutive blocks that share one bucket of a chain.
+
+    From the ``start``-th block bucket of the chain (counted in the order the chain runs:
+    need order for all-gathers, gradient order for reduce-scatters) on, every ``size``
+    consecutive blocks form one bucket; the blocks before ``start`` and the root's collectives
+    (embeddings, final norm, output) keep one bucket each. ``size=1`` is FSDP2's one bucket per
+    block. Bigger buckets pay the per-collective cost less often (a cost model whose time grows
+    slower than the payload, as torch's NCCL estimator does, rewards that) and hold more memory.
+    """
+
+    size: int = 1
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.start < 0:
+            raise ValueError(f"BlockGroups needs size >= 1 and start >= 0, got {self}")
+
+    def apply(self, runs: list[tuple[str, ...]], is_block: Callable[[tuple[str, ...]], bool]) -> list[tuple[str, ...]]:
+        """Merge ``runs`` (one per block, in chain order) into groups as described above; runs
+        that are not blocks (``is_block`` false) are never merged and end a group."""
+        if self.size == 1:
+            return runs
+        out: list[tuple[str, ...]] = []
+        seen, group, members = 0, 0, []
+        for run in runs:
+            if not is_block(run):
+                if members:
+                    out.append(tuple(members))
+                    members, group = [], 0
+                out.append(run)
+                continue
+            seen += 1
+            if seen <= self.start:
+                out.append(run)
+                continue
+            members += run
+            group += 1
+            if group == self.size:
+                out.append(tuple(members))
+                members, group = [], 0
+        if members:
+            out.append(tuple(members))
+        return out
 
 
 def fsdp2_blocks(problem: Problem) -> dict[str, str]:
@@ -354,6 +406,9 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
     for key, chain in problem.chains.items():
         if config.block_buckets:
             runs = _runs_by_block(problem, chain, blocks)
+            groups = config.gather_groups if key[0] == "all_gather" else config.reduce_groups
+            runs = groups.apply(runs, lambda run: blocks[run[0]].startswith(("block:", "layers.")))
+            runs = [r for run in runs for r in split_feasible(problem, run)]
         else:
             runs = [(m,) for m in chain]
         wins = [window(problem, r) for r in runs]

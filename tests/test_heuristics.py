@@ -10,6 +10,8 @@ from solvers import InfeasibleBudgetError, Problem, SolveStatus, solve
 from solvers.heuristics import (
     TORCH_GREEDY_BUCKET_CAP_BYTES,
     AutoParallelConfig,
+    BlockGroups,
+    FSDP2Config,
     SimpleFSDPConfig,
     autoparallel_schedule,
     compute_gaps,
@@ -226,3 +228,41 @@ def test_evaluate_reports_simulation():
     assert (res.solver, res.status, res.notes) == ("mine", SolveStatus.FEASIBLE, ("x",))
     assert res.objective_ms == pytest.approx(solve(p, solver="traced").objective_ms)
     assert res.solve_time_s >= 0
+
+
+def test_block_groups_merge_consecutive_blocks_from_start():
+    """Two blocks per all-gather bucket from the second block on: emb | L0 | L1+L2 | L3+L4 |
+    norm, output; the root's buckets never merge with a block's. Reduce-scatters untouched."""
+    p = _problem(graph_kind="forward", n_layers=5)
+    cfg = FSDP2Config(gather_groups=BlockGroups(size=2, start=1))
+    s = fsdp2_schedule(p, cfg)
+    validate_schedule(p, s)
+    layers = [sorted({p.colls[m].fqns[0].split(".")[1] if p.colls[m].fqns[0].startswith("layers.") else "root"
+                      for m in b.members}) for b in s.buckets]
+    assert layers == [["root"], ["0"], ["1", "2"], ["3", "4"], ["root"]]
+    assert BlockGroups(size=3).apply([("a",), ("b",), ("r",), ("c",)], lambda r: r != ("r",)) == [
+        ("a", "b"), ("r",), ("c",)]
+    with pytest.raises(ValueError, match="size >= 1"):
+        BlockGroups(size=0)
+
+
+def test_grouped_fsdp2_is_the_fastest_grouping_that_fits():
+    """Comm-bound forward with a large per-collective cost: two or more blocks per bucket pay it
+    less often, so the grouped start beats FSDP2-like, fits the budget it is given and is the
+    warm start the solver begins from; under a budget only FSDP2-like fits, none is returned."""
+    from solvers.warmstart import GROUPED, best_warm_start, grouped_fsdp2
+
+    p = Problem.from_dag(make_fsdp_dag(n_layers=8, params_per_layer=3, param_bytes=4 * MiB, world_size=64,
+                                       compute_ms_per_node=0.05, graph_kind="forward"))
+    plain = solve(p, solver="fsdp2")
+    grouped = grouped_fsdp2(p, None)
+    assert grouped is not None and grouped.solver == GROUPED
+    validate_schedule(p, grouped.schedule)
+    assert grouped.objective_ms < plain.objective_ms
+    assert len(grouped.schedule.buckets) < len(plain.schedule.buckets)
+    budget = (plain.peak_bytes + grouped.peak_bytes) // 2
+    fitting = grouped_fsdp2(p, budget)
+    assert fitting is None or fitting.peak_bytes <= budget
+    assert grouped_fsdp2(p, plain.peak_bytes - 1) is None
+    warm = best_warm_start(p, None, None)
+    assert warm.solver == GROUPED and warm.objective_ms == pytest.approx(grouped.objective_ms)
