@@ -99,6 +99,10 @@ class SearchConfig:
     #: split buckets spanning more than this many blocks at block boundaries before the windows
     #: (a window frees whole buckets: one bucket of everything would free the whole graph)
     split_blocks_over: int = 2
+    #: when the decomposition converges with at least this share of the time limit left, it
+    #: searches again from the fastest start of the other bucket granularity
+    #: (:func:`solvers.warmstart.other_family`) and keeps the faster result
+    restart_share: float = 0.25
     #: wall-clock safety cap, as a multiple of the time limit: only against a stuck or starved
     #: process. The search's limits are deterministic; when the cap is hit the result is
     #: reported (a note) and is no longer rank-deterministic
@@ -118,6 +122,9 @@ class SearchConfig:
             raise ValueError("template_rounds must be >= 0, template_window_blocks >= 1, template_window_s > 0")
         if self.lns_min_exposed_ms < 0:
             raise ValueError("lns_min_exposed_ms must be >= 0")
+        if not 0 < self.restart_share:
+            raise ValueError(f"restart_share must be > 0 (a share of the time limit; above 1: never), got "
+                             f"{self.restart_share}")
         if self.full_model_max_members < 0 or self.lns_window_members < 2:
             raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
 

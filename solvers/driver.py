@@ -10,6 +10,9 @@
    (per-layer template, then rolling windows, each window by :meth:`Backend.solve_window`);
    when the whole-graph model fails (infeasible, nothing found, repair not converging) the
    decomposition runs from the warm start with the work left, rather than stopping there;
+   when the decomposition converges with at least ``restart_share`` of the work left, it runs
+   again from the fastest start of the other bucket granularity
+   (:func:`solvers.warmstart.other_family`) and the faster result is kept;
 3. check: every schedule is simulated; when its peak exceeds the budget (the model prices merge
    transients approximately) the model's budget is tightened by the excess and the model
    re-solved, at most ``memory_repair_rounds`` times;
@@ -44,9 +47,9 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
 from solvers.core.simulator import SimResult, simulate
 from solvers.core.units import fmt_bytes
-from solvers.decompose import CAP_NOTE, WorkBudget
+from solvers.decompose import CAP_NOTE, WorkBudget, better
 from solvers.periodic import detect_periodicity
-from solvers.warmstart import best_warm_start
+from solvers.warmstart import other_family, warm_starts
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +110,12 @@ def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = 
     if not problem.chains:
         sim = simulate(problem.dag, problem.traced_schedule(), problem=problem)
         return run.result(sim, SolveStatus.OPTIMAL, sim.step_ms, ["no movable collectives: traced order kept"])
-    run.warm = best_warm_start(problem, hint, mem_budget_bytes, seed=seed,
-                               max_bucket_bytes=backend.config.max_bucket_bytes, extra_starts=extra_starts)
+    starts = warm_starts(problem, hint, mem_budget_bytes, seed=seed,
+                         max_bucket_bytes=backend.config.max_bucket_bytes, extra_starts=extra_starts)
+    run.warm = starts[0] if starts else None
+    run.second = other_family(starts)
+    if run.warm is not None:
+        logger.info("warm start: %s, %.3f ms", run.warm.solver, run.warm.objective_ms)
     return run.loop()
 
 
@@ -136,6 +143,8 @@ class _Run:
         self.budget = WorkBudget(time_limit_s, time_limit_s * self.cfg.wall_clock_factor + self.cfg.wall_clock_slack_s)
         self.cap_hits0 = getattr(backend, "wall_cap_hits", 0)
         self.warm: SolveResult | None = None
+        #: the fastest start of the other bucket granularity (:func:`solvers.warmstart.other_family`)
+        self.second: SolveResult | None = None
         self.notes: list[str] = []
         self.history: list[tuple[float, float]] = []  # (perf_counter, step ms) of improvements
 
@@ -158,6 +167,8 @@ class _Run:
         for round_ in range(self.cfg.memory_repair_rounds + 1):
             if self.decomposed:
                 schedule, sim = self._decomposed(model_budget, start, templates=round_ == 0)
+                if round_ == 0:
+                    schedule, sim = self._restart(model_budget, schedule, sim)
                 proven, bound = False, self.p.lower_bound_ms()
             else:
                 last = round_ == self.cfg.memory_repair_rounds
@@ -192,6 +203,20 @@ class _Run:
             self.num_workers, self.mem_budget_bytes, templates=templates, history=self.history,
         )
         self.notes += notes
+        return schedule, sim
+
+    def _restart(self, model_budget: int | None, schedule: Schedule, sim: SimResult) -> tuple[Schedule, SimResult]:
+        """(2) The search converged with work left: search again from :attr:`second`, the
+        faster of the two results kept."""
+        if self.second is None or self.budget.exhausted(self.cfg.restart_share * self.time_limit_s):
+            return schedule, sim
+        self.notes.append(f"searched again from {self.second.solver} with the work left "
+                          f"({self.budget.left_s:.1f} s)")
+        logger.info("restart from %s (%.3f ms) with %.1f s of work left", self.second.solver,
+                    self.second.objective_ms, self.budget.left_s)
+        other, osim = self._decomposed(model_budget, self.second.schedule, templates=True)
+        if better(osim, sim, self.mem_budget_bytes):
+            return other, osim
         return schedule, sim
 
     def _rescue(self, why: str) -> SolveResult:

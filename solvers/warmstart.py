@@ -57,32 +57,49 @@ def exceeds_cap(problem: Problem, schedule: Schedule, max_bucket_bytes: int | No
     )
 
 
-def best_warm_start(problem: Problem, hint: Schedule | None, mem_budget_bytes: int | None, *, seed: int = 0,
-                    max_bucket_bytes: int | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult | None:
-    """The fastest (simulated) schedule among ``hint``, ``extra_starts`` (e.g. the best schedule
-    found at a smaller budget, see :func:`solvers.registry.solve_budgets`) and the heuristics
-    that fit the budget and the bucket cap; None when none fits. Ties keep the earlier one (hint
-    first, then the extra starts, then the heuristics: FSDP2-like, the per-block plan, is always
-    among them)."""
-    best = None
+def warm_starts(problem: Problem, hint: Schedule | None, mem_budget_bytes: int | None, *, seed: int = 0,
+                max_bucket_bytes: int | None = None, extra_starts: Sequence[Schedule] = ()) -> list[SolveResult]:
+    """Every start that fits the budget and the bucket cap, fastest (simulated) first: ``hint``,
+    ``extra_starts`` (e.g. the best schedule found at a smaller budget, see
+    :func:`solvers.registry.solve_budgets`), the heuristics and :func:`grouped_fsdp2`. Ties keep
+    the earlier one (hint first, then the extra starts, then the heuristics: FSDP2-like, the
+    per-block plan, is always among them)."""
+    found: list[SolveResult] = []
     given = [("hint", hint)] if hint is not None else []
     given += [(f"start {i}", s) for i, s in enumerate(extra_starts)]
     for name, schedule in given:
         sim = simulate(problem.dag, schedule, problem=problem)
-        fits = mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes
-        if fits and not exceeds_cap(problem, schedule, max_bucket_bytes) and (
-                best is None or sim.step_ms < best.objective_ms):
-            best = SolveResult(schedule, SolveStatus.HEURISTIC, name, sim.step_ms, 0.0, 0.0, sim.peak_bytes)
-    found = fitting_heuristics(problem, mem_budget_bytes, seed=seed)
+        if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
+            found.append(SolveResult(schedule, SolveStatus.HEURISTIC, name, sim.step_ms, 0.0, 0.0, sim.peak_bytes))
+    found += fitting_heuristics(problem, mem_budget_bytes, seed=seed)
     grouped = grouped_fsdp2(problem, mem_budget_bytes, max_bucket_bytes=max_bucket_bytes)
-    for r in [*found, *([grouped] if grouped is not None else [])]:
-        if exceeds_cap(problem, r.schedule, max_bucket_bytes):
-            continue
-        if best is None or r.objective_ms < best.objective_ms:
-            best = r
-    if best is not None:
-        logger.info("warm start: %s, %.3f ms", best.solver, best.objective_ms)
-    return best
+    if grouped is not None:
+        found.append(grouped)
+    found = [r for r in found if not exceeds_cap(problem, r.schedule, max_bucket_bytes)]
+    return sorted(found, key=lambda r: r.objective_ms)  # stable: ties keep the order above
+
+
+def best_warm_start(problem: Problem, hint: Schedule | None, mem_budget_bytes: int | None, *, seed: int = 0,
+                    max_bucket_bytes: int | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult | None:
+    """The first of :func:`warm_starts` (the fastest start that fits); None when none fits."""
+    starts = warm_starts(problem, hint, mem_budget_bytes, seed=seed, max_bucket_bytes=max_bucket_bytes,
+                         extra_starts=extra_starts)
+    if starts:
+        logger.info("warm start: %s, %.3f ms", starts[0].solver, starts[0].objective_ms)
+    return starts[0] if starts else None
+
+
+def other_family(starts: Sequence[SolveResult]) -> SolveResult | None:
+    """The fastest of ``starts`` (fastest first, as :func:`warm_starts` gives them) from the other
+    family than the first: one bucket per block or so (the heuristics, a hint) when the first is
+    :func:`grouped_fsdp2`'s, and that one otherwise; None when there is none. The solve loop
+    searches from it too when the first search converges with work left
+    (:mod:`solvers.driver`): from different bucket granularities the window search reaches
+    different schedules, and the faster start does not always lead to the faster end."""
+    if not starts:
+        return None
+    grouped = starts[0].solver == GROUPED
+    return next((r for r in starts[1:] if (r.solver == GROUPED) != grouped), None)
 
 
 def grouped_fsdp2(problem: Problem, mem_budget_bytes: int | None, *,

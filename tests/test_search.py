@@ -260,3 +260,24 @@ def test_a_window_result_is_copied_onto_the_other_layers():
     grouped = {b for b in per.blocks if len({sched.bucket_of()[n] for n in per.members[b].values()}) == 1}
     assert grouped - decided[0]  # blocks outside the window took its decisions
 
+
+
+def test_search_restarts_from_the_other_granularity_with_work_left():
+    """A comm-bound forward: the fastest start groups several blocks per bucket; when the search
+    from it converges with work left it searches again from the fastest one-bucket-per-block
+    start (FSDP2-like) and keeps the faster, so it is never slower than without the restart."""
+    from solvers.warmstart import GROUPED, other_family, warm_starts
+
+    p = Problem.from_dag(make_fsdp_dag(n_layers=8, params_per_layer=3, param_bytes=4 << 20, world_size=64,
+                                       compute_ms_per_node=0.05, graph_kind="forward"))
+    starts = warm_starts(p, None, None)
+    assert starts[0].solver == GROUPED
+    second = other_family(starts)
+    assert second is not None and second.solver != GROUPED
+    assert other_family([second, starts[0]]) is starts[0]
+    again = solve_cpsat(p, time_limit_s=6.5)
+    once = solve_cpsat(p, time_limit_s=6.5, config=CpSatConfig(restart_share=2.0))
+    assert any(n.startswith(f"searched again from {second.solver}") for n in again.notes)
+    assert not any(n.startswith("searched again") for n in once.notes)
+    assert again.objective_ms <= once.objective_ms + 1e-9
+    validate_schedule(p, again.schedule)
