@@ -266,3 +266,25 @@ def test_grouped_fsdp2_is_the_fastest_grouping_that_fits():
     assert grouped_fsdp2(p, plain.peak_bytes - 1) is None
     warm = best_warm_start(p, None, None)
     assert warm.solver == GROUPED and warm.objective_ms == pytest.approx(grouped.objective_ms)
+
+
+def test_fit_by_delays_moves_a_plan_just_over_the_budget_under_it():
+    """FSDP2-like a few bytes over the budget: a move at its peak (a later issue, an earlier
+    reduce-scatter wait, or a member of a merged bucket on its own) brings it under, still a
+    valid schedule; the start is offered to the solver; far below its peak it is not."""
+    from solvers.warmstart import FITTED, fit_by_delays, fitted_fsdp2, warm_starts
+
+    p = _problem(graph_kind="backward", n_layers=4, reshard_after_forward=True)
+    plan = fsdp2_schedule(p)
+    peak = evaluate(p, plan, "fsdp2", SolveStatus.HEURISTIC, 0.0).peak_bytes
+    budget = peak - 1
+    fitted = fit_by_delays(p, plan, budget)
+    assert fitted is not None
+    sim = validate_schedule(p, fitted, mem_budget_bytes=budget)
+    assert sim.peak_bytes <= budget
+    assert fitted.buckets != plan.buckets or fitted.steps != plan.steps
+    start = fitted_fsdp2(p, budget)
+    assert start is not None and start.solver == FITTED and start.peak_bytes <= budget
+    assert FITTED in [r.solver for r in warm_starts(p, None, budget)]
+    assert fitted_fsdp2(p, peak) is None  # fits as it is: the heuristic's own start
+    assert fit_by_delays(p, plan, peak // 4, max_moves=3) is None
