@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"
+#: ``gm.meta`` key of the installed schedule over the traced graph's problem (None when torch's
+#: scheduler's graph was installed): a start for another solve of the same graph (``extra_starts``)
+SCHEDULE_KEY = "fsdp_sched_schedule"
 
 # --------------------------------------------------------------------------------------------
 # solve (torch-free)
@@ -110,6 +113,7 @@ def _solve_problem(
     seed: int,
     fallback: bool,
     num_workers: int,
+    extra_starts: Sequence[Schedule] = (),
 ) -> tuple[Schedule, ScheduleReport]:
     """Solve, validate and report. The exact solvers are never worse than the best heuristic
     that fits (:mod:`solvers.driver`); a solver given as a callable is held to the same here.
@@ -127,7 +131,7 @@ def _solve_problem(
     notes = _fixed_collective_notes(problem)
     try:
         result = solve(problem, solver=solver, mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
-                       seed=seed, num_workers=num_workers)
+                       seed=seed, num_workers=num_workers, extra_starts=extra_starts)
         sim = validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
         heuristic = best_warm_start(problem, None, mem_budget_bytes, seed=seed)
@@ -212,6 +216,7 @@ def optimize_schedule(
     schedule_hook: Any = None,
     verify: bool = True,
     robust: bool = False,
+    extra_starts: Sequence[Schedule] = (),
 ) -> "torch.fx.GraphModule":
     """Schedule the collectives of a partitioned FSDP graph and rewrite it in place.
 
@@ -268,6 +273,9 @@ def optimize_schedule(
             models prefer different schedules). The report names the criterion and each
             candidate's worst regret. Costs three more solves and one re-export per candidate
             and model (6 more per candidate).
+        extra_starts: schedules of this graph the solver also starts from (exact solvers
+            only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
+            model; the solve is never slower than the fastest of them that fits.
 
     Returns:
         ``gm``, rewritten (or unchanged when it has no collectives).
@@ -306,7 +314,8 @@ def optimize_schedule(
         # the solver under a model budget: the user's, or a tightened one when the written graph
         # of its schedule was over (verify_and_choose's resolve)
         solve_under = functools.partial(_solve_problem, problem, solver=solver, time_limit_s=time_limit_s,
-                                        seed=seed, fallback=fallback, num_workers=num_workers)
+                                        seed=seed, fallback=fallback, num_workers=num_workers,
+                                        extra_starts=extra_starts)
         schedule, report = solve_under(budget)
         solved = schedule.digest()
         schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
@@ -316,13 +325,17 @@ def optimize_schedule(
         alternatives = schedule.digest() == solved
         extra = _blend_candidates(gm, problem, budget, cost_model, cluster, report.solver,
                                   functools.partial(_solve_problem, solver=solver, time_limit_s=time_limit_s,
-                                                    seed=seed, fallback=False, num_workers=num_workers),
+                                                    seed=seed, fallback=False, num_workers=num_workers,
+                                                    extra_starts=(schedule, *extra_starts)),
                                   ) if robust and alternatives else []
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
                                  extra=extra, **choice, **writeback)
 
+    installed: list[Schedule | None] = []
+
     def write_back(problem: Problem, chosen: Candidate) -> None:
+        installed.append(chosen.schedule)
         if not problem.colls:
             return
         if verify:
@@ -342,6 +355,7 @@ def optimize_schedule(
                                   broadcast_from=broadcast_from)
     report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = report
+    gm.meta[SCHEDULE_KEY] = installed[0] if installed else None
     logger.info("%s", report.summary_line())
     return gm
 

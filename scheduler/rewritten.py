@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.api import optimize_schedule
+from scheduler.api import SCHEDULE_KEY, optimize_schedule
 from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import BASE_COST_MODELS, blends, choice_key, cost_model_family, worst_regret
@@ -228,11 +228,14 @@ def robust_schedule(
     solved_under = {f"fsdp-sched[{label}]": label for label in solve_under}
     candidates = [product_candidate(gm, budget, family, solve_under=label, cluster=cluster, time_limit_s=time_limit_s,
                                     name=name) for name, label in solved_under.items()]
+    # the single-model solves' schedules: starts of the blends' solves (a compromise often lies
+    # next to one of them, which a blend's own starts do not reach)
+    starts = tuple(s for c in candidates if c.graph is not None and (s := c.graph.meta.get(SCHEDULE_KEY)) is not None)
     for label, mix in (blends(family, solve_under) if blend else {}).items():
         # compromises between the models solved under, judged like the others
         name = f"fsdp-sched[{label}]"
         candidates.append(product_candidate(gm, budget, family, cluster=cluster, time_limit_s=time_limit_s,
-                                            name=name, solve_model=mix))
+                                            name=name, solve_model=mix, extra_starts=starts))
         solved_under[name] = label
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))

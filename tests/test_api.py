@@ -88,6 +88,28 @@ def test_optimize_schedule_rewrites_and_reports(pg):
         assert torch.equal(a, b)
 
 
+def test_installed_schedule_starts_another_solve(pg):
+    """``gm.meta[SCHEDULE_KEY]`` is the installed schedule over the traced graph (None when
+    torch's graph is installed; here the solver's, without the closed loop); given to a
+    solve of a copy as ``extra_starts`` (a robust solve under a blend gets its single-model
+    solves' this way) the solve is never slower than it; a schedule of another graph is refused."""
+    from solvers.core.schedule import Schedule
+
+    from scheduler.api import SCHEDULE_KEY
+
+    gm = optimize_schedule(toy_graph(pg, 1), "1 GiB", cost_model=COSTS, time_limit_s=5, verify=False)
+    start = gm.meta[SCHEDULE_KEY]
+    first = gm.meta["fsdp_sched_report"]
+    assert isinstance(start, Schedule) and start.digest() == first.digest
+    again = optimize_schedule(toy_graph(pg, 1), "1 GiB", cost_model=COSTS, time_limit_s=0.1, extra_starts=[start],
+                              verify=False)
+    assert again.meta["fsdp_sched_report"].step_ms_after <= first.step_ms_after + 1e-9
+    other = Schedule(start.buckets[:1], start.steps)
+    with pytest.raises(ValueError, match="not a schedule of this graph"):
+        optimize_schedule(toy_graph(pg, 1), "1 GiB", cost_model=COSTS, time_limit_s=0.1, extra_starts=[other],
+                          fallback=False, verify=False)
+
+
 def test_graph_without_collectives_comes_back_unchanged():
     gm = make_fx(lambda x: torch.relu(x @ x), tracing_mode="fake")(torch.randn(8, 8))
     before = str(gm.graph)
