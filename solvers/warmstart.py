@@ -1,12 +1,19 @@
 """Warm starts: the one place that turns heuristics (and a user's hint) into starting points.
 
-The solve loop (:mod:`solvers.driver`) starts every model from :func:`best_warm_start`: the
-fastest of the hint, the extra starts, the heuristics and :func:`grouped_fsdp2` (FSDP2-like
-with several blocks per bucket, a part of the decision space the window search cannot reach
-from one bucket per block: merging two blocks' buckets pays only when every pair is merged,
-so no single local move gains); the
-per-layer template (:mod:`solvers.decompose`) copies the steady state of
-:func:`unconstrained_schedules`; the API falls back to :func:`fitting_heuristics` when a solve
+The solve loop (:mod:`solvers.driver`) starts every model from the first of
+:func:`warm_starts`, the fastest that fits of the hint, the extra starts, the heuristics and
+two plans of our own:
+
+- :func:`grouped_fsdp2`, FSDP2-like with several blocks per bucket: a part of the decision
+  space the window search does not reach from one bucket per block (merging one pair of
+  blocks' buckets shifts the pipeline and loses; merging every pair wins, so no local move
+  leads there);
+- :func:`fitted_fsdp2`, FSDP2-like a hair over the budget moved under it at its peak
+  (:func:`fit_by_delays`), where the heuristic's own ladder gives up a whole kind of overlap.
+
+When the first search converges early, the loop searches again from :func:`other_family`.
+The per-layer template (:mod:`solvers.decompose`) copies the steady state of
+:func:`unconstrained_schedules`; the API falls back to :func:`best_warm_start` when a solve
 fails.
 """
 
@@ -68,9 +75,8 @@ def warm_starts(problem: Problem, hint: Schedule | None, mem_budget_bytes: int |
     """Every start that fits the budget and the bucket cap, fastest (simulated) first: ``hint``,
     ``extra_starts`` (e.g. the best schedule found at a smaller budget, see
     :func:`solvers.registry.solve_budgets`), the heuristics, :func:`grouped_fsdp2` and
-    :func:`fitted_fsdp2`. Ties keep
-    the earlier one (hint first, then the extra starts, then the heuristics: FSDP2-like, the
-    per-block plan, is always among them)."""
+    :func:`fitted_fsdp2`. Ties keep the earlier one (hint first, then the extra starts, then
+    the heuristics: FSDP2-like, the per-block plan, is always among them)."""
     found: list[SolveResult] = []
     given = [("hint", hint)] if hint is not None else []
     given += [(f"start {i}", s) for i, s in enumerate(extra_starts)]
