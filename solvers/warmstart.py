@@ -220,7 +220,6 @@ def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *
     ``max_moves`` moves. A schedule a few bytes over the budget (a heuristic's plan against a
     baseline's peak) so keeps all its prefetches but one.
     """
-    colls = problem.colls
     sim = simulate(problem.dag, schedule, problem=problem)
     for _ in range(max_moves):
         if sim.peak_bytes <= mem_budget_bytes:
