@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 TORCH_BASELINE = "torch-overlap"
 #: baselines :func:`robust_schedule` considers besides its own solves
 ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", TORCH_BASELINE)
+
+
 def baseline_candidate(problem: Problem, name: str) -> Candidate:
     """Baseline ``name`` as a candidate over ``problem``: a heuristic of
     :data:`solvers.heuristics.HEURISTICS` (``"traced"``, ``"fsdp2"``, ``"simplefsdp"``,

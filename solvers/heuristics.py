@@ -299,27 +299,6 @@ def solve_traced(
 # --------------------------------------------------------------------------------------------
 # FSDP2
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FSDP2Config:
-    """Settings of the FSDP2-like schedule."""
-
-    prefetch_blocks: int = 1
-    """All-gather buckets issued this many buckets ahead of need (FSDP2: 1; 0: none)."""
-    overlap_reduce_scatter: bool = True
-    """Wait each reduce-scatter when the next is issued (FSDP2); False: wait right at issue."""
-    block_buckets: bool = True
-    """One bucket per block; False: every collective alone (smallest buffers)."""
-    gather_groups: "BlockGroups" = dataclasses.field(default_factory=lambda: BlockGroups())
-    """Several blocks per all-gather bucket (not FSDP2's own setting: :func:`solvers.warmstart.grouped_fsdp2`
-    searches it); the default, one block per bucket, is FSDP2's."""
-    reduce_groups: "BlockGroups" = dataclasses.field(default_factory=lambda: BlockGroups())
-    """Several blocks per reduce-scatter bucket, as ``gather_groups``."""
-
-    def __post_init__(self) -> None:
-        if self.prefetch_blocks < 0:
-            raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockGroups:
     """Consecutive blocks that share one bucket of a chain.
@@ -365,6 +344,27 @@ class BlockGroups:
         if members:
             out.append(tuple(members))
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDP2Config:
+    """Settings of the FSDP2-like schedule."""
+
+    prefetch_blocks: int = 1
+    """All-gather buckets issued this many buckets ahead of need (FSDP2: 1; 0: none)."""
+    overlap_reduce_scatter: bool = True
+    """Wait each reduce-scatter when the next is issued (FSDP2); False: wait right at issue."""
+    block_buckets: bool = True
+    """One bucket per block; False: every collective alone (smallest buffers)."""
+    gather_groups: BlockGroups = BlockGroups()
+    """Several blocks per all-gather bucket (not FSDP2's own setting: :func:`solvers.warmstart.grouped_fsdp2`
+    searches it); the default, one block per bucket, is FSDP2's."""
+    reduce_groups: BlockGroups = BlockGroups()
+    """Several blocks per reduce-scatter bucket, as ``gather_groups``."""
+
+    def __post_init__(self) -> None:
+        if self.prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be >= 0, got {self.prefetch_blocks}")
 
 
 def fsdp2_blocks(problem: Problem) -> dict[str, str]:

@@ -137,7 +137,7 @@ def grouped_fsdp2(problem: Problem, mem_budget_bytes: int | None, *,
     t0 = time.perf_counter()
     starts = sorted({s for s in (0, 1, n_blocks // 4, n_blocks // 2, 3 * n_blocks // 4) if s < n_blocks - 1})
     base = FSDP2Config()
-    best: tuple[float, FSDP2Config, Schedule] | None = None
+    best: tuple[float, FSDP2Config, Schedule, SimResult] | None = None
     near: list[tuple[float, int, FSDP2Config, Schedule]] = []  # (step, order, config, plan) over the budget
     tried: set[FSDP2Config] = set()
 
@@ -152,7 +152,7 @@ def grouped_fsdp2(problem: Problem, mem_budget_bytes: int | None, *,
         sim = simulate(problem.dag, schedule, problem=problem)
         if mem_budget_bytes is None or sim.peak_bytes <= mem_budget_bytes:
             if best is None or sim.step_ms < best[0]:
-                best = (sim.step_ms, cfg, schedule)
+                best = (sim.step_ms, cfg, schedule, sim)
         elif cfg != base and sim.peak_bytes <= mem_budget_bytes * (1 + NEAR_MISS):
             near.append((sim.step_ms, len(near), cfg, schedule))
 
@@ -172,15 +172,14 @@ def grouped_fsdp2(problem: Problem, mem_budget_bytes: int | None, *,
         if fitted is not None:
             fsim = simulate(problem.dag, fitted, problem=problem)
             if best is None or fsim.step_ms < best[0]:
-                best, note = (fsim.step_ms, cfg, fitted), "; moved under the budget at its peak"
+                best, note = (fsim.step_ms, cfg, fitted, fsim), "; moved under the budget at its peak"
     if best is None or best[1] == base:
         return None
-    _, cfg, schedule = best
-    lower = fit_by_delays(problem, schedule, simulate(problem.dag, schedule, problem=problem).peak_bytes - 1,
-                          max_moves=1, peel=True)
-    if lower is not None and (lower_ms := simulate(problem.dag, lower, problem=problem).step_ms) < best[0]:
-        best, schedule, note = (lower_ms, cfg, lower), lower, note or "; a move at its peak lowered it and gained"
-    logger.info("grouped FSDP2-like start: %s%s, %.3f ms (%d tried)", cfg, note, best[0], len(tried))
+    step_ms, cfg, schedule, sim = best
+    lower = fit_by_delays(problem, schedule, sim.peak_bytes - 1, max_moves=1, peel=True)
+    if lower is not None and (lower_ms := simulate(problem.dag, lower, problem=problem).step_ms) < step_ms:
+        step_ms, schedule, note = lower_ms, lower, note or "; a move at its peak lowered it and gained"
+    logger.info("grouped FSDP2-like start: %s%s, %.3f ms (%d tried)", cfg, note, step_ms, len(tried))
     return evaluate(problem, schedule, GROUPED, SolveStatus.HEURISTIC, t0,
                     notes=(f"all-gathers {cfg.gather_groups}, reduce-scatters {cfg.reduce_groups}{note}",))
 
