@@ -47,6 +47,7 @@ from solvers.core import (
     validate_schedule,
 )
 from solvers.config import DEFAULT_TIME_LIMIT_S
+from solvers.minimax import MinimaxConfig
 from solvers.registry import SOLVERS, SolverFn, available_solvers, solve, solver_name
 from solvers.warmstart import best_warm_start, fitting_heuristics
 
@@ -270,8 +271,11 @@ def optimize_schedule(
             (:func:`scheduler.robust.choice_key`) instead of the fastest under ``cost_model``.
             The graph is also solved under three blends of ``cost_model`` and the other base
             model (:func:`scheduler.robust.blends`), each a candidate (compromises where the
-            models prefer different schedules). The report names the criterion and each
-            candidate's worst regret. Costs three more solves and one re-export per candidate
+            models prefer different schedules), and the best candidate by the criterion is
+            polished on the worst case across the family (:mod:`solvers.minimax`, a local
+            search on the simulator under all six models at once) into one more candidate.
+            The report names the criterion and each candidate's worst regret. Costs three
+            more solves, the polish (up to 4000 simulations) and one re-export per candidate
             and model (6 more per candidate).
         extra_starts: schedules of this graph the solver also starts from (exact solvers
             only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
@@ -383,11 +387,13 @@ def _blend_candidates(gm: "torch.fx.GraphModule", problem: Problem, budget: int 
 
 def robust_choice(cost_model: Any, cluster: Any) -> dict[str, Any]:
     """Keywords of :func:`scheduler.verify.verify_and_choose` for ``robust=True``: the family
-    of ``cluster`` besides ``cost_model`` (which keeps its own label), and the criterion."""
+    of ``cluster`` besides ``cost_model`` (which keeps its own label), the criterion, and the
+    polish of the best candidate on the worst case (:mod:`solvers.minimax`)."""
     label = cost_model_label(cost_model)
     others = {k: m for k, m in cost_model_family(cluster).items() if k != label}
     name = f"robust: least worst-case regret over {len(others) + 1} cost models ({', '.join([label, *others])})"
-    return {"other_cost_models": others, "criterion": Criterion(name=name, make_key=choice_key)}
+    return {"other_cost_models": others, "criterion": Criterion(name=name, make_key=choice_key),
+            "minimax": MinimaxConfig()}
 
 
 def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:

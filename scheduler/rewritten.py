@@ -40,11 +40,13 @@ from scheduler.verify import (
     choose,
     judge_candidates,
     judge_graph,
+    minimax_candidates,
     none_fits_error,
     rewrite,
 )
 from solvers.core import InfeasibleBudgetError, Problem, ScheduleError, parse_bytes
 from solvers.heuristics import HEURISTICS
+from solvers.minimax import MinimaxConfig
 from solvers.registry import solve
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 TORCH_BASELINE = "torch-overlap"
 #: baselines :func:`robust_schedule` considers besides its own solves
 ROBUST_BASELINES = ("fsdp2", "simplefsdp", "autoparallel", "traced", TORCH_BASELINE)
+#: name of :func:`robust_schedule`'s candidate polished on the worst case
+MINIMAX = "fsdp-sched[minimax]"
 
 
 def baseline_candidate(problem: Problem, name: str) -> Candidate:
@@ -129,7 +133,7 @@ def product_candidate(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, 
     except (InfeasibleBudgetError, ScheduleError) as e:
         return Candidate(name=name, error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     figures = judge_graph(out, model, cluster, other_cost_models=others, label=label)
-    return Candidate(name=name, graph=out, figures=figures)
+    return Candidate(name=name, schedule=out.meta.get(SCHEDULE_KEY), graph=out, figures=figures)
 
 
 def _primary(cost_models: Mapping[str, Any], label: str | None = None) -> tuple[str, Any, dict[str, Any]]:
@@ -159,6 +163,7 @@ class RobustResult:
     #: candidates that were not made, or are over the budget, and why
     dropped: dict[str, str]
     #: names of the candidates solved by fsdp-sched, by the label of the model solved under
+    #: (``"minimax"`` for :data:`MINIMAX`, polished under the whole family)
     solved_under: dict[str, str]
     time_s: float = 0.0
 
@@ -197,6 +202,7 @@ def robust_schedule(
     baselines: Sequence[str] = ROBUST_BASELINES,
     time_limit_s: float = 15.0,
     blend: bool = True,
+    minimax: MinimaxConfig | None = MinimaxConfig(),
 ) -> RobustResult:
     """The schedule of ``gm`` that is best in the worst case across cost models.
 
@@ -206,7 +212,9 @@ def robust_schedule(
     schedules, a compromise can be within a few percent of both), and each
     baseline of ``baselines`` (:func:`judge_baselines`), each
     on its own copy of ``gm``, judged under every model of ``cost_models`` (default
-    :func:`scheduler.robust.cost_model_family` of ``cluster``); those whose re-export, liveness
+    :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on),
+    the best of them by the criterion polished on the worst case across those models as well
+    (:func:`scheduler.verify.minimax_candidates`, named :data:`MINIMAX`); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
     :func:`scheduler.robust.choice_key` chooses. ``gm`` itself is not modified: the result holds
     the chosen rewritten copy. For one solve judged under the family, see
@@ -240,6 +248,14 @@ def robust_schedule(
                                             name=name, solve_model=mix, extra_starts=starts))
         solved_under[name] = label
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
+    if minimax is not None:
+        # the best so far polished on the worst case across the family itself
+        primary = next(iter(family))
+        problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
+        for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
+                                           name=MINIMAX, config=minimax):
+            candidates.append(polished)
+            solved_under[polished.name] = "minimax"
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))
     if best is None:
         raise none_fits_error(candidates, budget)

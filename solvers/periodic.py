@@ -235,11 +235,11 @@ def replicate(problem: Problem, per: Periodicity, schedule: Schedule, source: in
     placed = [m for bk, _, _ in entries for m in bk.members]
     if len(placed) != len(set(placed)) or set(placed) != set(problem.colls):
         return None
-    entries = _chain_ordered(problem, entries)
-    return None if entries is None else _from_entries(problem, entries)
+    entries = chain_ordered(problem, entries)
+    return None if entries is None else from_entries(problem, entries)
 
 
-def _chain_ordered(problem: Problem, entries: list[tuple[Bucket, int, int]]):
+def chain_ordered(problem: Problem, entries: list[tuple[Bucket, int, int]]):
     """``entries`` with every chain's buckets issued in chain order (the models' FIFO rule): a
     bucket that would be issued before its predecessor is issued with it instead (and waited no
     earlier). None when that is after one of its members is needed."""
@@ -269,8 +269,8 @@ def at_traced(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Sch
     names = set(names)
     entries = _dissolved(problem, schedule, names)
     entries += [(Bucket((n,)), problem.colls[n].traced_issue, problem.colls[n].traced_wait) for n in sorted(names)]
-    entries = _chain_ordered(problem, entries)
-    return None if entries is None else _from_entries(problem, entries)
+    entries = chain_ordered(problem, entries)
+    return None if entries is None else from_entries(problem, entries)
 
 
 def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Schedule:
@@ -285,7 +285,7 @@ def isolate(problem: Problem, schedule: Schedule, names: Iterable[str]) -> Sched
             entries.extend((Bucket((m,)), issue[b], wait[b]) for m in bk.members)
         else:
             entries.append((bk, issue[b], wait[b]))
-    return _from_entries(problem, entries)
+    return from_entries(problem, entries)
 
 
 def split_at_blocks(problem: Problem, schedule: Schedule, max_blocks: int) -> tuple[Schedule, int]:
@@ -308,7 +308,7 @@ def split_at_blocks(problem: Problem, schedule: Schedule, max_blocks: int) -> tu
             else:
                 runs.append([m])
         entries.extend((Bucket(tuple(r)), issue[b], wait[b]) for r in runs)
-    return (_from_entries(problem, entries), n_split) if n_split else (schedule, 0)
+    return (from_entries(problem, entries), n_split) if n_split else (schedule, 0)
 
 
 def _dissolved(problem: Problem, schedule: Schedule, removed: set[str]) -> list[tuple[Bucket, int, int]]:
@@ -326,7 +326,7 @@ def _dissolved(problem: Problem, schedule: Schedule, removed: set[str]) -> list[
     return kept
 
 
-def _from_entries(problem: Problem, entries: list[tuple[Bucket, int, int]]) -> Schedule:
+def from_entries(problem: Problem, entries: list[tuple[Bucket, int, int]]) -> Schedule:
     """The schedule of (bucket, issue gap, wait gap) entries; buckets issued in one gap go in
     chain order (need, then ready), as the streams run them."""
 
