@@ -16,7 +16,12 @@
 3. check: every schedule is simulated; when its peak exceeds the budget (the model prices merge
    transients approximately) the model's budget is tightened by the excess and the model
    re-solved, at most ``memory_repair_rounds`` times;
-4. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
+4. polish: a local search on the simulator from the schedule that fits (:mod:`solvers.minimax`
+   with the one cost model: bucket merges and small issue / wait moves) with ``polish_share`` of
+   the limit on top of it and the work the search left (so a solve's work is at most
+   ``1 + polish_share`` times its limit; the search keeps its whole limit, which short limits
+   need);
+5. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
    repair that does not converge, returns the warm start (flagged) when one fits, and raises
    :class:`InfeasibleBudgetError` naming the smallest peak found when none does; a schedule
    that simulates slower than the warm start is replaced by it.
@@ -48,6 +53,7 @@ from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError
 from solvers.core.simulator import SimResult, simulate
 from solvers.core.units import fmt_bytes
 from solvers.decompose import CAP_NOTE, WorkBudget, better
+from solvers.minimax import MinimaxConfig, polish
 from solvers.periodic import detect_periodicity
 from solvers.warmstart import other_family, warm_starts
 
@@ -160,7 +166,7 @@ class _Run:
             self.p, min_blocks=cfg.template_min_blocks, max_stride=cfg.template_max_period_blocks) is not None
 
     def loop(self) -> SolveResult:
-        """Solve, check the simulated peak, tighten the model's budget and repeat (3)."""
+        """Solve, check the simulated peak, tighten the model's budget and repeat (3); polish (4)."""
         model_budget = self.mem_budget_bytes
         start = self.warm.schedule if self.warm is not None else self.p.traced_schedule()
         sim: SimResult | None = None
@@ -239,7 +245,7 @@ class _Run:
         return schedule, sim
 
     def _no_schedule(self, status: str) -> SolveResult:
-        """(4) The whole-graph model found nothing: the warm start, or a clear error."""
+        """(5) The whole-graph model found nothing: the warm start, or a clear error."""
         if self.warm is not None:
             # the model restricts positions to anchors and prices memory conservatively, so its
             # infeasibility proves nothing while a heuristic schedule fits: return that
@@ -279,8 +285,27 @@ class _Run:
         sim = simulate(self.p.dag, self.warm.schedule, problem=self.p)
         return self.result(sim, SolveStatus.FEASIBLE, min(self.p.lower_bound_ms(), sim.step_ms), self.notes)
 
+    def _polish(self, sim: SimResult) -> tuple[SimResult, bool]:
+        """(4) ``sim``'s schedule polished on the simulator with ``polish_share`` of the limit and
+        the work the search left: (the simulation of the result, whether it gained)."""
+        work_s = self.cfg.polish_share * self.time_limit_s + self.budget.take(self.budget.left_s)
+        max_simulations = int(work_s * self.cfg.polish_nodes_per_s / max(1, len(self.p.seq)))
+        if not self.cfg.polish_share or max_simulations < 1 or self.budget.exhausted(0.0):
+            return sim, False
+        config = MinimaxConfig(max_simulations=max_simulations, max_bucket_bytes=self.cfg.max_bucket_bytes)
+        result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config)
+        if not result.step_ms["model"] < sim.step_ms - 1e-9:
+            return sim, False
+        self.notes.append(f"polished on the simulator: {sim.step_ms:.3f} -> {result.step_ms['model']:.3f} ms "
+                          f"({result.moves} moves, {result.simulations} simulations)")
+        polished = simulate(self.p.dag, result.schedule, problem=self.p)
+        self.history.append((time.perf_counter(), polished.step_ms))
+        return polished, True
+
     def _final(self, sim: SimResult, proven: bool, bound_ms: float) -> SolveResult:
-        """(4) Never a schedule that simulates slower than the warm start."""
+        """(4) The polish, then (5) never a schedule that simulates slower than the warm start."""
+        sim, gained = self._polish(sim)
+        proven = proven and not gained  # the simulator beat the model's optimum: its prices were approximate
         if self.warm is not None and self.warm.objective_ms < sim.step_ms - 1e-9:
             # the model prices copies and transients approximately
             sim = simulate(self.p.dag, self.warm.schedule, problem=self.p)
