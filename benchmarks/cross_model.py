@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "tests"):
+for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from run import capture_spec  # noqa: E402  (benchmarks/run.py)
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +46,6 @@ DEFAULT_MODELS = ("llama3-8b:8:64", "foreign:tied:8:64")
 BASE = ("analytic", "torch")
 #: the robust choice's target (issue 13): at most this regret
 TARGET_REGRET = 0.02
-
-
-def capture(spec: str) -> tuple[Any, int]:
-    """(object with .forward / .backward graphs, world size) of a model spec."""
-    parts = spec.split(":")
-    if parts[0] == "foreign" and len(parts) == 4:
-        from foreign_models import capture as capture_foreign
-
-        world_size = int(parts[3])
-        return capture_foreign(parts[1], n_layers=int(parts[2]), world_size=world_size), world_size
-    if len(parts) != 3:
-        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size or foreign:style:n_layers:world_size")
-    from models import capture_fsdp_graphs
-
-    world_size = int(parts[2])
-    return capture_fsdp_graphs(parts[0], world_size=world_size, n_layers=int(parts[1])), world_size
 
 
 def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2",
@@ -101,7 +87,7 @@ def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2",
     out = []
     for spec in models:
         t0 = time.perf_counter()
-        graphs, world_size = capture(spec)
+        graphs, world_size = capture_spec(spec)
         logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
         cluster = Cluster(n_gpus=world_size)
         for kind in ("forward", "backward"):

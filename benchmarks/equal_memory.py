@@ -12,8 +12,10 @@ that fits).
     python benchmarks/equal_memory.py                          # llama3-8b at 8 layers, 64 ranks
     python benchmarks/equal_memory.py llama3-8b:32:64 --time-limit 10
     python benchmarks/equal_memory.py llama3-debug:2:4 --time-limit 2 --json eq.json
+    python benchmarks/equal_memory.py foreign:tied:8:64 foreign:moe:8:64 --time-limit 5
 
-A model is ``preset:n_layers:world_size``.
+A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size`` (a style of
+``tests/foreign_models.py``, captured with plain torch.compile: graphs we did not capture).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from run import parse_model_spec  # noqa: E402  (benchmarks/run.py)
+from run import capture_spec  # noqa: E402  (benchmarks/run.py)
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +42,14 @@ DEFAULT_MODELS = ("llama3-8b:8:64",)
 
 def run(models: list[str], time_limit_s: float) -> tuple[list[Any], list[dict[str, Any]]]:
     """All rows, and the JSON of every comparison."""
-    from models import capture_fsdp_graphs
     from models.capture import fake_process_group
     from scheduler import equal_memory
     from scheduler.costs import Cluster
 
     rows, data = [], []
     for spec in models:
-        preset, n_layers, world_size = parse_model_spec(spec)
         t0 = time.perf_counter()
-        graphs = capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers)
+        graphs, world_size = capture_spec(spec)
         logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
         mine = []
         for kind in ("forward", "backward"):
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from scheduler import equal_memory
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS), help="preset:n_layers:world_size")
+    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
+                        help="preset:n_layers:world_size or foreign:style:n_layers:world_size")
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve (default %(default)s)")
     parser.add_argument("--json", type=Path, help="also write the comparisons to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")

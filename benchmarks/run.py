@@ -48,6 +48,28 @@ CACHE_VERSION = 1
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 
+def capture_spec(spec: str) -> tuple[Any, int]:
+    """(object with .forward / .backward graphs, world size) of a model spec: a preset
+    ``preset:n_layers:world_size`` (captured by ``models/``) or ``foreign:style:n_layers:world_size``
+    (a style of ``tests/foreign_models.py``, captured with plain torch.compile, none of our
+    metadata), as ``cross_model.py`` and ``equal_memory.py`` take them."""
+    parts = spec.split(":")
+    if parts[0] == "foreign" and len(parts) == 4:
+        tests = str(Path(__file__).resolve().parents[1] / "tests")
+        if tests not in sys.path:
+            sys.path.insert(0, tests)
+        from foreign_models import capture as capture_foreign
+
+        world_size = int(parts[3])
+        return capture_foreign(parts[1], n_layers=int(parts[2]), world_size=world_size), world_size
+    if len(parts) != 3:
+        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size or foreign:style:n_layers:world_size")
+    from models import capture_fsdp_graphs
+
+    preset, n_layers, world_size = parse_model_spec(spec)
+    return capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers), world_size
+
+
 def parse_model_spec(spec: str) -> tuple[str, int, int]:
     """(preset, n_layers, world_size) of a model spec ``preset:n_layers:world_size``, as the
     benchmarks taking several models write them (``equal_memory.py``, ``writeback_agreement.py``)."""

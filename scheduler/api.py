@@ -46,7 +46,7 @@ from solvers.core import (
     simulate,
     validate_schedule,
 )
-from solvers.config import DEFAULT_TIME_LIMIT_S
+from solvers.config import DEFAULT_TIME_LIMIT_S, POLISH_SHARE
 from solvers.minimax import MinimaxConfig
 from solvers.registry import SOLVERS, SolverFn, available_solvers, solve, solver_name
 from solvers.warmstart import best_warm_start, fitting_heuristics
@@ -261,8 +261,10 @@ def optimize_schedule(
             liveness count, torch's MemoryTracker) all fit ``mem_budget``. When the solver's
             graph is the fastest but over the budget by a count the model does not make
             (at most 5 % over), the solver runs again under its model peak less the excess, at
-            most twice (so the call can take up to three solves). The report shows the
-            prediction, the re-exported figures and why each candidate was dropped.
+            most twice (so the call can take up to three solves). The fastest written graph
+            that fits is then polished on the simulator (:mod:`solvers.minimax`, with
+            ``POLISH_SHARE`` of ``time_limit_s`` of work) into one more candidate. The report
+            shows the prediction, the re-exported figures and why each candidate was dropped.
             False: write back the solver's schedule on the model's word alone.
         robust: choose robustly to the cost model (default False; needs ``verify``): every
             candidate is also judged under :func:`scheduler.robust.cost_model_family` of
@@ -275,7 +277,7 @@ def optimize_schedule(
             polished on the worst case across the family (:mod:`solvers.minimax`, a local
             search on the simulator under all six models at once) into one more candidate.
             The report names the criterion and each candidate's worst regret. Costs three
-            more solves, the polish (up to 4000 simulations) and one re-export per candidate
+            more solves, the polish (``time_limit_s`` of work) and one re-export per candidate
             and model (6 more per candidate).
         extra_starts: schedules of this graph the solver also starts from (exact solvers
             only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
@@ -332,9 +334,13 @@ def optimize_schedule(
                                                     seed=seed, fallback=False, num_workers=num_workers,
                                                     extra_starts=(schedule, *extra_starts)),
                                   ) if robust and alternatives else []
+        # the written candidates polished on the simulator: a solve's worth of work on the worst
+        # case across the family (robust), else the solver's own polish share
+        work_s = time_limit_s if robust else POLISH_SHARE * time_limit_s
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
-                                 extra=extra, **choice, **writeback)
+                                 extra=extra, minimax=MinimaxConfig.for_work(work_s, len(problem.seq)),
+                                 **choice, **writeback)
 
     installed: list[Schedule | None] = []
 
@@ -387,13 +393,11 @@ def _blend_candidates(gm: "torch.fx.GraphModule", problem: Problem, budget: int 
 
 def robust_choice(cost_model: Any, cluster: Any) -> dict[str, Any]:
     """Keywords of :func:`scheduler.verify.verify_and_choose` for ``robust=True``: the family
-    of ``cluster`` besides ``cost_model`` (which keeps its own label), the criterion, and the
-    polish of the best candidate on the worst case (:mod:`solvers.minimax`)."""
+    of ``cluster`` besides ``cost_model`` (which keeps its own label), and the criterion."""
     label = cost_model_label(cost_model)
     others = {k: m for k, m in cost_model_family(cluster).items() if k != label}
     name = f"robust: least worst-case regret over {len(others) + 1} cost models ({', '.join([label, *others])})"
-    return {"other_cost_models": others, "criterion": Criterion(name=name, make_key=choice_key),
-            "minimax": MinimaxConfig()}
+    return {"other_cost_models": others, "criterion": Criterion(name=name, make_key=choice_key)}
 
 
 def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:

@@ -202,7 +202,7 @@ def robust_schedule(
     baselines: Sequence[str] = ROBUST_BASELINES,
     time_limit_s: float = 15.0,
     blend: bool = True,
-    minimax: MinimaxConfig | None = MinimaxConfig(),
+    minimax: bool | MinimaxConfig = True,
 ) -> RobustResult:
     """The schedule of ``gm`` that is best in the worst case across cost models.
 
@@ -212,7 +212,8 @@ def robust_schedule(
     schedules, a compromise can be within a few percent of both), and each
     baseline of ``baselines`` (:func:`judge_baselines`), each
     on its own copy of ``gm``, judged under every model of ``cost_models`` (default
-    :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on),
+    :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on;
+    a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``time_limit_s`` of work),
     the best of them by the criterion polished on the worst case across those models as well
     (:func:`scheduler.verify.minimax_candidates`, named :data:`MINIMAX`); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
@@ -248,12 +249,13 @@ def robust_schedule(
                                             name=name, solve_model=mix, extra_starts=starts))
         solved_under[name] = label
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
-    if minimax is not None:
+    if minimax:
         # the best so far polished on the worst case across the family itself
         primary = next(iter(family))
         problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
+        config = minimax if isinstance(minimax, MinimaxConfig) else MinimaxConfig.for_work(time_limit_s, len(problem.seq))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
-                                           name=MINIMAX, config=minimax):
+                                           name=MINIMAX, config=config):
             candidates.append(polished)
             solved_under[polished.name] = "minimax"
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))

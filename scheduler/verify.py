@@ -206,10 +206,13 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     it is solved again under :func:`tightened_budget`, at most ``TIGHTEN_ROUNDS`` times, and
     each new schedule joins the candidates. ``extra`` are more candidates over ``problem``
     (``optimize_schedule(robust=True)``'s solves under blends of cost models), judged with the
-    others when ``alternatives``. ``minimax`` (with a criterion, several cost models and
-    ``alternatives``): the best candidate by the criterion is then polished on the worst case
-    across the cost models (:func:`minimax_candidates`) and the result judged and chosen among
-    the others.
+    others when ``alternatives``. ``minimax`` (with ``alternatives``): the best candidate that
+    fits is then polished on the simulator (:func:`minimax_candidates`), on the worst case across
+    the criterion's cost models (``cost_model`` and ``other_cost_models``; named
+    ``<solver>[minimax]``) or, without a criterion, on the step time under ``cost_model``
+    (``<solver>[polished]``), and the result judged and chosen among the others: the solver
+    polishes its own schedule, but the fastest written graph that fits can be another (a
+    heuristic's, when torch's tracker counts the solver's over the budget).
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
@@ -254,14 +257,16 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
         candidates.append(current)
         key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
         best, reasons = choose(candidates, mem_budget_bytes, key)
-    if minimax is not None and criterion is not None and other_cost_models and alternatives:
-        label = cost_model_label(cost_model)
-        polished = minimax_candidates(gm, problem, candidates, mem_budget_bytes,
-                                      {label: cost_model, **other_cost_models}, cluster=cluster,
-                                      name=f"{solved.name}[minimax]", config=minimax, **writeback)
+    if minimax is not None and alternatives:
+        # the criterion's cost models, or the one in use
+        models = {cost_model_label(cost_model): cost_model, **(other_cost_models if criterion is not None else {})}
+        polished = minimax_candidates(gm, problem, candidates, mem_budget_bytes, models, cluster=cluster,
+                                      name=f"{solved.name}[{'minimax' if len(models) > 1 else 'polished'}]",
+                                      config=minimax, **writeback)
         if polished:
             candidates += polished
-            best, reasons = choose(candidates, mem_budget_bytes, criterion.make_key(candidates, mem_budget_bytes))
+            key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
+            best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         c.graph = None  # rewritten copies are large; install() rewrites the graph itself
     if best is None:
@@ -378,7 +383,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
         budget -= max(0, start.figures.max_peak_bytes - (start.predicted_peak_bytes or start.figures.peak_bytes))
     logger.info("fsdp-sched: polishing %s (worst regret %.2f %%) on the worst case over %d cost models",
                 start.name, 100 * worst[start.name], len(labels))
-    seen = {c.digest() for c in judged}
+    known = {c.digest(): c for c in judged}
     out: list[Candidate] = []
     for round_ in range(TIGHTEN_ROUNDS + 1):
         try:
@@ -386,14 +391,18 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
         except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
             logger.info("fsdp-sched: no minimax polish: %s", e)
             break
-        if not result.moves or result.schedule.digest() in seen:
+        if not result.moves:
             break
-        seen.add(result.schedule.digest())
-        suffix = "-tightened" + (f"-{round_}" if round_ > 1 else "") if round_ else ""
-        polished = schedule_candidate(problem, name + suffix, result.schedule)
-        judge_candidates(gm, problem, [polished], cost_model=cost_models[labels[0]], cluster=cluster,
-                         other_cost_models=others, label=labels[0], **writeback)
-        out.append(polished)
+        # the polish may reach a schedule already judged (the solver's, over the budget by a
+        # written count): it is then not judged again, but tightened past all the same
+        polished = known.get(result.schedule.digest())
+        if polished is None:
+            suffix = "-tightened" + (f"-{round_}" if round_ > 1 else "") if round_ else ""
+            polished = schedule_candidate(problem, name + suffix, result.schedule)
+            judge_candidates(gm, problem, [polished], cost_model=cost_models[labels[0]], cluster=cluster,
+                             other_cost_models=others, label=labels[0], **writeback)
+            out.append(polished)
+            known[polished.digest()] = polished
         f = polished.figures
         if f is None or mem_budget_bytes is None or f.max_peak_bytes <= mem_budget_bytes:
             break

@@ -15,6 +15,9 @@ import dataclasses
 #: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
 #: more: pass ``time_limit_s``
 DEFAULT_TIME_LIMIT_S = 6.5
+#: work of the final polish on the simulator, as a share of a solve's time limit, on top of it
+#: (:attr:`SearchConfig.polish_share`; the API's polish of the written candidates takes the same)
+POLISH_SHARE = 0.2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,11 +114,9 @@ class SearchConfig:
     #: 6-layer forwards at 2 s: 15.28 against 14.97 ms). On llama3-8b's 8-layer backward it took the solve's
     #: schedule from 263.15 to 261.04 ms under the analytic model and from 171.58 to 165.36 ms
     #: under torch's estimators (about 500 simulations)
-    polish_share: float = 0.2
-    #: calibration of the polish's work limit: nodes the simulator runs per second of work (one
-    #: core of the CI machine simulates a 2357-node graph in about 4.5 ms); the polish runs
-    #: ``work_s * polish_nodes_per_s / nodes`` simulations, a number of the graph and the limit
-    #: only, so every rank polishes alike
+    polish_share: float = POLISH_SHARE
+    #: calibration of the polish's work limit: graph nodes the simulator runs per second of work
+    #: (:data:`solvers.minimax.SIMULATED_NODES_PER_S`, see :meth:`solvers.minimax.MinimaxConfig.for_work`)
     polish_nodes_per_s: float = 5e5
     #: wall-clock safety cap, as a multiple of the time limit: only against a stuck or starved
     #: process. The search's limits are deterministic; when the cap is hit the result is

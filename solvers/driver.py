@@ -289,10 +289,10 @@ class _Run:
         """(4) ``sim``'s schedule polished on the simulator with ``polish_share`` of the limit and
         the work the search left: (the simulation of the result, whether it gained)."""
         work_s = self.cfg.polish_share * self.time_limit_s + self.budget.take(self.budget.left_s)
-        max_simulations = int(work_s * self.cfg.polish_nodes_per_s / max(1, len(self.p.seq)))
-        if not self.cfg.polish_share or max_simulations < 1 or self.budget.exhausted(0.0):
+        if not self.cfg.polish_share or self.budget.exhausted(0.0):
             return sim, False
-        config = MinimaxConfig(max_simulations=max_simulations, max_bucket_bytes=self.cfg.max_bucket_bytes)
+        config = MinimaxConfig.for_work(work_s, len(self.p.seq), nodes_per_s=self.cfg.polish_nodes_per_s,
+                                        max_bucket_bytes=self.cfg.max_bucket_bytes)
         result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config)
         if not result.step_ms["model"] < sim.step_ms - 1e-9:
             return sim, False

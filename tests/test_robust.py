@@ -91,7 +91,7 @@ def llama_graphs():
 def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     from models.capture import fake_process_group
     from scheduler.judge import liveness_peak, torch_tracker_peak
-    from scheduler.rewritten import MINIMAX, rewrite_baseline, robust_schedule
+    from scheduler.rewritten import rewrite_baseline, robust_schedule
     from scheduler.verify import judge_graph
 
     gm = getattr(llama_graphs, kind)
@@ -103,13 +103,15 @@ def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     assert liveness_peak(result.gm) <= budget and torch_tracker_peak(result.gm) <= budget
     assert result.chosen in result.fitting and "fsdp2" in result.fitting
     # one solve under each base model and three blends of them (compromises), and the best of
-    # them polished on the worst case across the family (solvers/minimax.py)
-    assert set(result.solved_under.values()) == {"analytic", "torch", "blend 25%", "blend 50%", "blend 75%",
-                                                 "minimax"}
+    # them polished on the worst case across the family (solvers/minimax.py) when a move gains
+    solved = set(result.solved_under.values())
+    assert {"analytic", "torch", "blend 25%", "blend 50%", "blend 75%"} <= solved
+    assert solved <= {"analytic", "torch", "blend 25%", "blend 50%", "blend 75%", "minimax"}
     worst = result.worst_regret()
-    # the models disagree on this tiny graph (torch's estimator is latency-bound): each single
-    # solve regrets 4 % or more under the other's models; the polished one hardly any
-    assert worst[MINIMAX] < min(worst["fsdp-sched[analytic]"], worst["fsdp-sched[torch]"]) / 1.5
+    # the models disagree on this tiny graph (torch's estimator is latency-bound): the solve
+    # under one model regrets 4 % or more under the other's; the robust pick at most 3 %
+    assert max(worst["fsdp-sched[analytic]"], worst["fsdp-sched[torch]"]) > 0.04
+    assert worst[result.chosen] <= 0.03
     table = result.step_ms_by_model()
     assert len(table) == 6
     for label in table:  # the robust pick regrets no more than what any one model would pick

@@ -238,3 +238,24 @@ def test_solver_over_budget_by_the_tracker_is_solved_again(llama, monkeypatch):
     for row in tightened:
         assert max(row["peak_bytes"], row["liveness_peak_bytes"], row["tracker_peak_bytes"]) <= budget
     assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= budget
+
+
+def test_fastest_written_graph_that_fits_is_polished(group_name):
+    """llama3-debug (2 layers, 4 ranks) backward under torch's estimators at the FSDP2-like
+    peak: the solver's graph is over the budget by torch's tracker alone (it gives each wait a
+    fresh buffer: a merged bucket counts twice), so FSDP2-like is the fastest written graph
+    that fits. The polish on the simulator (solvers/minimax.py) starts from it and reaches the
+    solver's schedule; that is over the budget too, so it polishes again under the budget less
+    the tracker's excess, and that graph fits by all three counts and beats FSDP2-like by a third."""
+    from conftest import capture_llama_debug
+    from scheduler.rewritten import rewrite_baseline
+
+    gm = capture_llama_debug(n_layers=2).backward
+    budget = judge_graph(rewrite_baseline(gm, "fsdp2")).max_peak_bytes
+    out, report = _optimized(gm, budget, cost_model="torch")
+    rows = {c["name"]: c for c in report.candidates}
+    assert rows["cpsat"]["tracker_peak_bytes"] > budget >= rows["cpsat"]["peak_bytes"]
+    assert report.chosen_candidate.startswith("cpsat[polished]")
+    chosen = rows[report.chosen_candidate]
+    assert chosen["step_ms"]["torch"] < 0.75 * rows["fsdp2"]["step_ms"]["torch"]
+    assert judge_graph(out, "torch").max_peak_bytes <= budget
