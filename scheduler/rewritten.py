@@ -253,7 +253,8 @@ def robust_schedule(
         # the best so far polished on the worst case across the family itself
         primary = next(iter(family))
         problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
-        config = minimax if isinstance(minimax, MinimaxConfig) else MinimaxConfig.for_work(time_limit_s, len(problem.seq))
+        config = (minimax if isinstance(minimax, MinimaxConfig)
+                  else MinimaxConfig.for_work(time_limit_s, len(problem.seq)))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
                                            name=MINIMAX, config=config):
             candidates.append(polished)

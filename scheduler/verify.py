@@ -407,7 +407,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
         if f is None or mem_budget_bytes is None or f.max_peak_bytes <= mem_budget_bytes:
             break
         excess = f.max_peak_bytes - mem_budget_bytes
-        budget = min(budget, polished.predicted_peak_bytes) - excess - 1
+        budget = min(budget, polished.predicted_peak_bytes or f.peak_bytes) - excess - 1
     return out
 
 

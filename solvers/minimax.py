@@ -143,11 +143,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     schedule, score, sims = current
     moves, k, unchanged = 0, 0, 0
     stopped = "converged: no move lowers the worst-case regret"
-    while True:
-        entries = _entries(schedule)
-        neighbours = _neighbours(search.p0, entries, config)
-        if not neighbours or unchanged >= len(neighbours):
-            break
+    neighbours = _neighbours(search.p0, _entries(schedule), config)
+    while neighbours and unchanged < len(neighbours):
         if search.simulations >= config.max_simulations:
             stopped = f"work limit: {config.max_simulations} simulations"
             break
@@ -157,11 +154,12 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             schedule, score, sims = found
             moves += 1
             unchanged = 0
+            neighbours = _neighbours(search.p0, _entries(schedule), config)
             logger.debug("minimax move %d: excess %d B, worst regret %.4f (%d simulations)", moves, score[0],
                          score[1], search.simulations)
         else:
             unchanged += 1
-        k += 1
+        k += 1  # the scan goes on from the next move, not from the first
     peak = max(s.peak_bytes for s in sims.values())
     if score[0] > 0:
         raise InfeasibleBudgetError(
@@ -263,8 +261,9 @@ def _neighbours(p: Problem, entries: list[Entry], config: MinimaxConfig) -> list
             if config.max_bucket_bytes is not None and \
                     sum(p.colls[m].payload_bytes for m in members) > config.max_bucket_bytes:
                 continue
-            merged = (Bucket(members), min(i1, i2), min(w1, w2)) if gather else (Bucket(members), max(i1, i2), max(w1, w2))
-            out.append([x for e, x in enumerate(entries) if e not in (a, b)] + [merged])
+            # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
+            issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
+            out.append([x for e, x in enumerate(entries) if e not in (a, b)] + [(Bucket(members), issue, wait)])
     for e, (bk, i, w) in enumerate(entries):
         if bk.members[0] not in index:
             continue  # fixed collectives stay where they are

@@ -298,6 +298,7 @@ def test_the_solve_ends_with_a_polish_on_the_simulator():
     assert not any("polished" in n for n in plain.notes)
     assert any(n.startswith("polished on the simulator") for n in polished.notes)
     assert polished.objective_ms < plain.objective_ms - 1e-6
-    assert validate_schedule(p, polished.schedule, mem_budget_bytes=budget).step_ms == pytest.approx(polished.objective_ms)
+    checked = validate_schedule(p, polished.schedule, mem_budget_bytes=budget)
+    assert checked.step_ms == pytest.approx(polished.objective_ms)
     with pytest.raises(ValueError, match="polish_share"):
         CpSatConfig(polish_share=-0.1)
