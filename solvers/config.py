@@ -15,7 +15,7 @@ import dataclasses
 #: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
 #: more: pass ``time_limit_s``
 DEFAULT_TIME_LIMIT_S = 6.5
-#: work of the final polish on the simulator, as a share of a solve's time limit, on top of it
+#: most work of the final polish on the simulator, as a share of a solve's time limit
 #: (:attr:`SearchConfig.polish_share`; the API's polish of the written candidates takes the same)
 POLISH_SHARE = 0.2
 
@@ -106,12 +106,14 @@ class SearchConfig:
     #: searches again from the fastest start of the other bucket granularity
     #: (:func:`solvers.warmstart.other_family`) and keeps the faster result
     restart_share: float = 0.25
-    #: work of the final polish, as a share of the time limit, on top of it (:mod:`solvers.minimax`
-    #: with the solve's one cost model: merges and small issue / wait moves checked on the
-    #: simulator, which prices merges exactly where the model approximates them); the polish
-    #: also gets the work the search left. 0: no polish. Reserving it
-    #: out of the limit instead cost short solves more than the polish gave back (synthetic
-    #: 6-layer forwards at 2 s: 15.28 against 14.97 ms). On llama3-8b's 8-layer backward it took the solve's
+    #: most work of the final polish, as a share of the time limit (:mod:`solvers.minimax` with
+    #: the solve's one cost model: merges and small issue / wait moves checked on the simulator,
+    #: which prices merges exactly where the model approximates them). It runs on the work the
+    #: search left, so a solve that uses its whole limit is not polished (the API polishes the
+    #: written candidates again, :func:`scheduler.verify.minimax_candidates`). 0: no polish.
+    #: Reserving the share out of the search's limit cost short solves more than the polish
+    #: gave back (synthetic 6-layer forwards at 2 s: 15.28 against 14.97 ms); giving it on top
+    #: of the limit took the 16-layer llama backward's default solve past 10 s. On llama3-8b's 8-layer backward it took the solve's
     #: schedule from 263.15 to 261.04 ms under the analytic model and from 171.58 to 165.36 ms
     #: under torch's estimators (about 500 simulations)
     polish_share: float = POLISH_SHARE

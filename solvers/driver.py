@@ -17,10 +17,9 @@
    transients approximately) the model's budget is tightened by the excess and the model
    re-solved, at most ``memory_repair_rounds`` times;
 4. polish: a local search on the simulator from the schedule that fits (:mod:`solvers.minimax`
-   with the one cost model: bucket merges and small issue / wait moves) with ``polish_share`` of
-   the limit on top of it and the work the search left (so a solve's work is at most
-   ``1 + polish_share`` times its limit; the search keeps its whole limit, which short limits
-   need);
+   with the one cost model: bucket merges and small issue / wait moves) with the work the
+   search left, at most ``polish_share`` of the limit (the search keeps its whole limit, which
+   short limits need, and a solve's work stays within its limit);
 5. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
    repair that does not converge, returns the warm start (flagged) when one fits, and raises
    :class:`InfeasibleBudgetError` naming the smallest peak found when none does; a schedule
@@ -286,9 +285,9 @@ class _Run:
         return self.result(sim, SolveStatus.FEASIBLE, min(self.p.lower_bound_ms(), sim.step_ms), self.notes)
 
     def _polish(self, sim: SimResult) -> tuple[SimResult, bool]:
-        """(4) ``sim``'s schedule polished on the simulator with ``polish_share`` of the limit and
-        the work the search left: (the simulation of the result, whether it gained)."""
-        work_s = self.cfg.polish_share * self.time_limit_s + self.budget.take(self.budget.left_s)
+        """(4) ``sim``'s schedule polished on the simulator with the work the search left, at most
+        ``polish_share`` of the limit: (the simulation of the result, whether it gained)."""
+        work_s = self.budget.take(self.cfg.polish_share * self.time_limit_s)
         if not self.cfg.polish_share or self.budget.exhausted(0.0):
             return sim, False
         config = MinimaxConfig.for_work(work_s, len(self.p.seq), nodes_per_s=self.cfg.polish_nodes_per_s,
