@@ -30,7 +30,7 @@ from scheduler.costs import resolve_cost_model
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
-from scheduler.robust import BASE_COST_MODELS, blends, choice_key, cost_model_family
+from scheduler.robust import BASE_COST_MODELS, MINIMAX_WORK_SOLVES, blends, choice_key, cost_model_family
 from scheduler.verify import Candidate, Criterion, cost_model_label, install, schedule_candidate, verify_and_choose
 from scheduler.writeback import apply_schedule
 from solvers.core import (
@@ -277,8 +277,8 @@ def optimize_schedule(
             polished on the worst case across the family (:mod:`solvers.minimax`, a local
             search on the simulator under all six models at once) into one more candidate.
             The report names the criterion and each candidate's worst regret. Costs three
-            more solves, the polish (``time_limit_s`` of work) and one re-export per candidate
-            and model (6 more per candidate).
+            more solves, the polish (``MINIMAX_WORK_SOLVES`` times ``time_limit_s`` of work) and
+            one re-export per candidate and model (6 more per candidate).
         extra_starts: schedules of this graph the solver also starts from (exact solvers
             only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
             model; the solve is never slower than the fastest of them that fits.
@@ -334,12 +334,12 @@ def optimize_schedule(
                                                     seed=seed, fallback=False, num_workers=num_workers,
                                                     extra_starts=(schedule, *extra_starts)),
                                   ) if robust and alternatives else []
-        # the written candidates polished on the simulator: a solve's worth of work on the worst
-        # case across the family (robust), else the solver's own polish share
-        work_s = time_limit_s if robust else POLISH_SHARE * time_limit_s
+        # the written candidates polished on the simulator: on the worst case across the family
+        # (robust), else with the solver's own polish share
+        work_s = (MINIMAX_WORK_SOLVES if robust else POLISH_SHARE) * time_limit_s
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
-                                 extra=extra, minimax=MinimaxConfig.for_work(work_s, len(problem.seq)),
+                                 extra=extra, minimax=MinimaxConfig.for_work(work_s, problem),
                                  **choice, **writeback)
 
     installed: list[Schedule | None] = []

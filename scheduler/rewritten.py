@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 from scheduler.api import SCHEDULE_KEY, optimize_schedule
 from scheduler.costs import Cluster
 from scheduler.dag import export_dag
-from scheduler.robust import BASE_COST_MODELS, blends, choice_key, cost_model_family, worst_regret
+from scheduler.robust import (
+    BASE_COST_MODELS,
+    MINIMAX_WORK_SOLVES,
+    blends,
+    choice_key,
+    cost_model_family,
+    worst_regret,
+)
 from scheduler.verify import (
     TORCH_CANDIDATES,
     Candidate,
@@ -213,7 +220,8 @@ def robust_schedule(
     baseline of ``baselines`` (:func:`judge_baselines`), each
     on its own copy of ``gm``, judged under every model of ``cost_models`` (default
     :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on;
-    a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``time_limit_s`` of work),
+    a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``MINIMAX_WORK_SOLVES`` times
+    ``time_limit_s`` of work),
     the best of them by the criterion polished on the worst case across those models as well
     (:func:`scheduler.verify.minimax_candidates`, named :data:`MINIMAX`); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
@@ -254,7 +262,7 @@ def robust_schedule(
         primary = next(iter(family))
         problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
         config = (minimax if isinstance(minimax, MinimaxConfig)
-                  else MinimaxConfig.for_work(time_limit_s, len(problem.seq)))
+                  else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
                                            name=MINIMAX, config=config):
             candidates.append(polished)

@@ -117,9 +117,9 @@ class SearchConfig:
     #: schedule from 263.15 to 261.04 ms under the analytic model and from 171.58 to 165.36 ms
     #: under torch's estimators (about 500 simulations)
     polish_share: float = POLISH_SHARE
-    #: calibration of the polish's work limit: graph nodes the simulator runs per second of work
+    #: calibration of the polish's work limit: graph nodes simulated per second of work
     #: (:data:`solvers.minimax.SIMULATED_NODES_PER_S`, see :meth:`solvers.minimax.MinimaxConfig.for_work`)
-    polish_nodes_per_s: float = 5e5
+    polish_nodes_per_s: float = 2e5
     #: wall-clock safety cap, as a multiple of the time limit: only against a stuck or starved
     #: process. The search's limits are deterministic; when the cap is hit the result is
     #: reported (a note) and is no longer rank-deterministic

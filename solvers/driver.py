@@ -290,7 +290,7 @@ class _Run:
         work_s = self.budget.take(self.cfg.polish_share * self.time_limit_s)
         if not self.cfg.polish_share or self.budget.exhausted(0.0):
             return sim, False
-        config = MinimaxConfig.for_work(work_s, len(self.p.seq), nodes_per_s=self.cfg.polish_nodes_per_s,
+        config = MinimaxConfig.for_work(work_s, self.p, nodes_per_s=self.cfg.polish_nodes_per_s,
                                         max_bucket_bytes=self.cfg.max_bucket_bytes)
         result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config)
         if not result.step_ms["model"] < sim.step_ms - 1e-9:

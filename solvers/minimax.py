@@ -32,9 +32,10 @@ buckets of a chain (all-gathers keep the earlier issue and wait, reduce-scatters
 or move one bucket's issue or wait by ``k`` gaps for ``k`` in :attr:`MinimaxConfig.steps`.
 Moves are scanned cyclically from the one after the last accepted; a neighbour is simulated
 under the model of largest regret first and rejected as soon as one model's regret exceeds the
-current worst, so most rejected moves cost one simulation. The search stops after a full scan
-without gain or when :attr:`MinimaxConfig.max_simulations` are spent: work is counted in
-simulations, not seconds, so every rank gets the same schedule from the same graph.
+current worst, so most rejected moves cost one simulation (and one build of the schedule,
+counted as one more). The search stops after a full scan without gain or when
+:attr:`MinimaxConfig.max_simulations` are spent: work is counted in simulations, not seconds,
+so every rank gets the same schedule from the same graph.
 """
 
 from __future__ import annotations
@@ -57,20 +58,22 @@ _EPS = 1e-12
 
 Entry = tuple[Bucket, int, int]  # (bucket, issue gap, wait gap)
 
-#: calibration of work limits given in seconds: graph nodes the simulator runs per second on one
-#: core of the CI machine (a 2357-node graph in about 4.5 ms); a limit of ``work_s`` seconds is
-#: ``work_s * SIMULATED_NODES_PER_S / nodes`` simulations, a number of the graph and the limit
-#: only, so every rank polishes alike (:meth:`MinimaxConfig.for_work`)
-SIMULATED_NODES_PER_S = 5e5
+#: calibration of work limits given in seconds: DAG nodes per second that one core of the CI
+#: machine simulates, or builds a schedule over (llama3-8b backward at 8 layers, 2357 nodes: a
+#: simulation 7.6 ms, a build 9.6 ms; at 16 layers, 4437 nodes: 23.7 and 13.9 ms); a limit of
+#: ``work_s`` seconds is ``work_s * SIMULATED_NODES_PER_S / nodes`` of them, a number of the graph
+#: and the limit only, so every rank polishes alike (:meth:`MinimaxConfig.for_work`)
+SIMULATED_NODES_PER_S = 2e5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MinimaxConfig:
     """Limits of :func:`polish`."""
 
-    #: deterministic work limit: simulations (one per model and neighbour tried, fewer when a
-    #: neighbour is rejected early). 4000 take about 16 s on llama3-8b's 8-layer backward
-    #: (2357 nodes) on one core of the CI machine
+    #: deterministic work limit, in simulations: one per model and neighbour tried (fewer when a
+    #: neighbour is rejected early), and one more per neighbour for building its schedule (about
+    #: as costly). 4000 take about 40 s on llama3-8b's 8-layer backward (2357 nodes) on one
+    #: core of the CI machine; :meth:`for_work` sizes it by a time
     max_simulations: int = 4000
     #: gap distances a bucket's issue or wait is moved by, largest first
     steps: tuple[int, ...] = (8, 2, 1)
@@ -86,11 +89,13 @@ class MinimaxConfig:
             raise ValueError(f"max_bucket_bytes must be >= 1 or None, got {self.max_bucket_bytes}")
 
     @classmethod
-    def for_work(cls, work_s: float, n_nodes: int, *, nodes_per_s: float = SIMULATED_NODES_PER_S,
+    def for_work(cls, work_s: float, problem: Problem, *, nodes_per_s: float = SIMULATED_NODES_PER_S,
                  **fields) -> "MinimaxConfig":
-        """A config whose limit is ``work_s`` seconds of simulation of an ``n_nodes``-node graph
-        (at least one simulation); ``fields`` set the others."""
-        return cls(max_simulations=max(1, int(work_s * nodes_per_s / max(1, n_nodes))), **fields)
+        """A config whose limit is about ``work_s`` seconds of simulating ``problem``'s graph on
+        the CI machine (:data:`SIMULATED_NODES_PER_S`; at least one simulation); ``fields`` set
+        the others."""
+        nodes = max(1, problem.dag.number_of_nodes())
+        return cls(max_simulations=max(1, int(work_s * nodes_per_s / nodes)), **fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,6 +208,7 @@ class _Search:
         ordered = chain_ordered(self.p0, entries)
         if ordered is None:
             return None
+        self.simulations += 1  # building the schedule costs about a simulation
         try:
             schedule = from_entries(self.p0, ordered)
         except ValueError:

@@ -151,10 +151,13 @@ def test_optimize_schedule_robust_fits_and_regrets_no_more_than_the_fastest(llam
     # solved under blends of the two base models too (compromises), each judged like the others,
     # and the best polished on the worst case across the family
     assert {f"cpsat[blend {w}%]" for w in (25, 50, 75)} & set(rows)
-    # (here torch's tracker counts the first polished graph over the budget: the tightened
-    # round fits, and regrets less than the solve under the analytic model)
-    polished = [c for n, c in rows.items() if n.startswith("cpsat[minimax]") and c["worst_regret"] is not None]
-    assert polished and min(c["worst_regret"] for c in polished) < rows["cpsat"]["worst_regret"]
+    # here torch's tracker counts the first polished graph over the budget (it gives each wait a
+    # fresh buffer: a merged bucket counts twice); polished again under the budget less that
+    # excess, the next round fits and regrets less than the solve under the analytic model
+    assert rows["cpsat[minimax]"]["tracker_peak_bytes"] > budget >= rows["cpsat[minimax]"]["peak_bytes"]
+    tightened = rows["cpsat[minimax]-tightened"]
+    assert max(tightened["peak_bytes"], tightened["liveness_peak_bytes"], tightened["tracker_peak_bytes"]) <= budget
+    assert tightened["worst_regret"] < rows["cpsat"]["worst_regret"]
     pool = {n: c["step_ms"] for n, c in rows.items() if c["worst_regret"] is not None}
     assert set(pool[report.chosen_candidate]) == set(family)
     assert rows[report.chosen_candidate]["worst_regret"] == min(c["worst_regret"] for c in rows.values()

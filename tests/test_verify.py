@@ -242,20 +242,19 @@ def test_solver_over_budget_by_the_tracker_is_solved_again(llama, monkeypatch):
 
 def test_fastest_written_graph_that_fits_is_polished(group_name):
     """llama3-debug (2 layers, 4 ranks) backward under torch's estimators at the FSDP2-like
-    peak: the solver's graph is over the budget by torch's tracker alone (it gives each wait a
-    fresh buffer: a merged bucket counts twice), so FSDP2-like is the fastest written graph
-    that fits. The polish on the simulator (solvers/minimax.py) starts from it and reaches the
-    solver's schedule; that is over the budget too, so it polishes again under the budget less
-    the tracker's excess, and that graph fits by all three counts and beats FSDP2-like by a third."""
+    peak, 2 s: the solve spends its limit on the windows, so the driver's polish gets no work;
+    the fastest written graph that fits is then polished on the simulator (solvers/minimax.py,
+    the one cost model) into one more candidate, which fits by all three counts and beats the
+    solver's graph by a quarter and FSDP2-like by a third."""
     from conftest import capture_llama_debug
     from scheduler.rewritten import rewrite_baseline
 
     gm = capture_llama_debug(n_layers=2).backward
     budget = judge_graph(rewrite_baseline(gm, "fsdp2")).max_peak_bytes
+    fsdp2 = judge_graph(rewrite_baseline(gm, "fsdp2"), "torch").primary_step_ms
     out, report = _optimized(gm, budget, cost_model="torch")
     rows = {c["name"]: c for c in report.candidates}
-    assert rows["cpsat"]["tracker_peak_bytes"] > budget >= rows["cpsat"]["peak_bytes"]
-    assert report.chosen_candidate.startswith("cpsat[polished]")
-    chosen = rows[report.chosen_candidate]
-    assert chosen["step_ms"]["torch"] < 0.75 * rows["fsdp2"]["step_ms"]["torch"]
+    assert report.chosen_candidate == "cpsat[polished]"
+    chosen = rows["cpsat[polished]"]["step_ms"]["torch"]
+    assert chosen < 0.75 * rows["cpsat"]["step_ms"]["torch"] and chosen < 0.67 * fsdp2
     assert judge_graph(out, "torch").max_peak_bytes <= budget
