@@ -46,7 +46,7 @@ from solvers.core import (
     simulate,
     validate_schedule,
 )
-from solvers.config import DEFAULT_TIME_LIMIT_S, POLISH_SHARE
+from solvers.config import DEFAULT_TIME_LIMIT_S
 from solvers.minimax import MinimaxConfig
 from solvers.registry import SOLVERS, SolverFn, available_solvers, solve, solver_name
 from solvers.warmstart import best_warm_start, fitting_heuristics
@@ -55,6 +55,11 @@ if TYPE_CHECKING:
     import torch.fx
 
 logger = logging.getLogger(__name__)
+
+#: work of the polish of the written candidates (:func:`scheduler.verify.minimax_candidates`),
+#: as a share of ``time_limit_s``, on top of the solve: the solver polishes its own schedule
+#: only with the work its search left, and the fastest written graph that fits can be another
+POLISH_SHARE = 0.2
 
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"

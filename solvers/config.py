@@ -15,9 +15,6 @@ import dataclasses
 #: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
 #: more: pass ``time_limit_s``
 DEFAULT_TIME_LIMIT_S = 6.5
-#: most work of the final polish on the simulator, as a share of a solve's time limit
-#: (:attr:`SearchConfig.polish_share`; the API's polish of the written candidates takes the same)
-POLISH_SHARE = 0.2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,17 +103,17 @@ class SearchConfig:
     #: searches again from the fastest start of the other bucket granularity
     #: (:func:`solvers.warmstart.other_family`) and keeps the faster result
     restart_share: float = 0.25
-    #: most work of the final polish, as a share of the time limit (:mod:`solvers.minimax` with
-    #: the solve's one cost model: merges and small issue / wait moves checked on the simulator,
-    #: which prices merges exactly where the model approximates them). It runs on the work the
-    #: search left, so a solve that uses its whole limit is not polished (the API polishes the
-    #: written candidates again, :func:`scheduler.verify.minimax_candidates`). 0: no polish.
-    #: Reserving the share out of the search's limit cost short solves more than the polish
+    #: most work of the final polish, as a share of the time limit, out of the work the search
+    #: left (:mod:`solvers.minimax` with the solve's one cost model: merges and small issue /
+    #: wait moves checked on the simulator, which prices merges exactly where the model
+    #: approximates them). A solve that uses its whole limit is not polished (the API polishes
+    #: the written candidates again, :func:`scheduler.verify.minimax_candidates`). 0: no polish.
+    #: Reserving work out of the search's limit instead cost short solves more than the polish
     #: gave back (synthetic 6-layer forwards at 2 s: 15.28 against 14.97 ms); giving it on top
-    #: of the limit took the 16-layer llama backward's default solve past 10 s. On llama3-8b's 8-layer backward it took the solve's
-    #: schedule from 263.15 to 261.04 ms under the analytic model and from 171.58 to 165.36 ms
-    #: under torch's estimators (about 500 simulations)
-    polish_share: float = POLISH_SHARE
+    #: of the limit took the 16-layer llama backward's default solve past 10 s; capping it at a
+    #: fifth of the limit left the 16-layer alternating backward 5 % short of what the polish
+    #: reaches with the work left
+    polish_share: float = 1.0
     #: calibration of the polish's work limit: graph nodes simulated per second of work
     #: (:data:`solvers.minimax.SIMULATED_NODES_PER_S`, see :meth:`solvers.minimax.MinimaxConfig.for_work`)
     polish_nodes_per_s: float = 2e5
@@ -142,9 +139,9 @@ class SearchConfig:
         if not 0 < self.restart_share:
             raise ValueError(f"restart_share must be > 0 (a share of the time limit; above 1: never), got "
                              f"{self.restart_share}")
-        if self.polish_share < 0 or self.polish_nodes_per_s <= 0:
-            raise ValueError(f"polish_share must be >= 0 and polish_nodes_per_s > 0, got {self.polish_share} and "
-                             f"{self.polish_nodes_per_s}")
+        if not 0 <= self.polish_share <= 1 or self.polish_nodes_per_s <= 0:
+            raise ValueError(f"polish_share must be in [0, 1] and polish_nodes_per_s > 0, got {self.polish_share} "
+                             f"and {self.polish_nodes_per_s}")
         if self.full_model_max_members < 0 or self.lns_window_members < 2:
             raise ValueError("full_model_max_members must be >= 0 and lns_window_members >= 2")
 

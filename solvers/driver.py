@@ -18,7 +18,7 @@
    re-solved, at most ``memory_repair_rounds`` times;
 4. polish: a local search on the simulator from the schedule that fits (:mod:`solvers.minimax`
    with the one cost model: bucket merges and small issue / wait moves) with the work the
-   search left, at most ``polish_share`` of the limit (the search keeps its whole limit, which
+   search left (at most ``polish_share`` of the limit; the search keeps its whole limit, which
    short limits need, and a solve's work stays within its limit);
 5. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
    repair that does not converge, returns the warm start (flagged) when one fits, and raises

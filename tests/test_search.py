@@ -300,5 +300,6 @@ def test_the_solve_ends_with_a_polish_on_the_simulator():
     assert polished.objective_ms < plain.objective_ms - 1e-6
     checked = validate_schedule(p, polished.schedule, mem_budget_bytes=budget)
     assert checked.step_ms == pytest.approx(polished.objective_ms)
-    with pytest.raises(ValueError, match="polish_share"):
-        CpSatConfig(polish_share=-0.1)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="polish_share"):
+            CpSatConfig(polish_share=bad)
