@@ -110,10 +110,11 @@ class SearchConfig:
     #: the written candidates again, :func:`scheduler.verify.minimax_candidates`). 0: no polish.
     #: Reserving work out of the search's limit instead cost short solves more than the polish
     #: gave back (synthetic 6-layer forwards at 2 s: 15.28 against 14.97 ms); giving it on top
-    #: of the limit took the 16-layer llama backward's default solve past 10 s; capping it at a
-    #: fifth of the limit left the 16-layer alternating backward 5 % short of what the polish
-    #: reaches with the work left
-    polish_share: float = 1.0
+    #: of the limit took the 16-layer llama backward's default solve past 10 s, and all the
+    #: work left (1.0) the 16-layer llama forward's to 15 s (its simulations cost about three
+    #: times the calibration). A fifth leaves the 16-layer alternating backward 5 % short of
+    #: what a 60 s solve's polish reaches (BENCHMARKS.md section 12)
+    polish_share: float = 0.2
     #: calibration of the polish's work limit: graph nodes simulated per second of work
     #: (:data:`solvers.minimax.SIMULATED_NODES_PER_S`, see :meth:`solvers.minimax.MinimaxConfig.for_work`)
     polish_nodes_per_s: float = 2e5
