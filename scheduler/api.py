@@ -30,7 +30,14 @@ from scheduler.costs import resolve_cost_model
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
-from scheduler.robust import BASE_COST_MODELS, MINIMAX_WORK_SOLVES, blends, choice_key, cost_model_family
+from scheduler.robust import (
+    BASE_COST_MODELS,
+    MINIMAX_STARTS,
+    MINIMAX_WORK_SOLVES,
+    blends,
+    choice_key,
+    cost_model_family,
+)
 from scheduler.verify import Candidate, Criterion, cost_model_label, install, schedule_candidate, verify_and_choose
 from scheduler.writeback import apply_schedule
 from solvers.core import (
@@ -278,12 +285,13 @@ def optimize_schedule(
             (:func:`scheduler.robust.choice_key`) instead of the fastest under ``cost_model``.
             The graph is also solved under three blends of ``cost_model`` and the other base
             model (:func:`scheduler.robust.blends`), each a candidate (compromises where the
-            models prefer different schedules), and the best candidate by the criterion is
-            polished on the worst case across the family (:mod:`solvers.minimax`, a local
-            search on the simulator under all six models at once) into one more candidate.
-            The report names the criterion and each candidate's worst regret. Costs three
-            more solves, the polish (``MINIMAX_WORK_SOLVES`` times ``time_limit_s`` of work) and
-            one re-export per candidate and model (6 more per candidate).
+            models prefer different schedules), and the best candidates by the criterion
+            (``MINIMAX_STARTS``) are polished on the worst case across the family
+            (:mod:`solvers.minimax`, a local search on the simulator under all six models at
+            once), each into one more candidate. The report names the criterion and each
+            candidate's worst regret. Costs three more solves, the polishes
+            (``MINIMAX_WORK_SOLVES`` times ``time_limit_s`` of work each) and one re-export per
+            candidate and model (6 more per candidate).
         extra_starts: schedules of this graph the solver also starts from (exact solvers
             only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
             model; the solve is never slower than the fastest of them that fits.
@@ -345,7 +353,7 @@ def optimize_schedule(
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
                                  extra=extra, minimax=MinimaxConfig.for_work(work_s, problem),
-                                 **choice, **writeback)
+                                 minimax_starts=MINIMAX_STARTS if robust else 1, **choice, **writeback)
 
     installed: list[Schedule | None] = []
 

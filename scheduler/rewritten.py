@@ -35,6 +35,7 @@ from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import (
     BASE_COST_MODELS,
+    MINIMAX_STARTS,
     MINIMAX_WORK_SOLVES,
     blends,
     choice_key,
@@ -222,7 +223,8 @@ def robust_schedule(
     :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on;
     a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``MINIMAX_WORK_SOLVES`` times
     ``time_limit_s`` of work),
-    the best of them by the criterion polished on the worst case across those models as well
+    the best of them by the criterion (``MINIMAX_STARTS``) polished on the worst case across
+    those models as well
     (:func:`scheduler.verify.minimax_candidates`, named :data:`MINIMAX`); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
     :func:`scheduler.robust.choice_key` chooses. ``gm`` itself is not modified: the result holds
@@ -264,7 +266,7 @@ def robust_schedule(
         config = (minimax if isinstance(minimax, MinimaxConfig)
                   else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
-                                           name=MINIMAX, config=config):
+                                           name=MINIMAX, config=config, starts=MINIMAX_STARTS):
             candidates.append(polished)
             solved_under[polished.name] = "minimax"
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))

