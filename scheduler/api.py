@@ -127,10 +127,12 @@ def _solve_problem(
     fallback: bool,
     num_workers: int,
     extra_starts: Sequence[Schedule] = (),
+    alternatives: list[Schedule] | None = None,
 ) -> tuple[Schedule, ScheduleReport]:
     """Solve, validate and report. The exact solvers are never worse than the best heuristic
     that fits (:mod:`solvers.driver`); a solver given as a callable is held to the same here.
-    A failed solve falls back to the best heuristic that fits (``fallback``)."""
+    A failed solve falls back to the best heuristic that fits (``fallback``). The solve's
+    :attr:`SolveResult.alternatives` are appended to ``alternatives`` when given."""
     t0 = time.perf_counter()
     name = solver_name(solver)
     before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
@@ -163,6 +165,8 @@ def _solve_problem(
                                           status=SolveStatus.FALLBACK.value, best_bound=None, notes=notes,
                                           fell_back=True)
     notes += list(result.notes)
+    if alternatives is not None:
+        alternatives.extend(result.alternatives)
     if result.status == SolveStatus.FEASIBLE:
         notes.append(f"{name} stopped at its limit ({time_limit_s:g} s) without proving optimality")
     if fallback and not isinstance(solver, str):
@@ -332,9 +336,10 @@ def optimize_schedule(
     def solve_here(problem: Problem) -> tuple[Candidate, ScheduleReport]:
         # the solver under a model budget: the user's, or a tightened one when the written graph
         # of its schedule was over (verify_and_choose's resolve)
+        unpolished: list[Schedule] = []
         solve_under = functools.partial(_solve_problem, problem, solver=solver, time_limit_s=time_limit_s,
                                         seed=seed, fallback=fallback, num_workers=num_workers,
-                                        extra_starts=extra_starts)
+                                        extra_starts=extra_starts, alternatives=unpolished)
         schedule, report = solve_under(budget)
         solved = schedule.digest()
         schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
@@ -347,6 +352,8 @@ def optimize_schedule(
                                                     seed=seed, fallback=False, num_workers=num_workers,
                                                     extra_starts=(schedule, *extra_starts)),
                                   ) if robust and alternatives else []
+        if alternatives:  # the solver's schedule before its final polish, judged on its written graph too
+            extra = [schedule_candidate(problem, f"{report.solver}[unpolished]", s) for s in unpolished] + extra
         # the written candidates polished on the simulator: on the worst case across the family
         # (robust), else with the solver's own polish share
         work_s = (MINIMAX_WORK_SOLVES if robust else POLISH_SHARE) * time_limit_s

@@ -75,9 +75,10 @@ def cost_model_family(
 
 
 #: work of the polish on the worst case across the family (:mod:`solvers.minimax`) from one
-#: start, in time limits of one solve: on llama3-8b's 8-layer backward it needs about 2500
-#: simulations (some 12 s on one core) to settle, where a single-model polish needs a few hundred
-MINIMAX_WORK_SOLVES = 2.0
+#: start, in time limits of one solve: on llama3-8b's 8-layer backward a start needs 2500 to
+#: 5000 simulations (10 to 20 s on one core) to settle, where a single-model polish needs a few
+#: hundred
+MINIMAX_WORK_SOLVES = 4.0
 #: candidates the robust choice polishes from (the best by worst regret first): a local search
 #: ends where its start leads, and the best start is often not the best candidate
 #: (:func:`scheduler.verify.minimax_candidates`)

@@ -152,6 +152,8 @@ class _Run:
         self.second: SolveResult | None = None
         self.notes: list[str] = []
         self.history: list[tuple[float, float]] = []  # (perf_counter, step ms) of improvements
+        #: the result's alternatives (:attr:`SolveResult.alternatives`)
+        self.alternatives: tuple[Schedule, ...] = ()
 
     @functools.cached_property
     def decomposed(self) -> bool:
@@ -303,7 +305,12 @@ class _Run:
 
     def _final(self, sim: SimResult, proven: bool, bound_ms: float) -> SolveResult:
         """(4) The polish, then (5) never a schedule that simulates slower than the warm start."""
+        unpolished = sim.schedule
         sim, gained = self._polish(sim)
+        if gained:
+            # a merge the polish adds can cost more in counts the model does not make (torch's
+            # tracker): the written-graph check judges both
+            self.alternatives = (unpolished,)
         proven = proven and not gained  # the simulator beat the model's optimum: its prices were approximate
         if self.warm is not None and self.warm.objective_ms < sim.step_ms - 1e-9:
             # the model prices copies and transients approximately
@@ -327,4 +334,5 @@ class _Run:
             peak_bytes=sim.peak_bytes,
             notes=tuple(notes),
             history=history,
+            alternatives=tuple(a for a in self.alternatives if a.digest() != sim.schedule.digest()),
         )

@@ -298,6 +298,10 @@ def test_the_solve_ends_with_a_polish_on_the_simulator():
     assert not any("polished" in n for n in plain.notes)
     assert any(n.startswith("polished on the simulator") for n in polished.notes)
     assert polished.objective_ms < plain.objective_ms - 1e-6
+    # the schedule before the polish goes with the result, for the written-graph check to judge
+    assert not plain.alternatives and len(polished.alternatives) == 1
+    before = simulate(p.dag, polished.alternatives[0], problem=p)
+    assert before.step_ms > polished.objective_ms and before.peak_bytes <= budget
     checked = validate_schedule(p, polished.schedule, mem_budget_bytes=budget)
     assert checked.step_ms == pytest.approx(polished.objective_ms)
     for bad in (-0.1, 1.5):

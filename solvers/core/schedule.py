@@ -195,6 +195,7 @@ class SolveResult:
         notes: human-readable remarks (fallback reasons, limits hit).
         history: (seconds since the solve started, simulated step ms) each time the incumbent
             improved, warm start first (filled by the windowed search; empty otherwise).
+        alternatives: see the field.
     """
 
     schedule: Schedule
@@ -206,6 +207,9 @@ class SolveResult:
     peak_bytes: int
     notes: tuple[str, ...] = ()
     history: tuple[tuple[float, float], ...] = ()
+    #: other schedules of the solve worth judging on the written graph, where counts the model
+    #: does not make may decide (the schedule before the final polish)
+    alternatives: tuple[Schedule, ...] = ()
 
     @property
     def gap(self) -> float:
