@@ -385,7 +385,10 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
                    and mem_budget_bytes is not None
                    and c.figures.max_peak_bytes <= mem_budget_bytes * (1 + TIGHTEN_MAX_EXCESS)),
                   key=lambda c: (c.figures.primary_step_ms, c.name))
-    distinct = list({c.digest(): c for c in reversed(fitting + over)}.values())[::-1]  # the first of equal ones
+    distinct: list[Candidate] = []  # the first of candidates with equal schedules
+    for c in fitting + over:
+        if all(c.digest() != d.digest() for d in distinct):
+            distinct.append(c)
     if not distinct or not worst:
         return []
     labels = list(cost_models)

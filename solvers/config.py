@@ -15,6 +15,13 @@ import dataclasses
 #: what 60 s finds (``benchmarks/solve_time.py``, BENCHMARKS.md section 12). Larger graphs want
 #: more: pass ``time_limit_s``
 DEFAULT_TIME_LIMIT_S = 6.5
+#: calibration of work limits given in seconds for the polish on the simulator
+#: (:mod:`solvers.minimax`): DAG nodes per second that one core of the CI machine simulates, or
+#: builds a schedule over (llama3-8b backward at 8 layers, 2357 nodes: a simulation 7.6 ms, a
+#: build 9.6 ms; at 16 layers, 4437 nodes: 23.7 and 13.9 ms); a limit of ``work_s`` seconds is
+#: ``work_s * SIMULATED_NODES_PER_S / nodes`` of them, a number of the graph and the limit only,
+#: so every rank polishes alike (:meth:`solvers.minimax.MinimaxConfig.for_work`)
+SIMULATED_NODES_PER_S = 2e5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +123,8 @@ class SearchConfig:
     #: what a 60 s solve's polish reaches (BENCHMARKS.md section 12)
     polish_share: float = 0.2
     #: calibration of the polish's work limit: graph nodes simulated per second of work
-    #: (:data:`solvers.minimax.SIMULATED_NODES_PER_S`, see :meth:`solvers.minimax.MinimaxConfig.for_work`)
-    polish_nodes_per_s: float = 2e5
+    #: (:data:`SIMULATED_NODES_PER_S`)
+    polish_nodes_per_s: float = SIMULATED_NODES_PER_S
     #: wall-clock safety cap, as a multiple of the time limit: only against a stuck or starved
     #: process. The search's limits are deterministic; when the cap is hit the result is
     #: reported (a note) and is no longer rank-deterministic

@@ -290,7 +290,7 @@ class _Run:
         """(4) ``sim``'s schedule polished on the simulator with the work the search left, at most
         ``polish_share`` of the limit: (the simulation of the result, whether it gained)."""
         work_s = self.budget.take(self.cfg.polish_share * self.time_limit_s)
-        if not self.cfg.polish_share or self.budget.exhausted(0.0):
+        if not self.cfg.polish_share or work_s <= 0 or self.budget.exhausted(0.0):
             return sim, False
         config = MinimaxConfig.for_work(work_s, self.p, nodes_per_s=self.cfg.polish_nodes_per_s,
                                         max_bucket_bytes=self.cfg.max_bucket_bytes)

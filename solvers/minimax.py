@@ -45,6 +45,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
+from solvers.config import SIMULATED_NODES_PER_S
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
@@ -58,12 +59,6 @@ _EPS = 1e-12
 
 Entry = tuple[Bucket, int, int]  # (bucket, issue gap, wait gap)
 
-#: calibration of work limits given in seconds: DAG nodes per second that one core of the CI
-#: machine simulates, or builds a schedule over (llama3-8b backward at 8 layers, 2357 nodes: a
-#: simulation 7.6 ms, a build 9.6 ms; at 16 layers, 4437 nodes: 23.7 and 13.9 ms); a limit of
-#: ``work_s`` seconds is ``work_s * SIMULATED_NODES_PER_S / nodes`` of them, a number of the graph
-#: and the limit only, so every rank polishes alike (:meth:`MinimaxConfig.for_work`)
-SIMULATED_NODES_PER_S = 2e5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,7 +136,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, config)
+    search = _Search(problems, reference_ms, mem_budget_bytes)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -184,7 +179,7 @@ class _Search:
     """The models, the references and the simulation count of one :func:`polish`."""
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
-                 mem_budget_bytes: int | None, config: MinimaxConfig):
+                 mem_budget_bytes: int | None):
         if not problems:
             raise ValueError("polish needs at least one cost model's problem")
         self.labels = list(problems)
@@ -199,7 +194,6 @@ class _Search:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
         self.reference = {label: float(reference_ms[label]) for label in self.labels}
         self.mem_budget_bytes = mem_budget_bytes
-        self.config = config
         self.simulations = 0
         #: model labels, the one of largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
@@ -239,8 +233,8 @@ class _Search:
         if bar is not None and excess == bar[0] and not (
                 worst < bar[1] - _EPS or (worst <= bar[1] + _EPS and total < bar[2] - _EPS)):
             return None
-        regret = {label: sims[label].step_ms / self.reference[label] for label in self.labels}
-        self.order = sorted(self.labels, key=lambda label: -regret[label])
+        ratio = {label: sims[label].step_ms / self.reference[label] for label in self.labels}
+        self.order = sorted(self.labels, key=lambda label: -ratio[label])
         return schedule, (excess, worst, total), sims
 
 
