@@ -69,7 +69,7 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "
             fits = solved in result.fitting
             best = min(times[b].values())
             step = result.judged[solved].figures.step_ms[b]
-            rows.append({"solved_under": a, "judged_under": b, "step_ms": step, "best_ms": best,
+            rows.append({"candidate": solved, "solved_under": a, "judged_under": b, "step_ms": step, "best_ms": best,
                          "best": min(times[b], key=times[b].get), "regret": step / best - 1 if fits else None,
                          "fits": fits})
     worst = result.worst_regret()
@@ -108,11 +108,12 @@ def _format(case: dict[str, Any]) -> str:
     budget = "none" if r["budget_bytes"] is None else f"{fmt_bytes(r['budget_bytes'])} (FSDP2-like peak)"
     lines = [f"\n== {case['model']} {case['graph']}: budget {budget}, "
              f"{case['time_s']:.0f} s ==",
-             f"{'solved under':<14}{'judged under':<14}{'step ms':>10}{'best ms':>10}  {'best':<24}{'regret':>8}"]
+             f"{'candidate':<36}{'solved under':<14}{'judged under':<14}{'step ms':>10}{'best ms':>10}  "
+             f"{'best':<36}{'regret':>8}"]
     for row in case["rows"]:
         regret = "over budget" if row["regret"] is None else f"{row['regret']:.2%}"
-        lines.append(f"{row['solved_under']:<14}{row['judged_under']:<14}{row['step_ms']:10.2f}{row['best_ms']:10.2f}  "
-                     f"{row['best']:<24}{regret:>8}")
+        lines.append(f"{row['candidate']:<36}{row['solved_under']:<14}{row['judged_under']:<14}{row['step_ms']:10.2f}"
+                     f"{row['best_ms']:10.2f}  {row['best']:<36}{regret:>8}")
     per = ", ".join(f"{b} {v:.2%}" for b, v in r["regret"].items())
     lines.append(f"robust choice: {r['chosen']}: regret {per}; worst over the family {r['worst_regret_family']:.2%}")
     lines += [f"  dropped {k}: {v[:160]}" for k, v in r["dropped"].items()]

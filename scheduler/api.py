@@ -73,6 +73,11 @@ REPORT_KEY = "fsdp_sched_report"
 #: ``gm.meta`` key of the installed schedule over the traced graph's problem (None when torch's
 #: scheduler's graph was installed): a start for another solve of the same graph (``extra_starts``)
 SCHEDULE_KEY = "fsdp_sched_schedule"
+#: ``gm.meta`` key of the schedules the solver itself returned over the traced graph's problem
+#: (its result, then the one before its final polish; empty when a hook imposed one): verification
+#: may install another candidate, and a local search ends where its start leads, so
+#: :func:`scheduler.rewritten.robust_schedule` judges and polishes these too
+SOLVED_KEY = "fsdp_sched_solved"
 
 # --------------------------------------------------------------------------------------------
 # solve (torch-free)
@@ -343,6 +348,8 @@ def optimize_schedule(
         schedule, report = solve_under(budget)
         solved = schedule.digest()
         schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
+        if schedule.digest() == solved:
+            own.extend([schedule, *unpolished])
         if not verify or not problem.colls:
             return Candidate(name=report.solver, schedule=schedule), report
         # a schedule the hook imposed is judged alone: it is the user's (or a test's) choice
@@ -363,6 +370,7 @@ def optimize_schedule(
                                  minimax_starts=MINIMAX_STARTS if robust else 1, **choice, **writeback)
 
     installed: list[Schedule | None] = []
+    own: list[Schedule] = []  # the solver's own schedules (SOLVED_KEY)
 
     def write_back(problem: Problem, chosen: Candidate) -> None:
         installed.append(chosen.schedule)
@@ -386,6 +394,7 @@ def optimize_schedule(
     report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = report
     gm.meta[SCHEDULE_KEY] = installed[0] if installed else None
+    gm.meta[SOLVED_KEY] = tuple(own)
     logger.info("%s", report.summary_line())
     return gm
 

@@ -13,6 +13,7 @@ comparisons (:mod:`scheduler.equal_memory`, ``benchmarks/cross_model.py``):
   heuristic of :data:`solvers.heuristics.HEURISTICS` written back, or torch's overlap
   scheduler (:data:`TORCH_BASELINE`, one of :data:`scheduler.verify.TORCH_CANDIDATES`);
 - :func:`product_candidate`: a copy rewritten by :func:`scheduler.optimize_schedule`, judged;
+- :func:`solver_candidates`: the schedules its solver returned, where another was installed;
 - :func:`robust_schedule`: the candidate best in the worst case across cost models
   (:func:`scheduler.robust.choice_key`), among fsdp-sched solved under each base model and the
   baselines, chosen by :func:`scheduler.verify.choose`.
@@ -30,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.api import SCHEDULE_KEY, optimize_schedule
+from scheduler.api import SCHEDULE_KEY, SOLVED_KEY, optimize_schedule
 from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import (
@@ -51,6 +52,7 @@ from scheduler.verify import (
     minimax_candidates,
     none_fits_error,
     rewrite,
+    schedule_candidate,
 )
 from solvers.core import InfeasibleBudgetError, Problem, ScheduleError, parse_bytes
 from solvers.heuristics import HEURISTICS
@@ -144,6 +146,34 @@ def product_candidate(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, 
     return Candidate(name=name, schedule=out.meta.get(SCHEDULE_KEY), graph=out, figures=figures)
 
 
+def solver_candidates(gm: "torch.fx.GraphModule", problem: Problem, products: Sequence[Candidate],
+                      cost_models: Mapping[str, Any], *, cluster: Any = None) -> list[Candidate]:
+    """The schedules each product candidate's solver returned itself (``SOLVED_KEY`` of its
+    rewritten graph: the result, then the one before the solver's final polish) that no
+    candidate of ``products`` has, as candidates over ``problem`` named ``"<product>:solved"``
+    and ``"<product>:unpolished"``, judged under every model of ``cost_models``.
+
+    Verification installs the fastest written graph under the model solved under, which can
+    be a polished neighbour of the solver's schedule: better under that model, a worse start
+    for the polish on the worst case. On llama3-8b's 8-layer backward at the FSDP2-like peak
+    the polish across the family reaches 1.1 % worst regret from the analytic solver's own
+    schedule and 3.4 % from the graph verification installed (BENCHMARKS.md section 10)."""
+    known = {c.digest() for c in products if c.schedule is not None}
+    out: list[Candidate] = []
+    for c in products:
+        solved = c.graph.meta.get(SOLVED_KEY, ()) if c.graph is not None else ()
+        for suffix, schedule in zip(("solved", "unpolished"), solved):
+            candidate = schedule_candidate(problem, f"{c.name}:{suffix}", schedule)
+            if candidate.digest() not in known:
+                known.add(candidate.digest())
+                out.append(candidate)
+    if out:
+        label, model, others = _primary(cost_models)
+        logger.info("judging the solvers' own schedules %s", [c.name for c in out])
+        judge_candidates(gm, problem, out, cost_model=model, cluster=cluster, other_cost_models=others, label=label)
+    return out
+
+
 def _primary(cost_models: Mapping[str, Any], label: str | None = None) -> tuple[str, Any, dict[str, Any]]:
     """(label, model) of the primary cost model (``label``, default the first) and the others."""
     if not cost_models:
@@ -191,11 +221,12 @@ class RobustResult:
         """Step time (ms) of every fitting candidate under every model, its worst regret."""
         times = self.step_ms_by_model()
         worst = self.worst_regret()
-        head = f"{'candidate':<24}" + "".join(f"{label:>16}" for label in times) + f"{'worst regret':>14}"
+        width = max([24] + [len(n) + 2 for n in self.fitting])
+        head = f"{'candidate':<{width}}" + "".join(f"{label:>16}" for label in times) + f"{'worst regret':>14}"
         lines = [head, "-" * len(head)]
         for n in self.fitting:
             mark = " <- robust" if n == self.chosen else ""
-            lines.append(f"{n:<24}" + "".join(f"{times[label][n]:16.2f}" for label in times)
+            lines.append(f"{n:<{width}}" + "".join(f"{times[label][n]:16.2f}" for label in times)
                          + f"{worst[n]:14.2%}{mark}")
         return "\n".join(lines)
 
@@ -219,7 +250,8 @@ def robust_schedule(
     (:func:`blends`, :class:`scheduler.costs.BlendCostModel`: where the models prefer different
     schedules, a compromise can be within a few percent of both), and each
     baseline of ``baselines`` (:func:`judge_baselines`), each
-    on its own copy of ``gm``, judged under every model of ``cost_models`` (default
+    on its own copy of ``gm``, and the solvers' own schedules where verification installed
+    another (:func:`solver_candidates`), judged under every model of ``cost_models`` (default
     :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on;
     a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``MINIMAX_WORK_SOLVES`` times
     ``time_limit_s`` of work),
@@ -259,10 +291,13 @@ def robust_schedule(
                                             name=name, solve_model=mix, extra_starts=starts))
         solved_under[name] = label
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
+    primary = next(iter(family))
+    problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
+    for own in solver_candidates(gm, problem, candidates, family, cluster=cluster):
+        candidates.append(own)
+        solved_under[own.name] = solved_under[own.name.rpartition(":")[0]]
     if minimax:
         # the best so far polished on the worst case across the family itself
-        primary = next(iter(family))
-        problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
         config = (minimax if isinstance(minimax, MinimaxConfig)
                   else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,

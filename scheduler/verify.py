@@ -39,7 +39,7 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, after_fields
-from scheduler.robust import candidate_worst_regrets
+from scheduler.robust import MINIMAX_START_SLACK, candidate_worst_regrets
 from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
 from solvers.minimax import MinimaxConfig, polish
@@ -350,7 +350,8 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
                        starts: int = 1, **writeback: Any) -> list[Candidate]:
     """The ``starts`` candidates of least worst-case regret among ``judged`` (those with a
     schedule over ``problem`` that fit the budget, judged under every model of ``cost_models``:
-    label -> cost model, the first being ``problem``'s; then those over the budget by at most
+    label -> cost model, the first being ``problem``'s, and regret no more than
+    :data:`scheduler.robust.MINIMAX_START_SLACK` above the least; then those over the budget by at most
     ``TIGHTEN_MAX_EXCESS``, fastest first), each polished on the worst case across
     those models (:func:`solvers.minimax.polish`, ``config`` per start), written back and
     judged like the others: a list of new candidates named ``name`` (``name-2``, ... from the
@@ -360,9 +361,9 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     at -30 % bandwidth and 15 to 30 % slower elsewhere, did); empty when none does.
 
     Several starts, because a local search ends where its start leads: on llama3-8b's 8-layer
-    backward at the FSDP2-like peak the solve under the analytic model, the worst of the
-    fsdp-sched candidates there (10.1 % regret), polishes to 1.1 %, the best (a blend, 6.4 %) to
-    4.0 % (BENCHMARKS.md section 10).
+    backward at the FSDP2-like peak the analytic solver's own schedule, among the worst of the
+    fsdp-sched candidates there (10.1 % regret), polishes to 1.1 %, the best (a blend, 6.1 %) to
+    4.6 % (BENCHMARKS.md section 10).
 
     Regret is measured against the best judged figure under each model, as the robust choice
     measures it. The polish keeps the simulated peak under the budget less the margin by which
@@ -376,7 +377,10 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     wait a fresh buffer, so a merged bucket counts twice); the tightened round fits.
     """
     worst = candidate_worst_regrets(judged, mem_budget_bytes)
-    fitting = sorted((c for c in judged if c.name in worst and c.schedule is not None),
+    if not worst:
+        return []
+    fitting = sorted((c for c in judged if c.name in worst and c.schedule is not None
+                      and worst[c.name] <= min(worst.values()) + MINIMAX_START_SLACK),
                      key=lambda c: (worst[c.name], c.name))
     # then schedules a little over the budget by a written count, fastest first: the polish
     # takes moves that lower the excess first (the solver's graph on a tied-embedding forward is
@@ -389,7 +393,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     for c in fitting + over:
         if all(c.digest() != d.digest() for d in distinct):
             distinct.append(c)
-    if not distinct or not worst:
+    if not distinct:
         return []
     labels = list(cost_models)
     reference = {label: min(c.figures.step_ms[label] for c in judged if c.name in worst) for label in labels}

@@ -110,6 +110,30 @@ def test_installed_schedule_starts_another_solve(pg):
                           fallback=False, verify=False)
 
 
+def test_solvers_own_schedules_are_kept_beside_the_installed_one(pg):
+    """``gm.meta[SOLVED_KEY]``: the schedules the solver returned itself (its result first), which
+    the closed loop may not install (robust_schedule judges and polishes them too); empty when
+    a hook imposed another schedule."""
+    from solvers.core.schedule import Schedule
+
+    from scheduler.api import SCHEDULE_KEY, SOLVED_KEY
+
+    gm = optimize_schedule(toy_graph(pg, 1), "1 GiB", cost_model=COSTS, time_limit_s=5, verify=False)
+    own = gm.meta[SOLVED_KEY]
+    assert own and all(isinstance(s, Schedule) for s in own)
+    assert own[0].digest() == gm.meta[SCHEDULE_KEY].digest() == gm.meta["fsdp_sched_report"].digest
+    traced = []
+
+    def hook(problem, schedule):
+        traced.append(problem.traced_schedule())
+        return traced[0]
+
+    hooked = optimize_schedule(toy_graph(pg, 1), "1 GiB", cost_model=COSTS, time_limit_s=5, verify=False,
+                               schedule_hook=hook)
+    assert traced[0].digest() != own[0].digest()  # else the hook imposed nothing
+    assert hooked.meta[SOLVED_KEY] == () and hooked.meta[SCHEDULE_KEY].digest() == traced[0].digest()
+
+
 def test_graph_without_collectives_comes_back_unchanged():
     gm = make_fx(lambda x: torch.relu(x @ x), tracing_mode="fake")(torch.randn(8, 8))
     before = str(gm.graph)

@@ -120,6 +120,32 @@ def test_robust_schedule_fits_and_has_the_least_regret(llama_graphs, kind):
     assert result.chosen in result.table()
 
 
+def test_solvers_own_schedules_join_when_no_candidate_has_them(llama_graphs):
+    """robust_schedule's candidates ``<product>:solved`` / ``<product>:unpolished``: the schedules
+    a product's solver returned (``SOLVED_KEY`` of its graph) that no candidate has, judged under
+    every model given; one equal to a candidate's is not repeated."""
+    from models.capture import fake_process_group
+    from scheduler.api import SOLVED_KEY
+    from scheduler.dag import export_dag
+    from scheduler.rewritten import solver_candidates
+    from scheduler.verify import Candidate
+    from solvers import Problem, solve
+
+    gm = llama_graphs.backward
+    models = {"analytic": "analytic", "torch": "torch"}
+    with fake_process_group(4):
+        problem = Problem.from_dag(export_dag(gm))
+        installed = solve(problem, solver="fsdp2").schedule
+        other = solve(problem, solver="simplefsdp").schedule
+        assert installed.digest() != other.digest()
+        product = Candidate(name="fsdp-sched[analytic]", schedule=installed,
+                            graph=SimpleNamespace(meta={SOLVED_KEY: (installed, other)}))
+        out = solver_candidates(gm, problem, [product], models)
+    assert [c.name for c in out] == ["fsdp-sched[analytic]:unpolished"]
+    assert out[0].schedule.digest() == other.digest()
+    assert out[0].figures is not None and set(out[0].figures.step_ms) == set(models)
+
+
 # --------------------------------------------------------------------------------------------
 # optimize_schedule(robust=True): the criterion inside the closed loop
 # --------------------------------------------------------------------------------------------
