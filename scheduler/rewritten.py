@@ -163,10 +163,9 @@ def solver_candidates(gm: "torch.fx.GraphModule", problem: Problem, products: Se
     for c in products:
         solved = c.graph.meta.get(SOLVED_KEY, ()) if c.graph is not None else ()
         for suffix, schedule in zip(("solved", "unpolished"), solved):
-            candidate = schedule_candidate(problem, f"{c.name}:{suffix}", schedule)
-            if candidate.digest() not in known:
-                known.add(candidate.digest())
-                out.append(candidate)
+            if schedule.digest() not in known:  # before simulating it for the prediction
+                known.add(schedule.digest())
+                out.append(schedule_candidate(problem, f"{c.name}:{suffix}", schedule))
     if out:
         label, model, others = _primary(cost_models)
         logger.info("judging the solvers' own schedules %s", [c.name for c in out])

@@ -379,8 +379,9 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     worst = candidate_worst_regrets(judged, mem_budget_bytes)
     if not worst:
         return []
+    least = min(worst.values())
     fitting = sorted((c for c in judged if c.name in worst and c.schedule is not None
-                      and worst[c.name] <= min(worst.values()) + MINIMAX_START_SLACK),
+                      and worst[c.name] <= least + MINIMAX_START_SLACK),
                      key=lambda c: (worst[c.name], c.name))
     # then schedules a little over the budget by a written count, fastest first: the polish
     # takes moves that lower the excess first (the solver's graph on a tied-embedding forward is
@@ -405,7 +406,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     out: list[Candidate] = []
     # a polished schedule joins only if it beats the best worst case so far: one that is best
     # under a single model and poor elsewhere would raise every other candidate's regret
-    best_worst = min(worst.values())
+    best_worst = least
     for i, start in enumerate(distinct[:starts]):
         logger.info("fsdp-sched: polishing %s (%s) on the worst case over %d cost models", start.name,
                     f"worst regret {100 * worst[start.name]:.2f} %" if start.name in worst else "over the budget",
