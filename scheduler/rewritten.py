@@ -36,6 +36,7 @@ from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import (
     BASE_COST_MODELS,
+    MINIMAX_REGROUP_STARTS,
     MINIMAX_STARTS,
     MINIMAX_WORK_SOLVES,
     blends,
@@ -298,7 +299,8 @@ def robust_schedule(
     if minimax:
         # the best so far polished on the worst case across the family itself
         config = (minimax if isinstance(minimax, MinimaxConfig)
-                  else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem))
+                  else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem,
+                                              regroup_starts=MINIMAX_REGROUP_STARTS))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
                                            name=MINIMAX, config=config, starts=MINIMAX_STARTS):
             candidates.append(polished)

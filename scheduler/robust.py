@@ -88,6 +88,9 @@ MINIMAX_STARTS = 16
 #: a candidate whose worst regret exceeds the least by more than this is no start: the traced
 #: order (94 % there) polishes to 44 % in as much work as a start that settles at 1.1 %
 MINIMAX_START_SLACK = 0.25
+#: regular bucketings of the best start polished too (:func:`solvers.minimax.regrouped_starts`):
+#: on llama3-8b's 32-layer forward the best regrets 2.6 %, every candidate 4 % or more
+MINIMAX_REGROUP_STARTS = 2
 #: weights on the first of two models, for the blends solved under as well (:func:`blends`)
 BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 

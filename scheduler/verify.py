@@ -42,7 +42,7 @@ from scheduler.report import ScheduleReport, after_fields
 from scheduler.robust import MINIMAX_START_SLACK, candidate_worst_regrets
 from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
-from solvers.minimax import MinimaxConfig, polish
+from solvers.minimax import MinimaxConfig, polish, regrouped_starts
 from solvers.warmstart import fitting_heuristics
 
 if TYPE_CHECKING:
@@ -365,6 +365,14 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     fsdp-sched candidates there (10.1 % regret), polishes to 1.1 %, the best (a blend, 6.1 %) to
     4.6 % (BENCHMARKS.md section 10).
 
+    With :attr:`~solvers.minimax.MinimaxConfig.regroup_starts` and more than one model, the
+    regular bucketings of the best start's chains of least worst regret
+    (:func:`solvers.minimax.regrouped_starts`) are polished after the candidates, each named
+    ``name-regrouped`` (``-2``, ...): bucket granularity is out of the polish's reach, and on
+    llama3-8b's 32-layer forward three layers per bucket regret 2.6 % where every candidate and
+    its polish regret 4 % or more (BENCHMARKS.md section 10). Such a start joins even when the
+    polish moves nothing from it, if its worst case beats the best so far.
+
     Regret is measured against the best judged figure under each model, as the robust choice
     measures it. The polish keeps the simulated peak under the budget less the margin by which
     the start's written graph counts more than its prediction. The liveness count and torch's
@@ -403,25 +411,36 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
                      for label in labels[1:]})
     others = {label: cost_models[label] for label in labels[1:]}
     known = {c.digest(): c for c in judged}
+
+    def margin(c: Candidate) -> int:
+        """Bytes by which ``c``'s written graph counts more than its prediction."""
+        return max(0, c.figures.max_peak_bytes - (c.predicted_peak_bytes or c.figures.peak_bytes))
+
+    # (name, schedule, budget margin, what it is, generated: joins when it beats the best, moves or not)
+    plan = [(name if i == 0 else f"{name}-{i + 1}", c.schedule, margin(c),
+             f"{c.name} (" + (f"worst regret {100 * worst[c.name]:.2f} %" if c.name in worst else "over the budget") + ")",
+             False) for i, c in enumerate(distinct[:starts])]
+    if config.regroup_starts and len(labels) > 1:
+        head = distinct[0]
+        budget = None if mem_budget_bytes is None else mem_budget_bytes - margin(head)
+        for k, (r, schedule, regret) in enumerate(regrouped_starts(problems, head.schedule, reference, budget, config)):
+            if schedule.digest() not in known:
+                plan.append((f"{name}-regrouped" + (f"-{k + 1}" if k else ""), schedule, margin(head),
+                             f"{head.name} regrouped: {r.describe()} (worst regret {100 * regret:.2f} %)", True))
     out: list[Candidate] = []
     # a polished schedule joins only if it beats the best worst case so far: one that is best
     # under a single model and poor elsewhere would raise every other candidate's regret
     best_worst = least
-    for i, start in enumerate(distinct[:starts]):
-        logger.info("fsdp-sched: polishing %s (%s) on the worst case over %d cost models", start.name,
-                    f"worst regret {100 * worst[start.name]:.2f} %" if start.name in worst else "over the budget",
-                    len(labels))
-        base = name if i == 0 else f"{name}-{i + 1}"
-        budget = mem_budget_bytes
-        if budget is not None:
-            budget -= max(0, start.figures.max_peak_bytes - (start.predicted_peak_bytes or start.figures.peak_bytes))
+    for base, schedule, excess, what, generated in plan:
+        logger.info("fsdp-sched: polishing %s on the worst case over %d cost models", what, len(labels))
+        budget = None if mem_budget_bytes is None else mem_budget_bytes - excess
         for round_ in range(TIGHTEN_ROUNDS + 1):
             try:
-                result = polish(problems, start.schedule, reference, budget, config)
+                result = polish(problems, schedule, reference, budget, config)
             except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
                 logger.info("fsdp-sched: no minimax polish: %s", e)
                 break
-            if not result.moves or result.worst_regret >= best_worst - 1e-9:
+            if (not result.moves and not generated) or result.worst_regret >= best_worst - 1e-9:
                 break
             # the polish may reach a schedule already judged (the solver's, over the budget by
             # a written count): it is then not judged again, but tightened past all the same

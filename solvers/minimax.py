@@ -36,6 +36,21 @@ current worst, so most rejected moves cost one simulation (and one build of the 
 counted as one more). The search stops after a full scan without gain or when
 :attr:`MinimaxConfig.max_simulations` are spent: work is counted in simulations, not seconds,
 so every rank gets the same schedule from the same graph.
+
+Regrouped starts (:func:`regrouped_starts`). The moves above change one bucket at a time, and
+bucket granularity is not reachable that way: on llama3-8b's 32-layer forward the schedule
+solved under our model puts two layers in each all-gather bucket, the one solved under torch's
+estimators four, every bucket between them regrouped at once scores worse under some model,
+and the polish accepts no move from either (4.01 % worst regret). The generator rebuilds one
+chain at a time as a regular bucketing (:class:`Regrouping`): the chain's collectives in units
+of one repeated block (the export's ``block``; a collective outside every block is a unit of
+its own), ``head`` units in the first bucket, ``size`` in each of the next, ``tail`` in the
+last, every bucket issued ``ahead`` buckets early (all-gathers at the wait of the bucket
+``ahead`` before; reduce-scatters as soon as their gradients are ready, waited at the issue
+of the bucket ``ahead`` after). Each is simulated under every model; the
+:attr:`MinimaxConfig.regroup_starts` best that fit the budget are starts for the polish. There
+three layers per bucket, a first bucket of the embedding and four layers, a last of the output
+projection alone, issued two buckets ahead, regret 2.63 %.
 """
 
 from __future__ import annotations
@@ -74,6 +89,12 @@ class MinimaxConfig:
     steps: tuple[int, ...] = (8, 2, 1)
     #: largest payload of a merged bucket in bytes (None: no cap)
     max_bucket_bytes: int | None = None
+    #: regrouped starts :func:`regrouped_starts` returns (0: none; the robust choice asks for some)
+    regroup_starts: int = 0
+    #: units (blocks) per bucket in the regular bucketings tried (:class:`Regrouping.size`)
+    regroup_sizes: tuple[int, ...] = (1, 2, 3, 4)
+    #: buckets of issue-ahead tried (:class:`Regrouping.ahead`)
+    regroup_aheads: tuple[int, ...] = (1, 2)
 
     def __post_init__(self) -> None:
         if self.max_simulations < 1:
@@ -82,6 +103,12 @@ class MinimaxConfig:
             raise ValueError(f"steps must be positive gap distances, got {self.steps}")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes < 1:
             raise ValueError(f"max_bucket_bytes must be >= 1 or None, got {self.max_bucket_bytes}")
+        if self.regroup_starts < 0:
+            raise ValueError(f"regroup_starts must be >= 0, got {self.regroup_starts}")
+        if not self.regroup_sizes or any(k < 1 for k in self.regroup_sizes):
+            raise ValueError(f"regroup_sizes must be positive unit counts, got {self.regroup_sizes}")
+        if not self.regroup_aheads or any(a < 1 for a in self.regroup_aheads):
+            raise ValueError(f"regroup_aheads must be positive bucket counts, got {self.regroup_aheads}")
 
     @classmethod
     def for_work(cls, work_s: float, problem: Problem, *, nodes_per_s: float = SIMULATED_NODES_PER_S,
@@ -276,6 +303,147 @@ def _neighbours(p: Problem, entries: list[Entry], config: MinimaxConfig) -> list
                 if i <= w + d <= hi:
                     out.append([*entries[:e], (bk, i, w + d), *entries[e + 1:]])
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Regrouping:
+    """A regular bucketing of one chain (module docstring): units of one block each, ``head``
+    units in the first bucket, ``size`` in each of the middle ones (the last of them takes what
+    is left), ``tail`` in the last; every bucket issued ``ahead`` buckets early."""
+
+    chain: tuple
+    size: int
+    head: int
+    tail: int
+    ahead: int
+
+    def describe(self) -> str:
+        return f"head {self.head}, {self.size} per bucket, tail {self.tail}, {self.ahead} ahead"
+
+
+def chain_units(p: Problem, names: Sequence[str]) -> list[tuple[str, ...]]:
+    """``names`` (one chain, in chain order) in runs of consecutive collectives of one block
+    (the export's ``block``); a collective outside every block is a unit of its own."""
+    units: list[list[str]] = []
+    for n in names:
+        block = p.colls[n].block
+        if units and block is not None and p.colls[units[-1][-1]].block == block:
+            units[-1].append(n)
+        else:
+            units.append([n])
+    return [tuple(u) for u in units]
+
+
+def _group_sizes(n: int, r: Regrouping) -> list[int] | None:
+    if r.head + r.tail > n:
+        return None
+    middle = n - r.head - r.tail
+    sizes = [r.head] + [r.size] * (middle // r.size) + ([middle % r.size] if middle % r.size else [])
+    return sizes + [r.tail] if r.tail else sizes
+
+
+def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
+    """``schedule`` with chain ``r.chain`` bucketed by ``r`` (other buckets kept); None when
+    that is no valid schedule (a bucket over :attr:`MinimaxConfig.max_bucket_bytes` is the
+    caller's to rule out)."""
+    names = p.chains[r.chain]
+    units = chain_units(p, names)
+    sizes = _group_sizes(len(units), r)
+    if sizes is None:
+        return None
+    groups, at = [], 0
+    for k in sizes:
+        groups.append(tuple(m for u in units[at:at + k] for m in u))
+        at += k
+    in_chain = set(names)
+    entries = _entries(schedule)
+    kept = [e for e in entries if e[0].members[0] not in in_chain]
+    issued = [i for bk, i, _ in entries if bk.members[0] in in_chain]
+    waited = [w for bk, _, w in entries if bk.members[0] in in_chain]
+    ready = [max(p.colls[m].ready for m in g) for g in groups]
+    needed = [min(p.colls[m].needed for m in g) for g in groups]
+    if p.colls[names[0]].coll_type == "all_gather":
+        # each waited where its first member is needed, issued at the wait of ``ahead`` before
+        issue = [needed[k - r.ahead] if k >= r.ahead else min(issued) for k in range(len(groups))]
+        placed = [(Bucket(g), min(max(ready[k], issue[k]), needed[k]), needed[k]) for k, g in enumerate(groups)]
+    else:
+        # each issued when its last gradient is ready, waited at the issue of ``ahead`` after
+        wait = [ready[k + r.ahead] if k + r.ahead < len(groups) else max(waited) for k in range(len(groups))]
+        placed = [(Bucket(g), ready[k], max(min(wait[k], needed[k]), ready[k])) for k, g in enumerate(groups)]
+    ordered = chain_ordered(p, kept + placed)
+    if ordered is None:
+        return None
+    try:
+        return from_entries(p, ordered)
+    except ValueError:
+        return None
+
+
+def regroupings(p: Problem, config: MinimaxConfig = MinimaxConfig()) -> list[Regrouping]:
+    """The regular bucketings :func:`regrouped_starts` tries, in a fixed order: for every chain
+    of at least two units, each ``size`` of :attr:`MinimaxConfig.regroup_sizes`, a first bucket
+    of 1, ``size`` or ``size + 1`` units, a last of 1, 2 or ``size``, each issue-ahead of
+    :attr:`MinimaxConfig.regroup_aheads`; distinct bucketings only."""
+    out: list[Regrouping] = []
+    for key in sorted(p.chains, key=repr):
+        n = len(chain_units(p, p.chains[key]))
+        if n < 2:
+            continue
+        seen: set[tuple[int, ...]] = set()
+        for size in config.regroup_sizes:
+            for head in dict.fromkeys((1, size, size + 1)):
+                for tail in dict.fromkeys((1, 2, size)):
+                    sizes = _group_sizes(n, Regrouping(key, size, head, tail, 1))
+                    if sizes is None or tuple(sizes) in seen:
+                        continue
+                    seen.add(tuple(sizes))
+                    out.extend(Regrouping(key, size, head, tail, a) for a in config.regroup_aheads)
+    return out
+
+
+def regrouped_starts(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
+                     mem_budget_bytes: int | None = None,
+                     config: MinimaxConfig = MinimaxConfig()) -> list[tuple[Regrouping, Schedule, float]]:
+    """The :attr:`MinimaxConfig.regroup_starts` regular bucketings of ``start``'s chains
+    (:func:`regroupings`, one chain at a time) of least worst-case regret across
+    ``problems`` that fit ``mem_budget_bytes``, best first: (regrouping, schedule, worst
+    regret). Starts for :func:`polish` that its one-bucket moves cannot reach (module
+    docstring). Tries them in :func:`regroupings`' order until :attr:`MinimaxConfig.max_simulations`
+    are spent (deterministic); empty when none fits or ``regroup_starts`` is 0.
+
+    Raises:
+        ValueError: as :func:`polish`.
+    """
+    if config.regroup_starts == 0:
+        return []
+    t0 = time.perf_counter()
+    search = _Search(problems, reference_ms, mem_budget_bytes)
+    seen = {start.digest()}
+    scored: list[tuple[tuple[float, float], int, Regrouping, Schedule]] = []
+    tried = 0
+    for r in regroupings(search.p0, config):
+        if search.simulations >= config.max_simulations:
+            break
+        schedule = regroup(search.p0, start, r)
+        search.simulations += 1  # building it costs about a simulation
+        if schedule is None or schedule.digest() in seen:
+            continue
+        seen.add(schedule.digest())
+        if config.max_bucket_bytes is not None and any(
+                len(bk.members) > 1 and sum(search.p0.colls[m].payload_bytes for m in bk.members)
+                > config.max_bucket_bytes for bk in schedule.buckets):
+            continue
+        tried += 1
+        found = search.evaluate(schedule, None)
+        if found is None or found[1][0] > 0:
+            continue
+        scored.append(((found[1][1], found[1][2]), tried, r, schedule))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    best = [(r, schedule, score[0]) for score, _, r, schedule in scored[:config.regroup_starts]]
+    logger.info("minimax regroup: %d regular bucketings fit of %d tried (%d simulations, %.1f s)%s", len(scored),
+                tried, search.simulations, time.perf_counter() - t0,
+                f"; best {best[0][0].describe()}: worst-case regret {100 * best[0][2]:.2f} %" if best else "")
+    return best
 
 
 def reference_times(problems: Mapping[str, Problem], schedules: Sequence[Schedule],

@@ -109,3 +109,82 @@ def test_polish_keeps_merged_buckets_under_the_cap(forward_case):
     free = polish(problems, solved["fast"], reference, budget)
     assert all(payload(b) <= cap for b in result.schedule.buckets)
     assert max(payload(b) for b in free.schedule.buckets) > cap  # without the cap the polish merges past it
+
+
+# --------------------------------------------------------------------------------------------
+# regrouped starts: regular bucketings of a chain (solvers/minimax.py, regrouped_starts)
+# --------------------------------------------------------------------------------------------
+def _with_blocks(kind: str, n_layers: int = 6) -> dict[str, Problem]:
+    """The two-cluster problems with each collective's ``block`` set from its FQN, as the export
+    infers it (``layers.L.*`` -> L; the embedding, norm and output in no block)."""
+    out = {}
+    for inter_node_gbps, label in ((400.0, "fast"), (25.0, "slow")):
+        dag = make_fsdp_dag(n_layers=n_layers, graph_kind=kind, world_size=64, seed=0,
+                            cluster=Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps))
+        for _, a in dag.nodes(data=True):
+            if a["kind"] == "collective":
+                parts = a["fqns"][0].split(".")
+                a["block"] = int(parts[1]) if parts[0] == "layers" else None
+        out[label] = Problem.from_dag(dag)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_regroup_buckets_a_chain_by_blocks_and_issues_ahead(kind):
+    """6 layers of 4 parameters, the embedding first and norm, output last (forward; backward in
+    reverse): head 2 units, 2 per bucket, tail 1, 1 ahead. Forward: all-gathers waited where
+    their first member is needed, issued at the previous bucket's wait. Backward:
+    reduce-scatters issued when their last gradient is ready, waited at the next one's issue."""
+    from solvers.minimax import Regrouping, chain_units, regroup
+
+    p = _with_blocks(kind)["fast"]
+    (key, names), = p.chains.items()
+    units = chain_units(p, names)
+    assert [len(u) for u in units] == ([1] + [4] * 6 + [1, 1] if kind == "forward" else [1, 1] + [4] * 6 + [1])
+    r = Regrouping(key, size=2, head=2, tail=1, ahead=1)
+    schedule = regroup(p, p.traced_schedule(), r)
+    validate_schedule(p, schedule)
+    issue, wait = schedule.positions()
+    rows = sorted(zip(schedule.buckets, issue, wait), key=lambda x: names.index(x[0].members[0]))
+    # 9 units: 2 | 2 | 2 | 2 | 1
+    assert [bk.members for bk, _, _ in rows] == [sum(units[a:b], ()) for a, b in ((0, 2), (2, 4), (4, 6), (6, 8), (8, 9))]
+    for k, (bk, i, w) in enumerate(rows):
+        ready = max(p.colls[m].ready for m in bk.members)
+        needed = min(p.colls[m].needed for m in bk.members)
+        if kind == "forward":
+            assert w == needed
+            assert i == (rows[k - 1][2] if k else min(p.traced_schedule().positions()[0]))
+        else:
+            assert i == ready
+            assert w == (rows[k + 1][1] if k + 1 < len(rows) else w)
+
+
+def test_regrouped_starts_are_the_best_regular_bucketings():
+    """``regrouped_starts`` returns the ``regroup_starts`` regular bucketings of least
+    worst-case regret that fit (checked by simulating every one of them), best first, the same
+    on every call; none with ``regroup_starts`` 0."""
+    from solvers.minimax import regroup, regrouped_starts, regroupings
+
+    problems = _with_blocks("forward")
+    p = problems["fast"]
+    traced = p.traced_schedule()
+    budget = int(simulate(p.dag, traced, problem=p).peak_bytes * 1.15)
+    start = solve(p, solver="fsdp2", mem_budget_bytes=budget).schedule
+    reference = reference_times(problems, [start], budget)
+    config = MinimaxConfig(regroup_starts=3, max_simulations=100_000)
+    by_hand = {}
+    for r in regroupings(p, config):
+        s = regroup(p, start, r)
+        sims = [simulate(q.dag, s, problem=q) for q in problems.values()]
+        if max(x.peak_bytes for x in sims) <= budget and s.digest() != start.digest():
+            by_hand.setdefault(s.digest(), _worst(problems, s, reference))
+    assert len(by_hand) > 3
+    out = regrouped_starts(problems, start, reference, budget, config)
+    assert [w for _, _, w in out] == pytest.approx(sorted(by_hand.values())[:3])
+    assert all(by_hand[s.digest()] == pytest.approx(w) for _, s, w in out)
+    again = regrouped_starts(problems, start, reference, budget, config)
+    assert [s.digest() for _, s, _ in again] == [s.digest() for _, s, _ in out]
+    assert regrouped_starts(problems, start, reference, budget, MinimaxConfig()) == []
+    for bad in ({"regroup_starts": -1}, {"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
+        with pytest.raises(ValueError):
+            MinimaxConfig(**bad)
