@@ -148,11 +148,12 @@ def product_candidate(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, 
 
 
 def solver_candidates(gm: "torch.fx.GraphModule", problem: Problem, products: Sequence[Candidate],
-                      cost_models: Mapping[str, Any], *, cluster: Any = None) -> list[Candidate]:
+                      cost_models: Mapping[str, Any], *, cluster: Any = None) -> list[tuple[Candidate, Candidate]]:
     """The schedules each product candidate's solver returned itself (``SOLVED_KEY`` of its
     rewritten graph: the result, then the one before the solver's final polish) that no
     candidate of ``products`` has, as candidates over ``problem`` named ``"<product>:solved"``
-    and ``"<product>:unpolished"``, judged under every model of ``cost_models``.
+    and ``"<product>:unpolished"``, judged under every model of ``cost_models``: (product, its
+    new candidate) pairs.
 
     Verification installs the fastest written graph under the model solved under, which can
     be a polished neighbour of the solver's schedule: better under that model, a worse start
@@ -160,17 +161,18 @@ def solver_candidates(gm: "torch.fx.GraphModule", problem: Problem, products: Se
     the polish across the family reaches 1.1 % worst regret from the analytic solver's own
     schedule and 3.4 % from the graph verification installed (BENCHMARKS.md section 10)."""
     known = {c.digest() for c in products if c.schedule is not None}
-    out: list[Candidate] = []
+    out: list[tuple[Candidate, Candidate]] = []
     for c in products:
         solved = c.graph.meta.get(SOLVED_KEY, ()) if c.graph is not None else ()
         for suffix, schedule in zip(("solved", "unpolished"), solved):
             if schedule.digest() not in known:  # before simulating it for the prediction
                 known.add(schedule.digest())
-                out.append(schedule_candidate(problem, f"{c.name}:{suffix}", schedule))
+                out.append((c, schedule_candidate(problem, f"{c.name}:{suffix}", schedule)))
     if out:
         label, model, others = _primary(cost_models)
-        logger.info("judging the solvers' own schedules %s", [c.name for c in out])
-        judge_candidates(gm, problem, out, cost_model=model, cluster=cluster, other_cost_models=others, label=label)
+        logger.info("judging the solvers' own schedules %s", [own.name for _, own in out])
+        judge_candidates(gm, problem, [own for _, own in out], cost_model=model, cluster=cluster,
+                         other_cost_models=others, label=label)
     return out
 
 
@@ -293,9 +295,9 @@ def robust_schedule(
     candidates += judge_baselines(gm, baselines, family, cluster=cluster, keep_graphs=True)
     primary = next(iter(family))
     problem = Problem.from_dag(export_dag(gm, cost_model=family[primary], cluster=cluster))
-    for own in solver_candidates(gm, problem, candidates, family, cluster=cluster):
+    for product, own in solver_candidates(gm, problem, candidates, family, cluster=cluster):
         candidates.append(own)
-        solved_under[own.name] = solved_under[own.name.rpartition(":")[0]]
+        solved_under[own.name] = solved_under[product.name]
     if minimax:
         # the best so far polished on the worst case across the family itself
         config = (minimax if isinstance(minimax, MinimaxConfig)

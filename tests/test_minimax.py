@@ -185,6 +185,14 @@ def test_regrouped_starts_are_the_best_regular_bucketings():
     again = regrouped_starts(problems, start, reference, budget, config)
     assert [s.digest() for _, s, _ in again] == [s.digest() for _, s, _ in out]
     assert regrouped_starts(problems, start, reference, budget, MinimaxConfig()) == []
+    # under a cap on merged payloads, only bucketings within it (the best ones merge past it)
+    def payload(bucket):
+        return sum(p.colls[m].payload_bytes for m in bucket.members)
+
+    cap = max(payload(b) for _, s, _ in out for b in s.buckets) - 1
+    capped = regrouped_starts(problems, start, reference, budget,
+                              MinimaxConfig(regroup_starts=3, max_simulations=100_000, max_bucket_bytes=cap))
+    assert capped and all(len(b.members) == 1 or payload(b) <= cap for _, s, _ in capped for b in s.buckets)
     for bad in ({"regroup_starts": -1}, {"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
         with pytest.raises(ValueError):
             MinimaxConfig(**bad)

@@ -141,9 +141,10 @@ def test_solvers_own_schedules_join_when_no_candidate_has_them(llama_graphs):
         product = Candidate(name="fsdp-sched[analytic]", schedule=installed,
                             graph=SimpleNamespace(meta={SOLVED_KEY: (installed, other)}))
         out = solver_candidates(gm, problem, [product], models)
-    assert [c.name for c in out] == ["fsdp-sched[analytic]:unpolished"]
-    assert out[0].schedule.digest() == other.digest()
-    assert out[0].figures is not None and set(out[0].figures.step_ms) == set(models)
+    assert [(p.name, c.name) for p, c in out] == [("fsdp-sched[analytic]", "fsdp-sched[analytic]:unpolished")]
+    own = out[0][1]
+    assert own.schedule.digest() == other.digest()
+    assert own.figures is not None and set(own.figures.step_ms) == set(models)
 
 
 def test_regrouped_start_joins_the_written_candidates(llama_graphs):
