@@ -40,17 +40,17 @@ so every rank gets the same schedule from the same graph.
 Regrouped starts (:func:`regrouped_starts`). The moves above change one bucket at a time, and
 bucket granularity is not reachable that way: on llama3-8b's 32-layer forward the schedule
 solved under our model puts two layers in each all-gather bucket, the one solved under torch's
-estimators four, every bucket between them regrouped at once scores worse under some model,
-and the polish accepts no move from either (4.01 % worst regret). The generator rebuilds one
+estimators four; a schedule between them needs every bucket regrouped at once, and the polish
+accepts no move from either (4.01 % worst regret). The generator rebuilds one
 chain at a time as a regular bucketing (:class:`Regrouping`): the chain's collectives in units
 of one repeated block (the export's ``block``; a collective outside every block is a unit of
 its own), ``head`` units in the first bucket, ``size`` in each of the next, ``tail`` in the
 last, every bucket issued ``ahead`` buckets early (all-gathers at the wait of the bucket
 ``ahead`` before; reduce-scatters as soon as their gradients are ready, waited at the issue
 of the bucket ``ahead`` after). Each is simulated under every model; the
-:attr:`MinimaxConfig.regroup_starts` best that fit the budget are starts for the polish. There
-three layers per bucket, a first bucket of the embedding and four layers, a last of the output
-projection alone, issued two buckets ahead, regret 2.63 %.
+:attr:`MinimaxConfig.regroup_starts` best that fit the budget are starts for the polish. On
+that forward the best has three layers per bucket (the embedding and four layers first, the
+output projection alone last), issued two buckets ahead: 2.63 % worst regret, 2.61 % polished.
 """
 
 from __future__ import annotations
