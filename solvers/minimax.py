@@ -317,6 +317,10 @@ class Regrouping:
     tail: int
     ahead: int
 
+    def __post_init__(self) -> None:
+        if min(self.size, self.head, self.tail, self.ahead) < 1:
+            raise ValueError(f"a regrouping needs size, head, tail and ahead >= 1, got {self}")
+
     def describe(self) -> str:
         return f"head {self.head}, {self.size} per bucket, tail {self.tail}, {self.ahead} ahead"
 
@@ -334,12 +338,13 @@ def chain_units(p: Problem, names: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(u) for u in units]
 
 
-def _group_sizes(n: int, r: Regrouping) -> list[int] | None:
-    if r.head + r.tail > n:
+def _group_sizes(n: int, head: int, size: int, tail: int) -> list[int] | None:
+    """Units per bucket of ``n`` units bucketed ``head``, ``size``, ... , ``tail``; None when
+    ``n`` is fewer than ``head + tail``."""
+    if head + tail > n:
         return None
-    middle = n - r.head - r.tail
-    sizes = [r.head] + [r.size] * (middle // r.size) + ([middle % r.size] if middle % r.size else [])
-    return sizes + [r.tail] if r.tail else sizes
+    middle = n - head - tail
+    return [head] + [size] * (middle // size) + ([middle % size] if middle % size else []) + [tail]
 
 
 def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
@@ -348,7 +353,7 @@ def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
     caller's to rule out)."""
     names = p.chains[r.chain]
     units = chain_units(p, names)
-    sizes = _group_sizes(len(units), r)
+    sizes = _group_sizes(len(units), r.head, r.size, r.tail)
     if sizes is None:
         return None
     groups, at = [], 0
@@ -393,7 +398,7 @@ def regroupings(p: Problem, config: MinimaxConfig = MinimaxConfig()) -> list[Reg
         for size in config.regroup_sizes:
             for head in dict.fromkeys((1, size, size + 1)):
                 for tail in dict.fromkeys((1, 2, size)):
-                    sizes = _group_sizes(n, Regrouping(key, size, head, tail, 1))
+                    sizes = _group_sizes(n, head, size, tail)
                     if sizes is None or tuple(sizes) in seen:
                         continue
                     seen.add(tuple(sizes))
@@ -426,9 +431,10 @@ def regrouped_starts(problems: Mapping[str, Problem], start: Schedule, reference
             break
         schedule = regroup(search.p0, start, r)
         search.simulations += 1  # building it costs about a simulation
-        if schedule is None or schedule.digest() in seen:
+        digest = None if schedule is None else schedule.digest()
+        if digest is None or digest in seen:
             continue
-        seen.add(schedule.digest())
+        seen.add(digest)
         if config.max_bucket_bytes is not None and any(
                 len(bk.members) > 1 and sum(search.p0.colls[m].payload_bytes for m in bk.members)
                 > config.max_bucket_bytes for bk in schedule.buckets):

@@ -196,3 +196,7 @@ def test_regrouped_starts_are_the_best_regular_bucketings():
     for bad in ({"regroup_starts": -1}, {"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
         with pytest.raises(ValueError):
             MinimaxConfig(**bad)
+    from solvers.minimax import Regrouping
+
+    with pytest.raises(ValueError, match="size, head, tail and ahead >= 1"):
+        Regrouping(next(iter(p.chains)), size=0, head=1, tail=1, ahead=1)

@@ -195,7 +195,8 @@ class SolveResult:
         notes: human-readable remarks (fallback reasons, limits hit).
         history: (seconds since the solve started, simulated step ms) each time the incumbent
             improved, warm start first (filled by the windowed search; empty otherwise).
-        alternatives: see the field.
+        alternatives: other schedules of the solve worth judging on the written graph (the
+            schedule before the final polish).
     """
 
     schedule: Schedule
