@@ -374,15 +374,16 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     polish moves nothing from it, if its worst case beats the best so far.
 
     Regret is measured against the best judged figure under each model, as the robust choice
-    measures it. The polish keeps the simulated peak under the budget less the margin by which
-    the start's written graph counts more than its prediction. The liveness count and torch's
-    tracker count collective buffers otherwise than the model, so a polished graph can still
-    be over by them: it is then polished again under the budget less that excess (as
-    :func:`tightened_budget` re-solves, but whatever the excess: a polish costs seconds, not a
-    solve), at most :data:`TIGHTEN_ROUNDS` times, each round a candidate of its own
-    (``name-tightened``, ``name-tightened-2``). On llama3-debug's backward at the FSDP2-like
-    peak torch's tracker counts the first polished graph 5.5 % over the budget (it gives each
-    wait a fresh buffer, so a merged bucket counts twice); the tightened round fits.
+    measures it. The polish keeps both simulated peaks (the model's, and torch's tracker rules
+    on the written graph, which the simulator counts exactly: ``SimResult.max_peak_bytes``)
+    under the budget less the margin by which the start's written graph counts more than that
+    prediction. A polished graph still over by a written count is polished again under the
+    budget less that excess (as :func:`tightened_budget` re-solves, but whatever the excess: a
+    polish costs seconds, not a solve), at most :data:`TIGHTEN_ROUNDS` times, each round a
+    candidate of its own (``name-tightened``, ``name-tightened-2``). Before the simulator
+    counted by torch's rules, torch's tracker counted the first polished graph of llama3-debug's
+    backward 5.5 % over the FSDP2-like peak (a merged all-gather's ``out=`` result beside its
+    buffer); now the polish sees that and keeps under it.
     """
     worst = candidate_worst_regrets(judged, mem_budget_bytes)
     if not worst:
@@ -413,8 +414,11 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     known = {c.digest(): c for c in judged}
 
     def margin(c: Candidate) -> int:
-        """Bytes by which ``c``'s written graph counts more than its prediction."""
-        return max(0, c.figures.max_peak_bytes - (c.predicted_peak_bytes or c.figures.peak_bytes))
+        """Bytes by which ``c``'s written graph counts more than the simulator predicts by both
+        its counts (the model's and torch's tracker rules): the liveness count frees a tuple's
+        elements one by one where the export frees the tuple after its last reader."""
+        predicted = simulate(problem.dag, c.schedule, problem=problem).max_peak_bytes
+        return max(0, c.figures.max_peak_bytes - predicted)
 
     # (name, schedule, budget margin, what it is, generated: joins when it beats the best, moves or not)
     plan = [(name if i == 0 else f"{name}-{i + 1}", c.schedule, margin(c),
@@ -459,7 +463,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
                 best_worst = min(best_worst, result.worst_regret)
                 break
             excess = f.max_peak_bytes - mem_budget_bytes
-            budget = min(budget, polished.predicted_peak_bytes or f.peak_bytes) - excess - 1
+            budget = min(budget, result.peak_bytes) - excess - 1
     return out
 
 

@@ -177,6 +177,41 @@ def test_regrouped_start_joins_the_written_candidates(llama_graphs):
     assert all(f.step_ms[label] < traced.figures.step_ms[label] for label in models)
 
 
+def test_polished_graph_over_by_a_written_count_is_polished_again(llama_graphs, monkeypatch):
+    """``minimax_candidates``' tightened rounds: torch's tracker made to count 16 KiB above the
+    liveness count on any graph with a merged all-gather, the first polished graph (from
+    the traced order, no merges, so no margin) is over the budget by it; the polish runs again
+    under the budget less that excess, and that round (``-tightened``) fits by all three
+    counts."""
+    from models.capture import fake_process_group
+    from scheduler import verify
+    from scheduler.dag import export_dag
+    from scheduler.judge import liveness_peak
+    from scheduler.rewritten import rewrite_baseline
+    from scheduler.verify import judge_candidates, judge_graph, minimax_candidates, schedule_candidate
+    from solvers import Problem
+    from solvers.minimax import MinimaxConfig
+
+    def merged(gm):
+        return sum(1 for n in gm.graph.nodes if "all_gather_into_tensor_out" in str(n.target))
+
+    gm = llama_graphs.backward
+    models = {"analytic": "analytic", "torch": "torch"}
+    with fake_process_group(4):
+        budget = judge_graph(rewrite_baseline(gm, "fsdp2")).max_peak_bytes
+        monkeypatch.setattr(verify, "torch_tracker_peak", lambda gm: liveness_peak(gm) + (16 << 10) * bool(merged(gm)))
+        problem = Problem.from_dag(export_dag(gm))
+        traced = schedule_candidate(problem, "traced", problem.traced_schedule())
+        judge_candidates(gm, problem, [traced], cost_model="analytic", other_cost_models={"torch": "torch"},
+                         label="analytic")
+        out = minimax_candidates(gm, problem, [traced], budget, models, name="mm", starts=0,
+                                 config=MinimaxConfig(max_simulations=2000, regroup_starts=1))
+    names = [c.name for c in out]
+    assert names[:2] == ["mm-regrouped", "mm-regrouped-tightened"], names
+    assert out[0].figures.max_peak_bytes > budget >= out[0].predicted_peak_bytes
+    assert out[1].figures.max_peak_bytes <= budget
+
+
 # --------------------------------------------------------------------------------------------
 # optimize_schedule(robust=True): the criterion inside the closed loop
 # --------------------------------------------------------------------------------------------
@@ -209,13 +244,15 @@ def test_optimize_schedule_robust_fits_and_regrets_no_more_than_the_fastest(llam
     # solved under blends of the two base models too (compromises), each judged like the others,
     # and the best polished on the worst case across the family
     assert {f"cpsat[blend {w}%]" for w in (25, 50, 75)} & set(rows)
-    # here torch's tracker counts the first polished graph over the budget (it gives each wait a
-    # fresh buffer: a merged bucket counts twice); polished again under the budget less that
-    # excess, the next round fits and regrets less than the solve under the analytic model
-    assert rows["cpsat[minimax]"]["tracker_peak_bytes"] > budget >= rows["cpsat[minimax]"]["peak_bytes"]
-    tightened = rows["cpsat[minimax]-tightened"]
-    assert max(tightened["peak_bytes"], tightened["liveness_peak_bytes"], tightened["tracker_peak_bytes"]) <= budget
-    assert tightened["worst_regret"] < rows["cpsat"]["worst_regret"]
+    # the polish counts torch's tracker rules too (a merged all-gather's out= result beside its
+    # buffer), so its first graph fits by all three counts, within 32 B of the budget here (it
+    # used to be 16 KiB over by the tracker and needed a tightened round), and regrets less than
+    # the solve under the analytic model
+    polished = rows["cpsat[minimax]"]
+    assert max(polished["peak_bytes"], polished["liveness_peak_bytes"], polished["tracker_peak_bytes"]) <= budget
+    assert polished["tracker_peak_bytes"] > polished["liveness_peak_bytes"]
+    assert not any("-tightened" in name for name in rows)
+    assert polished["worst_regret"] < rows["cpsat"]["worst_regret"]
     pool = {n: c["step_ms"] for n, c in rows.items() if c["worst_regret"] is not None}
     assert set(pool[report.chosen_candidate]) == set(family)
     assert rows[report.chosen_candidate]["worst_regret"] == min(c["worst_regret"] for c in rows.values()
