@@ -17,9 +17,12 @@
    transients approximately) the model's budget is tightened by the excess and the model
    re-solved, at most ``memory_repair_rounds`` times;
 4. polish: a local search on the simulator from the schedule that fits (:mod:`solvers.minimax`
-   with the one cost model: bucket merges and small issue / wait moves) with the work the
-   search left (at most ``polish_share`` of the limit; the search keeps its whole limit, which
-   short limits need, and a solve's work stays within its limit);
+   with the one cost model: bucket merges, transfers across bucket boundaries and small issue /
+   wait moves; the budget held by both counts of the simulator, or, for a start over it by
+   torch's tracker rules that the moves cannot bring under, that count held where the start
+   has it, a second polish) with the work the search left (at most ``polish_share`` of
+   the limit; the search keeps its whole limit, which short limits need, and a solve's work
+   stays within its limit);
 5. answer, never worse than the warm start: a model that is infeasible or finds nothing, or a
    repair that does not converge, returns the warm start (flagged) when one fits, and raises
    :class:`InfeasibleBudgetError` naming the smallest peak found when none does; a schedule
@@ -294,7 +297,15 @@ class _Run:
             return sim, False
         config = MinimaxConfig.for_work(work_s, self.p, nodes_per_s=self.cfg.polish_nodes_per_s,
                                         max_bucket_bytes=self.cfg.max_bucket_bytes)
-        result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config)
+        try:
+            result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config)
+        except InfeasibleBudgetError:
+            # the model guarantees the budget by the execution model's count only: a start over
+            # it by torch's tracker rules, which the moves cannot bring under, is polished with
+            # that count held where the start has it (the written graph is judged and repaired
+            # later, scheduler.verify)
+            result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config,
+                            tracker_budget_bytes=max(self.mem_budget_bytes or 0, sim.tracker_peak_bytes))
         if not result.step_ms["model"] < sim.step_ms - 1e-9:
             return sim, False
         self.notes.append(f"polished on the simulator: {sim.step_ms:.3f} -> {result.step_ms['model']:.3f} ms "

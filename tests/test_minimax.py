@@ -200,3 +200,24 @@ def test_regrouped_starts_are_the_best_regular_bucketings():
 
     with pytest.raises(ValueError, match="size, head, tail and ahead >= 1"):
         Regrouping(next(iter(p.chains)), size=0, head=1, tail=1, ahead=1)
+
+
+def test_tracker_budget_of_its_own_holds_the_start_where_it_is():
+    """A start within the budget by the execution model's count and over it by torch's tracker
+    rules (the traced forward: each wait's result beside the collective's). Under the budget
+    alone the polish must bring both counts under it; with ``tracker_budget_bytes`` at the
+    start's tracker peak (as the driver polishes a solve, whose model holds the first count
+    only) the tracker count may stay where the start has it, never above, and the polish
+    reaches a faster schedule than under both."""
+    p = Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind="forward", world_size=64, seed=0, cluster=Cluster()))
+    traced = simulate(p.dag, problem=p)
+    budget = traced.peak_bytes
+    assert traced.tracker_peak_bytes > budget
+    config = MinimaxConfig(max_simulations=2000)
+    both = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, config)
+    held = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, config,
+                  tracker_budget_bytes=traced.tracker_peak_bytes)
+    for result, tracker_limit in ((both, budget), (held, traced.tracker_peak_bytes)):
+        sim = simulate(p.dag, result.schedule, problem=p)
+        assert sim.peak_bytes <= budget and sim.tracker_peak_bytes <= tracker_limit
+    assert held.step_ms["m"] < both.step_ms["m"]

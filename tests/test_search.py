@@ -283,6 +283,35 @@ def test_search_restarts_from_the_other_granularity_with_work_left():
     validate_schedule(p, again.schedule)
 
 
+def test_polish_over_torchs_count_holds_it_where_the_start_has_it(monkeypatch):
+    """The solve's model holds the budget by the execution model's count only. When the polish
+    cannot bring its start under the budget by torch's tracker rules too (made to refuse here),
+    the solve does not fail: it polishes again with that count held at the start's peak."""
+    from scheduler.costs import Cluster
+    from solvers import driver
+    from solvers.core import InfeasibleBudgetError
+
+    p = Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind="forward", world_size=64, seed=1,
+                                       cluster=Cluster(n_gpus=64, inter_node_gbps=400)))
+    budget = int(simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes * 1.15)
+    calls = []
+    real = driver.polish
+
+    def refusing(problems, start, reference, mem_budget_bytes, config, *, tracker_budget_bytes=None):
+        calls.append((start, tracker_budget_bytes))
+        if tracker_budget_bytes is None:
+            raise InfeasibleBudgetError("refused", budget_bytes=mem_budget_bytes, min_peak_bytes=mem_budget_bytes + 1)
+        return real(problems, start, reference, mem_budget_bytes, config, tracker_budget_bytes=tracker_budget_bytes)
+
+    monkeypatch.setattr(driver, "polish", refusing)
+    result = solve_cpsat(p, mem_budget_bytes=budget, time_limit_s=2)
+    assert [t is None for _, t in calls] == [True, False]
+    start = simulate(p.dag, calls[1][0], problem=p)
+    assert calls[1][1] == max(budget, start.tracker_peak_bytes)
+    assert any(n.startswith("polished on the simulator") for n in result.notes)
+    assert simulate(p.dag, result.schedule, problem=p).peak_bytes <= budget
+
+
 def test_the_solve_ends_with_a_polish_on_the_simulator():
     """A 6-layer synthetic forward (64 ranks, 400 GB/s between nodes, 1.15x the traced peak):
     the windows' schedule leaves merges and issue moves the model prices only approximately;
