@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -168,14 +169,13 @@ class ScheduleInvalidError(ValueError):
 class _Memory:
     """Live storages of one run: allocation at first write, release after the last of the
     counted uses, and the peak. ``owner`` maps a node to the storage its output is counted as
-    (default: its own); ``uses`` and ``never_free`` name nodes."""
+    (default: its own); ``uses`` (owner -> release events, this run's own copy) and
+    ``never_free`` name storages."""
 
-    def __init__(self, uses: dict[str, int], never_free: set[str], owner: dict[str, str]):
+    def __init__(self, uses: dict[str, int], never_free: "set[str] | frozenset[str]", owner: dict[str, str]):
         self.owner = owner
-        self.uses: dict[str, int] = defaultdict(int)
-        for name, n in uses.items():
-            self.uses[self.owner.get(name, name)] += n
-        self.never_free = {self.owner.get(name, name) for name in never_free}
+        self.uses = uses
+        self.never_free = never_free
         self.live: dict[str, int] = {}
         self.total = 0
         self.peak = 0
@@ -196,13 +196,107 @@ class _Memory:
     def release(self, name: str) -> None:
         """One use of ``name``'s storage is done; free it after the last one."""
         owner = self.owner.get(name, name)
-        self.uses[owner] -= 1
-        if self.uses[owner] <= 0:
+        left = self.uses.get(owner, 0) - 1
+        self.uses[owner] = left
+        if left <= 0:
             self.free(owner)
 
     def alloc_node(self, name: str, nbytes: int) -> None:
         """``name``'s storage, allocated once whatever the node (several may share it)."""
         self.alloc(self.owner.get(name, name), nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """What every run over one problem shares (built once per problem, :func:`_static`): each
+    node's inputs, and for each count the owner of every node's storage, the release events
+    per owner and the owners never freed."""
+
+    preds: dict[str, tuple[str, ...]]
+    inputs: tuple[tuple[str, int], ...]
+    mem_owner: dict[str, str]
+    mem_uses: dict[str, int]
+    mem_never_free: frozenset[str]
+    trk_owner: dict[str, str]
+    trk_uses: dict[str, int]
+    trk_never_free: frozenset[str]
+    #: torch's tracker: owner -> the nodes it owns (a merged reduce-scatter's members move
+    #: under their bucket's wait result)
+    trk_nodes: dict[str, tuple[str, ...]]
+
+
+_STATIC: "weakref.WeakKeyDictionary[Problem, _Static]" = weakref.WeakKeyDictionary()
+
+
+def _static(problem: Problem) -> _Static:
+    """The :class:`_Static` of ``problem`` (cached: problems are not changed once built)."""
+    st = _STATIC.get(problem)
+    if st is None:
+        st = _STATIC[problem] = _build_static(problem)
+    return st
+
+
+def _build_static(p: Problem) -> _Static:
+    dag = p.dag
+    preds = {n: tuple(dag.predecessors(n)) for n in dag.nodes}
+    # release events of each node's output: one per reading node step, one per prologue read
+    # at issue, one per collective input (released at its wait, or at the issue when merged)
+    uses: dict[str, int] = defaultdict(int)
+    for name in p.seq:
+        for u in preds[name]:
+            uses[u] += 1
+    for cname, c in p.colls.items():
+        for reader in (*c.prologue, cname, *c.epilogue):
+            for u in preds[reader]:
+                uses[u] += 1
+    # graph inputs the graph cannot free, and whatever the graph returns
+    never_free: set[str] = set()
+    for n, a in dag.nodes(data=True):
+        if a["kind"] == "input" and not a.get("releasable", True):
+            never_free.add(n)
+        if a["kind"] == "output":
+            never_free.update(preds[n])
+    root = {n: (a["alias_of"] or n) for n, a in dag.nodes(data=True)}
+    trk_owner = _tracker_owners(p, root, preds)
+
+    def by_owner(owner: dict[str, str]) -> tuple[dict[str, int], frozenset[str]]:
+        counts: dict[str, int] = defaultdict(int)
+        for name, n in uses.items():
+            counts[owner.get(name, name)] += n
+        return dict(counts), frozenset(owner.get(name, name) for name in never_free)
+
+    mem_uses, mem_never_free = by_owner(root)
+    trk_uses, trk_never_free = by_owner(trk_owner)
+    trk_nodes: dict[str, list[str]] = defaultdict(list)
+    for name, o in trk_owner.items():
+        trk_nodes[o].append(name)
+    inputs = tuple((n, int(a["size_bytes"])) for n, a in dag.nodes(data=True) if a["kind"] == "input")
+    return _Static(preds=preds, inputs=inputs, mem_owner=root, mem_uses=mem_uses, mem_never_free=mem_never_free,
+                   trk_owner=trk_owner, trk_uses=trk_uses, trk_never_free=trk_never_free,
+                   trk_nodes={o: tuple(ns) for o, ns in trk_nodes.items()})
+
+
+def _tracker_owners(p: Problem, root: dict[str, str], preds: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Node -> its storage by torch's tracker: a wait's result is a storage of its own, owned
+    by the collective's name (also when the collective writes into a buffer,
+    ``all_gather_into_tensor_out`` already in the graph, whose views the export roots at the
+    buffer); views follow the node they view."""
+    dag = p.dag
+    waits = {c.wait: name for name, c in p.colls.items()}
+    owner: dict[str, str] = {}
+    for n in dag.graph["order"]:
+        if n in p.colls:
+            owner[n] = n
+        elif n in waits:
+            owner[n] = waits[n]
+        elif dag.nodes[n]["alias_of"] is None:
+            owner[n] = n
+        else:
+            viewed = [owner[u] for u in preds[n] if root.get(u) == root[n] and u in owner]
+            owner[n] = viewed[0] if viewed else root[n]
+    for n in dag.nodes:  # nodes outside the order (none expected): as the export roots them
+        owner.setdefault(n, root[n])
+    return owner
 
 
 class _Simulator:
@@ -215,16 +309,15 @@ class _Simulator:
         dag = problem.dag
         self.dag = dag
         self.nodes = dag.nodes
-        root = {n: (a["alias_of"] or n) for n, a in dag.nodes(data=True)}
-        uses, never_free = self._uses(), self._never_free()
-        self.mem = _Memory(uses, never_free, root)
-        self.trk = _Memory(uses, never_free, self._tracker_owners(root))
-        for n, a in self.nodes(data=True):
-            if a["kind"] == "input":
-                # inputs nobody reads (and not pinned) are dead on arrival; keep them: they
-                # were passed in
-                for mem in (self.mem, self.trk):
-                    mem.alloc_node(n, int(a["size_bytes"]))
+        st = _static(problem)
+        self.preds = st.preds
+        self.mem = _Memory(dict(st.mem_uses), st.mem_never_free, st.mem_owner)
+        self.trk = self._tracker_memory(st)
+        for n, size in st.inputs:
+            # inputs nobody reads (and not pinned) are dead on arrival; keep them: they were
+            # passed in
+            for mem in (self.mem, self.trk):
+                mem.alloc_node(n, size)
         self.trk.record()
         self.t = 0.0
         self.busy = 0.0
@@ -241,63 +334,28 @@ class _Simulator:
         self.issued: set[int] = set()
         self.waited: set[int] = set()
 
-    def _tracker_owners(self, root: dict[str, str]) -> dict[str, str]:
-        """Node -> its storage by torch's tracker: a wait's result is a storage of its own,
-        owned by the collective's name (also when the collective writes into a buffer,
-        ``all_gather_into_tensor_out`` already in the graph, whose views the export roots at
-        the buffer); views follow the node they view; a merged reduce-scatter's members are
-        views of one wait result (``wait:<bucket>``)."""
-        p, dag = self.p, self.p.dag
-        waits = {c.wait: name for name, c in p.colls.items()}
-        owner: dict[str, str] = {}
-        for n in dag.graph["order"]:
-            a = dag.nodes[n]
-            if n in p.colls:
-                owner[n] = n
-            elif n in waits:
-                owner[n] = waits[n]
-            elif a["alias_of"] is None:
-                owner[n] = n
-            else:
-                viewed = [owner[u] for u in dag.predecessors(n) if root.get(u) == root[n] and u in owner]
-                owner[n] = viewed[0] if viewed else root[n]
-        for n in dag.nodes:  # nodes outside the order (none expected): as the export roots them
-            owner.setdefault(n, root[n])
-        for b, bucket in enumerate(self.s.buckets):
-            if len(bucket.members) > 1 and p.colls[bucket.members[0]].coll_type != "all_gather":
-                for name, o in owner.items():
-                    if o in bucket.members:
-                        owner[name] = f"wait:{b}"
-        return owner
-
-    def _uses(self) -> dict[str, int]:
-        """Number of release events of each node's output: one per reading node step, one per
-        prologue read at issue, one per collective input (released at its wait, or at the
-        issue when merged)."""
-        p, dag = self.p, self.p.dag
-        uses: dict[str, int] = defaultdict(int)
-        for name in p.seq:
-            for u in dag.predecessors(name):
-                uses[u] += 1
-        for cname, c in p.colls.items():
-            for reader in (*c.prologue, cname, *c.epilogue):
-                for u in dag.predecessors(reader):
-                    uses[u] += 1
-        return uses
-
-    def _never_free(self) -> set[str]:
-        """Graph inputs the graph cannot free, and whatever the graph returns."""
-        out: set[str] = set()
-        for n, a in self.nodes(data=True):
-            if a["kind"] == "input" and not a.get("releasable", True):
-                out.add(n)
-            if a["kind"] == "output":
-                out.update(self.dag.predecessors(n))
-        return out
+    def _tracker_memory(self, st: _Static) -> _Memory:
+        """torch's tracker count of this run: a merged reduce-scatter's members are views of
+        one wait result (``wait:<bucket>``), freed after the last reader of any of them."""
+        merged = [(b, bucket.members) for b, bucket in enumerate(self.s.buckets)
+                  if len(bucket.members) > 1 and self.p.colls[bucket.members[0]].coll_type != "all_gather"]
+        if not merged:
+            return _Memory(dict(st.trk_uses), st.trk_never_free, st.trk_owner)
+        owner, uses, never_free = dict(st.trk_owner), dict(st.trk_uses), set(st.trk_never_free)
+        for b, members in merged:
+            wait = f"wait:{b}"
+            for m in members:
+                for name in st.trk_nodes.get(m, ()):
+                    owner[name] = wait
+                uses[wait] = uses.get(wait, 0) + uses.pop(m, 0)
+                if m in never_free:
+                    never_free.discard(m)
+                    never_free.add(wait)
+        return _Memory(uses, never_free, owner)
 
     def _release_inputs(self, name: str, *mems: _Memory) -> None:
         """One use of each input of ``name`` is done, in ``mems`` (default: both counts)."""
-        for u in self.dag.predecessors(name):
+        for u in self.preds[name]:
             for mem in mems or (self.mem, self.trk):
                 mem.release(u)
 
