@@ -426,10 +426,11 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
              False) for i, c in enumerate(distinct[:starts])]
     if config.regroup_starts and len(labels) > 1:
         head = distinct[0]
-        budget = None if mem_budget_bytes is None else mem_budget_bytes - margin(head)
+        head_margin = margin(head)
+        budget = None if mem_budget_bytes is None else mem_budget_bytes - head_margin
         for k, (r, schedule, regret) in enumerate(regrouped_starts(problems, head.schedule, reference, budget, config)):
             if schedule.digest() not in known:
-                plan.append((f"{name}-regrouped" + (f"-{k + 1}" if k else ""), schedule, margin(head),
+                plan.append((f"{name}-regrouped" + (f"-{k + 1}" if k else ""), schedule, head_margin,
                              f"{head.name} regrouped: {r.describe()} (worst regret {100 * regret:.2f} %)", True))
     out: list[Candidate] = []
     # a polished schedule joins only if it beats the best worst case so far: one that is best

@@ -185,9 +185,9 @@ class _Memory:
         self.total = 0
         self.peak = 0
 
-    def record(self) -> int:
+    def record(self) -> None:
+        """The live bytes now count towards the peak."""
         self.peak = max(self.peak, self.total)
-        return self.total
 
     def alloc(self, owner: str, nbytes: int) -> None:
         if nbytes and owner not in self.live:
