@@ -18,6 +18,12 @@ For every graph (forward / backward of each model):
     python benchmarks/cross_model.py --json cross.json
     python benchmarks/cross_model.py llama3-8b:8:64 --budget none   # where the models disagree most
     python benchmarks/cross_model.py llama3-8b:8:64 --budget none --solve-under family
+    python benchmarks/cross_model.py llama3-8b:32:64 --time-limit 10 --forward-only --anatomy
+
+``--anatomy`` also prints where the step time goes (:func:`solvers.minimax.anatomy`) for the
+robust choice, the best candidate under each model of the family and FSDP2-like: compute,
+exposed waits (the first of them apart), the communication stream's busy time; and what each
+model charges for one bucket of 1 to 8 whole blocks (:func:`solvers.minimax.block_bucket_ms`).
 
 A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size`` (a style of
 ``tests/foreign_models.py``, captured with plain torch.compile).
@@ -26,6 +32,7 @@ A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -49,10 +56,11 @@ TARGET_REGRET = 0.02
 
 
 def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2",
-               solve_under: str = "base") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+               solve_under: str = "base", with_anatomy: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The A x B rows and the robust row of one graph (module docstring); ``budget_of``:
     ``"fsdp2"`` (the FSDP2-like peak) or ``"none"``; ``solve_under``: ``"base"`` (one solve
-    under each of analytic and torch) or ``"family"`` (one under each of the six models)."""
+    under each of analytic and torch) or ``"family"`` (one under each of the six models);
+    ``with_anatomy``: the robust row also carries :func:`anatomy_of`."""
     from scheduler.rewritten import rewrite_baseline, robust_schedule
     from scheduler.robust import cost_model_family
     from scheduler.verify import judge_graph
@@ -76,11 +84,34 @@ def cross_rows(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "
     robust = {"chosen": result.chosen, "budget_bytes": budget, "worst_regret_family": worst[result.chosen],
               "regret": {b: times[b][result.chosen] / min(times[b].values()) - 1 for b in BASE},
               "dropped": result.dropped, "time_s": result.time_s, "table": result.table()}
+    if with_anatomy:
+        robust["anatomy"] = anatomy_of(gm, result, cluster=cluster)
     return rows, robust
 
 
+def anatomy_of(gm: Any, result: Any, *, cluster: Any) -> dict[str, Any]:
+    """Where the step time goes under each model of the family (:func:`solvers.minimax.anatomy`,
+    simulated on the traced graph's problems) for the robust choice, the best fitting candidate
+    under each model and FSDP2-like, and each model's price of a bucket of 1 to 8 whole blocks."""
+    from scheduler.dag import export_dag
+    from scheduler.robust import cost_model_family
+    from solvers.core.problem import Problem
+    from solvers.minimax import anatomy, block_bucket_ms
+
+    family = cost_model_family(cluster)
+    problems = {label: Problem.from_dag(export_dag(gm, cost_model=m, cluster=cluster)) for label, m in family.items()}
+    times = result.step_ms_by_model()
+    names = [result.chosen, *(min(sorted(t), key=t.get) for t in times.values()), "fsdp2"]
+    schedules = {n: result.judged[n].schedule for n in dict.fromkeys(names)
+                 if n in result.fitting and result.judged[n].schedule is not None}
+    table = anatomy(problems, schedules)
+    return {"rows": {n: {label: dataclasses.asdict(a) for label, a in row.items()} for n, row in table.items()},
+            "block_bucket_ms": block_bucket_ms(problems)}
+
+
 def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2",
-        solve_under: str = "base") -> list[dict[str, Any]]:
+        solve_under: str = "base", kinds: tuple[str, ...] = ("forward", "backward"),
+        with_anatomy: bool = False) -> list[dict[str, Any]]:
     from models.capture import fake_process_group
     from scheduler.costs import Cluster
 
@@ -90,11 +121,11 @@ def run(models: list[str], time_limit_s: float, budget_of: str = "fsdp2",
         graphs, world_size = capture_spec(spec)
         logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
         cluster = Cluster(n_gpus=world_size)
-        for kind in ("forward", "backward"):
+        for kind in kinds:
             t0 = time.perf_counter()
             with fake_process_group(world_size):
                 rows, robust = cross_rows(getattr(graphs, kind), cluster=cluster, time_limit_s=time_limit_s,
-                                          budget_of=budget_of, solve_under=solve_under)
+                                          budget_of=budget_of, solve_under=solve_under, with_anatomy=with_anatomy)
             case = {"model": spec, "graph": kind, "rows": rows, "robust": robust, "time_s": time.perf_counter() - t0}
             out.append(case)
             print(_format(case), flush=True)
@@ -118,7 +149,23 @@ def _format(case: dict[str, Any]) -> str:
     lines.append(f"robust choice: {r['chosen']}: regret {per}; worst over the family {r['worst_regret_family']:.2%}")
     lines += [f"  dropped {k}: {v[:160]}" for k, v in r["dropped"].items()]
     lines.append(r["table"])
+    if "anatomy" in r:
+        lines += _format_anatomy(r["anatomy"])
     return "\n".join(lines)
+
+
+def _format_anatomy(a: dict[str, Any]) -> list[str]:
+    lines = ["where the step goes (ms): step = compute + exposed waits (the first of them); comm = the "
+             "communication stream's busy time",
+             f"{'candidate':<36}{'model':<18}{'step':>9}{'compute':>9}{'exposed':>9}{'first':>8}{'comm':>9}"
+             f"{'buckets':>9}"]
+    for name, row in a["rows"].items():
+        for label, x in row.items():
+            lines.append(f"{name:<36}{label:<18}{x['step_ms']:9.4g}{x['compute_ms']:9.4g}{x['exposed_ms']:9.4g}"
+                         f"{x['first_exposed_ms']:8.4g}{x['comm_busy_ms']:9.4g}{x['buckets']:9d}")
+    lines.append("one bucket of k whole blocks (ms), k = 1, 2, ...:")
+    lines += [f"  {label:<18}" + " ".join(f"{t:7.4g}" for t in ts) for label, ts in a["block_bucket_ms"].items()]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solve-under", choices=("base", "family"), default="base",
                         help="solve under analytic and torch (default), or under all six models of the "
                              "family (three times the solves: candidates good at the bandwidth extremes)")
+    parser.add_argument("--forward-only", action="store_true", help="the forward graphs only")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also print where the step time goes under each model (module docstring)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    cases = run(args.models, args.time_limit, args.budget, args.solve_under)
+    kinds = ("forward",) if args.forward_only else ("forward", "backward")
+    cases = run(args.models, args.time_limit, args.budget, args.solve_under, kinds, args.anatomy)
     if args.json:
         args.json.write_text(json.dumps(cases, indent=1))
     worst = max(c["robust"]["worst_regret_family"] for c in cases)

@@ -32,12 +32,12 @@ from scheduler import consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
 from scheduler.robust import (
     BASE_COST_MODELS,
-    MINIMAX_REGROUP_STARTS,
     MINIMAX_STARTS,
     MINIMAX_WORK_SOLVES,
     blends,
     choice_key,
     cost_model_family,
+    minimax_config,
 )
 from scheduler.verify import Candidate, Criterion, cost_model_label, install, schedule_candidate, verify_and_choose
 from scheduler.writeback import apply_schedule
@@ -367,8 +367,8 @@ def optimize_schedule(
         work_s = (MINIMAX_WORK_SOLVES if robust else POLISH_SHARE) * time_limit_s
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
-                                 extra=extra, minimax=MinimaxConfig.for_work(
-                                     work_s, problem, regroup_starts=MINIMAX_REGROUP_STARTS if robust else 0),
+                                 extra=extra, minimax=(minimax_config(work_s, problem) if robust
+                                                       else MinimaxConfig.for_work(work_s, problem)),
                                  minimax_starts=MINIMAX_STARTS if robust else 1, **choice, **writeback)
 
     installed: list[Schedule | None] = []

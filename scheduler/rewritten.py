@@ -36,12 +36,12 @@ from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import (
     BASE_COST_MODELS,
-    MINIMAX_REGROUP_STARTS,
     MINIMAX_STARTS,
     MINIMAX_WORK_SOLVES,
     blends,
     choice_key,
     cost_model_family,
+    minimax_config,
     worst_regret,
 )
 from scheduler.verify import (
@@ -301,8 +301,7 @@ def robust_schedule(
     if minimax:
         # the best so far polished on the worst case across the family itself
         config = (minimax if isinstance(minimax, MinimaxConfig)
-                  else MinimaxConfig.for_work(MINIMAX_WORK_SOLVES * time_limit_s, problem,
-                                              regroup_starts=MINIMAX_REGROUP_STARTS))
+                  else minimax_config(MINIMAX_WORK_SOLVES * time_limit_s, problem))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
                                            name=MINIMAX, config=config, starts=MINIMAX_STARTS):
             candidates.append(polished)

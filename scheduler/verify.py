@@ -420,28 +420,32 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
         predicted = simulate(problem.dag, c.schedule, problem=problem).max_peak_bytes
         return max(0, c.figures.max_peak_bytes - predicted)
 
-    # (name, schedule, budget margin, what it is, generated: joins when it beats the best, moves or not)
+    # (name, schedule, budget margin, what it is, generated: joins when it beats the best, moves
+    # or not, the polish's limits)
     plan = [(name if i == 0 else f"{name}-{i + 1}", c.schedule, margin(c),
              f"{c.name} (" + (f"worst regret {100 * worst[c.name]:.2f} %" if c.name in worst else "over the budget") + ")",
-             False) for i, c in enumerate(distinct[:starts])]
+             False, config) for i, c in enumerate(distinct[:starts])]
     if config.regroup_starts and len(labels) > 1:
         head = distinct[0]
         head_margin = margin(head)
         budget = None if mem_budget_bytes is None else mem_budget_bytes - head_margin
+        # a start refined to single collectives settles after more moves (MinimaxConfig.regroup_work)
+        longer = dataclasses.replace(config, max_simulations=round(config.max_simulations * config.regroup_work))
         for k, (r, schedule, regret) in enumerate(regrouped_starts(problems, head.schedule, reference, budget, config)):
             if schedule.digest() not in known:
                 plan.append((f"{name}-regrouped" + (f"-{k + 1}" if k else ""), schedule, head_margin,
-                             f"{head.name} regrouped: {r.describe()} (worst regret {100 * regret:.2f} %)", True))
+                             f"{head.name} regrouped: {r.describe()} (worst regret {100 * regret:.2f} %)", True,
+                             longer if r.unit == "collective" else config))
     out: list[Candidate] = []
     # a polished schedule joins only if it beats the best worst case so far: one that is best
     # under a single model and poor elsewhere would raise every other candidate's regret
     best_worst = least
-    for base, schedule, excess, what, generated in plan:
+    for base, schedule, excess, what, generated, limits in plan:
         logger.info("fsdp-sched: polishing %s on the worst case over %d cost models", what, len(labels))
         budget = None if mem_budget_bytes is None else mem_budget_bytes - excess
         for round_ in range(TIGHTEN_ROUNDS + 1):
             try:
-                result = polish(problems, schedule, reference, budget, config)
+                result = polish(problems, schedule, reference, budget, limits)
             except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
                 logger.info("fsdp-sched: no minimax polish: %s", e)
                 break

@@ -202,6 +202,48 @@ def test_regrouped_starts_are_the_best_regular_bucketings():
         Regrouping(next(iter(p.chains)), size=0, head=1, tail=1, ahead=1)
 
 
+def test_refinements_count_in_collectives_around_the_best_block_bucketing():
+    """On the 6-layer forward (4 collectives per block; the embedding one collective, norm and
+    output one each): a coarse bucketing of 2 blocks per bucket, head 2 units, tail 1, 1 ahead
+    refines to heads of 5, 1 and 9 collectives, middle sizes 6 to 10, tail 1, aheads 1, 2 (and
+    2 again: one more than the coarse's), each a valid schedule whose buckets cut blocks where
+    the size says. ``regrouped_starts`` returns the best refinement after the coarse ones, with
+    its worst regret as simulated; none without ``regroup_refine``."""
+    from solvers.minimax import Regrouping, refinements, regroup, regrouped_starts
+
+    problems = _with_blocks("forward")
+    p = problems["fast"]
+    key = next(iter(p.chains))
+    names = p.chains[key]
+    coarse = Regrouping(key, size=2, head=2, tail=1, ahead=1)
+    fine = refinements(p, coarse, MinimaxConfig(regroup_aheads=(1, 2)))
+    assert {r.unit for r in fine} == {"collective"} and {r.tail for r in fine} == {1}
+    assert [r.head for r in fine][::10] == [5, 1, 9] and sorted({r.size for r in fine}) == [6, 7, 8, 9, 10]
+    assert sorted({r.ahead for r in fine}) == [1, 2] and len(fine) == 3 * 5 * 2
+    r = Regrouping(key, size=7, head=5, tail=1, ahead=1, unit="collective")
+    schedule = regroup(p, p.traced_schedule(), r)
+    validate_schedule(p, schedule)
+    chain = [b.members for b in sorted(schedule.buckets, key=lambda b: names.index(b.members[0]))
+             if b.members[0] in names]
+    assert [len(m) for m in chain] == [5, 7, 7, 7, 1]  # 27 collectives: 5 + 7 * 3 + 1
+    traced = p.traced_schedule()
+    budget = int(simulate(p.dag, traced, problem=p).peak_bytes * 1.15)
+    start = solve(p, solver="fsdp2", mem_budget_bytes=budget).schedule
+    reference = reference_times(problems, [start], budget)
+    config = MinimaxConfig(regroup_starts=2, regroup_refine=1, max_simulations=100_000)
+    out = regrouped_starts(problems, start, reference, budget, config)
+    assert [r.unit for r, _, _ in out] == ["block", "block", "collective"]
+    assert out[2][2] == pytest.approx(_worst(problems, out[2][1], reference))
+    assert [r.unit for r, _, _ in regrouped_starts(problems, start, reference, budget,
+                                                   MinimaxConfig(regroup_starts=2, max_simulations=100_000))] == \
+        ["block", "block"]
+    with pytest.raises(ValueError, match="unit"):
+        Regrouping(key, size=1, head=1, tail=1, ahead=1, unit="layer")
+    for bad in ({"regroup_refine": -1}, {"regroup_work": 0.5}):
+        with pytest.raises(ValueError):
+            MinimaxConfig(**bad)
+
+
 def test_tracker_budget_of_its_own_holds_the_start_where_it_is():
     """A start within the budget by the execution model's count and over it by torch's tracker
     rules (the traced forward: each wait's result beside the collective's). Under the budget
@@ -221,3 +263,45 @@ def test_tracker_budget_of_its_own_holds_the_start_where_it_is():
         sim = simulate(p.dag, result.schedule, problem=p)
         assert sim.peak_bytes <= budget and sim.tracker_peak_bytes <= tracker_limit
     assert held.step_ms["m"] < both.step_ms["m"]
+
+
+# --------------------------------------------------------------------------------------------
+# where each model's step time goes (solvers/minimax.py, anatomy and block_bucket_ms)
+# --------------------------------------------------------------------------------------------
+def test_anatomy_splits_each_step_into_compute_and_exposed_waits():
+    """The traced order and FSDP2-like on 6 layers under both clusters: every step is the
+    compute stream's busy time plus its waits, the same as a plain simulation; the slow links
+    expose more of the same schedule than the fast ones, and never less than the first bucket
+    that exposes anything."""
+    from solvers.minimax import anatomy
+
+    problems = _problems("forward")
+    p = problems["fast"]
+    schedules = {"traced": p.traced_schedule(), "fsdp2": solve(p, solver="fsdp2").schedule}
+    table = anatomy(problems, schedules)
+    assert set(table) == set(schedules) and all(set(row) == set(problems) for row in table.values())
+    for name, schedule in schedules.items():
+        for label, q in problems.items():
+            a, sim = table[name][label], simulate(q.dag, schedule, problem=q)
+            assert a.step_ms == sim.step_ms and a.buckets == len(schedule.buckets)
+            assert a.compute_ms + a.exposed_ms == pytest.approx(a.step_ms, rel=1e-9)
+            assert 0 < a.first_exposed_ms <= a.exposed_ms and a.comm_busy_ms <= a.step_ms
+        assert table[name]["slow"].exposed_ms > table[name]["fast"].exposed_ms
+        assert table[name]["slow"].compute_ms == pytest.approx(table[name]["fast"].compute_ms)
+
+
+def test_block_bucket_ms_prices_buckets_of_whole_blocks():
+    """A bucket of the first k blocks costs what the problem charges those members together,
+    more for every block added, more on the slow links; no blocks, no prices."""
+    from solvers.minimax import block_bucket_ms, chain_units
+
+    problems = _with_blocks("forward")
+    prices = block_bucket_ms(problems, max_blocks=4)
+    for label, p in problems.items():
+        blocks = [u for u in chain_units(p, max(p.chains.values(), key=len)) if p.colls[u[0]].block is not None]
+        assert len(prices[label]) == 4
+        assert prices[label][1] == p.bucket_comm_ms(blocks[0] + blocks[1])
+        assert all(a < b for a, b in zip(prices[label], prices[label][1:]))
+    assert all(s > f for s, f in zip(prices["slow"], prices["fast"]))
+    assert len(block_bucket_ms(problems, max_blocks=50)["fast"]) == 6
+    assert block_bucket_ms(_problems("forward")) == {"fast": [], "slow": []}

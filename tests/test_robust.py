@@ -177,6 +177,38 @@ def test_regrouped_start_joins_the_written_candidates(llama_graphs):
     assert all(f.step_ms[label] < traced.figures.step_ms[label] for label in models)
 
 
+def test_refined_start_is_polished_longer(llama_graphs, monkeypatch):
+    """With ``regroup_refine``, the best bucketing refined to single collectives is polished
+    after the one in blocks, with ``regroup_work`` times the simulations of every other start."""
+    from models.capture import fake_process_group
+    from scheduler import verify
+    from scheduler.dag import export_dag
+    from scheduler.rewritten import rewrite_baseline
+    from solvers import Problem
+    from solvers.minimax import MinimaxConfig
+
+    limits = []
+
+    def recording(problems, start, reference, budget, config, **kw):
+        limits.append(config.max_simulations)
+        return polish(problems, start, reference, budget, config, **kw)
+
+    polish = verify.polish
+    monkeypatch.setattr(verify, "polish", recording)
+    gm = llama_graphs.forward
+    models = {"analytic": "analytic", "torch": "torch"}
+    with fake_process_group(4):
+        budget = verify.judge_graph(rewrite_baseline(gm, "fsdp2")).max_peak_bytes
+        problem = Problem.from_dag(export_dag(gm))
+        traced = verify.schedule_candidate(problem, "traced", problem.traced_schedule())
+        verify.judge_candidates(gm, problem, [traced], cost_model="analytic", other_cost_models={"torch": "torch"},
+                                label="analytic")
+        verify.minimax_candidates(gm, problem, [traced], budget, models, name="mm", starts=0,
+                                  config=MinimaxConfig(max_simulations=300, regroup_starts=1, regroup_refine=1,
+                                                       regroup_work=3))
+    assert limits[0] == 300 and 900 in limits[1:]
+
+
 def test_polished_graph_over_by_a_written_count_is_polished_again(llama_graphs, monkeypatch):
     """``minimax_candidates``' tightened rounds: torch's tracker made to count 16 KiB above the
     liveness count on any graph with a merged all-gather, the first polished graph (from
