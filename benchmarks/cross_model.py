@@ -18,7 +18,7 @@ For every graph (forward / backward of each model):
     python benchmarks/cross_model.py --json cross.json
     python benchmarks/cross_model.py llama3-8b:8:64 --budget none   # where the models disagree most
     python benchmarks/cross_model.py llama3-8b:8:64 --budget none --solve-under family
-    python benchmarks/cross_model.py llama3-8b:32:64 --time-limit 10 --forward-only --anatomy
+    python benchmarks/cross_model.py llama3-8b:32:64 --time-limit 10 --graph forward --anatomy
 
 ``--anatomy`` also prints where the step time goes (:func:`solvers.minimax.anatomy`) for the
 robust choice, the best candidate under each model of the family and FSDP2-like: compute,
@@ -178,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solve-under", choices=("base", "family"), default="base",
                         help="solve under analytic and torch (default), or under all six models of the "
                              "family (three times the solves: candidates good at the bandwidth extremes)")
-    parser.add_argument("--forward-only", action="store_true", help="the forward graphs only")
+    parser.add_argument("--graph", choices=("forward", "backward", "both"), default="both",
+                        help="which graphs of each model (default %(default)s)")
     parser.add_argument("--anatomy", action="store_true",
                         help="also print where the step time goes under each model (module docstring)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    kinds = ("forward",) if args.forward_only else ("forward", "backward")
+    kinds = ("forward", "backward") if args.graph == "both" else (args.graph,)
     cases = run(args.models, args.time_limit, args.budget, args.solve_under, kinds, args.anatomy)
     if args.json:
         args.json.write_text(json.dumps(cases, indent=1))

@@ -45,15 +45,6 @@ BANDWIDTH_SCALES = (0.7, 1.3)
 # --------------------------------------------------------------------------------------------
 # the family of cost models, and blends of them to solve under
 # --------------------------------------------------------------------------------------------
-def minimax_config(work_s: float, problem: Problem) -> MinimaxConfig:
-    """The limits of the polish on the worst case (:func:`solvers.minimax.polish`) for the
-    robust choice: about ``work_s`` seconds of simulating ``problem`` per start, the
-    MINIMAX_REGROUP_STARTS best regular bucketings of the best start and MINIMAX_REGROUP_REFINE
-    refinements of them as starts too, a refinement polished MINIMAX_REGROUP_WORK times longer."""
-    return MinimaxConfig.for_work(work_s, problem, regroup_starts=MINIMAX_REGROUP_STARTS,
-                                  regroup_refine=MINIMAX_REGROUP_REFINE, regroup_work=MINIMAX_REGROUP_WORK)
-
-
 def scale_bandwidth(cluster: Cluster, factor: float) -> Cluster:
     """``cluster`` with its intra- and inter-node bus bandwidths multiplied by ``factor``."""
     return dataclasses.replace(cluster, intra_node_gbps=cluster.intra_node_gbps * factor,
@@ -103,11 +94,23 @@ MINIMAX_START_SLACK = 0.25
 #: on llama3-8b's 32-layer forward the best regrets 2.6 %, every candidate 4 % or more
 MINIMAX_REGROUP_STARTS = 2
 #: and the best of them refined to single collectives (:func:`solvers.minimax.refinements`),
-#: polished with MINIMAX_REGROUP_WORK times a start's work: on that forward 31 collectives per
-#: bucket (3.4 layers) regret 2.43 % before the polish and settle at 1.96 % after about
-#: 10,000 simulations (1,716 are a start's work there: 2.19 %)
+#: polished with MINIMAX_REGROUP_WORK times a start's work: on that forward 29 collectives per
+#: bucket (3.2 layers) regret 2.40 % before the polish and 1.85 % on the written graph after it
+#: (BENCHMARKS.md section 10); a start's work alone (1,716 simulations there) leaves such a start
+#: near 2.2 %
 MINIMAX_REGROUP_REFINE = 1
 MINIMAX_REGROUP_WORK = 6.0
+
+
+def minimax_config(work_s: float, problem: Problem) -> MinimaxConfig:
+    """The limits of the polish on the worst case (:func:`solvers.minimax.polish`) for the
+    robust choice: about ``work_s`` seconds of simulating ``problem`` per start, the
+    MINIMAX_REGROUP_STARTS best regular bucketings of the best start and MINIMAX_REGROUP_REFINE
+    refinements of them as starts too, a refinement polished MINIMAX_REGROUP_WORK times longer."""
+    return MinimaxConfig.for_work(work_s, problem, regroup_starts=MINIMAX_REGROUP_STARTS,
+                                  regroup_refine=MINIMAX_REGROUP_REFINE, regroup_work=MINIMAX_REGROUP_WORK)
+
+
 #: weights on the first of two models, for the blends solved under as well (:func:`blends`)
 BLEND_WEIGHTS = (0.25, 0.5, 0.75)
 
