@@ -612,7 +612,8 @@ class Anatomy:
     exposed_ms: float
     #: busy time of the busiest communication stream
     comm_busy_ms: float
-    #: the part of ``exposed_ms`` spent waiting for the first bucket that exposes anything
+    #: the part of ``exposed_ms`` spent waiting for the first bucket (in the schedule's order)
+    #: that exposes anything
     first_exposed_ms: float
     buckets: int
 
