@@ -7,8 +7,6 @@ one capture of a 2-layer llama3-8b (full widths) to check byte counts at real si
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 import models
+from gloo_harness import run_multiprocess
 from models import PRESETS, capture_fsdp_graphs, list_presets
 from models.attention import BACKWARD_FLOP_RATIO, CAUSAL_FLOP_FRACTION, flash_attn
 from models.capture import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
@@ -300,46 +299,31 @@ def test_8b_widths_two_layers():
 # real execution on a gloo group
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _fsdp_gradients(rank: int, world_size: int) -> dict[bool, float]:
+    """On one rank of a gloo group (tests/gloo_harness.py): reshard -> the largest difference
+    between this rank's gradient shards and the unsharded model's gradient chunks."""
+    from models.fsdp import make_mesh
 
-
-def _fsdp_worker(rank: int, world_size: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        from models.fsdp import make_mesh
-
-        mesh = make_mesh(world_size)
-        ref = models.build_reference_model(DEBUG, seed=3, loss_chunks=4)
-        g = torch.Generator().manual_seed(0)
-        b = 2
-        tokens = torch.randint(0, 256, (b * world_size, 32), generator=g)
-        labels = torch.randint(0, 256, (b * world_size, 32), generator=g)
-        ref(tokens, labels).backward()
-        mine = slice(rank * b, (rank + 1) * b)
-        for reshard in (True, False):
-            model = models.build_model(DEBUG, mesh=mesh, seed=3, param_dtype=None,
-                                       reshard_after_forward=reshard, loss_chunks=4)
-            (model(tokens[mine], labels[mine]) / world_size).backward()  # grads are summed over ranks
-            worst = 0.0
-            for (_, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
-                worst = max(worst, (p.grad.to_local() - rp.grad.chunk(world_size, 0)[rank]).abs().max().item())
-            queue.put((rank, reshard, worst))
-    finally:
-        dist.destroy_process_group()
+    mesh = make_mesh(world_size)
+    ref = models.build_reference_model(DEBUG, seed=3, loss_chunks=4)
+    g = torch.Generator().manual_seed(0)
+    b = 2
+    tokens = torch.randint(0, 256, (b * world_size, 32), generator=g)
+    labels = torch.randint(0, 256, (b * world_size, 32), generator=g)
+    ref(tokens, labels).backward()
+    mine = slice(rank * b, (rank + 1) * b)
+    worst = {}
+    for reshard in (True, False):
+        model = models.build_model(DEBUG, mesh=mesh, seed=3, param_dtype=None,
+                                   reshard_after_forward=reshard, loss_chunks=4)
+        (model(tokens[mine], labels[mine]) / world_size).backward()  # grads are summed over ranks
+        worst[reshard] = max((p.grad.to_local() - rp.grad.chunk(world_size, 0)[rank]).abs().max().item()
+                             for (_, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()))
+    return worst
 
 
 def test_real_fsdp_gradients_match_reference():
     """2 gloo ranks, fp32: each rank's gradient shard equals the unsharded model's gradient chunk."""
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").Queue()
-    world_size = 2
-    mp.start_processes(_fsdp_worker, args=(world_size, _free_port(), queue), nprocs=world_size,
-                       start_method="spawn")
-    results = {(rank, reshard): worst for rank, reshard, worst in (queue.get() for _ in range(2 * world_size))}
-    assert set(results) == {(r, s) for r in range(world_size) for s in (True, False)}
-    assert max(results.values()) < 1e-6
+    results = run_multiprocess(_fsdp_gradients, 2, timeout_s=300)
+    assert all(set(r) == {True, False} for r in results)
+    assert max(max(r.values()) for r in results) < 1e-6
