@@ -203,7 +203,6 @@ def _child(
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
-        dist.barrier()  # no rank tears its group down while another still communicates
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         message = (rank, False, traceback.format_exc())
     # the result goes out before the teardown: the native teardown of a gloo group (a
@@ -211,6 +210,11 @@ def _child(
     # machine ("terminate called without an active exception"), which is no result of the test
     results_q.put(message)
     if dist.is_initialized():
+        if message[1]:
+            try:
+                dist.barrier()  # no rank tears its group down while another still communicates
+            except Exception:  # noqa: BLE001  a rank that failed has said so; the parent stops every rank
+                pass
         dist.destroy_process_group()
     gc.collect()  # process groups still referenced (meshes, modules) go while the interpreter is whole
 
