@@ -428,6 +428,16 @@ def chain_units(p: Problem, names: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(u) for u in units]
 
 
+def _units(p: Problem, names: Sequence[str], unit: str) -> list[tuple[str, ...]]:
+    """``names`` (one chain) in the units a :class:`Regrouping` counts in (:data:`UNITS`)."""
+    return chain_units(p, names) if unit == "block" else [(n,) for n in names]
+
+
+def _block_runs(p: Problem, names: Sequence[str]) -> list[tuple[str, ...]]:
+    """The units of ``names`` (:func:`chain_units`) that are runs of one block's collectives."""
+    return [u for u in chain_units(p, names) if p.colls[u[0]].block is not None]
+
+
 def _group_sizes(n: int, head: int, size: int, tail: int) -> list[int] | None:
     """Units per bucket of ``n`` units bucketed ``head``, ``size``, ... , ``tail``; None when
     ``n`` is fewer than ``head + tail``."""
@@ -442,7 +452,7 @@ def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
     that is no valid schedule (a bucket over :attr:`MinimaxConfig.max_bucket_bytes` is the
     caller's to rule out)."""
     names = p.chains[r.chain]
-    units = chain_units(p, names) if r.unit == "block" else [(n,) for n in names]
+    units = _units(p, names, r.unit)
     sizes = _group_sizes(len(units), r.head, r.size, r.tail)
     if sizes is None:
         return None
@@ -508,9 +518,8 @@ def refinements(p: Problem, coarse: Regrouping, config: MinimaxConfig = MinimaxC
     the embedding and three layers first, three ahead) regret 2.40 % before any polish, where
     the best in whole blocks regrets 2.58 % (module docstring)."""
     names = p.chains[coarse.chain]
-    blocks = chain_units(p, names)
-    units = blocks if coarse.unit == "block" else [(n,) for n in names]
-    runs = [len(u) for u in blocks if p.colls[u[0]].block is not None]
+    units = _units(p, names, coarse.unit)
+    runs = [len(u) for u in _block_runs(p, names)]
     if not runs:
         return []
     block = max(sorted(set(runs)), key=runs.count)
@@ -646,7 +655,7 @@ def block_bucket_ms(problems: Mapping[str, Problem], max_blocks: int = 8) -> dic
     out: dict[str, list[float]] = {}
     for label, p in problems.items():
         chain = max(p.chains.values(), key=len, default=())
-        blocks = [u for u in chain_units(p, chain) if p.colls[u[0]].block is not None]
+        blocks = _block_runs(p, chain)
         out[label] = [p.bucket_comm_ms([m for u in blocks[:k] for m in u])
                       for k in range(1, min(max_blocks, len(blocks)) + 1)]
     return out
