@@ -1,0 +1,233 @@
+"""On-disk cache of solved schedules, shared by the ranks of one host and across restarts.
+
+A solve takes seconds; every rank of a job, and every restart of it, asks for the same schedule.
+An entry is looked up by a key that covers everything that decides the schedule, so that a hit
+is the answer the solve would have given (or, for time-limited solves, an equally valid one):
+
+- the DAG (:func:`dag_fingerprint`): every node in graph order with all its attributes (costs
+  ``runtime_ms``, sizes ``size_bytes``, aliasing, collective metadata), every edge, and the
+  graph attributes (order, process groups, cluster, cost model name, ``comm_model`` fit). The
+  cost model enters through the costs it wrote, so one graph priced twice gives two keys;
+- the peak-memory budget ``mem_budget_bytes``;
+- the options of the solve (solver, time limit, seed, ...), JSON-serialised with sorted keys;
+- the versions of the code that computes a schedule: fsdp-sched, torch (the export), ortools
+  (CP-SAT), networkx, Python major.minor, and :data:`FORMAT_VERSION` of the entry file.
+
+Entries are ``<key>.json`` files in ``$FSDP_SCHED_CACHE`` (unset or empty: caching is off).
+Several ranks may write the same key at once, so a write goes to a temporary file in the same
+directory and is then renamed over the entry (``os.replace``, atomic within one file system):
+a reader sees the old file or the new one, never a half-written one, and the last writer wins.
+The cache never stops a solve: an unreadable or stale entry is a miss with a warning, and a
+failed write is a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import operator
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from scheduler.dag import dag_to_json
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "FSDP_SCHED_CACHE"
+#: layout of an entry file; bump when it changes, so that old entries read as misses
+FORMAT_VERSION = 1
+
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def cache_dir() -> Path | None:
+    """The directory named by ``$FSDP_SCHED_CACHE``, created if missing; None (caching off)
+    when the variable is unset or empty, or, with a warning, when it cannot be created."""
+    raw = os.environ.get(CACHE_ENV, "")
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("%s=%s cannot be created (%s); schedule caching is off", CACHE_ENV, raw, e)
+        return None
+    return path
+
+
+def dag_fingerprint(dag: nx.DiGraph) -> str:
+    """sha256 hex digest of every node in graph order with all its attributes, every edge and
+    ``dag.graph``, in the form :func:`scheduler.dag.save_dag` writes (tuples as lists, floats
+    by ``repr``), so a DAG and its saved-and-loaded copy agree. Sets and edges are sorted (edge
+    insertion order means nothing), so every process gets the same digest whatever its hash
+    seed."""
+    canon = nx.DiGraph(**_sorted_sets(dict(dag.graph)))
+    canon.add_nodes_from((n, _sorted_sets(a)) for n, a in dag.nodes(data=True))
+    canon.add_edges_from(dag.edges())
+    doc = dag_to_json(canon)
+    doc["edges"].sort(key=repr)
+    return _sha256(doc)
+
+
+def cache_key(fingerprint: str, *, mem_budget_bytes: int | None, options: Mapping[str, Any]) -> str:
+    """sha256 hex digest naming the schedule of one solve (see the module docstring).
+
+    Args:
+        fingerprint: :func:`dag_fingerprint` of the DAG solved.
+        mem_budget_bytes: peak-memory budget of the solve (bytes); None for no budget.
+        options: every other input that can change the answer (solver, time limit, seed, ...),
+            as JSON values; their order does not matter.
+
+    Raises:
+        TypeError: an option JSON cannot hold (the message names it), or a non-integer budget.
+    """
+    budget = None if mem_budget_bytes is None else operator.index(mem_budget_bytes)
+    opts: dict[str, Any] = {}
+    for name, value in options.items():
+        try:
+            json.dumps(value, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"option {name!r}={value!r} cannot be part of a schedule cache key ({e}); pass "
+                "plain JSON values (str, int, float, bool, None, lists, dicts of them)"
+            ) from e
+        opts[str(name)] = value
+    doc = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "mem_budget_bytes": budget, "options": opts}
+    return _sha256({**doc, "versions": _versions()})
+
+
+def load(key: str, directory: Path | None = None) -> dict | None:
+    """The payload stored under ``key`` in ``directory`` (default :func:`cache_dir`), or None.
+
+    An entry that is not JSON, of another :data:`FORMAT_VERSION`, recorded under another key or
+    without a payload is a miss with a warning naming the file and why; what is on disk never
+    makes this raise.
+
+    Raises:
+        ValueError: ``key`` is not a key from :func:`cache_key` (a caller's mistake).
+    """
+    _check_key(key)
+    directory = cache_dir() if directory is None else Path(directory)
+    if directory is None:
+        return None
+    path = directory / f"{key}.json"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        logger.debug("schedule cache miss: %s", path)
+        return None
+    except OSError as e:
+        logger.warning("ignoring schedule cache entry %s: cannot read it (%s)", path, e)
+        return None
+    try:
+        entry = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
+        logger.warning("ignoring schedule cache entry %s: not valid JSON (%s)", path, e)
+        return None
+    problem = _entry_problem(entry, key)
+    if problem:
+        logger.warning("ignoring schedule cache entry %s: %s", path, problem)
+        return None
+    logger.debug("schedule cache hit: %s", path)
+    return entry["payload"]
+
+
+def store(key: str, payload: dict, directory: Path | None = None) -> Path | None:
+    """Write ``payload`` under ``key`` atomically, with :data:`FORMAT_VERSION` and the key;
+    returns the entry's path. None when caching is off (no ``directory`` and no
+    :func:`cache_dir`), and with a warning when it cannot be written (read-only, disk full).
+
+    Raises:
+        ValueError: ``key`` is not a key from :func:`cache_key`.
+        TypeError: ``payload`` is not a dict of JSON-serialisable values (a caller's mistake,
+            raised so that it is fixed rather than silently never cached).
+    """
+    _check_key(key)
+    if not isinstance(payload, dict):
+        raise TypeError(f"a schedule cache payload must be a dict, not {type(payload).__name__}")
+    text = json.dumps({"format": FORMAT_VERSION, "key": key, "payload": payload})
+    directory = cache_dir() if directory is None else Path(directory)
+    if directory is None:
+        return None
+    path = directory / f"{key}.json"
+    tmp = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # a unique temporary name per writer, in the entry's directory so the rename is atomic
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("cannot write schedule cache entry %s: %s", path, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return None
+    logger.debug("schedule cache stored: %s", path)
+    return path
+
+
+def _entry_problem(entry: Any, key: str) -> str | None:
+    """Why ``entry`` (a parsed file) is not a usable entry for ``key``; None when it is."""
+    if not isinstance(entry, dict):
+        return f"not a JSON object but {type(entry).__name__}"
+    if entry.get("format") != FORMAT_VERSION:
+        return f"format version {entry.get('format')!r}, this fsdp-sched reads {FORMAT_VERSION}"
+    if entry.get("key") != key:
+        return f"it records key {entry.get('key')!r}, not its file name's"
+    if not isinstance(entry.get("payload"), dict):
+        return "no payload object"
+    return None
+
+
+def _check_key(key: str) -> None:
+    # the key becomes a file name: anything but a digest could name a path outside the cache
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"{key!r} is not a schedule cache key (64 lowercase hex digits from cache_key())")
+
+
+def _versions() -> dict[str, str]:
+    """Versions of the code that decides a schedule."""
+    import torch  # imported here so that load / store alone do not pay for importing torch
+
+    return {
+        "fsdp-sched": _dist_version("fsdp-sched"),
+        "torch": str(torch.__version__),
+        "ortools": _dist_version("ortools"),
+        "networkx": str(nx.__version__),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _dist_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _sorted_sets(obj: Any) -> Any:
+    """``obj`` with every set replaced by a sorted list: set order follows the hash seed."""
+    if isinstance(obj, (set, frozenset)):
+        return sorted((_sorted_sets(v) for v in obj), key=repr)
+    if isinstance(obj, dict):
+        return {k: _sorted_sets(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_sorted_sets(v) for v in obj]
+    return obj
+
+
+def _sha256(doc: Any) -> str:
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
