@@ -1,4 +1,4 @@
-"""The user-facing entry points: export -> solve -> validate -> write back, with a report.
+"""The user-facing entry points: export -> solve -> choose -> agree -> install, with a report.
 
 - :func:`optimize_schedule`: rewrite a partitioned forward or backward FX graph in place.
 - :func:`solve_dag`: the same solve on a saved DAG, without torch (notebooks, CLI).
@@ -6,13 +6,60 @@
 - :func:`inductor_post_grad_pass`: the same as an inductor post-grad custom pass.
 - :func:`parse_bytes`: ``"40GiB"`` -> bytes, for every ``mem_budget`` argument.
 
+The plan of one :func:`optimize_schedule` call. Work shares are of ``time_limit_s``, which is
+deterministic work (CP-SAT's clock, or simulations at a calibrated rate), never the wall clock,
+so every rank runs the same stages and gets the same schedule. Each stage that runs adds a
+:class:`solvers.core.schedule.StageRecord` (name, wall time, work, step time, gain) to
+``ScheduleReport.stages``.
+
+=============  ============================  ===========================  =========================================
+stage          what it does                  work                         why it exists
+=============  ============================  ===========================  =========================================
+cache          the schedule solved before    one file read                a solve takes seconds; every rank and
+               for the identical graph,                                   every restart asks again
+               budget and options
+               (:mod:`scheduler.cache`)
+starts         the heuristics and extra      one simulation each          a valid answer before any model, the
+               starts simulated; the                                      CP-SAT hint, and the floor of the result
+               fastest that fits is the
+               incumbent (:mod:`solvers.warmstart`)
+search         CP-SAT: one model for small   the limit, less the polish   the joint bucketing / prefetch /
+               graphs; per-layer template    the search leaves            interleaving decision, under the budget
+               then rolling windows for
+               large or repeating ones
+               (:mod:`solvers.driver`, :mod:`solvers.decompose`)
+restart        the search again from the     what the search left, when   bucket granularity is out of a local
+               other bucket granularity      at least ``restart_share``   search's reach
+repair         the model's budget lowered    what is left, at most        the model prices merge transients
+               by the simulated excess,      ``memory_repair_rounds``     approximately; the simulator decides
+               solved again                                               (:func:`solvers.repair.repair_by_excess`)
+rescue         windows from the best start   what is left                 a model with no usable answer
+polish         merges, transfers and issue   at most ``polish_share``     the simulator prices merges exactly
+               / wait moves on the           of the limit, from what      where the model approximates them
+               simulator (:mod:`solvers.minimax`)   the search left
+polish (choice) the best predicted schedule  ``polish_share`` of the      the fastest written graph that fits can
+               that fits polished again      limit                        be another schedule than the solver's
+judge-torch    torch's overlap scheduler     one run (a second without    never slower than torch's own scheduler
+               written and judged            pre-bucketing when the first on the written graph
+                                             does not fit)
+judge          our schedules written back    one write-back and judge     what is written back is what counts
+               in predicted order while a    each (usually one)
+               prediction can still win
+repair         a written graph over by a     at most ``TIGHTEN_ROUNDS``   the liveness count and torch's tracker
+(choice)       count the simulator does not  polishes                     differ from the simulator on some graphs
+               make: polished under the
+               budget less the excess
+=============  ============================  ===========================  =========================================
+
+Then the ranks agree on the chosen schedule's digest (:mod:`scheduler.consensus`) and it is
+installed into ``gm``. With ``robust=True`` the choice judges every candidate under the cost
+model family and polishes on the worst case (:func:`scheduler.verify.minimax_candidates`).
+
 Failure policy: a memory budget that no schedule reaches raises
 :class:`solvers.core.schedule.InfeasibleBudgetError` with the smallest peak found; a solver that
 fails or times out is replaced (``fallback=True``) by the best valid schedule among its
 incumbent and the heuristics, which is never worse than the graph as traced; the report says
-so (``fell_back``, ``notes``) and a warning is logged. With ``verify=True`` (default),
-:func:`optimize_schedule` then judges the solver's schedule and the other candidates on the
-graphs they write back and installs the fastest that fits (:mod:`scheduler.verify`).
+so (``fell_back``, ``notes``) and a warning is logged.
 """
 
 from __future__ import annotations
@@ -28,7 +75,7 @@ import networkx as nx
 
 from scheduler.costs import resolve_cost_model
 from scheduler.dag import DagError, export_dag, graph_has_collectives
-from scheduler import consensus
+from scheduler import cache, consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
 from scheduler.robust import (
     BASE_COST_MODELS,
@@ -48,13 +95,14 @@ from solvers.core import (
     ScheduleError,
     ScheduleInvalidError,
     SolveStatus,
+    StageRecord,
     fmt_bytes,
     fmt_ms,
     parse_bytes,
     simulate,
     validate_schedule,
 )
-from solvers.config import DEFAULT_TIME_LIMIT_S
+from solvers.config import DEFAULT_TIME_LIMIT_S, SearchConfig
 from solvers.minimax import MinimaxConfig
 from solvers.registry import SOLVERS, SolverFn, available_solvers, solve, solver_name
 from solvers.warmstart import best_warm_start, fitting_heuristics
@@ -63,11 +111,6 @@ if TYPE_CHECKING:
     import torch.fx
 
 logger = logging.getLogger(__name__)
-
-#: work of the polish of the written candidates (:func:`scheduler.verify.minimax_candidates`),
-#: as a share of ``time_limit_s``, on top of the solve: the solver polishes its own schedule
-#: only with the work its search left, and the fastest written graph that fits can be another
-POLISH_SHARE = 0.2
 
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"
@@ -186,7 +229,7 @@ def _solve_problem(
                                               status=SolveStatus.FALLBACK.value, best_bound=result.best_bound_ms,
                                               notes=notes, fell_back=True)
     return result.schedule, report(sim, solver=name, status=result.status.value, best_bound=result.best_bound_ms,
-                                   notes=notes, fell_back=False)
+                                   notes=notes, fell_back=False, stages=result.stages)
 
 
 def _fixed_collective_notes(problem: Problem) -> list[str]:
@@ -276,17 +319,16 @@ def optimize_schedule(
             schedule before the ranks agree; a returned schedule replaces it (validated, and
             the report updated); it may also raise. For custom edits of a schedule, and to
             inject faults in tests (a different schedule or an error on one rank).
-        verify: close the loop (default True, :mod:`scheduler.verify`): write the solver's
-            schedule, the heuristics that fit, the traced order and torch's overlap scheduler
-            (with and without its FSDP pre-bucketing) back on copies of ``gm``, re-export and
-            judge each, and keep the fastest re-exported graph whose peaks (re-export,
-            liveness count, torch's MemoryTracker) all fit ``mem_budget``. When the solver's
-            graph is the fastest but over the budget by a count the model does not make
-            (at most 5 % over), the solver runs again under its model peak less the excess, at
-            most twice (so the call can take up to three solves). The fastest written graph
-            that fits is then polished on the simulator (:mod:`solvers.minimax`, with
-            ``POLISH_SHARE`` of ``time_limit_s`` of work) into one more candidate. The report
-            shows the prediction, the re-exported figures and why each candidate was dropped.
+        verify: close the loop (default True, :mod:`scheduler.verify`): rank the solver's
+            schedule, the heuristics that fit and the traced order on the simulator, polish the
+            best that fits on it (``SearchConfig.polish_share`` of ``time_limit_s`` of work),
+            then write back and judge it and torch's overlap scheduler on copies of ``gm``
+            (re-exported step time; peaks by the re-export, the liveness count and torch's
+            MemoryTracker), and the next ranked while its prediction could still win; keep the
+            fastest written graph that fits ``mem_budget``. A polished graph over the budget by
+            a count the simulator does not make (at most 5 % over) is polished again under the
+            budget less the excess, at most twice. The report shows the prediction, the
+            re-exported figures, why each candidate was dropped, and the stages that ran.
             False: write back the solver's schedule on the model's word alone.
         robust: choose robustly to the cost model (default False; needs ``verify``): every
             candidate is also judged under :func:`scheduler.robust.cost_model_family` of
@@ -340,13 +382,24 @@ def optimize_schedule(
     writeback = {"payload_order": payload_order, "control_deps": control_deps}
 
     def solve_here(problem: Problem) -> tuple[Candidate, ScheduleReport]:
-        # the solver under a model budget: the user's, or a tightened one when the written graph
-        # of its schedule was over (verify_and_choose's resolve)
+        key = _cache_key(problem, budget, solver=solver, time_limit_s=time_limit_s, seed=seed, fallback=fallback,
+                         num_workers=num_workers, verify=verify, robust=robust, payload_order=payload_order,
+                         control_deps=control_deps, extra_starts=extra_starts, schedule_hook=schedule_hook)
+        hit = _cached(problem, key, budget)
+        if hit is not None:
+            own.extend(hit[2])
+            return hit[0], hit[1]
+        chosen, report = solve_fresh(problem)
+        if key is not None:
+            cache.store(key, {"candidate": chosen.to_json(), "report": report.to_json(),
+                              "own": [s.to_json() for s in own]})
+        return chosen, report
+
+    def solve_fresh(problem: Problem) -> tuple[Candidate, ScheduleReport]:
         unpolished: list[Schedule] = []
-        solve_under = functools.partial(_solve_problem, problem, solver=solver, time_limit_s=time_limit_s,
-                                        seed=seed, fallback=fallback, num_workers=num_workers,
-                                        extra_starts=extra_starts, alternatives=unpolished)
-        schedule, report = solve_under(budget)
+        schedule, report = _solve_problem(problem, budget, solver=solver, time_limit_s=time_limit_s, seed=seed,
+                                          fallback=fallback, num_workers=num_workers, extra_starts=extra_starts,
+                                          alternatives=unpolished)
         solved = schedule.digest()
         schedule, report = _run_schedule_hook(schedule_hook, problem, schedule, report, budget)
         if schedule.digest() == solved:
@@ -362,13 +415,13 @@ def optimize_schedule(
                                   ) if robust and alternatives else []
         if alternatives:  # the solver's schedule before its final polish, judged on its written graph too
             extra = [schedule_candidate(problem, f"{report.solver}[unpolished]", s) for s in unpolished] + extra
-        # the written candidates polished on the simulator: on the worst case across the family
-        # (robust), else with the solver's own polish share
-        work_s = (MINIMAX_WORK_SOLVES if robust else POLISH_SHARE) * time_limit_s
+        # the candidates polished on the simulator: on the worst case across the family
+        # (robust), else under the one cost model with the solve's polish share
+        work_s = (MINIMAX_WORK_SOLVES if robust else SearchConfig().polish_share) * time_limit_s
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
-                                 seed=seed, alternatives=alternatives, resolve=lambda tight: solve_under(tight)[0],
-                                 extra=extra, minimax=(minimax_config(work_s, problem) if robust
-                                                       else MinimaxConfig.for_work(work_s, problem)),
+                                 seed=seed, alternatives=alternatives, extra=extra,
+                                 minimax=(minimax_config(work_s, problem) if robust
+                                          else MinimaxConfig.for_work(work_s, problem)),
                                  minimax_starts=MINIMAX_STARTS if robust else 1, **choice, **writeback)
 
     installed: list[Schedule | None] = []
@@ -399,6 +452,42 @@ def optimize_schedule(
     gm.meta[SOLVED_KEY] = tuple(own)
     logger.info("%s", report.summary_line())
     return gm
+
+
+def _cache_key(problem: Problem, budget: int | None, *, schedule_hook: Any, extra_starts: Sequence[Schedule],
+               **options: Any) -> str | None:
+    """The schedule cache's key of this solve (:mod:`scheduler.cache`), None when caching is
+    off or the solve is not a function of data alone (a schedule hook, a solver given as a
+    callable)."""
+    if cache.cache_dir() is None or schedule_hook is not None or not isinstance(options.get("solver"), str):
+        return None
+    options["extra_starts"] = [s.digest() for s in extra_starts]
+    return cache.cache_key(cache.dag_fingerprint(problem.dag), mem_budget_bytes=budget, options=options)
+
+
+def _cached(problem: Problem, key: str | None, budget: int | None
+            ) -> tuple[Candidate, ScheduleReport, list[Schedule]] | None:
+    """The cached answer under ``key``: (chosen candidate, its report marked as a hit, the
+    solver's own schedules), None on a miss or on an entry that does not fit ``problem``
+    (ignored with a warning)."""
+    t0 = time.perf_counter()
+    entry = cache.load(key) if key is not None else None
+    if entry is None:
+        return None
+    try:
+        chosen = Candidate.from_json(entry["candidate"])
+        report = ScheduleReport.from_json(entry["report"])
+        own = [Schedule.from_json(s) for s in entry["own"]]
+        for schedule in ([chosen.schedule] if chosen.schedule is not None else []) + own:
+            validate_schedule(problem, schedule, mem_budget_bytes=budget if schedule is chosen.schedule else None)
+    except (KeyError, TypeError, ValueError, ScheduleError) as e:
+        logger.warning("fsdp-sched: schedule cache entry %s ignored: it does not fit this graph (%s: %s)", key[:16],
+                       type(e).__name__, e)
+        return None
+    report.cache_hit = True
+    report.stages = [StageRecord(name="cache", wall_s=time.perf_counter() - t0).to_json()]
+    logger.info("fsdp-sched: schedule of %s taken from the cache (%s)", report.graph_name, key[:16])
+    return chosen, report, own
 
 
 def _blend_candidates(gm: "torch.fx.GraphModule", problem: Problem, budget: int | None, cost_model: Any,
@@ -437,7 +526,7 @@ def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solve
     rank wrote it back (else every rank restores its graph). Returns this rank's report."""
     import torch.distributed as dist
 
-    from scheduler import consensus
+    from scheduler import cache, consensus
 
     src = 0 if broadcast_from is None else dist.get_group_rank(group, broadcast_from)
     problem: Problem | None = None

@@ -90,6 +90,20 @@ class ScheduleReport:
     #: robust criterion of ``optimize_schedule(robust=True)``); rows of ``candidates`` then
     #: carry ``worst_regret`` over the cost models that judged them (None: not compared)
     criterion: str = ""
+    #: the stages of the plan that ran, in order: the solve's (:attr:`SolveResult.stages`),
+    #: then the choice's (:mod:`scheduler.verify`); each a
+    #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work_s,
+    #: simulations, step_ms, gained_ms)
+    stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the answer came from the schedule cache (:mod:`scheduler.cache`), not from a solve
+    cache_hit: bool = False
+
+    def stage_wall_s(self) -> dict[str, float]:
+        """Stage name -> wall time (s), stages of one name summed."""
+        out: dict[str, float] = {}
+        for st in self.stages:
+            out[st["name"]] = out.get(st["name"], 0.0) + st["wall_s"]
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,9 +210,11 @@ def make_report(
     best_bound: float | None,
     notes: list[str],
     fell_back: bool,
+    stages: tuple = (),
 ) -> ScheduleReport:
     """The report of ``after`` (the simulation of the chosen schedule) against ``before`` (the
-    traced order); ``t0`` is ``time.perf_counter()`` when the solve started."""
+    traced order); ``t0`` is ``time.perf_counter()`` when the solve started; ``stages`` the
+    solve's :class:`solvers.core.schedule.StageRecord` s."""
     lower = problem.lower_bound_ms()
     bound = max(lower, best_bound) if best_bound is not None else lower
     bound = min(bound, after.step_ms)
@@ -219,6 +235,7 @@ def make_report(
         notes=list(notes),
         fell_back=fell_back,
         graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
+        stages=[st.to_json() for st in stages],
         **after_fields(problem, after, bound),
     )
 

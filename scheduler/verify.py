@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -41,8 +42,18 @@ from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, after_fields
 from scheduler.robust import MINIMAX_START_SLACK, candidate_worst_regrets
 from scheduler.writeback import apply_schedule, pin_order
-from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, fmt_ms, simulate
-from solvers.minimax import MinimaxConfig, polish, regrouped_starts
+from solvers.core import (
+    InfeasibleBudgetError,
+    Problem,
+    Schedule,
+    ScheduleError,
+    StageRecord,
+    fmt_bytes,
+    fmt_ms,
+    simulate,
+)
+from solvers.minimax import MinimaxConfig, MinimaxResult, polish, regrouped_starts
+from solvers.repair import repair_by_excess
 from solvers.warmstart import fitting_heuristics
 
 if TYPE_CHECKING:
@@ -58,11 +69,6 @@ TORCH_CANDIDATES: dict[str, dict[str, Any]] = {
 }
 #: name of the candidate that leaves the graph as traced
 TRACED = "traced"
-#: a schedule candidate predicted this much slower than the best written graph that fits is
-#: not written back (prediction and re-export agree within 1 %: tests/test_merge_pricing.py)
-PRUNE_MARGIN = 0.02
-
-
 @dataclasses.dataclass(kw_only=True)
 class Figures:
     """A rewritten graph as judged on itself (times in ms, memory in bytes)."""
@@ -102,6 +108,9 @@ class Candidate:
     #: the model's prediction on the traced problem (schedule candidates only)
     predicted_step_ms: float | None = None
     predicted_peak_bytes: int | None = None
+    #: the larger of the simulator's two counts (the model's, and torch's tracker rules on the
+    #: written graph): what the budget must hold by the prediction
+    predicted_max_peak_bytes: int | None = None
     figures: Figures | None = None
     #: why the candidate could not be written back or judged (None when it was)
     error: str | None = None
@@ -158,115 +167,70 @@ class Criterion:
 # --------------------------------------------------------------------------------------------
 # the loop (what optimize_schedule runs)
 # --------------------------------------------------------------------------------------------
-#: rounds of re-solving under a tightened budget when the solver's written graph exceeds the
-#: budget by the liveness count or torch's tracker (see :func:`tightened_budget`)
+#: rounds of repair by the excess (:func:`solvers.repair.repair_by_excess`) when a polished
+#: schedule's written graph exceeds the budget by the liveness count or torch's tracker
 TIGHTEN_ROUNDS = 2
-#: largest excess (fraction of the budget) a tightened re-solve is tried for
+#: largest excess (fraction of the budget) of a written graph that a repair is tried for, and
+#: of a start of the minimax polish that is over the budget
 TIGHTEN_MAX_EXCESS = 0.05
-
-
-def tightened_budget(candidate: Candidate, chosen: Candidate | None, mem_budget_bytes: int | None) -> int | None:
-    """The model budget to solve again under when ``candidate`` (the solver's) was judged
-    faster than ``chosen`` but its written graph exceeds ``mem_budget_bytes`` by a small excess
-    (at most ``TIGHTEN_MAX_EXCESS`` of it) by one of the three counts: its model peak less the
-    excess (the counts differ from the model's by a margin that hardly moves between nearby
-    schedules: on a tied-embedding forward torch's tracker counts 1.5 MiB above the re-export
-    and the solver's graph was 4 KiB over). None when there is nothing to repair."""
-    f = candidate.figures
-    if mem_budget_bytes is None or f is None or candidate.schedule is None:
-        return None
-    excess = f.max_peak_bytes - mem_budget_bytes
-    if excess <= 0 or excess > TIGHTEN_MAX_EXCESS * mem_budget_bytes:
-        return None
-    if chosen is not None and chosen.figures is not None and f.primary_step_ms >= chosen.figures.primary_step_ms:
-        return None
-    base = min(mem_budget_bytes, candidate.predicted_peak_bytes or f.peak_bytes)
-    tight = base - excess - 1
-    return tight if tight > 0 else None
 
 
 def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
                       mem_budget_bytes: int | None, *, cost_model: Any = None, cluster: Any = None, seed: int = 0,
                       alternatives: bool = True, criterion: Criterion | None = None,
                       other_cost_models: Mapping[str, Any] | None = None,
-                      resolve: Callable[[int], Schedule | None] | None = None,
                       extra: Sequence[Candidate] = (), minimax: MinimaxConfig | None = None,
                       minimax_starts: int = 1, **writeback: Any) -> tuple[Candidate, ScheduleReport]:
     """Judge the solver's ``schedule`` and the other candidates on their rewritten graphs and
     choose (module docstring). ``gm`` is not modified. Returns the chosen candidate and the
     report updated with the verification. ``alternatives=False`` judges ``schedule`` alone
     (a schedule the user imposed, e.g. through ``optimize_schedule(schedule_hook=...)``).
-    ``criterion`` and ``other_cost_models`` (label -> cost model, judged as well and kept in
-    ``figures.step_ms``) let a criterion across cost models choose (see :func:`choose`); with a
-    criterion no candidate is pruned by its prediction (it may be slow under the cost model in
-    use and still the best by the criterion), and the report names the criterion and, when
-    several cost models judged, each candidate's worst regret over them. ``resolve(budget)``
-    (the solver again under a model budget; None or InfeasibleBudgetError when it finds
-    nothing) repairs a solver's graph that is faster but over the budget by the written counts:
-    it is solved again under :func:`tightened_budget`, at most ``TIGHTEN_ROUNDS`` times, and
-    each new schedule joins the candidates. ``extra`` are more candidates over ``problem``
-    (``optimize_schedule(robust=True)``'s solves under blends of cost models), judged with the
-    others when ``alternatives``. ``minimax`` (with ``alternatives``): the best candidate that
-    fits is then polished on the simulator (:func:`minimax_candidates`), on the worst case across
-    the criterion's cost models (``cost_model`` and ``other_cost_models``; named
-    ``<solver>[minimax]``) or, without a criterion, on the step time under ``cost_model``
-    (``<solver>[polished]``), and the result judged and chosen among the others: the solver
-    polishes its own schedule, but the fastest written graph that fits can be another (a
-    heuristic's, when torch's tracker counts the solver's over the budget).
+    ``extra`` are more candidates over ``problem`` (the solver's schedule before its polish,
+    ``optimize_schedule(robust=True)``'s solves under blends of cost models).
+
+    With one cost model (no ``criterion``), the choice is lazy (:func:`_fastest_written`): the
+    schedule candidates are ranked by the simulator, which predicts the written graph's step
+    time and both its counts of memory; the best that fits is polished on the simulator
+    (``minimax``), then written back and judged, beside torch's overlap scheduler; a candidate
+    is written back only while its prediction could still beat the fastest written graph that
+    fits. With a ``criterion`` across cost models (``other_cost_models``: label -> cost model,
+    judged as well and kept in ``figures.step_ms``), every candidate is judged and the best
+    ``minimax_starts`` are polished on the worst case over the models
+    (:func:`minimax_candidates`); the report then names the criterion and each candidate's
+    worst regret.
 
     Raises:
         InfeasibleBudgetError: no candidate's rewritten graph fits ``mem_budget_bytes``; the
             error states the smallest peak found.
     """
     t0 = time.perf_counter()
+    stages: list[StageRecord] = []
     solved = schedule_candidate(problem, report.solver, schedule)
-    candidates = [solved]
-    if alternatives:  # the solver's first, torch's (no prediction), then the most promising
+    judge = functools.partial(_judge_timed, gm, problem, stages, cost_model=cost_model, cluster=cluster,
+                              other_cost_models=other_cost_models, **writeback)
+    if not alternatives:
+        candidates = [solved]
+        judge("judge", [solved])
+    elif criterion is None:
+        candidates = _fastest_written(problem, solved, extra, mem_budget_bytes, judge, stages, seed=seed,
+                                      minimax=minimax)
+    else:
+        candidates = [solved]
         others = sorted(schedule_candidates(problem, solved, mem_budget_bytes, seed=seed)[1:],
                         key=lambda c: c.predicted_step_ms)
         seen = {c.digest() for c in others} | {solved.digest()}
         candidates += [c for c in extra if c.digest() not in seen] + torch_candidates() + others
-    skip = _hopeless(candidates, mem_budget_bytes) if criterion is None else None
-    judge_candidates(gm, problem, candidates, cost_model=cost_model, cluster=cluster,
-                     other_cost_models=other_cost_models, skip=skip, **writeback)
+        judge("judge", candidates)
+        if minimax is not None:
+            models = {cost_model_label(cost_model): cost_model, **(other_cost_models or {})}
+            t1 = time.perf_counter()
+            polished = minimax_candidates(gm, problem, candidates, mem_budget_bytes, models, cluster=cluster,
+                                          name=f"{solved.name}[minimax]", config=minimax, starts=minimax_starts,
+                                          **writeback)
+            candidates += polished
+            stages.append(StageRecord(name="minimax", wall_s=time.perf_counter() - t1, simulations=len(polished)))
     key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
     best, reasons = choose(candidates, mem_budget_bytes, key)
-    current = solved
-    for round_ in range(TIGHTEN_ROUNDS if resolve is not None and alternatives else 0):
-        tight = tightened_budget(current, best, mem_budget_bytes)
-        if tight is None:
-            break
-        excess = current.figures.max_peak_bytes - mem_budget_bytes
-        try:
-            again = resolve(tight)
-        except InfeasibleBudgetError:
-            again = None
-        known = again is not None and again.digest() in {c.digest() for c in candidates}
-        outcome = "nothing found" if again is None else "a schedule already judged" if known else "a new candidate"
-        report = dataclasses.replace(report, notes=[*report.notes, (
-            f"{current.name}'s written graph was over the budget by {fmt_bytes(excess)} (re-export, liveness or "
-            f"torch's tracker): solved again under a model budget of {fmt_bytes(tight)}: {outcome}")])
-        if again is None or known:
-            break
-        # one name per round: the report and the choice's reasons are keyed by name
-        current = schedule_candidate(problem, f"{solved.name}-tightened" + (f"-{round_ + 1}" if round_ else ""), again)
-        logger.info("fsdp-sched: %s's written graph is over the budget; solved again under %s", solved.name,
-                    fmt_bytes(tight))
-        judge_candidates(gm, problem, [current], cost_model=cost_model, cluster=cluster,
-                         other_cost_models=other_cost_models, **writeback)
-        candidates.append(current)
-        key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
-        best, reasons = choose(candidates, mem_budget_bytes, key)
-    if minimax is not None and alternatives:
-        # the criterion's cost models, or the one in use
-        models = {cost_model_label(cost_model): cost_model, **(other_cost_models if criterion is not None else {})}
-        polished = minimax_candidates(gm, problem, candidates, mem_budget_bytes, models, cluster=cluster,
-                                      name=f"{solved.name}[{'minimax' if len(models) > 1 else 'polished'}]",
-                                      config=minimax, starts=minimax_starts, **writeback)
-        if polished:
-            candidates += polished
-            key = criterion.make_key(candidates, mem_budget_bytes) if criterion is not None else None
-            best, reasons = choose(candidates, mem_budget_bytes, key)
     for c in candidates:
         c.graph = None  # rewritten copies are large; install() rewrites the graph itself
     if best is None:
@@ -274,8 +238,127 @@ def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sc
     logger.info("fsdp-sched: verified %d candidates in %.2f s: %s", len(candidates), time.perf_counter() - t0,
                 reasons[best.name])
     name = criterion.name if criterion is not None else f"fastest re-exported under {best.figures.cost_model}"
+    report = dataclasses.replace(report, stages=report.stages + [st.to_json() for st in stages])
     return best, verified_report(report, problem, best, candidates, reasons, time.perf_counter() - t0,
                                  criterion=name, mem_budget_bytes=mem_budget_bytes)
+
+
+def _judge_timed(gm: "torch.fx.GraphModule", problem: Problem, stages: list[StageRecord], stage: str,
+                 candidates: Sequence[Candidate], **kw: Any) -> list[Candidate]:
+    """:func:`judge_candidates`, recorded as a stage named ``stage`` (work: graphs judged)."""
+    t0 = time.perf_counter()
+    judge_candidates(gm, problem, candidates, **kw)
+    fitting = [c.figures.primary_step_ms for c in candidates if c.figures is not None]
+    stages.append(StageRecord(name=stage, wall_s=time.perf_counter() - t0, simulations=len(candidates),
+                              step_ms=min(fitting) if fitting else None))
+    return list(candidates)
+
+
+def _fastest_written(problem: Problem, solved: Candidate, extra: Sequence[Candidate], mem_budget_bytes: int | None,
+                     judge: Callable[..., list[Candidate]], stages: list[StageRecord], *, seed: int,
+                     minimax: MinimaxConfig | None) -> list[Candidate]:
+    """The lazy choice under one cost model; returns every candidate, judged or not.
+
+    1. rank: the solver's schedule, ``extra``, the heuristics that fit and the traced order,
+       by the simulator's prediction (those it counts within the budget by both its counts
+       first);
+    2. polish: the first ranked on the simulator (``minimax``, one model), a candidate of its
+       own (``<solver>[polished]``) when it gains;
+    3. torch: its overlap scheduler with its FSDP pre-bucketing, written and judged; without
+       the pre-bucketing only when that one does not fit (it holds less memory in flight);
+    4. judge in rank order while a prediction is faster than the fastest written graph that
+       fits (prediction and written graph agree within a fraction of a percent, so the rest
+       cannot win); a polished graph over the budget by a written count is repaired by the
+       excess (:func:`solvers.repair.repair_by_excess`), each repair a candidate.
+    """
+    budget = mem_budget_bytes
+    pool = schedule_candidates(problem, solved, budget, seed=seed)
+    seen = {c.digest() for c in pool}
+    pool[1:1] = [c for c in extra if c.digest() not in seen]
+
+    def fits_predicted(c: Candidate) -> bool:
+        return budget is None or (c.predicted_max_peak_bytes or 0) <= budget
+
+    ranked = sorted(pool, key=lambda c: (not fits_predicted(c), c.predicted_step_ms))
+    label = solved.name
+    if minimax is not None and fits_predicted(ranked[0]):
+        t0 = time.perf_counter()
+        start = ranked[0]
+        result = polish({"model": problem}, start.schedule, {"model": start.predicted_step_ms}, budget, minimax)
+        stages.append(StageRecord(name="polish", wall_s=time.perf_counter() - t0, simulations=result.simulations,
+                                  step_ms=min(result.step_ms["model"], start.predicted_step_ms),
+                                  gained_ms=max(0.0, start.predicted_step_ms - result.step_ms["model"])))
+        if result.moves and result.schedule.digest() not in seen:
+            ranked.insert(0, schedule_candidate(problem, f"{label}[polished]", result.schedule))
+    # the solver's first (the report's "before the choice"), then torch's, then by rank
+    candidates = [solved] + [c for c in ranked if c is not solved]
+    best: Candidate | None = None
+
+    def faster(c: Candidate) -> None:
+        nonlocal best
+        f = c.figures
+        if f is not None and (budget is None or f.max_peak_bytes <= budget):
+            if best is None or f.primary_step_ms < best.figures.primary_step_ms:
+                best = c
+
+    torch_first, *torch_rest = torch_candidates()
+    candidates.insert(1, torch_first)
+    judge("judge-torch", [torch_first])
+    faster(torch_first)
+    if best is None:
+        for k, c in enumerate(torch_rest):
+            candidates.insert(2 + k, c)
+            judge("judge-torch", [c])
+            faster(c)
+    for c in ranked:
+        if best is not None and c.predicted_step_ms >= best.figures.primary_step_ms:
+            c.skipped = (f"not judged: predicted {fmt_ms(c.predicted_step_ms)}, no faster than the written graph of "
+                         f"{best.name} ({fmt_ms(best.figures.primary_step_ms)})")
+            continue
+        judge("judge", [c])
+        faster(c)
+        f = c.figures
+        if (f is None or budget is None or f.max_peak_bytes <= budget or c.schedule is None or minimax is None
+                or f.max_peak_bytes > budget * (1 + TIGHTEN_MAX_EXCESS)):
+            continue
+        for repaired in _repaired(problem, c, budget, judge, stages, minimax):
+            candidates.insert(candidates.index(c) + 1, repaired)
+            faster(repaired)
+    return candidates
+
+
+def _repaired(problem: Problem, over: Candidate, mem_budget_bytes: int, judge: Callable[..., list[Candidate]],
+              stages: list[StageRecord], config: MinimaxConfig) -> list[Candidate]:
+    """``over`` (judged, its written graph over ``mem_budget_bytes`` by a count the simulator
+    does not make) polished on the simulator under the budget less the excess, judged, and
+    again while still over (:func:`solvers.repair.repair_by_excess`): the candidates made,
+    named ``<name>-tightened``, ``-tightened-2``, ..."""
+    made: list[Candidate] = []
+    start = over.schedule
+    first_excess = over.figures.max_peak_bytes - mem_budget_bytes
+
+    def make(model_budget: int | None) -> Candidate | None:
+        t0 = time.perf_counter()
+        try:
+            result = polish({"model": problem}, start, {"model": over.predicted_step_ms}, model_budget, config)
+        except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
+            logger.info("fsdp-sched: no repair of %s: %s", over.name, e)
+            return None
+        stages.append(StageRecord(name="repair", wall_s=time.perf_counter() - t0, simulations=result.simulations,
+                                  step_ms=result.step_ms["model"]))
+        suffix = "-tightened" + (f"-{len(made) + 1}" if made else "")
+        c = schedule_candidate(problem, over.name + suffix, result.schedule)
+        judge("judge", [c])
+        made.append(c)
+        return c
+
+    def excess(c: Candidate) -> int:
+        return mem_budget_bytes + 1 if c.figures is None else c.figures.max_peak_bytes - mem_budget_bytes
+
+    base = min(mem_budget_bytes, over.predicted_max_peak_bytes or mem_budget_bytes)
+    repair_by_excess(make, excess, base - first_excess - 1, rounds=TIGHTEN_ROUNDS - 1,
+                     model_peak_bytes=lambda c: c.predicted_max_peak_bytes or mem_budget_bytes)
+    return made
 
 
 def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, cluster: Any = None,
@@ -378,9 +461,8 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     on the written graph, which the simulator counts exactly: ``SimResult.max_peak_bytes``)
     under the budget less the margin by which the start's written graph counts more than that
     prediction. A polished graph still over by a written count is polished again under the
-    budget less that excess (as :func:`tightened_budget` re-solves, but whatever the excess: a
-    polish costs seconds, not a solve), at most :data:`TIGHTEN_ROUNDS` times, each round a
-    candidate of its own (``name-tightened``, ``name-tightened-2``). Before the simulator
+    budget less that excess (:func:`solvers.repair.repair_by_excess`), at most
+    :data:`TIGHTEN_ROUNDS` times, each round a candidate of its own (``name-tightened``, ``name-tightened-2``). Before the simulator
     counted by torch's rules, torch's tracker counted the first polished graph of llama3-debug's
     backward 5.5 % over the FSDP2-like peak (a merged all-gather's ``out=`` result beside its
     buffer); now the polish sees that and keeps under it.
@@ -442,33 +524,36 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     best_worst = least
     for base, schedule, excess, what, generated, limits in plan:
         logger.info("fsdp-sched: polishing %s on the worst case over %d cost models", what, len(labels))
-        budget = None if mem_budget_bytes is None else mem_budget_bytes - excess
-        for round_ in range(TIGHTEN_ROUNDS + 1):
+        rounds: list[MinimaxResult] = []
+
+        def make(model_budget: int | None) -> Candidate | None:
             try:
-                result = polish(problems, schedule, reference, budget, limits)
+                result = polish(problems, schedule, reference, model_budget, limits)
             except InfeasibleBudgetError as e:  # a tightened budget the moves cannot reach from the start
                 logger.info("fsdp-sched: no minimax polish: %s", e)
-                break
+                return None
             if (not result.moves and not generated) or result.worst_regret >= best_worst - 1e-9:
-                break
+                return None
             # the polish may reach a schedule already judged (the solver's, over the budget by
             # a written count): it is then not judged again, but tightened past all the same
             polished = known.get(result.schedule.digest())
             if polished is None:
-                suffix = "-tightened" + (f"-{round_}" if round_ > 1 else "") if round_ else ""
+                suffix = "-tightened" + (f"-{len(rounds)}" if len(rounds) > 1 else "") if rounds else ""
                 polished = schedule_candidate(problem, base + suffix, result.schedule)
                 judge_candidates(gm, problem, [polished], cost_model=cost_models[labels[0]], cluster=cluster,
                                  other_cost_models=others, label=labels[0], **writeback)
                 out.append(polished)
                 known[polished.digest()] = polished
-            f = polished.figures
-            if f is None:
-                break
-            if mem_budget_bytes is None or f.max_peak_bytes <= mem_budget_bytes:
-                best_worst = min(best_worst, result.worst_regret)
-                break
-            excess = f.max_peak_bytes - mem_budget_bytes
-            budget = min(budget, result.peak_bytes) - excess - 1
+            rounds.append(result)
+            return polished if polished.figures is not None else None
+
+        def over(c: Candidate) -> int:
+            return 0 if mem_budget_bytes is None else c.figures.max_peak_bytes - mem_budget_bytes
+
+        repair = repair_by_excess(make, over, None if mem_budget_bytes is None else mem_budget_bytes - excess,
+                                  rounds=TIGHTEN_ROUNDS, model_peak_bytes=lambda c: rounds[-1].peak_bytes)
+        if repair.fitting is not None:
+            best_worst = min(best_worst, rounds[-1].worst_regret)
     return out
 
 
@@ -560,7 +645,8 @@ def schedule_candidates(problem: Problem, solved: Candidate, mem_budget_bytes: i
 def schedule_candidate(problem: Problem, name: str, schedule: Schedule) -> Candidate:
     """A schedule over ``problem`` as a candidate, with the model's prediction."""
     sim = simulate(problem.dag, schedule, problem=problem)
-    return Candidate(name=name, schedule=schedule, predicted_step_ms=sim.step_ms, predicted_peak_bytes=sim.peak_bytes)
+    return Candidate(name=name, schedule=schedule, predicted_step_ms=sim.step_ms, predicted_peak_bytes=sim.peak_bytes,
+                     predicted_max_peak_bytes=sim.max_peak_bytes)
 
 
 def rewrite(gm: "torch.fx.GraphModule", problem: Problem, candidate: Candidate, *, cluster: Any = None,
@@ -605,21 +691,6 @@ def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: S
             if not isinstance(e, TorchBaselineError):
                 logger.warning("fsdp-sched: candidate %s could not be judged (%s)", c.name, c.error)
     return list(candidates)
-
-
-def _hopeless(candidates: Sequence[Candidate], mem_budget_bytes: int | None) -> Callable[[Candidate], str | None]:
-    """``skip`` for :func:`judge_candidates`: a schedule candidate predicted more than
-    :data:`PRUNE_MARGIN` slower than the best written graph judged so far that fits."""
-
-    def reason(c: Candidate) -> str | None:
-        steps = [x.figures.primary_step_ms for x in candidates if x.figures is not None and
-                 (mem_budget_bytes is None or x.figures.max_peak_bytes <= mem_budget_bytes)]
-        if c.predicted_step_ms is None or not steps or c.predicted_step_ms <= min(steps) * (1 + PRUNE_MARGIN):
-            return None
-        return (f"not judged: predicted {fmt_ms(c.predicted_step_ms)}, more than {PRUNE_MARGIN:.0%} slower than "
-                f"the best written graph that fits ({fmt_ms(min(steps))})")
-
-    return reason
 
 
 def torch_candidates() -> list[Candidate]:

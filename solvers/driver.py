@@ -51,12 +51,20 @@ from collections.abc import Sequence
 from solvers import decompose
 from solvers.config import DEFAULT_TIME_LIMIT_S, SolverConfig
 from solvers.core.problem import Problem
-from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult, SolveStatus
+from solvers.core.schedule import (
+    InfeasibleBudgetError,
+    Schedule,
+    ScheduleError,
+    SolveResult,
+    SolveStatus,
+    StageRecord,
+)
 from solvers.core.simulator import SimResult, simulate
 from solvers.core.units import fmt_bytes
 from solvers.decompose import CAP_NOTE, WorkBudget, better
 from solvers.minimax import MinimaxConfig, polish
 from solvers.periodic import detect_periodicity
+from solvers.repair import repair_by_excess
 from solvers.warmstart import other_family, warm_starts
 
 logger = logging.getLogger(__name__)
@@ -81,6 +89,14 @@ class ModelOutcome:
     bound_ms: float | None
     notes: tuple[str, ...] = ()
     alternatives: tuple[Schedule, ...] = ()
+
+
+class _NoSchedule(Exception):
+    """A whole-graph model found no schedule (its status: "infeasible" or "unknown")."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
 
 
 class Backend(Protocol):
@@ -118,10 +134,12 @@ def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = 
     if not problem.chains:
         sim = simulate(problem.dag, problem.traced_schedule(), problem=problem)
         return run.result(sim, SolveStatus.OPTIMAL, sim.step_ms, ["no movable collectives: traced order kept"])
+    t0 = time.perf_counter()
     starts = warm_starts(problem, hint, mem_budget_bytes, seed=seed,
                          max_bucket_bytes=backend.config.max_bucket_bytes, extra_starts=extra_starts)
     run.warm = starts[0] if starts else None
     run.second = other_family(starts)
+    run.record("starts", t0, simulations=len(starts), step_ms=run.warm.objective_ms if run.warm else None)
     if run.warm is not None:
         logger.info("warm start: %s, %.3f ms", run.warm.solver, run.warm.objective_ms)
     return run.loop()
@@ -157,6 +175,15 @@ class _Run:
         self.history: list[tuple[float, float]] = []  # (perf_counter, step ms) of improvements
         #: the result's alternatives (:attr:`SolveResult.alternatives`)
         self.alternatives: tuple[Schedule, ...] = ()
+        #: the stages that ran (:attr:`SolveResult.stages`)
+        self.stages: list[StageRecord] = []
+
+    def record(self, name: str, t0: float, *, work_s: float = 0.0, simulations: int = 0,
+               step_ms: float | None = None, before_ms: float | None = None) -> None:
+        """Add a :class:`StageRecord` for a stage that started at ``t0`` (perf_counter)."""
+        gained = max(0.0, before_ms - step_ms) if before_ms is not None and step_ms is not None else 0.0
+        self.stages.append(StageRecord(name=name, wall_s=time.perf_counter() - t0, work_s=work_s,
+                                       simulations=simulations, step_ms=step_ms, gained_ms=gained))
 
     @functools.cached_property
     def decomposed(self) -> bool:
@@ -170,42 +197,58 @@ class _Run:
             self.p, min_blocks=cfg.template_min_blocks, max_stride=cfg.template_max_period_blocks) is not None
 
     def loop(self) -> SolveResult:
-        """Solve, check the simulated peak, tighten the model's budget and repeat (3); polish (4)."""
-        model_budget = self.mem_budget_bytes
-        start = self.warm.schedule if self.warm is not None else self.p.traced_schedule()
-        sim: SimResult | None = None
-        for round_ in range(self.cfg.memory_repair_rounds + 1):
+        """Solve, check the simulated peak, tighten the model's budget by the excess and solve
+        again (3, :func:`solvers.repair.repair_by_excess`); then polish (4)."""
+        start = [self.warm.schedule if self.warm is not None else self.p.traced_schedule()]
+        rounds = self.cfg.memory_repair_rounds
+
+        def solve_round(model_budget: int | None) -> tuple[SimResult, bool, float] | None:
+            round_ = len(made_at)
+            if round_ and self.budget.exhausted(0.5):
+                return None
+            made_at.append(round_)
+            t0, left0 = time.perf_counter(), self.budget.left_s
+            before = self.warm.objective_ms if self.warm is not None and round_ == 0 else None
             if self.decomposed:
-                schedule, sim = self._decomposed(model_budget, start, templates=round_ == 0)
+                schedule, sim = self._decomposed(model_budget, start[0], templates=round_ == 0)
                 if round_ == 0:
                     schedule, sim = self._restart(model_budget, schedule, sim)
                 proven, bound = False, self.p.lower_bound_ms()
             else:
-                last = round_ == self.cfg.memory_repair_rounds
-                limit = self.budget.take(self.budget.left_s * (1.0 if last else 0.5))
-                out = self.backend.solve_full(self.p, model_budget, start, limit, self.seed, self.num_workers)
+                limit = self.budget.take(self.budget.left_s * (1.0 if round_ == rounds else 0.5))
+                out = self.backend.solve_full(self.p, model_budget, start[0], limit, self.seed, self.num_workers)
                 self.notes += out.notes
                 if out.schedule is None:
-                    return self._no_schedule(out.status)
+                    raise _NoSchedule(out.status)
                 schedule, sim = self._fastest(out.schedule, out.alternatives)
                 proven = out.status == "optimal"
                 bound = max(out.bound_ms if out.bound_ms is not None else -math.inf, self.p.lower_bound_ms())
-            if self.mem_budget_bytes is None or sim.peak_bytes <= self.mem_budget_bytes:
-                if round_:
-                    self.notes.append(f"memory repaired in {round_} round(s)")
-                return self._final(sim, proven, bound)
-            excess = sim.peak_bytes - self.mem_budget_bytes
-            model_budget = (model_budget or self.mem_budget_bytes) - excess - 1
-            self.notes.append(f"simulated peak exceeded the budget by {excess} B; tightened the model budget")
-            start = schedule
-            if self.budget.exhausted(0.5) or model_budget <= 0:
-                break
+            self.record("search" if round_ == 0 else "repair", t0, work_s=left0 - self.budget.left_s,
+                        step_ms=sim.step_ms, before_ms=before)
+            start[0] = schedule
+            return sim, proven, bound
+
+        def excess(made: tuple[SimResult, bool, float]) -> int:
+            return 0 if self.mem_budget_bytes is None else made[0].peak_bytes - self.mem_budget_bytes
+
+        made_at: list[int] = []
+        try:
+            repair = repair_by_excess(solve_round, excess, self.mem_budget_bytes, rounds=rounds)
+        except _NoSchedule as e:
+            return self._no_schedule(e.status)
+        for made in repair.made:
+            if excess(made) > 0:
+                self.notes.append(f"simulated peak exceeded the budget by {excess(made)} B; tightened the model budget")
+        if repair.fitting is not None:
+            if len(repair.made) > 1:
+                self.notes.append(f"memory repaired in {len(repair.made) - 1} round(s)")
+            return self._final(*repair.fitting)
         if self.warm is not None:
             # the model's memory terms could not be repaired to the simulator's in time (merge
             # transients): search windows from the best heuristic that fits, and say so
             return self._rescue("memory repair did not converge")
-        raise self._infeasible("the model's schedules exceeded it in simulation after "
-                               f"{self.cfg.memory_repair_rounds} repair rounds", sim)
+        raise self._infeasible(f"the model's schedules exceeded it in simulation after {rounds} repair rounds",
+                               repair.made[-1][0] if repair.made else None)
 
     def _decomposed(self, model_budget: int | None, start: Schedule, *, templates: bool):
         schedule, sim, notes = decompose.search(
@@ -224,10 +267,12 @@ class _Run:
                           f"({self.budget.left_s:.1f} s)")
         logger.info("restart from %s (%.3f ms) with %.1f s of work left", self.second.solver,
                     self.second.objective_ms, self.budget.left_s)
+        t0, left0 = time.perf_counter(), self.budget.left_s
         other, osim = self._decomposed(model_budget, self.second.schedule, templates=True)
-        if better(osim, sim, self.mem_budget_bytes):
-            return other, osim
-        return schedule, sim
+        won = better(osim, sim, self.mem_budget_bytes)
+        self.record("restart", t0, work_s=left0 - self.budget.left_s, step_ms=osim.step_ms if won else sim.step_ms,
+                    before_ms=sim.step_ms)
+        return (other, osim) if won else (schedule, sim)
 
     def _rescue(self, why: str) -> SolveResult:
         """The whole-graph model gave nothing usable: the decomposition from the warm start
@@ -237,7 +282,10 @@ class _Run:
             self.notes.append(f"{why}; returned the best warm start ({self.warm.solver})")
             return self._warm_result()
         self.notes.append(f"{why}; searched windows from the best warm start ({self.warm.solver})")
+        t0, left0 = time.perf_counter(), self.budget.left_s
         _, sim = self._decomposed(self.mem_budget_bytes, self.warm.schedule, templates=True)
+        self.record("rescue", t0, work_s=left0 - self.budget.left_s, step_ms=sim.step_ms,
+                    before_ms=self.warm.objective_ms)
         return self._final(sim, False, self.p.lower_bound_ms())
 
     def _fastest(self, schedule: Schedule, alternatives: tuple[Schedule, ...]) -> tuple[Schedule, SimResult]:
@@ -295,6 +343,7 @@ class _Run:
         work_s = self.budget.take(self.cfg.polish_share * self.time_limit_s)
         if not self.cfg.polish_share or work_s <= 0 or self.budget.exhausted(0.0):
             return sim, False
+        t0 = time.perf_counter()
         config = MinimaxConfig.for_work(work_s, self.p, nodes_per_s=self.cfg.polish_nodes_per_s,
                                         max_bucket_bytes=self.cfg.max_bucket_bytes)
         try:
@@ -306,7 +355,10 @@ class _Run:
             # later, scheduler.verify)
             result = polish({"model": self.p}, sim.schedule, {"model": sim.step_ms}, self.mem_budget_bytes, config,
                             tracker_budget_bytes=max(self.mem_budget_bytes or 0, sim.tracker_peak_bytes))
-        if not result.step_ms["model"] < sim.step_ms - 1e-9:
+        gained = result.step_ms["model"] < sim.step_ms - 1e-9
+        self.record("polish", t0, work_s=work_s, simulations=result.simulations,
+                    step_ms=min(result.step_ms["model"], sim.step_ms), before_ms=sim.step_ms)
+        if not gained:
             return sim, False
         self.notes.append(f"polished on the simulator: {sim.step_ms:.3f} -> {result.step_ms['model']:.3f} ms "
                           f"({result.moves} moves, {result.simulations} simulations)")
@@ -346,4 +398,5 @@ class _Run:
             notes=tuple(notes),
             history=history,
             alternatives=tuple(a for a in self.alternatives if a.digest() != sim.schedule.digest()),
+            stages=tuple(self.stages),
         )

@@ -299,3 +299,61 @@ def test_inductor_post_grad_pass_pins_order(pg):
     assert pinned
     for a, b in zip(ref, gm(*inputs)):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# the schedule cache
+# --------------------------------------------------------------------------------------------
+def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
+    """With ``$FSDP_SCHED_CACHE`` set, a second call on an identical graph with the same budget
+    and options installs the schedule of the first without solving (the report says it came
+    from the cache and records no solve stage); another budget is a miss; a corrupt entry is a
+    miss with a warning, and the solve overwrites it."""
+    from scheduler.verify import graph_digest
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    first = toy_graph(pg, 1)
+    optimize_schedule(first, None, cost_model=COSTS, time_limit_s=2)
+    r1 = first.meta[api.REPORT_KEY]
+    assert not r1.cache_hit and "search" in [st["name"] for st in r1.stages]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    second = toy_graph(pg, 1)
+    optimize_schedule(second, None, cost_model=COSTS, time_limit_s=2)
+    r2 = second.meta[api.REPORT_KEY]
+    assert r2.cache_hit and [st["name"] for st in r2.stages] == ["cache"]
+    assert r2.digest == r1.digest and graph_digest(second) == graph_digest(first)
+    assert second.meta[api.SOLVED_KEY] == first.meta[api.SOLVED_KEY]
+
+    other_budget = toy_graph(pg, 1)
+    optimize_schedule(other_budget, r1.reexported_peak_bytes + 1, cost_model=COSTS, time_limit_s=2)
+    assert not other_budget.meta[api.REPORT_KEY].cache_hit
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    for entry in tmp_path.glob("*.json"):
+        entry.write_text("{ not json")
+    again = toy_graph(pg, 1)
+    with caplog.at_level(logging.WARNING, logger="scheduler.cache"):
+        optimize_schedule(again, None, cost_model=COSTS, time_limit_s=2)
+    assert not again.meta[api.REPORT_KEY].cache_hit and caplog.records
+    assert graph_digest(again) == graph_digest(first)
+
+
+def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monkeypatch, caplog):
+    """An entry under the right key whose schedule names collectives this graph lacks (a key
+    collision, or a hand-edited file) is a miss with a warning: the graph is solved."""
+    from scheduler import cache
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    gm = toy_graph(pg, 1)
+    optimize_schedule(gm, None, cost_model=COSTS, time_limit_s=2)
+    [entry] = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    payload = data["payload"]
+    payload["own"][0]["buckets"][0] = ["no_such_collective"]
+    cache.store(entry.stem, payload)
+    again = toy_graph(pg, 1)
+    with caplog.at_level(logging.WARNING, logger="scheduler.api"):
+        optimize_schedule(again, None, cost_model=COSTS, time_limit_s=2)
+    assert not again.meta[api.REPORT_KEY].cache_hit
+    assert any("does not fit this graph" in r.getMessage() for r in caplog.records)

@@ -64,22 +64,26 @@ def test_returned_graph_is_the_judged_one(llama, kind):
     """The report's re-exported figures are those of the graph returned; the chosen candidate
     is the fastest of those that fit; every candidate, torch's included, was judged."""
     gm, report = _optimized(getattr(llama, kind))
-    assert report.verified and report.chosen_candidate == report.solver
+    assert report.verified and report.chosen_candidate in (report.requested_solver, "cpsat[polished]")
     again = judge_graph(gm)
     assert again.primary_step_ms == pytest.approx(report.reexported_step_ms)
     assert (again.peak_bytes, again.liveness_peak_bytes, again.tracker_peak_bytes) == (
         report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes)
     names = [c["name"] for c in report.candidates]
-    assert {"torch-overlap", "torch-overlap-no-prebucketing", "traced"} <= set(names)
+    assert {"torch-overlap", "traced"} <= set(names)
     assert len(set(names)) == len(names)
     judged = [c for c in report.candidates if c["step_ms"]]
     assert min(c["step_ms"]["analytic"] for c in judged) == pytest.approx(report.reexported_step_ms)
     assert sum(c["outcome"].startswith("chosen") for c in report.candidates) == 1
     assert "written graph" in str(report)
-    # the traced order is predicted far slower: not even written back
+    # candidates predicted no faster than the chosen written graph are not even written back
     skipped = [c for c in report.candidates if c["skipped"]]
     assert "traced" in {c["name"] for c in skipped}
-    assert all(c["predicted_step_ms"] > 1.02 * report.reexported_step_ms and c["step_ms"] is None for c in skipped)
+    assert all(c["predicted_step_ms"] >= report.reexported_step_ms and c["step_ms"] is None for c in skipped)
+    # torch's scheduler without its pre-bucketing is tried only when the one with it does not fit
+    assert "torch-overlap-no-prebucketing" not in names
+    stages = [st["name"] for st in report.stages]
+    assert stages[0] == "starts" and "judge-torch" in stages and "judge" in stages
 
 
 def test_budget_holds_on_the_written_graph(llama):
@@ -93,7 +97,11 @@ def test_budget_holds_on_the_written_graph(llama):
     assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= budget
     again = judge_graph(gm)
     assert again.max_peak_bytes <= budget
-    assert any("over budget" in c["outcome"] for c in report.candidates)
+    # the budget binds: the graph chosen without it does not fit it
+    assert max(free.reexported_peak_bytes, free.liveness_peak_bytes, free.tracker_peak_bytes) > budget
+    for c in report.candidates:
+        if c["step_ms"] and max(c["peak_bytes"], c["liveness_peak_bytes"], c["tracker_peak_bytes"]) > budget:
+            assert c["outcome"].startswith("dropped: over budget")
 
 
 def test_no_fitting_rewritten_graph_raises(llama, monkeypatch):
@@ -196,48 +204,26 @@ def test_judged_under_several_cost_models_and_chosen_by_a_key(llama):
     assert chosen.figures.step_ms["torch"] == pytest.approx(min(c["step_ms"]["torch"] for c in judged))
 
 
-def test_tightened_budget_repairs_only_a_faster_graph_a_little_over():
-    solver = _judged("cpsat", 1.0, (950, 950, 1004))
-    solver = Candidate(name="cpsat", schedule=object(), figures=solver.figures, predicted_peak_bytes=950)
-    chosen = _judged("fsdp2", 2.0, (900, 900, 990))
-    # 4 B over by the tracker: the model's peak less the excess
-    assert verify.tightened_budget(solver, chosen, 1000) == 950 - 4 - 1
-    assert verify.tightened_budget(solver, chosen, None) is None
-    assert verify.tightened_budget(solver, chosen, 1004) is None  # fits: nothing to repair
-    assert verify.tightened_budget(solver, chosen, 900) is None  # 104 B over: more than 5 %
-    slower = Candidate(name="cpsat", schedule=object(), figures=_judged("c", 3.0, (950, 950, 1004)).figures,
-                       predicted_peak_bytes=950)
-    assert verify.tightened_budget(slower, chosen, 1000) is None  # the chosen one is faster anyway
-
-
-def test_solver_over_budget_by_the_tracker_is_solved_again(llama, monkeypatch):
+def test_graph_over_budget_by_the_tracker_is_repaired(llama, monkeypatch):
     """torch's tracker made to count a constant 16 KiB above the liveness count: at a budget
-    8 KiB above the solver's free peak, its written graph is over by the tracker; the pass solves
-    again under its model peak less the excess, and what it returns fits by all three counts."""
+    8 KiB above the solver's free peak, the best schedule's written graph is over by the tracker
+    (a count the simulator does not make); it is polished again under the budget less the
+    excess, and what the pass returns fits by all three counts."""
     from scheduler.judge import liveness_peak
 
     over = 16 << 10
     monkeypatch.setattr(verify, "torch_tracker_peak", lambda gm: liveness_peak(gm) + over)
     _, free = _optimized(llama.backward)
-    solver_row = free.candidates[0]
-    budget = solver_row["peak_bytes"] + over // 2
-    calls = []
-    real = verify.tightened_budget
-
-    def spy(candidate, chosen, mem_budget_bytes):
-        tight = real(candidate, chosen, mem_budget_bytes)
-        calls.append(tight)
-        return tight
-
-    monkeypatch.setattr(verify, "tightened_budget", spy)
+    chosen = next(c for c in free.candidates if c["name"] == free.chosen_candidate)
+    budget = chosen["peak_bytes"] + over // 2
     gm, report = _optimized(llama.backward, budget)
+    rows = {c["name"]: c for c in report.candidates}
     tightened = [c for c in report.candidates if "-tightened" in c["name"]]
-    assert calls and calls[0] == solver_row["predicted_peak_bytes"] - over // 2 - 1, (calls, report.candidates)
-    assert any("solved again under a model budget" in n for n in report.notes), report.notes
-    # the new schedule joins the candidates unless it is one already judged (a heuristic's)
-    for row in tightened:
-        assert max(row["peak_bytes"], row["liveness_peak_bytes"], row["tracker_peak_bytes"]) <= budget
+    assert tightened and "repair" in [st["name"] for st in report.stages], report.candidates
+    assert any(max(r["peak_bytes"], r["liveness_peak_bytes"], r["tracker_peak_bytes"]) <= budget for r in tightened)
+    assert rows[tightened[0]["name"].split("-tightened")[0]]["step_ms"] is not None
     assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= budget
+    assert judge_graph(gm).max_peak_bytes - liveness_peak(gm) == over
 
 
 def test_fastest_written_graph_that_fits_is_polished(group_name):
@@ -256,5 +242,6 @@ def test_fastest_written_graph_that_fits_is_polished(group_name):
     rows = {c["name"]: c for c in report.candidates}
     assert report.chosen_candidate == "cpsat[polished]"
     chosen = rows["cpsat[polished]"]["step_ms"]["torch"]
-    assert chosen < 0.75 * rows["cpsat"]["step_ms"]["torch"] and chosen < 0.67 * fsdp2
+    # the solver's own schedule is not even written back: its prediction cannot win
+    assert chosen < 0.75 * rows["cpsat"]["predicted_step_ms"] and chosen < 0.67 * fsdp2
     assert judge_graph(out, "torch").max_peak_bytes <= budget

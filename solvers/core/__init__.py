@@ -18,6 +18,7 @@ from solvers.core.schedule import (
     ScheduleError,
     SolveResult,
     SolveStatus,
+    StageRecord,
     Step,
 )
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
@@ -35,6 +36,7 @@ __all__ = [
     "SimResult",
     "SolveResult",
     "SolveStatus",
+    "StageRecord",
     "Step",
     "US_PER_MS",
     "fmt_bytes",

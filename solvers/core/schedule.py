@@ -179,6 +179,30 @@ class Schedule:
         return {m: i for i, b in enumerate(self.buckets) for m in b.members}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageRecord:
+    """One stage of a solve plan as it ran: what tests and benchmarks read of a solve
+    (:attr:`SolveResult.stages`, ``ScheduleReport.stages``), never a note's wording."""
+
+    #: the stage's name in the plan (``"starts"``, ``"search"``, ``"repair"``, ``"polish"``,
+    #: ``"judge"``, ...; see :mod:`solvers.driver` and :mod:`scheduler.verify`)
+    name: str
+    #: wall time of the stage (s)
+    wall_s: float
+    #: deterministic work charged to the stage (s of the solve's work clock, ``time_limit_s``)
+    work_s: float = 0.0
+    #: schedules simulated by the stage (starts, polish moves, candidates)
+    simulations: int = 0
+    #: best simulated (or, for judging, re-exported) step time when the stage ended, ms; None
+    #: when the stage produced no schedule
+    step_ms: float | None = None
+    #: step time gained over what the stage started from, ms (0 when nothing improved)
+    gained_ms: float = 0.0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class SolveResult:
     """What every solver and heuristic returns, so that they compare directly.
@@ -197,6 +221,7 @@ class SolveResult:
             improved, warm start first (filled by the windowed search; empty otherwise).
         alternatives: other schedules of the solve worth judging on the written graph (the
             schedule before the final polish).
+        stages: the stages of the plan that ran, in order (:class:`StageRecord`).
     """
 
     schedule: Schedule
@@ -211,6 +236,7 @@ class SolveResult:
     #: other schedules of the solve worth judging on the written graph, where counts the model
     #: does not make may decide (the schedule before the final polish)
     alternatives: tuple[Schedule, ...] = ()
+    stages: tuple[StageRecord, ...] = ()
 
     @property
     def gap(self) -> float:
