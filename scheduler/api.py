@@ -41,7 +41,7 @@ polish (choice) the best predicted schedule  ``polish_share`` of the      the fa
                that fits polished again      limit                        be another schedule than the solver's
 judge-torch    torch's overlap scheduler     one run (a second without    never slower than torch's own scheduler
                written and judged            pre-bucketing when the first on the written graph
-                                             does not fit)
+                                             fails)
 judge          our schedules written back    one write-back and judge     what is written back is what counts
                in predicted order while a    each (usually one)
                prediction can still win

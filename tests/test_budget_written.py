@@ -62,8 +62,11 @@ def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind)
         report = gm.meta[REPORT_KEY]
         case = f"{model} {kind} {solver} -> {report.chosen_candidate}, budget {budget}"
         assert liveness_peak(gm) <= budget and torch_tracker_peak(gm) <= budget, case
-        # the solver's schedule (or its fallback), judged first: predicted = re-exported, and
-        # the budget it was solved under holds by the liveness count
+        # the solver's schedule (or its fallback), when written back (only while its prediction
+        # could win): predicted = re-exported; the one installed holds the budget by the
+        # liveness count
         own = report.candidates[0]
-        assert own["peak_bytes"] == own["predicted_peak_bytes"] <= budget, case
-        assert own["liveness_peak_bytes"] <= budget, case
+        if own["step_ms"]:
+            assert own["peak_bytes"] == own["predicted_peak_bytes"] <= budget, case
+        chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
+        assert chosen["peak_bytes"] <= budget and chosen["liveness_peak_bytes"] <= budget, case

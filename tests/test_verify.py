@@ -80,7 +80,7 @@ def test_returned_graph_is_the_judged_one(llama, kind):
     skipped = [c for c in report.candidates if c["skipped"]]
     assert "traced" in {c["name"] for c in skipped}
     assert all(c["predicted_step_ms"] >= report.reexported_step_ms and c["step_ms"] is None for c in skipped)
-    # torch's scheduler without its pre-bucketing is tried only when the one with it does not fit
+    # torch's scheduler without its pre-bucketing is tried only when the one with it fails
     assert "torch-overlap-no-prebucketing" not in names
     stages = [st["name"] for st in report.stages]
     assert stages[0] == "starts" and "judge-torch" in stages and "judge" in stages
