@@ -36,16 +36,16 @@ repair         the model's budget lowered    what is left, at most        the mo
 rescue         windows from the best start   what is left                 a model with no usable answer
 polish         merges, transfers and issue   at most ``polish_share``     the simulator prices merges exactly
                / wait moves on the           of the limit, from what      where the model approximates them
-               simulator (:mod:`solvers.minimax`)   the search left
-polish (choice) the best predicted schedule  ``polish_share`` of the      the fastest written graph that fits can
-               that fits polished again      limit                        be another schedule than the solver's
+               simulator                     the search left              (:mod:`solvers.minimax`)
+polish         the best predicted schedule   ``polish_share`` of the      the fastest written graph that fits can
+(choice)       that fits polished again      limit                        be another schedule than the solver's
 judge-torch    torch's overlap scheduler     one run (a second without    never slower than torch's own scheduler
                written and judged            pre-bucketing when the first on the written graph
                                              fails)
 judge          our schedules written back    one write-back and judge     what is written back is what counts
                in predicted order while a    each (usually one)
                prediction can still win
-repair         a written graph over by a     at most ``TIGHTEN_ROUNDS``   the liveness count and torch's tracker
+repair         a written graph over by a     at most ``repair_rounds``    the liveness count and torch's tracker
 (choice)       count the simulator does not  polishes                     differ from the simulator on some graphs
                make: polished under the
                budget less the excess
@@ -79,8 +79,7 @@ from scheduler import cache, consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
 from scheduler.robust import (
     BASE_COST_MODELS,
-    MINIMAX_STARTS,
-    MINIMAX_WORK_SOLVES,
+    ROBUST,
     blends,
     choice_key,
     cost_model_family,
@@ -338,11 +337,11 @@ def optimize_schedule(
             The graph is also solved under three blends of ``cost_model`` and the other base
             model (:func:`scheduler.robust.blends`), each a candidate (compromises where the
             models prefer different schedules), and the best candidates by the criterion
-            (``MINIMAX_STARTS``) are polished on the worst case across the family
+            (``ROBUST.minimax_starts``) are polished on the worst case across the family
             (:mod:`solvers.minimax`, a local search on the simulator under all six models at
             once), each into one more candidate. The report names the criterion and each
             candidate's worst regret. Costs three more solves, the polishes
-            (``MINIMAX_WORK_SOLVES`` times ``time_limit_s`` of work each) and one re-export per
+            (``ROBUST.minimax_work_solves`` times ``time_limit_s`` of work each) and one re-export per
             candidate and model (6 more per candidate).
         extra_starts: schedules of this graph the solver also starts from (exact solvers
             only), e.g. ``gm.meta[SCHEDULE_KEY]`` of another solve of a copy under another cost
@@ -417,12 +416,12 @@ def optimize_schedule(
             extra = [schedule_candidate(problem, f"{report.solver}[unpolished]", s) for s in unpolished] + extra
         # the candidates polished on the simulator: on the worst case across the family
         # (robust), else under the one cost model with the solve's polish share
-        work_s = (MINIMAX_WORK_SOLVES if robust else SearchConfig().polish_share) * time_limit_s
+        work_s = (ROBUST.minimax_work_solves if robust else SearchConfig().polish_share) * time_limit_s
         return verify_and_choose(gm, problem, schedule, report, budget, cost_model=cost_model, cluster=cluster,
                                  seed=seed, alternatives=alternatives, extra=extra,
                                  minimax=(minimax_config(work_s, problem) if robust
                                           else MinimaxConfig.for_work(work_s, problem)),
-                                 minimax_starts=MINIMAX_STARTS if robust else 1, **choice, **writeback)
+                                 minimax_starts=ROBUST.minimax_starts if robust else 1, **choice, **writeback)
 
     installed: list[Schedule | None] = []
     own: list[Schedule] = []  # the solver's own schedules (SOLVED_KEY)

@@ -36,8 +36,7 @@ from scheduler.costs import Cluster
 from scheduler.dag import export_dag
 from scheduler.robust import (
     BASE_COST_MODELS,
-    MINIMAX_STARTS,
-    MINIMAX_WORK_SOLVES,
+    ROBUST,
     blends,
     choice_key,
     cost_model_family,
@@ -255,9 +254,9 @@ def robust_schedule(
     on its own copy of ``gm``, and the solvers' own schedules where verification installed
     another (:func:`solver_candidates`), judged under every model of ``cost_models`` (default
     :func:`scheduler.robust.cost_model_family` of ``cluster``); with ``minimax`` (default: on;
-    a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``MINIMAX_WORK_SOLVES`` times
+    a :class:`solvers.minimax.MinimaxConfig` sets its limits, else ``ROBUST.minimax_work_solves`` times
     ``time_limit_s`` of work),
-    the best of them by the criterion (``MINIMAX_STARTS``) polished on the worst case across
+    the best of them by the criterion (``ROBUST.minimax_starts``) polished on the worst case across
     those models as well
     (:func:`scheduler.verify.minimax_candidates`, named :data:`MINIMAX`); those whose re-export, liveness
     and torch tracker peaks are all within the budget compete, and
@@ -301,9 +300,9 @@ def robust_schedule(
     if minimax:
         # the best so far polished on the worst case across the family itself
         config = (minimax if isinstance(minimax, MinimaxConfig)
-                  else minimax_config(MINIMAX_WORK_SOLVES * time_limit_s, problem))
+                  else minimax_config(ROBUST.minimax_work_solves * time_limit_s, problem))
         for polished in minimax_candidates(gm, problem, candidates, budget, family, cluster=cluster,
-                                           name=MINIMAX, config=config, starts=MINIMAX_STARTS):
+                                           name=MINIMAX, config=config, starts=ROBUST.minimax_starts):
             candidates.append(polished)
             solved_under[polished.name] = "minimax"
     best, reasons = choose(candidates, budget, choice_key(candidates, budget))

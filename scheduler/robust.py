@@ -76,57 +76,69 @@ def cost_model_family(
     return family
 
 
-#: work of the polish on the worst case across the family (:mod:`solvers.minimax`) from one
-#: start, in time limits of one solve: on llama3-8b's 8-layer backward a start needs 2500 to
-#: 5000 simulations (10 to 20 s on one core) to settle, where a single-model polish needs a few
-#: hundred
-MINIMAX_WORK_SOLVES = 4.0
-#: candidates the robust choice polishes from at most (the best by worst regret first;
-#: :func:`scheduler.verify.minimax_candidates`): a local search ends where its start leads, and
-#: the best start is often not the best candidate. On llama3-8b's 8-layer backward at the
-#: FSDP2-like peak the 11th best (the analytic solver's own schedule, 10.1 % worst regret)
-#: polishes to 1.1 %, the six best to 3.4 % at best (BENCHMARKS.md section 10)
-MINIMAX_STARTS = 16
-#: a candidate whose worst regret exceeds the least by more than this is no start: the traced
-#: order (94 % there) polishes to 44 % in as much work as a start that settles at 1.1 %
-MINIMAX_START_SLACK = 0.25
-#: regular bucketings of the best start polished too (:func:`solvers.minimax.regrouped_starts`):
-#: on llama3-8b's 32-layer forward the best regrets 2.6 %, every candidate 4 % or more
-MINIMAX_REGROUP_STARTS = 2
-#: and the best of them refined to single collectives (:func:`solvers.minimax.refinements`),
-#: polished with MINIMAX_REGROUP_WORK times a start's work: on that forward 29 collectives per
-#: bucket (3.2 layers) regret 2.40 % before the polish and 1.85 % on the written graph after it
-#: (BENCHMARKS.md section 10); a start's work alone (1,716 simulations there) leaves such a start
-#: near 2.2 %
-MINIMAX_REGROUP_REFINE = 1
-MINIMAX_REGROUP_WORK = 6.0
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RobustConfig:
+    """How the robust choice searches (``optimize_schedule(robust=True)``,
+    :func:`scheduler.rewritten.robust_schedule`)."""
+
+    #: work of the polish on the worst case across the family (:mod:`solvers.minimax`) from one
+    #: start, in time limits of one solve: a start needs thousands of simulations under six
+    #: models to settle, where a single-model polish needs hundreds
+    minimax_work_solves: float = 4.0
+    #: candidates polished from at most, the best by worst regret first
+    #: (:func:`scheduler.verify.minimax_candidates`): a local search ends where its start leads,
+    #: and the best start is often not the best candidate
+    minimax_starts: int = 16
+    #: a candidate whose worst regret exceeds the least by more than this is no start: it costs
+    #: as much work as a good start and settles far from it
+    minimax_start_slack: float = 0.25
+    #: regular bucketings of the best start polished too (:func:`solvers.minimax.regrouped_starts`):
+    #: bucket granularity is out of reach of the polish's one-bucket moves
+    regroup_starts: int = 2
+    #: the best regular bucketing refined to single collectives (:func:`solvers.minimax.refinements`),
+    #: for where one model wants a few layers per bucket and another a few more
+    regroup_refine: int = 1
+    #: a refined start is polished this many times a start's work: it starts farther from a
+    #: local optimum than a solver's schedule
+    regroup_work: float = 6.0
+    #: weights on the first of two models, for the blends solved under as well (:func:`blends`)
+    blend_weights: tuple[float, ...] = (0.25, 0.5, 0.75)
+
+    def __post_init__(self) -> None:
+        if not self.minimax_work_solves > 0 or self.minimax_starts < 0 or not self.minimax_start_slack >= 0:
+            raise ValueError(f"minimax_work_solves must be > 0, minimax_starts >= 0 and minimax_start_slack >= 0, "
+                             f"got {self.minimax_work_solves}, {self.minimax_starts}, {self.minimax_start_slack}")
+        if self.regroup_starts < 0 or self.regroup_refine < 0 or not self.regroup_work >= 1:
+            raise ValueError(f"regroup_starts and regroup_refine must be >= 0 and regroup_work >= 1, got "
+                             f"{self.regroup_starts}, {self.regroup_refine}, {self.regroup_work}")
+        if any(not 0 < w < 1 for w in self.blend_weights):
+            raise ValueError(f"blend_weights must lie strictly between 0 and 1, got {self.blend_weights}")
 
 
-def minimax_config(work_s: float, problem: Problem) -> MinimaxConfig:
+#: the robust choice's settings as shipped
+ROBUST = RobustConfig()
+
+
+def minimax_config(work_s: float, problem: Problem, config: RobustConfig = ROBUST) -> MinimaxConfig:
     """The limits of the polish on the worst case (:func:`solvers.minimax.polish`) for the
-    robust choice: about ``work_s`` seconds of simulating ``problem`` per start, the
-    MINIMAX_REGROUP_STARTS best regular bucketings of the best start and MINIMAX_REGROUP_REFINE
-    refinements of them as starts too, a refinement polished MINIMAX_REGROUP_WORK times longer."""
-    return MinimaxConfig.for_work(work_s, problem, regroup_starts=MINIMAX_REGROUP_STARTS,
-                                  regroup_refine=MINIMAX_REGROUP_REFINE, regroup_work=MINIMAX_REGROUP_WORK)
+    robust choice: about ``work_s`` seconds of simulating ``problem`` per start, with the
+    regrouped and refined starts of ``config``."""
+    return MinimaxConfig.for_work(work_s, problem, regroup_starts=config.regroup_starts,
+                                  regroup_refine=config.regroup_refine, regroup_work=config.regroup_work)
 
 
-#: weights on the first of two models, for the blends solved under as well (:func:`blends`)
-BLEND_WEIGHTS = (0.25, 0.5, 0.75)
-
-
-def blends(family: Mapping[str, Any], solve_under: Sequence[str]) -> dict[str, BlendCostModel]:
+def blends(family: Mapping[str, Any], solve_under: Sequence[str],
+           weights: Sequence[float] = ROBUST.blend_weights) -> dict[str, BlendCostModel]:
     """Label -> blend of the models ``solve_under`` (labels of ``family``) that
     :func:`scheduler.rewritten.robust_schedule` and ``optimize_schedule(robust=True)`` also
-    solve under: for two models, one blend per weight of
-    :data:`BLEND_WEIGHTS` on the first (``"blend 25%"`` ...); for more, their equal mean
-    (``"blend"``); none for one."""
+    solve under: for two models, one blend per weight of ``weights`` on the first
+    (``"blend 25%"`` ...); for more, their equal mean (``"blend"``); none for one."""
     models = [family[label] for label in solve_under]
     if len(models) < 2:
         return {}
     if len(models) > 2:
         return {"blend": BlendCostModel(models, name="blend")}
-    return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in BLEND_WEIGHTS}
+    return {f"blend {w:.0%}": BlendCostModel(models, (w, 1 - w), name=f"blend {w:.0%}") for w in weights}
 
 
 # --------------------------------------------------------------------------------------------

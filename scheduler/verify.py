@@ -40,7 +40,7 @@ from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.report import ScheduleReport, after_fields
-from scheduler.robust import MINIMAX_START_SLACK, candidate_worst_regrets
+from scheduler.robust import ROBUST, candidate_worst_regrets
 from scheduler.writeback import apply_schedule, pin_order
 from solvers.core import (
     InfeasibleBudgetError,
@@ -167,12 +167,26 @@ class Criterion:
 # --------------------------------------------------------------------------------------------
 # the loop (what optimize_schedule runs)
 # --------------------------------------------------------------------------------------------
-#: rounds of repair by the excess (:func:`solvers.repair.repair_by_excess`) when a polished
-#: schedule's written graph exceeds the budget by the liveness count or torch's tracker
-TIGHTEN_ROUNDS = 2
-#: largest excess (fraction of the budget) of a written graph that a repair is tried for, and
-#: of a start of the minimax polish that is over the budget
-TIGHTEN_MAX_EXCESS = 0.05
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChoiceConfig:
+    """The choice among written graphs (:func:`verify_and_choose`)."""
+
+    #: rounds of repair by the excess (:func:`solvers.repair.repair_by_excess`) when a
+    #: schedule's written graph exceeds the budget by the liveness count or torch's tracker
+    repair_rounds: int = 2
+    #: largest excess (fraction of the budget) of a written graph a repair is tried for, and of
+    #: a start of the minimax polish that is over the budget: the counts differ from the
+    #: simulator's by a small margin, so a larger excess is another schedule's problem
+    repair_max_excess: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.repair_rounds < 0 or not 0 <= self.repair_max_excess < 1:
+            raise ValueError(f"repair_rounds must be >= 0 and repair_max_excess in [0, 1), got "
+                             f"{self.repair_rounds} and {self.repair_max_excess}")
+
+
+#: the choice's settings as shipped
+CHOICE = ChoiceConfig()
 
 
 def verify_and_choose(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, report: ScheduleReport,
@@ -321,7 +335,7 @@ def _fastest_written(problem: Problem, solved: Candidate, extra: Sequence[Candid
         faster(c)
         f = c.figures
         if (f is None or budget is None or f.max_peak_bytes <= budget or c.schedule is None or minimax is None
-                or f.max_peak_bytes > budget * (1 + TIGHTEN_MAX_EXCESS)):
+                or f.max_peak_bytes > budget * (1 + CHOICE.repair_max_excess)):
             continue
         for repaired in _repaired(problem, c, budget, judge, stages, minimax):
             candidates.insert(candidates.index(c) + 1, repaired)
@@ -358,7 +372,7 @@ def _repaired(problem: Problem, over: Candidate, mem_budget_bytes: int, judge: C
         return mem_budget_bytes + 1 if c.figures is None else c.figures.max_peak_bytes - mem_budget_bytes
 
     base = min(mem_budget_bytes, over.predicted_max_peak_bytes or mem_budget_bytes)
-    repair_by_excess(make, excess, base - first_excess - 1, rounds=TIGHTEN_ROUNDS - 1,
+    repair_by_excess(make, excess, base - first_excess - 1, rounds=CHOICE.repair_rounds - 1,
                      model_peak_bytes=lambda c: c.predicted_max_peak_bytes or mem_budget_bytes)
     return made
 
@@ -436,8 +450,8 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     """The ``starts`` candidates of least worst-case regret among ``judged`` (those with a
     schedule over ``problem`` that fit the budget, judged under every model of ``cost_models``:
     label -> cost model, the first being ``problem``'s, and regret no more than
-    :data:`scheduler.robust.MINIMAX_START_SLACK` above the least; then those over the budget by at most
-    ``TIGHTEN_MAX_EXCESS``, fastest first), each polished on the worst case across
+    ``ROBUST.minimax_start_slack`` (:class:`scheduler.robust.RobustConfig`) above the least; then those over the budget by at most
+    ``CHOICE.repair_max_excess``, fastest first), each polished on the worst case across
     those models (:func:`solvers.minimax.polish`, ``config`` per start), written back and
     judged like the others: a list of new candidates named ``name`` (``name-2``, ... from the
     later starts). A polished schedule joins only when its worst case beats the best so far
@@ -464,7 +478,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
     under the budget less the margin by which the start's written graph counts more than that
     prediction. A polished graph still over by a written count is polished again under the
     budget less that excess (:func:`solvers.repair.repair_by_excess`), at most
-    :data:`TIGHTEN_ROUNDS` times, each round a candidate of its own (``name-tightened``, ``name-tightened-2``). Before the simulator
+    ``CHOICE.repair_rounds`` times, each round a candidate of its own (``name-tightened``, ``name-tightened-2``). Before the simulator
     counted by torch's rules, torch's tracker counted the first polished graph of llama3-debug's
     backward 5.5 % over the FSDP2-like peak (a merged all-gather's ``out=`` result beside its
     buffer); now the polish sees that and keeps under it.
@@ -474,14 +488,14 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
         return []
     least = min(worst.values())
     fitting = sorted((c for c in judged if c.name in worst and c.schedule is not None
-                      and worst[c.name] <= least + MINIMAX_START_SLACK),
+                      and worst[c.name] <= least + ROBUST.minimax_start_slack),
                      key=lambda c: (worst[c.name], c.name))
     # then schedules a little over the budget by a written count, fastest first: the polish
     # takes moves that lower the excess first (the solver's graph on a tied-embedding forward is
     # 4 KiB over by torch's tracker, and no other schedule candidate fits there)
     over = sorted((c for c in judged if c.name not in worst and c.schedule is not None and c.figures is not None
                    and mem_budget_bytes is not None
-                   and c.figures.max_peak_bytes <= mem_budget_bytes * (1 + TIGHTEN_MAX_EXCESS)),
+                   and c.figures.max_peak_bytes <= mem_budget_bytes * (1 + CHOICE.repair_max_excess)),
                   key=lambda c: (c.figures.primary_step_ms, c.name))
     distinct: list[Candidate] = []  # the first of candidates with equal schedules
     for c in fitting + over:
@@ -553,7 +567,7 @@ def minimax_candidates(gm: "torch.fx.GraphModule", problem: Problem, judged: Seq
             return 0 if mem_budget_bytes is None else c.figures.max_peak_bytes - mem_budget_bytes
 
         repair = repair_by_excess(make, over, None if mem_budget_bytes is None else mem_budget_bytes - excess,
-                                  rounds=TIGHTEN_ROUNDS, model_peak_bytes=lambda c: rounds[-1].peak_bytes)
+                                  rounds=CHOICE.repair_rounds, model_peak_bytes=lambda c: rounds[-1].peak_bytes)
         if repair.fitting is not None:
             best_worst = min(best_worst, rounds[-1].worst_regret)
     return out
