@@ -12,6 +12,7 @@ does not import torch.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 _EXPORTS = {
@@ -52,7 +53,11 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, or a submodule (``scheduler.compile.backend`` works after a bare
+    ``import scheduler``, as an eager package would allow), loaded on first use."""
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")
