@@ -191,3 +191,112 @@ def test_robust_solve_reports_the_criterion(tmp_path, capsys):
     chosen = [c for c in report["candidates"] if c["name"] == report["chosen_candidate"]]
     assert chosen and chosen[0]["worst_regret"] is not None and len(chosen[0]["step_ms"]) == 6
     assert not (out / "forward_schedule.json").exists() and (out / "forward_report.json").is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# arguments refused while parsing: one line naming the argument, exit status 2, no traceback
+# (all before any model is traced, so these are fast)
+# --------------------------------------------------------------------------------------------
+# (argv, the argument, its value); "{tmp}" is a temporary directory holding a regular file "afile"
+REFUSED = [
+    (["demo", "--out", "{tmp}/afile"], "--out", "afile"),
+    (["trace", "--out", "{tmp}/afile/sub"], "--out", "afile/sub"),
+    (["solve", "x.json", "--out", "{tmp}/afile"], "--out", "afile"),
+    (["sweep", "x.json", "--db", "{tmp}/missing/r.sqlite"], "--db", "missing/r.sqlite"),
+    (["sweep", "x.json", "--db", "{tmp}"], "--db", "{tmp}"),
+    (["solve", "x.json", "--budget", "1e400GiB"], "--budget", "1e400GiB"),
+    (["solve", "x.json", "--budget", str(2**63)], "--budget", str(2**63)),
+    (["solve", "x.json", "--budget", "infx"], "--budget", "infx"),
+    (["demo", "--budget", "nanx"], "--budget", "nanx"),
+    (["sweep", "x.json", "--budgets", "1GiB", "1e400GiB"], "--budgets", "1e400GiB"),
+    (["solve", "x.json", "--time-limit", "inf"], "--time-limit", "inf"),
+    (["sweep", "x.json", "--time-limit", "nan"], "--time-limit", "nan"),
+    (["demo", "--time-limit", "0"], "--time-limit", "0"),
+    (["trace", "--inter-node-gbps", "inf"], "--inter-node-gbps", "inf"),
+    (["trace", "--world-size", "1"], "--world-size", "1"),
+    (["trace", "--n-layers", "-2"], "--n-layers", "-2"),
+    (["sweep", "x.json", "--workers", "0"], "--workers", "0"),
+]
+
+
+@pytest.mark.parametrize("argv, argument, value", REFUSED, ids=[" ".join(a[:1] + a[-2:]) for a, _, _ in REFUSED])
+def test_bad_argument_is_one_line_naming_it(argv, argument, value, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {argument}:" in err and value.format(tmp=tmp_path) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing created
+
+
+def test_bad_argument_exit_status_in_a_subprocess(tmp_path):
+    """The console script itself exits 2 (not 1 with a traceback) on an overflowing budget."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import scheduler
+
+    root = str(Path(scheduler.__file__).resolve().parents[1])  # the scheduler under test, not another install
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "scheduler.cli", "solve", "x.json", "--budget", "1e400 GiB"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "argument --budget" in proc.stderr and "1e400 GiB" in proc.stderr and "2**63 - 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# inputs refused while running: one line, exit status 2 (a small synthetic DAG, no tracing)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_dag_file(tmp_path):
+    from scheduler.dag import save_dag
+    from scheduler.synthetic import make_fsdp_dag
+
+    path = tmp_path / "small.dag.json"
+    save_dag(make_fsdp_dag(n_layers=1, params_per_layer=3, graph_kind="backward", seed=0), path)
+    return path
+
+
+def test_dag_argument_that_is_a_directory_exits_2(tmp_path, capsys):
+    assert main(["solve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "not a file" in err and len(err.strip().splitlines()) == 1
+
+
+def test_deeply_nested_json_is_not_a_dag_file(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    assert main(["solve", str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert "deep.json is not an fsdp-sched DAG file" in err and "Traceback" not in err
+
+
+def test_db_that_is_not_a_sqlite_file_exits_2(small_dag_file, tmp_path, capsys):
+    db = tmp_path / "notes.txt"
+    db.write_text("not a database, " * 100)
+    argv = ["-q", "sweep", str(small_dag_file), "--budgets", "1.0x", "--out", str(tmp_path / "o"), "--db", str(db)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--db" in err and "notes.txt" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("multiple", ["1e30x", "1e305x", "1e-30x"])
+def test_budget_multiple_out_of_range_exits_2(small_dag_file, tmp_path, multiple, capsys):
+    """A finite multiple of the peak that comes to no real size (more than 2**63 - 1 bytes, or
+    less than one) is refused, not stored or solved."""
+    argv = ["-q", "sweep", str(small_dag_file), "--budgets", multiple, "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--budgets {multiple}" in err and "2**63 - 1" in err
+    assert not (tmp_path / "o" / "sweep.sqlite").exists()
+
+
+def test_demo_refuses_an_unknown_solver_before_tracing(tmp_path, capsys):
+    assert main(["demo", "--solver", "bogus", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown solver 'bogus'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -6,6 +6,8 @@ import argparse
 import hashlib
 import json
 import logging
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +43,9 @@ def budget_arg(text: str) -> str | int:
             f = float(t[:-1])
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad budget {text!r}: a multiple is written like '0.8x'") from None
-        if not f > 0:
-            raise argparse.ArgumentTypeError(f"bad budget {text!r}: the multiple must be > 0")
+        if not (math.isfinite(f) and f > 0):
+            raise argparse.ArgumentTypeError(
+                f"bad budget {text!r}: a multiple of the FSDP2-like peak must be a finite number > 0, like '0.8x'")
         return text.strip()
     try:
         return parse_bytes(text)  # type: ignore[return-value]
@@ -51,36 +54,97 @@ def budget_arg(text: str) -> str | int:
 
 
 def positive_float(text: str) -> float:
+    """A finite number > 0 (a time limit, a bandwidth): "inf" and "nan" are refused, since
+    the solvers would not honour them as the user meant."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}; give a finite number > 0") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}; give an integer >= {least}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
     return v
 
 
 def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def world_size_arg(text: str) -> int:
+    """``--world-size``: FSDP shards over at least two ranks."""
+    return _int_at_least(text, 2)
+
+
+def out_dir_arg(text: str) -> str:
+    """``--out``: a directory, created when the command writes. Checked while parsing, before
+    any model is traced, so that a path that cannot be a directory fails at once; nothing is
+    created here (argparse runs this on the default too)."""
+    path = Path(text)
     try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return v
+        if path.exists() and not path.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is a file; give a directory (it is created if missing)")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"cannot create directory {text!r}: {str(existing)!r} is a file; give a directory (it is created if missing)")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write in {str(existing)!r}; give a writable directory")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot use {text!r} as a directory: {e.strerror or e}") from None
+    return text
 
 
-def resolve_budget(spec: str | int | None, fsdp2_peak_bytes: int, floor_bytes: int = 0) -> int | None:
+def db_arg(text: str) -> str:
+    """``--db``: a SQLite file in an existing directory (the file itself is created if missing)."""
+    path = Path(text)
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a SQLite file name")
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"directory {str(path.parent)!r} of {text!r} does not exist; give a file in an existing directory")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot use {text!r} as a SQLite file: {e.strerror or e}") from None
+    return text
+
+
+def ensure_out_dir(out: Path) -> Path:
+    """Create the ``--out`` directory; a failure (a race with the parse-time check, a full or
+    read-only disk) is a :class:`CliError`."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out {str(out)!r}: cannot create the directory: {e.strerror or e}") from None
+    return out
+
+
+def resolve_budget(spec: str | int | None, fsdp2_peak_bytes: int, floor_bytes: int = 0, *,
+                   arg: str = "--budget") -> int | None:
     """Bytes of a :func:`budget_arg` value; "auto" is 0.9 x ``fsdp2_peak_bytes``, raised to
     ``floor_bytes`` (the smallest peak a baseline reached) when that is higher, so that it is
-    reachable."""
+    reachable. A multiple that comes to less than a byte or more than
+    :data:`~solvers.core.units.MAX_BYTES` is a :class:`CliError` naming ``arg``."""
     if spec is None or spec == "none":
         return None
     if isinstance(spec, int):
         return spec
     if spec == "auto":
         return max(int(0.9 * fsdp2_peak_bytes), floor_bytes)
-    return int(float(spec[:-1]) * fsdp2_peak_bytes)
+    budget = float(spec[:-1]) * fsdp2_peak_bytes
+    if not 1 <= budget <= units.MAX_BYTES:
+        raise CliError(f"{arg} {spec}: {spec} of the FSDP2-like peak {fmt_bytes(fsdp2_peak_bytes)} is "
+                       f"{budget:.3g} bytes; a budget must come to 1 byte up to 2**63 - 1 bytes")
+    return int(budget)
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -128,15 +192,21 @@ def trace_model(args: argparse.Namespace, graphs: tuple[str, ...] = GRAPHS) -> t
 
 
 def load_dag_file(path: str) -> nx.DiGraph:
+    """The DAG in ``path``, a file written by ``fsdp-sched trace``; any reason it cannot be read
+    is a :class:`CliError` naming the file."""
     p = Path(path)
+    if not p.exists():
+        raise CliError(f"no such DAG file: {path} (give a DAG JSON file written by `fsdp-sched trace`)")
     if not p.is_file():
-        raise CliError(f"no such DAG file: {path}")
+        raise CliError(f"{path} is not a file; give a DAG JSON file written by `fsdp-sched trace`")
     try:
         return load_dag(p)
     except DagError as e:
         raise CliError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise CliError(f"cannot read {path}: {e}") from None
+    except RecursionError:  # JSON nested deeper than the parser can follow
+        raise CliError(f"{path} is not an fsdp-sched DAG file (its JSON is nested too deeply)") from None
 
 
 def dag_hash(dag: nx.DiGraph) -> str:

@@ -15,7 +15,9 @@ from typing import Any
 from scheduler.api import solve_dag
 from scheduler.cli.common import (
     GRAPHS,
+    CliError,
     cluster_of,
+    ensure_out_dir,
     fmt_bytes,
     format_table,
     heuristic_sim,
@@ -26,13 +28,15 @@ from scheduler.cli.common import (
 )
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS
+from solvers.registry import available_solvers
 
 logger = logging.getLogger(__name__)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.solver not in available_solvers():  # before the model is traced, which is slow
+        raise CliError(f"unknown solver {args.solver!r}; choose one of {', '.join(available_solvers())}")
+    out = ensure_out_dir(Path(args.out))
     dags, captured = trace_model(args)
     summary: dict[str, Any] = {}
     for g in GRAPHS:

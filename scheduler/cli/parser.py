@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from scheduler.cli.common import GRAPHS, budget_arg, positive_float, positive_int
+from scheduler.cli.common import (
+    GRAPHS,
+    budget_arg,
+    db_arg,
+    out_dir_arg,
+    positive_float,
+    positive_int,
+    world_size_arg,
+)
 from scheduler.cli.demo import cmd_demo
 from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import cmd_sweep
@@ -22,7 +30,7 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
                         + (f" (default {default_model})" if default_model else ""))
     p.add_argument("--n-layers", type=positive_int, default=default_layers,
                    help="decoder layers to trace (default %(default)s; fewer is faster)")
-    p.add_argument("--world-size", type=positive_int, default=64,
+    p.add_argument("--world-size", type=world_size_arg, default=64,
                    help="FSDP ranks, also the cluster size for the cost model (default %(default)s, 8 per node)")
     p.add_argument("--inter-node-gbps", type=positive_float, default=None,
                    help="inter-node bus bandwidth per GPU in GB/s (default: the Cluster default, 50)")
@@ -55,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Chrome traces.")
     _model_args(p, default_model="llama3-8b", default_layers=8)
     _solve_args(p, budget_default="auto", time_limit=20.0)
-    p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+    p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
     p.set_defaults(func=cmd_demo)
 
@@ -65,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p, default_model="llama3-8b", default_layers=8)
     p.add_argument("--graph", choices=("forward", "backward", "both"), default="both",
                    help="which graph to save (default %(default)s)")
-    p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+    p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the written paths as JSON")
     p.set_defaults(func=cmd_trace)
 
@@ -76,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         _model_args(p, default_model=None, default_layers=8)
         p.add_argument("--graph", choices=GRAPHS, default="backward",
                        help="with --model: the graph to solve (default %(default)s)")
-        p.add_argument("--out", default="fsdp-sched-out", help="output directory (default %(default)s)")
+        p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
         if name == "solve":
             _solve_args(p, budget_default="none", time_limit=20.0)
@@ -101,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                            help="show progress on stderr: a tqdm bar if tqdm is installed and stderr is a "
                                 "terminal, else one line per point (default: on)")
-            p.add_argument("--db", default=None,
+            p.add_argument("--db", type=db_arg, default=None,
                            help="SQLite results file; finished points are skipped on rerun (default OUT/sweep.sqlite)")
             p.set_defaults(func=cmd_sweep)
     return parser

@@ -13,6 +13,7 @@ from scheduler.cli.common import (
     GRAPHS,
     CliError,
     cluster_of,
+    ensure_out_dir,
     fmt_bytes,
     heuristic_sim,
     input_dag,
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 def cmd_trace(args: argparse.Namespace) -> int:
     graphs = GRAPHS if args.graph == "both" else (args.graph,)
     dags, _ = trace_model(args, graphs)
-    out = Path(args.out)
+    out = ensure_out_dir(Path(args.out))
     paths = {}
     for g, dag in dags.items():
         path = out / f"{args.model}-{g}.dag.json"
@@ -56,8 +57,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     budget = _budget(args.budget, problem)
     logger.info("solving %s with %s, budget %s, limit %g s%s", dag.graph.get("name"), args.solver,
                 fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_out_dir(Path(args.out))
     stem = str(dag.graph.get("name", "graph"))
     if args.robust:
         report, problem = _solve_robust(args, getattr(captured, args.graph), budget)

@@ -23,6 +23,7 @@ from scheduler.api import solve_dag
 from scheduler.cli.common import (
     CliError,
     dag_hash,
+    ensure_out_dir,
     fmt_bytes,
     fmt_ms,
     heuristic_sim,
@@ -167,16 +168,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     dag = input_dag(args)
     baselines = _baselines(Problem.from_dag(dag))
     fsdp2_peak = (baselines.get("fsdp2") or baselines["traced"]).peak_bytes
-    budgets = sorted({b for b in (resolve_budget(s, fsdp2_peak) for s in args.budgets) if b is not None}, reverse=True)
+    resolved = (resolve_budget(s, fsdp2_peak, arg="--budgets") for s in args.budgets)
+    budgets = sorted({b for b in resolved if b is not None}, reverse=True)
     if not budgets:
         raise CliError("--budgets needs at least one size")
     key = dag_hash(dag)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_out_dir(Path(args.out))
     db_path = Path(args.db) if args.db else out / "sweep.sqlite"
-    db = sqlite3.connect(db_path)
+    db = _open_db(db_path)
     try:
-        db.execute(_SCHEMA)
         done = {b for (b,) in db.execute("SELECT budget_bytes FROM results WHERE dag_hash=? AND solver=?",
                                          (key, args.solver))}
         todo = [b for b in budgets if b not in done]
@@ -198,6 +198,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _print_table(rows, baselines)
         print(f"Pareto plot: {png}; results: {db_path}")
     return 0
+
+
+def _open_db(path: Path) -> sqlite3.Connection:
+    """The results database at ``path`` with its table; a path SQLite cannot open or a file that
+    is not a SQLite database is a :class:`CliError` naming ``--db``."""
+    try:
+        db = sqlite3.connect(path)
+    except sqlite3.Error as e:
+        raise CliError(f"results file {str(path)!r} (--db): cannot open it with SQLite: {e}") from None
+    try:
+        db.execute(_SCHEMA)
+        db.execute(f"SELECT dag_hash, solver, budget_bytes, time_limit_s, {', '.join(_COLS)} FROM results LIMIT 0")
+    except sqlite3.Error as e:
+        db.close()
+        raise CliError(f"results file {str(path)!r} (--db): not a sweep's SQLite results file ({e}); give a new "
+                       "file name or one an earlier sweep wrote") from None
+    return db
 
 
 def monotone(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

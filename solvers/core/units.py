@@ -8,8 +8,10 @@ Sizes travel as integer bytes (``mem_budget_bytes``), times as float millisecond
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Sequence
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal, InvalidOperation, localcontext
 
 #: microseconds per millisecond: the solver models' time unit
 US_PER_MS = 1000.0
@@ -28,29 +30,39 @@ _UNITS = {
 }
 _BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+#: the largest memory size accepted: budgets and peaks are int64 in the solver models, so a
+#: larger one would overflow there (and no device has that much memory)
+MAX_BYTES = 2**63 - 1
+_MAX_TEXT = "2**63 - 1 bytes (just under 8 EiB)"
+_ACCEPTED = "give a number of bytes from 1 to 2**63 - 1 (a fraction of a byte rounds down) or a size such as '40GiB'"
+# Amounts whose decimal exponent is beyond this are out of range for every unit (the largest
+# unit is about 1e12 and the largest size about 9.2e18), so they are refused before multiplying.
+_MAX_DIGITS = 40
+# Exact decimal arithmetic: a product of an exact amount and an integer unit is never rounded.
+_EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
 
 def parse_bytes(x: int | float | str | None) -> int | None:
-    """A memory size in bytes.
+    """A memory size in bytes, from 1 to :data:`MAX_BYTES`.
 
-    Accepts None (no limit, returned as None), a number of bytes, or a string: a number and a
-    unit, case-insensitive: ``B``, decimal ``KB`` / ``MB`` / ``GB`` / ``TB`` (powers of 1000)
-    or binary ``KiB`` / ``MiB`` / ``GiB`` / ``TiB`` (powers of 1024), e.g. ``"40GiB"``,
-    ``"512MB"``, ``"1.5 GB"``, ``"300 KiB"``. Fractions of a byte are rounded down.
+    Accepts None (no limit, returned as None), a number of bytes (an int, or a finite float),
+    or a string: a number and a unit, case-insensitive: ``B``, decimal ``KB`` / ``MB`` / ``GB`` /
+    ``TB`` (powers of 1000) or binary ``KiB`` / ``MiB`` / ``GiB`` / ``TiB`` (powers of 1024),
+    e.g. ``"40GiB"``, ``"512MB"``, ``"1.5 GB"``, ``"300 KiB"``. Strings are read exactly in
+    decimal (``"1.15 KB"`` is 1150 bytes). A fraction of a byte is rounded down, so that
+    rounding never raises a budget; a size below one byte is refused.
 
     Raises:
-        ValueError: an unknown unit or a malformed string (the message lists the units), or a
-            size that is zero or negative.
+        ValueError: an unknown unit or a malformed string (the message lists the units); a
+            size that is not finite, below 1 byte or above :data:`MAX_BYTES`; a bool (True
+            and False are not byte counts).
         TypeError: neither None, a number nor a string.
     """
     if x is None:
         return None
     if isinstance(x, bool):
-        raise TypeError(f"a memory size must be bytes (int) or a string like '40GiB', got {x!r}")
-    if isinstance(x, (int, float)):
-        if isinstance(x, float) and not math.isfinite(x):
-            raise ValueError(f"memory size must be finite, got {x!r}")
-        value = int(x)
-    elif isinstance(x, str):
+        raise ValueError(f"memory size must be a number of bytes, not a bool: got {x!r}; {_ACCEPTED}")
+    if isinstance(x, str):
         m = _BYTES_RE.match(x)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
@@ -58,11 +70,36 @@ def parse_bytes(x: int | float | str | None) -> int | None:
                 f"cannot parse memory size {x!r}: write a number and a unit, one of B, KB, MB, GB, TB "
                 "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '40GiB' or '1.5 GB'"
             )
-        value = int(float(m.group(1)) * _UNITS[unit])
+        try:
+            amount = Decimal(m.group(1))
+        except InvalidOperation:  # an exponent past Decimal's own range: far from any size either way
+            amount = Decimal(0) if "-" in m.group(1) else Decimal("Infinity")
+        unit_bytes = _UNITS[unit]
+    elif isinstance(x, numbers.Integral):  # numpy integers too
+        amount, unit_bytes = Decimal(int(x)), 1
+    elif isinstance(x, numbers.Real):
+        f = float(x)
+        if not math.isfinite(f):
+            raise ValueError(f"memory size must be finite, got {x!r}; {_ACCEPTED}")
+        amount, unit_bytes = Decimal(f), 1  # exact: Decimal holds any float
     else:
         raise TypeError(f"a memory size must be bytes (int) or a string like '40GiB', got {type(x).__name__}")
-    if value <= 0:
-        raise ValueError(f"memory size must be > 0 bytes, got {x!r}")
+    return _whole_bytes(amount, unit_bytes, x)
+
+
+def _whole_bytes(amount: Decimal, unit_bytes: int, x: object) -> int:
+    """``amount * unit_bytes`` rounded down, checked to lie in ``[1, MAX_BYTES]``."""
+    # The magnitude is checked first so that a huge exponent ('1e999999 GiB') costs nothing.
+    if amount.is_infinite() or amount.adjusted() > _MAX_DIGITS:
+        raise ValueError(f"memory size must be at most {_MAX_TEXT}, got {x!r}; {_ACCEPTED}")
+    value = 0
+    if amount > 0 and amount.adjusted() >= -_MAX_DIGITS:
+        with localcontext(_EXACT):
+            value = int(amount * unit_bytes)  # int() truncates, i.e. rounds a positive size down
+    if value < 1:
+        raise ValueError(f"memory size must be at least 1 byte, got {x!r}; {_ACCEPTED}")
+    if value > MAX_BYTES:
+        raise ValueError(f"memory size must be at most {_MAX_TEXT}, got {x!r}; {_ACCEPTED}")
     return value
 
 
