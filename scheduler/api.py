@@ -66,14 +66,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.costs import resolve_cost_model
+from scheduler.costs import Cluster, resolve_cost_model
 from scheduler.dag import DagError, export_dag, graph_has_collectives
 from scheduler import cache, consensus
 from scheduler.report import ScheduleReport, after_fields, make_report
@@ -85,7 +87,15 @@ from scheduler.robust import (
     cost_model_family,
     minimax_config,
 )
-from scheduler.verify import Candidate, Criterion, cost_model_label, install, schedule_candidate, verify_and_choose
+from scheduler.verify import (
+    TRACED,
+    Candidate,
+    Criterion,
+    cost_model_label,
+    install,
+    schedule_candidate,
+    verify_and_choose,
+)
 from scheduler.writeback import apply_schedule
 from solvers.core import (
     InfeasibleBudgetError,
@@ -121,6 +131,75 @@ SCHEDULE_KEY = "fsdp_sched_schedule"
 #: may install another candidate, and a local search ends where its start leads, so
 #: :func:`scheduler.rewritten.robust_schedule` judges and polishes these too
 SOLVED_KEY = "fsdp_sched_solved"
+
+#: :meth:`Candidate.digest` of the choice made for a graph without collectives whose metadata
+#: cannot be exported: nothing is written back, and ranks with such a graph agree on it
+_UNEXPORTED = hashlib.sha256(b"fsdp-sched: a graph without collectives, not exported").hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# arguments
+# --------------------------------------------------------------------------------------------
+def check_arguments(*, mem_budget: Any = None, solver: Any = "cpsat", time_limit_s: Any = DEFAULT_TIME_LIMIT_S,
+                    seed: Any = 0, fallback: Any = True, num_workers: Any = 1, cost_model: Any = None,
+                    cluster: Any = None, payload_order: Any = "registration", control_deps: Any = False,
+                    broadcast_from: Any = None, agree: Any = True, schedule_hook: Any = None, verify: Any = True,
+                    robust: Any = False, extra_starts: Any = ()) -> int | None:
+    """Check every argument of :func:`optimize_schedule` and :func:`solve_dag` before any
+    collective or solve, alike on every rank (a function of the arguments alone), and return
+    the budget in bytes.
+
+    Raises:
+        TypeError: an argument of the wrong type; the message names it, its value and what is
+            accepted.
+        ValueError: a value out of range (an unknown solver or payload order, a time limit that
+            is not finite and positive, ...), named the same way.
+    """
+    budget = parse_bytes(mem_budget)
+    if isinstance(solver, str):
+        if solver not in SOLVERS:
+            raise ValueError(f"solver={solver!r} is unknown; choose one of {available_solvers()} or pass a callable")
+    elif not callable(solver):
+        raise TypeError(f"solver={solver!r} must be a solver name ({available_solvers()}) or a callable")
+    _check_number("time_limit_s", time_limit_s, positive=True)
+    _check_int("seed", seed, low=0, high=2**31 - 1)
+    _check_int("num_workers", num_workers, low=1, high=1024)
+    if broadcast_from is not None:
+        _check_int("broadcast_from", broadcast_from, low=0, high=_world_size() - 1)
+    for name, value in (("fallback", fallback), ("control_deps", control_deps), ("agree", agree),
+                        ("verify", verify), ("robust", robust)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be True or False")
+    if payload_order not in ("registration", "execution"):
+        raise ValueError(f"payload_order={payload_order!r} must be 'registration' or 'execution'")
+    if schedule_hook is not None and not callable(schedule_hook):
+        raise TypeError(f"schedule_hook={schedule_hook!r} must be a callable (problem, schedule) -> Schedule | None")
+    if isinstance(extra_starts, (str, bytes)) or not isinstance(extra_starts, Sequence):
+        raise TypeError(f"extra_starts={extra_starts!r} must be a sequence of Schedule")
+    for start in extra_starts:
+        if not isinstance(start, Schedule):
+            raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster={cluster!r} must be a scheduler.Cluster or None")
+    resolve_cost_model(cost_model, cluster)  # raises ValueError naming a bad cost model
+    if robust and not verify:
+        raise ValueError("robust=True chooses among candidates judged on their rewritten graphs: it needs verify=True")
+    return budget
+
+
+def _check_number(name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be a number of seconds")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name}={value!r} must be a finite number {'> 0' if positive else ''}".rstrip())
+
+
+def _check_int(name: str, value: Any, *, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be in [{low}, {high}]")
+
 
 # --------------------------------------------------------------------------------------------
 # solve (torch-free)
@@ -160,8 +239,10 @@ def solve_dag(
             ``min_peak_bytes`` is the smallest peak found.
         ScheduleError: the solver failed and ``fallback`` is False.
     """
+    budget = check_arguments(mem_budget=mem_budget, solver=solver, time_limit_s=time_limit_s, seed=seed,
+                             fallback=fallback, num_workers=num_workers)
     problem = Problem.from_dag(dag)
-    return _solve_problem(problem, parse_bytes(mem_budget), solver=solver, time_limit_s=time_limit_s, seed=seed,
+    return _solve_problem(problem, budget, solver=solver, time_limit_s=time_limit_s, seed=seed,
                           fallback=fallback, num_workers=num_workers)
 
 
@@ -187,6 +268,13 @@ def _solve_problem(
     report = functools.partial(make_report, problem, before, graph_name=str(problem.dag.graph.get("name", "graph")),
                                mem_budget_bytes=mem_budget_bytes, t0=t0, requested=name)
     if not problem.colls:
+        # nothing to schedule: the graph as traced is the only schedule, and it must fit too
+        if mem_budget_bytes is not None and before.max_peak_bytes > mem_budget_bytes:
+            peak = before.max_peak_bytes
+            raise InfeasibleBudgetError(
+                f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} ({peak} B), over "
+                f"mem_budget {fmt_bytes(mem_budget_bytes)} ({mem_budget_bytes} B): raise mem_budget to at least "
+                f"{peak} B", budget_bytes=mem_budget_bytes, min_peak_bytes=peak)
         return before.schedule, report(before, solver="none", status="unchanged", best_bound=None,
                                        notes=["the graph has no collectives: left unchanged"], fell_back=False)
     if isinstance(solver, str) and solver not in SOLVERS:
@@ -358,29 +446,36 @@ def optimize_schedule(
             written back (the message says why). With ``agree``, these are raised only when
             the pass failed on every rank of the group; otherwise the graph stays unchanged.
     """
-    budget = parse_bytes(mem_budget)
-    if robust and not verify:
-        raise ValueError("robust=True chooses among candidates judged on their rewritten graphs: it needs verify=True")
-    choice = robust_choice(cost_model, cluster) if robust else {}
-    exported: list[Problem] = []
-    if graph_has_collectives(gm):
-        group = consensus.agreement_group(consensus_group) if agree else None
-    else:
-        # nothing to schedule, alike on every rank: no agreement needed; and never fail on
-        # metadata that would not be used
-        group = None
-        try:
-            exported.append(Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster)))
-        except DagError as e:
-            logger.info("graph has no collectives: left unchanged (not exported: %s)", e)
-            return gm
+    # a group of ranks agrees on everything that follows, failures included: a check that
+    # fails on one rank only (a budget computed from each rank's free memory, a graph that
+    # differs) must reach the others, or they wait in the agreement forever
+    group = consensus.agreement_group(consensus_group) if agree is True else None
+    checked: dict[str, Any] = {}
 
-    def export() -> Problem:
-        return exported[0] if exported else Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
+    def export() -> Problem | None:
+        """The arguments checked, then the graph exported; None for a graph without collectives
+        whose metadata cannot be exported (nothing to schedule: never fail on it)."""
+        checked["budget"] = check_arguments(
+            mem_budget=mem_budget, solver=solver, time_limit_s=time_limit_s, cost_model=cost_model, cluster=cluster,
+            payload_order=payload_order, control_deps=control_deps, seed=seed, fallback=fallback,
+            broadcast_from=broadcast_from, num_workers=num_workers, agree=agree, schedule_hook=schedule_hook,
+            verify=verify, robust=robust, extra_starts=extra_starts)
+        checked["choice"] = robust_choice(cost_model, cluster) if robust else {}
+        try:
+            return Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
+        except DagError as e:
+            if graph_has_collectives(gm):
+                raise
+            logger.info("graph has no collectives: left unchanged (not exported: %s)", e)
+            return None
 
     writeback = {"payload_order": payload_order, "control_deps": control_deps}
 
-    def solve_here(problem: Problem) -> tuple[Candidate, ScheduleReport]:
+    def solve_here(problem: Problem | None) -> tuple[Candidate, ScheduleReport]:
+        budget = checked["budget"]
+        if problem is None:  # a graph without collectives that could not be exported
+            return Candidate(name=TRACED, graph_digest=_UNEXPORTED), _unchanged_report(
+                None, budget=budget, requested=str(solver), notes=["the graph has no collectives: left unchanged"])
         key = _cache_key(problem, budget, solver=solver, time_limit_s=time_limit_s, seed=seed, fallback=fallback,
                          num_workers=num_workers, verify=verify, robust=robust, payload_order=payload_order,
                          control_deps=control_deps, extra_starts=extra_starts, schedule_hook=schedule_hook)
@@ -395,6 +490,7 @@ def optimize_schedule(
         return chosen, report
 
     def solve_fresh(problem: Problem) -> tuple[Candidate, ScheduleReport]:
+        budget = checked["budget"]
         unpolished: list[Schedule] = []
         schedule, report = _solve_problem(problem, budget, solver=solver, time_limit_s=time_limit_s, seed=seed,
                                           fallback=fallback, num_workers=num_workers, extra_starts=extra_starts,
@@ -421,14 +517,15 @@ def optimize_schedule(
                                  seed=seed, alternatives=alternatives, extra=extra,
                                  minimax=(minimax_config(work_s, problem) if robust
                                           else MinimaxConfig.for_work(work_s, problem)),
-                                 minimax_starts=ROBUST.minimax_starts if robust else 1, **choice, **writeback)
+                                 minimax_starts=ROBUST.minimax_starts if robust else 1, **checked["choice"],
+                                 **writeback)
 
     installed: list[Schedule | None] = []
     own: list[Schedule] = []  # the solver's own schedules (SOLVED_KEY)
 
-    def write_back(problem: Problem, chosen: Candidate) -> None:
+    def write_back(problem: Problem | None, chosen: Candidate) -> None:
         installed.append(chosen.schedule)
-        if not problem.colls:
+        if problem is None or not problem.colls:
             return
         if verify:
             install(gm, problem, chosen, cluster=cluster, **writeback)  # the graph that was judged
@@ -438,13 +535,14 @@ def optimize_schedule(
     if group is None:
         problem = export()
         if broadcast_from is not None and _world_size() > 1:
-            chosen, report = _solve_and_broadcast(lambda: solve_here(problem), problem, budget, broadcast_from)
+            chosen, report = _solve_and_broadcast(lambda: solve_here(problem), problem, checked["budget"],
+                                                  broadcast_from)
         else:
             chosen, report = solve_here(problem)
         write_back(problem, chosen)
     else:
-        report = _optimize_agreed(gm, group, export, solve_here, write_back, budget=budget, solver=solver,
-                                  broadcast_from=broadcast_from)
+        report = _optimize_agreed(gm, group, export, solve_here, write_back, budget=lambda: checked.get("budget"),
+                                  solver=solver, broadcast_from=broadcast_from)
     report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = report
     gm.meta[SCHEDULE_KEY] = installed[0] if installed else None
@@ -521,13 +619,17 @@ def robust_choice(cost_model: Any, cluster: Any) -> dict[str, Any]:
 
 def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solver, broadcast_from) -> ScheduleReport:
     """:func:`optimize_schedule` on a group of ranks that must agree (see
-    :mod:`scheduler.consensus`): solve, agree on one schedule, write back, agree that every
-    rank wrote it back (else every rank restores its graph). Returns this rank's report."""
+    :mod:`scheduler.consensus`): check the arguments and export (``export``), solve, agree on
+    one schedule (or on the failure of any rank at any of these steps), write back, agree
+    that every rank wrote it back (else every rank restores its graph). ``budget()`` is the
+    checked budget (None before the check passed). Returns this rank's report."""
     import torch.distributed as dist
 
-    from scheduler import cache, consensus
-
-    src = 0 if broadcast_from is None else dist.get_group_rank(group, broadcast_from)
+    # broadcast_from is checked with the other arguments, inside the agreement: a bad one
+    # falls back to rank 0 here, and the check's error reaches every rank
+    valid_src = isinstance(broadcast_from, int) and not isinstance(broadcast_from, bool) and (
+        0 <= broadcast_from < dist.get_world_size())
+    src = dist.get_group_rank(group, broadcast_from) if valid_src else 0
     problem: Problem | None = None
     chosen: Candidate | None = None
     report: ScheduleReport | None = None
@@ -546,19 +648,22 @@ def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solve
             raise error
         raise ScheduleError(f"rank {src} failed to solve the schedule: {agreed.failures.get(src)}")
     if agreed.action == "skip":
-        return _unchanged_report(problem, budget=budget, requested=solver, notes=agreed.notes)
-    assert problem is not None and agreed.schedule is not None
+        return _unchanged_report(problem, budget=budget(), requested=str(solver), notes=agreed.notes)
+    assert agreed.schedule is not None
     if agreed.report_json is not None:
         report = ScheduleReport.from_json(agreed.report_json)
     assert report is not None
     report.notes += agreed.notes
 
-    backup = _copy_graph(gm.graph) if problem.colls else None
+    backup = _copy_graph(gm.graph) if problem is not None and problem.colls else None
     write_error: BaseException | None = None
     try:
+        if agreed.adopted_from is not None and (problem is None) != (agreed.schedule.digest() == _UNEXPORTED):
+            raise ScheduleError(f"rank {agreed.adopted_from}'s graph and this rank's differ (one has collectives to "
+                                "schedule, the other none); every rank must trace the identical graph")
         if agreed.adopted_from is not None and agreed.schedule.schedule is not None:  # it must fit this rank's graph
             try:
-                validate_schedule(problem, agreed.schedule.schedule, mem_budget_bytes=budget)
+                validate_schedule(problem, agreed.schedule.schedule, mem_budget_bytes=budget())
             except ScheduleInvalidError as e:
                 raise ScheduleError(
                     f"the schedule of rank {agreed.adopted_from} does not fit this rank's graph ({e}); "
@@ -579,7 +684,7 @@ def _optimize_agreed(gm, group, export, solve_here, write_back, *, budget, solve
         f"(rank {rank}: {failures[rank]}); every rank keeps the graph as traced"
     )
     logger.warning("fsdp-sched: %s", note)
-    return _unchanged_report(problem, budget=budget, requested=solver, notes=[note])
+    return _unchanged_report(problem, budget=budget(), requested=str(solver), notes=[note])
 
 
 def _run_schedule_hook(hook, problem: Problem, schedule: Schedule, report: ScheduleReport, budget: int | None):

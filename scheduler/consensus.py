@@ -112,7 +112,14 @@ def agree_on_schedule(
     import torch.distributed as dist
 
     status = FAILED if error is not None else (OK if schedule is not None else IDLE)
-    digest = schedule.digest() if status == OK else None
+    digest = None
+    if status == OK:
+        try:  # nothing may raise on one rank before the collective: the others would wait
+            digest = schedule.digest()
+            if len(bytes.fromhex(digest)) != _DIGEST_BYTES:
+                raise ValueError(f"a schedule digest must be {_DIGEST_BYTES} bytes of hex, got {digest!r}")
+        except Exception as e:
+            error, status, digest = e, FAILED, None
     records = _all_gather_records(status, digest, group)
     statuses = [s for s, _ in records]
     me = dist.get_rank(group)
