@@ -20,8 +20,9 @@ What is written back is what counts (issue 13). :func:`scheduler.optimize_schedu
 Rank agreement: a candidate's :meth:`Candidate.digest` covers what is written back: the
 schedule's digest for a schedule over the traced graph, and for torch's candidates (which have
 no schedule over the traced problem) a hash of the rewritten graph's node sequence
-(:func:`graph_digest`: op, target and argument structure of every node, by position, not by
-name). A rank that adopts another rank's torch candidate re-runs torch's pass (deterministic on
+(:func:`graph_digest` without constants: op, target and argument structure of every node, by
+position, not by name, and numbers by their type only, since a merged all-gather's slice
+offsets are each rank's own). A rank that adopts another rank's torch candidate re-runs torch's pass (deterministic on
 identical graphs) and checks that hash before writing back.
 """
 
@@ -116,7 +117,8 @@ class Candidate:
     error: str | None = None
     #: why the candidate was not judged at all (hopeless by its prediction)
     skipped: str | None = None
-    #: :func:`graph_digest` of the rewritten graph ("" before it is rewritten)
+    #: :func:`graph_digest` of the rewritten graph without its constants, alike on every rank
+    #: ("" before it is rewritten)
     graph_digest: str = ""
     #: the rewritten copy of the graph while it is judged (this rank only)
     graph: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -391,7 +393,7 @@ def install(gm: "torch.fx.GraphModule", problem: Problem, chosen: Candidate, *, 
     rewrite(gm, problem, chosen, cluster=cluster, inplace=True, **writeback)
     if chosen.schedule is not None:
         return
-    if chosen.graph_digest and graph_digest(gm) != chosen.graph_digest:
+    if chosen.graph_digest and graph_digest(gm, constants=False) != chosen.graph_digest:
         raise ScheduleError(f"torch's overlap scheduler ({chosen.name}) rewrote this rank's graph differently "
                             "from the chosen one; every rank must trace the identical graph")
     if writeback.get("control_deps"):
@@ -623,17 +625,29 @@ def judge_graph(
                    exposed_comm_ms=sim.exposed_comm_ms, problem=problem)
 
 
-def graph_digest(gm: "torch.fx.GraphModule | torch.fx.Graph") -> str:
+def graph_digest(gm: "torch.fx.GraphModule | torch.fx.Graph", *, constants: bool = True) -> str:
     """sha256 of a graph's node sequence: each node's op, target and arguments, with nodes
-    named by position (equal graphs give equal digests whatever their node names)."""
+    named by position (equal graphs give equal digests whatever their node names).
+    ``constants=False`` hashes each number in the arguments by its type only: what is
+    scheduled (the order, and which node feeds which), not the values a rank writes for
+    itself (a merged all-gather's slice offsets are the rank's own), so every rank of a group
+    gets the same digest for the same schedule."""
     import torch.fx
 
     graph = getattr(gm, "graph", gm)
     index: dict[torch.fx.Node, int] = {}
     h = hashlib.sha256()
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return f"%{index.get(a, -1)}"
+        if not constants and isinstance(a, (int, float)) and not isinstance(a, bool):
+            return type(a).__name__
+        return a
+
     for i, n in enumerate(graph.nodes):
         index[n] = i
-        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index.get(a, -1)}")
+        args = torch.fx.node.map_aggregate((n.args, n.kwargs), arg)
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", repr(n.target))
         h.update(f"{n.op}|{getattr(n.target, '__module__', '')}.{target}|{args!r}\n".encode())
     return h.hexdigest()
@@ -700,7 +714,7 @@ def judge_candidates(gm: "torch.fx.GraphModule", problem: Problem, candidates: S
             continue
         try:
             c.graph = rewrite(gm, problem, c, cluster=cluster, **writeback)
-            c.graph_digest = graph_digest(c.graph)
+            c.graph_digest = graph_digest(c.graph, constants=False)
             c.figures = judge_graph(c.graph, cost_model, cluster, other_cost_models=other_cost_models, label=label)
         except Exception as e:  # one candidate failing must not fail the pass
             c.error = _short(f"{type(e).__name__}: {e}")

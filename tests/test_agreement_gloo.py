@@ -94,3 +94,35 @@ def test_a_failure_on_any_rank_reaches_every_rank(world_size):
         assert all(r["raised"] is None and r["status"] == "unchanged" for r in results), (case, results)
         assert not any(r["changed"] for r in results), (case, results)
         assert all(any(f"rank(s) [{world_size - 1}]" in n for n in r["notes"]) for r in results), (case, results)
+
+
+def _torch_chosen_body(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from scheduler import api, optimize_schedule
+    from test_writeback import COSTS, n_collectives, toy_graph
+
+    from scheduler import verify
+
+    gm = toy_graph(dist.group.WORLD.group_name, world_size)
+    before = n_collectives(gm)
+    choose = verify.choose
+    # torch's candidate made the choice whatever the figures: the agreement and the install
+    # that follow are the real ones
+    verify.choose = lambda judged, budget, key=None: choose(
+        judged, budget, lambda c: (not c.name.startswith("torch-overlap"), c.figures.primary_step_ms))
+    optimize_schedule(gm, None, cost_model=COSTS, time_limit_s=2.0)
+    report = gm.meta[api.REPORT_KEY]
+    return {"chosen": report.chosen_candidate, "status": report.status, "notes": report.notes,
+            "collectives": (before, n_collectives(gm)), "digest": report.digest}
+
+
+@pytest.mark.slow
+def test_torch_candidate_is_installed_on_every_rank():
+    """torch's overlap scheduler chosen on both ranks: its merged all-gathers hold each rank's
+    own slice offsets, yet the ranks agree on it and install it (they used to compare digests
+    of the whole graph, differ, and all keep the traced graph)."""
+    results = run_multiprocess(_torch_chosen_body, 2, timeout_s=240, threads_per_process=1)
+    assert all(r["chosen"].startswith("torch-overlap") for r in results), results
+    assert all(r["status"] != "unchanged" and r["collectives"][1] < r["collectives"][0] for r in results), results
+    assert results[0]["digest"] == results[1]["digest"]
