@@ -1,6 +1,7 @@
 """Export: FX graph -> cost-annotated networkx DAG, and its versioned JSON round-trip.
 
-The DAG is the only thing solvers see. Its schema (``SCHEMA_VERSION``):
+The DAG is the only thing solvers see. Its schema (``SCHEMA_VERSION``; the loader checks a file
+against it field by field, :mod:`scheduler.dag_schema`):
 
 Graph attributes (``dag.graph``):
     schema (str): always ``"fsdp-sched/dag"``; version (int): ``SCHEMA_VERSION``.
@@ -73,14 +74,12 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler.costs import Cluster, CostModel, annotate_costs, resolve_cost_model
+from scheduler.dag_schema import KINDS, SCHEMA, SCHEMA_VERSION, UNMODELLED_COLLECTIVES, DagError, check_dag_json
 
 if TYPE_CHECKING:
     import torch.fx
 
 logger = logging.getLogger(__name__)
-
-SCHEMA = "fsdp-sched/dag"
-SCHEMA_VERSION = 1
 
 #: collective op names (``torch.ops._c10d_functional.<name>``) -> coll_type
 _COLLECTIVES = {
@@ -89,26 +88,10 @@ _COLLECTIVES = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
 }
-#: ops that are collectives but not modelled (left in place, reported)
-_UNMODELLED_COLLECTIVES = {
-    "all_to_all_single",
-    "all_gather_into_tensor_coalesced",
-    "reduce_scatter_tensor_coalesced",
-    "all_reduce_coalesced",
-    "broadcast",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-}
 _CAST_OPS = {"convert_element_type", "_to_copy", "to"}
 #: ops whose output shares its input's storage although their schema does not mark them as
 #: views (aten._unsafe_view: a view that autograd does not track as one)
 _ALIAS_OPS = {"_unsafe_view"}
-
-
-class DagError(ValueError):
-    """The graph or file cannot be turned into a DAG; the message says what is wrong."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +259,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None)
     if namespace in ("_c10d_functional", "c10d_functional") and packet == "wait_tensor":
         attrs["kind"] = "wait"
     elif namespace in ("_c10d_functional", "c10d_functional") and (
-        packet in _COLLECTIVES or packet in _UNMODELLED_COLLECTIVES
+        packet in _COLLECTIVES or packet in UNMODELLED_COLLECTIVES
     ):
         attrs["kind"] = "collective"
         attrs.update(_collective_attrs(node, packet, val_of))
@@ -625,7 +608,7 @@ def graph_has_collectives(gm: "torch.fx.GraphModule") -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", "") in ("_c10d_functional", "c10d_functional"):
             packet = _packet_name(node.target)
-            if packet in _COLLECTIVES or packet in _UNMODELLED_COLLECTIVES or packet == "wait_tensor":
+            if packet in _COLLECTIVES or packet in UNMODELLED_COLLECTIVES or packet == "wait_tensor":
                 return True
     return False
 
@@ -770,32 +753,29 @@ def _finite_int(x: Any) -> int | None:
 # JSON round-trip
 # --------------------------------------------------------------------------------------------
 def dag_to_json(dag: nx.DiGraph) -> dict:
+    """The DAG as JSON-able data (``{"graph", "nodes", "edges"}``; module docstring)."""
     nodes = [{"name": n, **_jsonable(a)} for n, a in dag.nodes(data=True)]
     edges = [[u, v] for u, v in dag.edges()]
     return {"graph": _jsonable(dict(dag.graph)), "nodes": nodes, "edges": edges}
 
 
 def dag_from_json(data: Any, *, source: str = "<data>") -> nx.DiGraph:
-    if not isinstance(data, dict) or not isinstance(data.get("graph"), dict) or data["graph"].get("schema") != SCHEMA:
-        raise DagError(f"{source} is not an fsdp-sched DAG file (missing schema {SCHEMA!r})")
-    version = data["graph"].get("version")
-    if version != SCHEMA_VERSION:
-        raise DagError(
-            f"{source} has DAG schema version {version!r}; this fsdp-sched reads version "
-            f"{SCHEMA_VERSION}: re-export the graph with `fsdp-sched trace` or export_dag()"
-        )
+    """The DAG of decoded JSON written by :func:`dag_to_json`, once every field of it passed
+    :func:`scheduler.dag_schema.check_dag_json` (``source`` names the data in errors).
+
+    Raises:
+        DagError: not an fsdp-sched DAG, another schema version, or a field that violates the
+            schema (the message names it, its value and what is accepted).
+    """
+    check_dag_json(data, source=source)
     try:
         dag = nx.DiGraph(**data["graph"])
         for n in data["nodes"]:
             n = dict(n)
             dag.add_node(n.pop("name"), **n)
-        for u, v in data["edges"]:
-            if u not in dag or v not in dag:
-                raise KeyError(f"edge ({u}, {v}) names an unknown node")
-            dag.add_edge(u, v)
-    except (KeyError, TypeError, ValueError) as e:
+        dag.add_edges_from((u, v) for u, v in data["edges"])
+    except (KeyError, TypeError, ValueError, nx.NetworkXError) as e:  # a gap in the check still fails here
         raise DagError(f"{source} is corrupt: {e}") from e
-    validate_dag(dag, source=source)
     return dag
 
 
@@ -813,24 +793,27 @@ def load_dag(path: str | Path) -> nx.DiGraph:
 
     Raises:
         DagError: the file is not valid JSON, not an fsdp-sched DAG, of another schema version,
-            or inconsistent (unknown nodes, missing attributes).
-        FileNotFoundError: no such file.
+            or a field of it violates the schema (:func:`dag_from_json`).
+        OSError: the file cannot be read (FileNotFoundError: no such file).
     """
     path = Path(path)
-    text = path.read_text()
+    raw = path.read_bytes()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # bad UTF-8 or JSON, integers past the digit limit
         raise DagError(f"{path} is not valid JSON ({e}); was it truncated? re-export it") from e
+    except RecursionError as e:  # deeper than the parser follows: no DAG file nests like that
+        raise DagError(f"{path} is not an fsdp-sched DAG file (its JSON is nested too deeply)") from e
     return dag_from_json(data, source=str(path))
 
 
 _REQUIRED_NODE_ATTRS = ("kind", "index", "runtime_ms", "size_bytes")
-_KINDS = {"input", "output", "compute", "view", "collective", "wait"}
 
 
 def validate_dag(dag: nx.DiGraph, *, source: str = "DAG") -> None:
-    """Check the DAG is self-consistent and its costs are usable.
+    """Check a DAG built in memory is self-consistent and its costs are usable (the lighter
+    check :class:`scheduler.synthetic.DagBuilder` runs; a file gets the full schema,
+    :func:`dag_from_json`).
 
     Raises:
         DagError: naming the first problem found (missing attribute, unknown kind, a runtime
@@ -844,7 +827,7 @@ def validate_dag(dag: nx.DiGraph, *, source: str = "DAG") -> None:
         for key in _REQUIRED_NODE_ATTRS:
             if key not in a:
                 raise DagError(f"{source}: node {n!r} lacks attribute {key!r}")
-        if a["kind"] not in _KINDS:
+        if a["kind"] not in KINDS:
             raise DagError(f"{source}: node {n!r} has unknown kind {a['kind']!r}")
         rt = a["runtime_ms"]
         if not isinstance(rt, (int, float)) or math.isnan(rt) or rt < 0 or math.isinf(rt):
