@@ -242,7 +242,7 @@ def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None)
         )
     val_of = val_of or _ValOf()
     val = val_of(node)
-    if "val" not in node.meta and node.op != "output" and _may_return_tensor(node):
+    if val is None and "val" not in node.meta and _may_return_tensor(node):
         raise DagError(
             f"node {node.name!r} ({attrs['target']}) has no meta['val']; trace with fake tensors "
             "(make_fx(..., tracing_mode='fake') or aot_autograd) so that shapes are known"
@@ -644,12 +644,27 @@ class _ValOf:
         self._cache: dict[Any, Any] = {}
 
     def __call__(self, node: Any) -> Any:
-        val = node.meta.get("val", None)
-        if not self.hints:
-            return val
         if node not in self._cache:
-            self._cache[node] = _substitute(val, self.hints)
+            val = node.meta["val"] if "val" in node.meta else _val_from_getitems(node)
+            self._cache[node] = _substitute(val, self.hints) if self.hints else val
         return self._cache[node]
+
+
+def _val_from_getitems(node: Any) -> Any:
+    """The value of a multi-output node traced without ``meta['val']`` (higher-order ops such as
+    ``run_and_save_rng_state`` under activation checkpointing), from the values of the
+    ``getitem`` nodes that read it: a tuple with None for outputs nothing reads. None when
+    some reader is not a ``getitem`` by a constant index."""
+    import operator
+
+    items: dict[int, Any] = {}
+    for user in node.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int) or "val" not in user.meta:
+            return None
+        items[user.args[1]] = user.meta["val"]
+    if not items:
+        return None
+    return tuple(items.get(i) for i in range(max(items) + 1))
 
 
 def _sym_expr(x: Any) -> Any:
@@ -671,7 +686,7 @@ def _substitute(val: Any, hints: dict) -> Any:
             shape.append(int(s))
             continue
         v = expr.xreplace(hints)
-        if not v.is_number:  # backed symbols too: leave it to the static-shape check
+        if not v.is_number:  # a symbol without a hint: left to the static-shape check
             return val
         shape.append(int(v))
     return torch.empty(shape, dtype=val.dtype, device="meta")
@@ -694,21 +709,33 @@ def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
     (``torch._inductor.config.unbacked_symint_fallback``) clamped to the symbol's value range.
     """
     from torch.fx import Node
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
     unbacked: set = set()
+    symbols: set = set()
     shape_env = None
     for node in gm.graph.nodes:
         val = node.meta.get("val", None)
         try:
             unbacked |= free_unbacked_symbols(val)
+            symbols |= free_symbols(val)
         except Exception:  # values free_unbacked_symbols cannot walk (script objects)
             continue
         if shape_env is None:
             shape_env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
-    if not unbacked:
+    if not symbols:
         return _ValOf()
-    hints: dict = {}
+    # a dynamic size traced from an input (a recompile for a new batch size) is priced at the
+    # size it was traced with: the schedule (order and buckets) holds for every size, and its
+    # costs are those of the size seen
+    traced_with = {} if shape_env is None else getattr(shape_env, "backed_var_to_val", None) or getattr(
+        shape_env, "var_to_val", {})
+    hints: dict = {sym: int(traced_with[sym]) for sym in symbols - unbacked if sym in traced_with}
+    if hints:
+        logger.info("%d dynamic sizes priced at the sizes traced", len(hints))
+    if not unbacked:
+        return _ValOf(_as_sympy(hints))
+    n_backed = len(hints)
     for node in gm.graph.nodes:
         if node.op != "call_function" or _packet_name(node.target) != "all_to_all_single":
             continue
@@ -727,7 +754,7 @@ def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
                     hints[expr] = max(0, rows // len(splits))
     import torch._inductor.config as inductor_config
 
-    from_splits = len(hints)
+    from_splits = len(hints) - n_backed
     fallback = int(inductor_config.unbacked_symint_fallback)
     ranges = getattr(shape_env, "var_to_range", {}) if shape_env is not None else {}
     for sym in unbacked - set(hints):
@@ -739,7 +766,14 @@ def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
             h = min(h, hi) if hi is not None else h
         hints[sym] = h
     logger.info("%d data-dependent sizes estimated (%d from all-to-all splits)", len(unbacked), from_splits)
-    return _ValOf(hints)
+    return _ValOf(_as_sympy(hints))
+
+
+def _as_sympy(hints: dict) -> dict:
+    """Hints as sympy integers: ``expr.xreplace`` of a bare symbol returns the hint as given."""
+    import sympy
+
+    return {sym: sympy.Integer(v) for sym, v in hints.items()}
 
 
 def _finite_int(x: Any) -> int | None:

@@ -56,10 +56,16 @@ def test_graph_without_meta_val_is_refused(pg):
     assert str(gm.graph) == before
 
 
-def test_symbolic_shapes_are_refused():
+def test_symbolic_shapes_are_priced_at_the_sizes_traced():
+    """Dynamic sizes are priced at the sizes traced (a recompile for a new batch size used to
+    fail torch.compile); a size with no traced value is still refused, naming the remedy."""
     gm = make_fx(lambda x: torch.relu(x) @ x, tracing_mode="symbolic")(torch.randn(8, 8))
+    dag = export_dag(gm)
+    assert max(dag.nodes[n]["size_bytes"] for n in dag.nodes) == 8 * 8 * 4
+    from scheduler.dag import _tensor_bytes
+
     with pytest.raises(DagError, match="symbolic shape .*static shapes: compile with dynamic=False"):
-        export_dag(gm)
+        _tensor_bytes(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"], "x")
 
 
 def test_collective_without_wait_is_refused(pg):
