@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import REPORT_KEY, optimize_schedule
+from scheduler.options import WriteBackOptions
 from scheduler.report import ScheduleReport
 from solvers.core import parse_bytes
 
@@ -72,8 +73,8 @@ def inductor_post_grad_pass(**options: Any):
             mem_budget="40GiB")
         compiled = torch.compile(model)   # the default inductor backend
 
-    ``options`` are :func:`optimize_schedule`'s keyword arguments; ``control_deps`` defaults to
-    True here: inductor reorders by itself (torch 2.14: its ``simple_overlap`` pass), and the
+    ``options`` are :func:`optimize_schedule`'s keyword arguments; ``writeback`` defaults to
+    ``WriteBackOptions(control_deps=True)`` here: inductor reorders by itself (torch 2.14: its ``simple_overlap`` pass), and the
     control dependencies keep every collective and wait between the same matmuls as in the
     schedule, without changing what inductor computes (bitwise equal to inductor without the
     pass, ``tests/test_inductor_gloo.py``). The pass wraps the
@@ -82,7 +83,7 @@ def inductor_post_grad_pass(**options: Any):
     (``graph_name`` / ``graph_kind``: "forward", "backward" or "inference"; ``compile_id``:
     torch's compile id, shared by the forward and backward of one compile). On a process
     group the ranks agree on the schedule before it is written back (see
-    :func:`optimize_schedule`'s ``agree``). Its ``uuid()`` is built from
+    :func:`optimize_schedule`'s ``agreement``). Its ``uuid()`` is built from
     the options, so inductor's FX graph cache tells differently configured passes apart
     (objects such as a cost model enter by ``repr``; give them a stable one to get cache hits
     across processes).
@@ -90,7 +91,7 @@ def inductor_post_grad_pass(**options: Any):
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
     # without pins the order written back is only a hint that inductor may reorder
-    options = {"control_deps": True, **options}
+    options = {"writeback": WriteBackOptions(control_deps=True), **options}
     parse_bytes(options.get("mem_budget"))
 
     class _FsdpSchedPass(CustomInferenceAwareGraphPass):

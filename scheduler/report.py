@@ -95,6 +95,8 @@ class ScheduleReport:
     #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work_s,
     #: simulations, step_ms, gained_ms)
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: labels of the cost models the schedule was judged under (the first is the report's)
+    cost_models: list[str] = dataclasses.field(default_factory=list)
     #: the answer came from the schedule cache (:mod:`scheduler.cache`), not from a solve
     cache_hit: bool = False
 
@@ -179,10 +181,10 @@ class ScheduleReport:
         if self.criterion:
             lines.append(f"  chosen by: {self.criterion}")
         for c in self.candidates:
-            model = "-" if c["predicted_step_ms"] is None else fmt_ms(c["predicted_step_ms"])
-            step = "-" if not c["step_ms"] else " / ".join(f"{k} {fmt_ms(v)}" for k, v in c["step_ms"].items())
-            regret = "" if c.get("worst_regret") is None else f", worst regret {c['worst_regret']:.2%}"
-            lines.append(f"    candidate {c['name']:<30} model {model:>12}, written {step}{regret}: {c['outcome']}")
+            f = c.get("figures") or {}
+            written = "-" if not f else f"{fmt_ms(f['step_ms'])}, peak {fmt_bytes(max(f['peak_bytes'], f['liveness_peak_bytes'], f['tracker_peak_bytes']))}"
+            outcome = "chosen" if c.get("dropped") is None else f"dropped: {c['dropped']}"
+            lines.append(f"    candidate {c['name']:<40} written {written}: {outcome}")
         return lines
 
 

@@ -37,9 +37,10 @@ the simulator prices as one copy-in and one copy-out per bucket: a ``cat`` and a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from solvers.core.schedule import Schedule, ScheduleError
 
@@ -95,20 +96,21 @@ def apply_schedule(
         _check_merge_preconditions(problem, schedule, by_name)
     _move_into_order(graph, order)
 
-    for bucket in merged:
-        members = _payload_order(problem, bucket.members, payload_order)
-        # the reorder placed the members' collectives and waits in member order: the last
-        # member's nodes close the issue and wait groups
-        last = bucket.members[-1]
-        _merge_bucket(
-            graph,
-            problem,
-            [by_name[m] for m in members],
-            [by_name[problem.colls[m].wait] for m in members],
-            last_coll=by_name[last],
-            last_wait=by_name[problem.colls[last].wait],
-            bucket_mode=bucket_mode,
-        )
+    with _memoized_merge_traces():  # buckets of one shape trace alike: trace each once
+        for bucket in merged:
+            members = _payload_order(problem, bucket.members, payload_order)
+            # the reorder placed the members' collectives and waits in member order: the last
+            # member's nodes close the issue and wait groups
+            last = bucket.members[-1]
+            _merge_bucket(
+                graph,
+                problem,
+                [by_name[m] for m in members],
+                [by_name[problem.colls[m].wait] for m in members],
+                last_coll=by_name[last],
+                last_wait=by_name[problem.colls[last].wait],
+                bucket_mode=bucket_mode,
+            )
     if control_deps:
         n_deps = _pin_order(graph)
         logger.debug("added control dependencies to %d nodes", n_deps)
@@ -273,6 +275,79 @@ def _is_collective(node: "torch.fx.Node") -> bool:
     return node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional" and not (
         "wait_tensor" in str(node.target)
     )
+
+
+class _TraceMemo:
+    """Traces of torch's bucket merge functions, by the fake mode, the function and the
+    arguments' shapes: torch's merge functions trace a small function with make_fx for every
+    bucket, which costs far more than the rest of a write-back, and a model's repeated blocks
+    give buckets of few shapes. A traced function is only ever copied into a graph
+    (``node_copy``), never changed, so one trace serves every bucket of its key."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        #: fake mode -> key -> traced GraphModule (a fake mode's traces go when it does: the
+        #: traced nodes carry its FakeTensors, which must not meet another mode's)
+        self.by_mode: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(fn: Any, inps: Any) -> tuple | None:
+        """A hashable description of a trace's inputs; None when one is not describable
+        (symbolic sizes: a trace may then depend on the shape environment)."""
+        import torch
+        import torch.utils._pytree as pytree
+
+        parts: list[Any] = [getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn))]
+        for leaf in pytree.tree_leaves(inps):
+            if isinstance(leaf, torch.Tensor):
+                shape, stride = tuple(leaf.shape), tuple(leaf.stride())
+                if not all(isinstance(x, int) for x in (*shape, *stride)):
+                    return None
+                parts.append(("T", shape, stride, leaf.dtype, str(leaf.device)))
+            elif isinstance(leaf, (int, float, str, bool, torch.dtype)) or leaf is None:
+                parts.append((type(leaf).__name__, leaf))
+            else:
+                return None
+        parts.append(pytree.tree_structure(inps))
+        try:
+            hash(tuple(parts))
+        except TypeError:
+            return None
+        return tuple(parts)
+
+
+_MEMO = _TraceMemo()
+
+
+@contextlib.contextmanager
+def _memoized_merge_traces():
+    """torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`) while merging."""
+    from torch._dynamo.utils import detect_fake_mode
+    from torch._inductor.fx_passes import bucketing
+
+    original = bucketing._trace
+
+    def trace(fn: Any, inps: Any) -> Any:
+        mode = detect_fake_mode(inps)
+        key = _TraceMemo.key(fn, inps) if mode is not None else None
+        if key is None:
+            return original(fn, inps)
+        traces = _MEMO.by_mode.setdefault(mode, {})
+        if key not in traces:
+            _MEMO.misses += 1
+            traces[key] = original(fn, inps)
+        else:
+            _MEMO.hits += 1
+        return traces[key]
+
+    bucketing._trace = trace
+    try:
+        yield
+    finally:
+        bucketing._trace = original
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
-from solvers import driver
-from solvers.config import DEFAULT_TIME_LIMIT_S, SolverConfig
+from solvers import search
+from solvers.config import SolverConfig
+from solvers.search import DEFAULT_TIME_LIMIT_S
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, ScheduleError, SolveResult
 from solvers.core.units import US_PER_MS
@@ -467,7 +468,7 @@ def complete_solution(data: ModelData, schedule: Schedule, limit_s: float, seed:
 
 
 class CpSatBackend:
-    """The CP-SAT backend as :mod:`solvers.driver` runs it."""
+    """The CP-SAT backend as :mod:`solvers.search` runs it (windows)."""
 
     name = "cpsat"
 
@@ -486,40 +487,6 @@ class CpSatBackend:
             logger.warning("a CP-SAT solve hit its wall-clock cap (%.1f s) before its deterministic limit",
                            prm.max_time_in_seconds)
         return status
-
-    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, limit_s: float,
-                   seed: int, num_workers: int) -> driver.ModelOutcome:
-        """The whole graph as one model, from ``start`` completed inside it (10 % of
-        ``limit_s``), the first phase (``primary_share`` of the rest), then the second phase;
-        every share is a deterministic limit."""
-        cfg = self.config
-        limit_s = max(0.5, limit_s)
-        t_build = time.perf_counter()
-        built = CpSatModel(ModelData(problem, cfg, mem_budget_bytes))
-        built.model.Minimize(built.objective)
-        build_s = time.perf_counter() - t_build
-        built.start_from(start, limit_s * 0.1, seed, num_workers, cfg)
-        phase1 = limit_s * 0.9 * cfg.primary_share
-        solver = make_solver(phase1, seed, num_workers, cfg)
-        status = self._run(solver, built.model)
-        found = status in ("optimal", "feasible")
-        logger.info("cpsat full model (%d collectives): %s, step %.3f ms, bound %.3f ms, %.1f s (build %.1f s)",
-                    len(built.data.member), status, solver.ObjectiveValue() / US_PER_MS if found else float("nan"),
-                    solver.BestObjectiveBound() / US_PER_MS, solver.WallTime(), build_s)
-        if status == "invalid":
-            raise ScheduleError(f"CP-SAT model invalid: {built.model.Validate()}")
-        if not found:
-            return driver.ModelOutcome(status, None, None, None)
-        model_ms, bound_ms = solver.ObjectiveValue() / US_PER_MS, solver.BestObjectiveBound() / US_PER_MS
-        schedule = built.extract(solver)
-        alternatives = []
-        left = limit_s * 0.9 - phase1
-        if cfg.secondary_objective and left > 0.1:
-            second = self._secondary(built, solver, left, seed, num_workers)
-            if second is not None:
-                alternatives.append(second)
-        note = f"model step {model_ms:.3f} ms, model bound {bound_ms:.3f} ms (full model), status {status.upper()}"
-        return driver.ModelOutcome(status, schedule, model_ms, bound_ms, (note,), tuple(alternatives))
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
                      limit_s: float, seed: int, num_workers: int, anchors: Anchors,
@@ -556,35 +523,12 @@ class CpSatBackend:
             return None
         return built.extract(solver)
 
-    def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None:
-        """The schedule of least model peak (no budget), or None when none was found."""
-        built = CpSatModel(ModelData(problem, self.config, None))
-        built._hint_decisions(built.data.decisions_of(problem.traced_schedule(), per_bucket=False))
-        built.model.Minimize(built.P)
-        solver = make_solver(limit_s, seed, num_workers, self.config)
-        if self._run(solver, built.model) in ("optimal", "feasible"):
-            return built.extract(solver)
-        return None
-
-    def _secondary(self, built: CpSatModel, solver1: cp_model.CpSolver, limit_s: float, seed: int,
-                   num_workers: int) -> Schedule | None:
-        """Phase 2: keep the step time, minimise peak memory then the number of buckets."""
-        m = built.model
-        best = int(round(solver1.ObjectiveValue()))
-        m.ClearHints()
-        for v in built.decision_vars():
-            m.AddHint(v, solver1.Value(v))
-        m.Add(built.objective <= best)
-        m.Minimize(built.P * (len(built.brk) + 1) + sum(built.brk.values()))
-        solver = make_solver(limit_s, seed, num_workers, self.config)
-        if self._run(solver, m) in ("optimal", "feasible"):
-            return built.extract(solver)
-        return None
-
-
 def solve_cpsat(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
                 seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
                 config: CpSatConfig | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult:
-    """Solve the joint model with CP-SAT through the shared loop of :func:`solvers.driver.solve`."""
-    return driver.solve(problem, CpSatBackend(config), mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
-                        seed=seed, hint=hint, num_workers=num_workers, extra_starts=extra_starts)
+    """The plan of :mod:`solvers.search` with this backend for its windows; ``hint`` and
+    ``extra_starts`` are starts too (the result is never slower than the fastest that fits)."""
+    label = str(problem.dag.graph.get("cost_model", "model"))
+    return search.search({label: problem}, mem_budget_bytes, backend=CpSatBackend(config), time_limit_s=time_limit_s,
+                         seed=seed, num_workers=num_workers, extra_starts=(*((hint,) if hint is not None else ()),
+                                                                            *extra_starts))

@@ -61,7 +61,7 @@ from collections import defaultdict
 
 import pulp
 
-from solvers import driver
+from solvers import search
 from solvers.config import SolverConfig
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, SolveResult
@@ -696,7 +696,7 @@ def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, nu
 
 
 class MilpBackend:
-    """The MILP backend as :mod:`solvers.driver` runs it."""
+    """The MILP backend as :mod:`solvers.search` runs it (windows)."""
 
     name = "milp"
 
@@ -704,40 +704,6 @@ class MilpBackend:
         self.config = config or MilpConfig()
         #: the MILP solver's limits are wall-clock (CBC/HiGHS through PuLP): not counted here
         self.wall_cap_hits = 0
-
-    def solve_full(self, problem: Problem, mem_budget_bytes: int | None, start: Schedule, limit_s: float,
-                   seed: int, num_workers: int) -> driver.ModelOutcome:
-        """The whole graph as one MILP, started from ``start`` completed by CP-SAT, within
-        ``limit_s`` of wall time (the MILP solver has no deterministic clock)."""
-        cfg = self.config
-        remaining = max(0.5, limit_s)
-        deadline = time.perf_counter() + remaining
-        t_build = time.perf_counter()
-        model, sol = build(ModelData(problem, cfg, mem_budget_bytes), start, remaining * cfg.warm_start_share, seed,
-                           num_workers)
-        build_s = time.perf_counter() - t_build
-        notes = []
-        if cfg.lp_bound:
-            lp_bound = relaxed_bound_us(model, max(0.5, (deadline - time.perf_counter()) * 0.2), cfg)
-            if lp_bound is not None:
-                notes.append(f"LP relaxation bound {lp_bound / US_PER_MS:.3f} ms, "
-                             f"analytic bound {problem.lower_bound_ms():.3f} ms")
-        if sol is not None:
-            model.set_initial(sol)
-        out, decisions, stages = solve_in_stages(model, deadline, seed, cfg, warm=sol is not None)
-        notes.append(f"MILP solved in {stages} stage(s)")
-        logger.info("milp full model (%d collectives, %d binaries, %d order pairs, %d skipped): %s, step %s us, "
-                    "bound %s us, build %.1f s", len(model.member),
-                    sum(1 for v in model.lp.variables() if v.cat == pulp.LpInteger), len(model.order),
-                    model.n_pairs_skipped, out.status, out.objective_us, out.bound_us, build_s)
-        if out.status not in ("optimal", "feasible"):
-            return driver.ModelOutcome(out.status, None, None, None, tuple(notes))
-        bound_ms = out.bound_us / US_PER_MS if out.bound_us is not None else None
-        bound_txt = f"{bound_ms:.3f} ms" if bound_ms is not None else "n/a"
-        notes.append(f"model step {out.objective_us / US_PER_MS:.3f} ms, model bound {bound_txt}, "
-                     f"status {out.status.upper()}")
-        return driver.ModelOutcome(out.status, model.data.extract(decisions), out.objective_us / US_PER_MS, bound_ms,
-                                   tuple(notes))
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
                      limit_s: float, seed: int, num_workers: int, anchors: Anchors,
@@ -761,17 +727,12 @@ class MilpBackend:
             return None
         return model.extract()
 
-    def min_peak(self, problem: Problem, limit_s: float, seed: int, num_workers: int) -> Schedule | None:
-        """The schedule of least model peak (no budget), or None when none was found."""
-        model = MilpModel(ModelData(problem, self.config, None), peak_objective=True)
-        out = solve_lp(model, limit_s, seed, self.config)
-        return model.extract() if out.status in ("optimal", "feasible") else None
-
-
 def solve_milp(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0, seed: int = 0,
                hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None,
                extra_starts: tuple[Schedule, ...] = ()) -> SolveResult:
-    """Solve the joint model as a MILP through the shared loop of :func:`solvers.driver.solve`.
-    ``num_workers`` only affects the warm-start completion (the MILP runs on one thread)."""
-    return driver.solve(problem, MilpBackend(config), mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
-                        seed=seed, hint=hint, num_workers=num_workers, extra_starts=extra_starts)
+    """The plan of :mod:`solvers.search` with this backend for its windows; ``hint`` and
+    ``extra_starts`` are starts too (the result is never slower than the fastest that fits)."""
+    label = str(problem.dag.graph.get("cost_model", "model"))
+    return search.search({label: problem}, mem_budget_bytes, backend=MilpBackend(config), time_limit_s=time_limit_s,
+                         seed=seed, num_workers=num_workers, extra_starts=(*((hint,) if hint is not None else ()),
+                                                                            *extra_starts))

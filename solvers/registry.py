@@ -7,14 +7,15 @@ back (no registration side effects, no circle).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from solvers.config import DEFAULT_TIME_LIMIT_S
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult
 from solvers.cpsat import solve_cpsat
 from solvers.heuristics import HEURISTICS
-from solvers.milp import solve_milp
+from solvers.milp import MilpBackend, solve_milp
+from solvers.cpsat import CpSatBackend
+from solvers.search import DEFAULT_TIME_LIMIT_S, SearchConfig, search
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,33 @@ def solve(
         raise ScheduleError(
             f"solver {solver_name(solver)!r} returned an empty schedule for a graph with collectives")
     return result
+
+
+#: the model backends of the plan's windows, by solver name
+BACKENDS = {"cpsat": CpSatBackend, "milp": MilpBackend}
+
+
+def solve_problems(
+    problems: Mapping[str, Problem],
+    *,
+    solver: str | SolverFn = "cpsat",
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    seed: int = 0,
+    num_workers: int = 1,
+    extra_starts: Sequence[Schedule] = (),
+    config: SearchConfig = SearchConfig(),
+) -> SolveResult:
+    """Solve one graph priced by one or several cost models (label -> problem; the first is the
+    primary one): the plan of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
+    all of them; a heuristic or a callable on the primary problem alone."""
+    if isinstance(solver, str) and solver in BACKENDS:
+        for given in extra_starts:
+            _check_hint_shape(next(iter(problems.values())), given)
+        return search(problems, mem_budget_bytes, backend=BACKENDS[solver](), time_limit_s=time_limit_s, seed=seed,
+                      num_workers=num_workers, extra_starts=extra_starts, config=config)
+    return solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
+                 time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
 
 
 def solve_budgets(problem: Problem, budgets: Iterable[int | None], *, solver: str | SolverFn = "cpsat",

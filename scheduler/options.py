@@ -1,0 +1,132 @@
+"""The options of :func:`scheduler.optimize_schedule`: how to solve, how ranks agree, how to
+write back. Frozen dataclasses, every field documented and checked when built, so that a bad
+value fails in the caller's own line, before any collective."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from solvers.core.schedule import Schedule
+from solvers.registry import SOLVERS, available_solvers
+from solvers.search import DEFAULT_TIME_LIMIT_S, SearchConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    """How the schedule is found (:mod:`solvers.search`)."""
+
+    #: ``"cpsat"`` (default) or ``"milp"``: the plan of :mod:`solvers.search` with that model
+    #: backend for its windows; a heuristic's name (``solvers.available_solvers()``): that
+    #: heuristic's schedule alone; or a callable ``fn(problem, *, mem_budget_bytes,
+    #: time_limit_s, seed, num_workers, extra_starts) -> SolveResult`` in place of the search
+    solver: str | Callable[..., Any] = "cpsat"
+    #: deterministic work of the search (s): the same stages and the same schedule on every
+    #: rank whatever the machine's load; see :mod:`solvers.search` for how it is shared
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    #: the model backend's random seed
+    seed: int = 0
+    #: the model backend's threads (1: deterministic)
+    num_workers: int = 1
+    #: when the solver fails, answer with the best start that fits (status ``"fallback"``)
+    #: instead of raising
+    fallback: bool = True
+    #: schedules of this graph to start from too (for instance the one installed at a smaller
+    #: budget, ``gm.meta[SCHEDULE_KEY]``): the answer is never slower than the fastest that fits
+    extra_starts: tuple[Schedule, ...] = ()
+    #: the plan's tuning values
+    search: SearchConfig = SearchConfig()
+    #: bandwidth factors of the family of cost models judged when no cost model is given
+    #: (:func:`scheduler.choose.cost_model_family`); empty: analytic and torch as given only
+    bandwidth_scales: tuple[float, ...] = (0.7, 1.3)
+    #: ``hook(problem, schedule) -> Schedule | None`` called on the solved schedule before the
+    #: ranks agree: a returned schedule replaces it (validated); it may raise. For edits of a
+    #: schedule by hand, and for injecting faults in tests
+    schedule_hook: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.solver, str):
+            if self.solver not in SOLVERS:
+                raise ValueError(f"solver={self.solver!r} is unknown; choose one of {available_solvers()} or pass a "
+                                 "callable")
+        elif not callable(self.solver):
+            raise TypeError(f"solver={self.solver!r} must be a solver name ({available_solvers()}) or a callable")
+        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)):
+            raise TypeError(f"time_limit_s={self.time_limit_s!r} must be a number of seconds")
+        if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0):
+            raise ValueError(f"time_limit_s={self.time_limit_s!r} must be a finite number > 0")
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+        _check_int("num_workers", self.num_workers, 1, 1024)
+        _check_bool("fallback", self.fallback)
+        if isinstance(self.extra_starts, (str, bytes)) or not isinstance(self.extra_starts, (tuple, list)):
+            raise TypeError(f"extra_starts={self.extra_starts!r} must be a tuple of Schedule")
+        for start in self.extra_starts:
+            if not isinstance(start, Schedule):
+                raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
+        object.__setattr__(self, "extra_starts", tuple(self.extra_starts))
+        if not isinstance(self.search, SearchConfig):
+            raise TypeError(f"search={self.search!r} must be a solvers.search.SearchConfig")
+        if not isinstance(self.bandwidth_scales, tuple) or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
+                for f in self.bandwidth_scales):
+            raise ValueError(f"bandwidth_scales={self.bandwidth_scales!r} must be a tuple of factors > 0")
+        if self.schedule_hook is not None and not callable(self.schedule_hook):
+            raise TypeError(f"schedule_hook={self.schedule_hook!r} must be a callable (problem, schedule) -> "
+                            "Schedule | None")
+
+    @property
+    def solver_name(self) -> str:
+        return self.solver if isinstance(self.solver, str) else getattr(self.solver, "__name__", "custom")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgreementOptions:
+    """How the ranks of a process group agree on one schedule (:mod:`scheduler.consensus`)."""
+
+    #: with an initialised process group of more than one rank, the ranks agree before writing
+    #: back: one all-gather of schedule digests; on a mismatch every rank takes the source
+    #: rank's schedule; if the pass fails on any rank, every rank keeps its graph (if it fails
+    #: on every rank, each raises). False: no collective at all, each rank on its own
+    enabled: bool = True
+    #: the process group whose ranks must agree (None: the world); with pipeline parallelism,
+    #: the group of the ranks that compile this graph
+    group: Any = None
+    #: only this (global) rank solves; the others take its schedule (None: every rank solves,
+    #: and the digests are compared)
+    broadcast_from: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_bool("enabled", self.enabled)
+        if self.broadcast_from is not None:
+            _check_int("broadcast_from", self.broadcast_from, 0, 2**31 - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WriteBackOptions:
+    """How the schedule is written into the graph (:mod:`scheduler.writeback`)."""
+
+    #: order of the members' data in a merged bucket buffer: ``"registration"`` (parameter
+    #: registration order, as FSDP2 does: keeps reduce-scatter numerics bitwise equal to eager
+    #: FSDP2) or ``"execution"`` (the bucket's order in the schedule)
+    payload_order: str = "registration"
+    #: pin the written order with control dependencies for inductor (which reorders by itself)
+    control_deps: bool = False
+
+    def __post_init__(self) -> None:
+        if self.payload_order not in ("registration", "execution"):
+            raise ValueError(f"payload_order={self.payload_order!r} must be 'registration' or 'execution'")
+        _check_bool("control_deps", self.control_deps)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value!r} must be in [{low}, {high}]")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")

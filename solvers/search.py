@@ -1,0 +1,474 @@
+"""The solve plan: starts, windows, polish.
+
+:func:`search` finds a schedule of one graph priced by one cost model or by several (a
+*family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
+Every schedule it compares is evaluated exactly on the execution model (the simulator's rules:
+step time, and peak memory by its own count and by torch's ``MemoryTracker`` rules).
+
+=========  ====================================================  =====================  ========================================
+stage      what it does                                          work                   why it exists
+=========  ====================================================  =====================  ========================================
+starts     each chain of mergeable collectives bucketed          one evaluation per     bucket granularity decides most of a
+           regularly (:func:`solvers.minimax.regroup`: ``size``  start and model, and   step and no local move changes it (the
+           blocks per bucket, issued ``ahead`` buckets early),   the moves that bring   models disagree on it: one wants two
+           chain after chain; the heuristics (traced,            a start under the      blocks per bucket, another four); a
+           FSDP2-like, SimpleFSDP-like, AutoParallel-like) and   budget                 valid answer before any solver
+           the caller's starts; a start over the budget is
+           moved under it at its peak
+           (:func:`solvers.warmstart.fit_by_delays`); the best
+           that fits is the incumbent
+windows    CP-SAT (or the MILP) re-decides rolling windows of    ``window_share`` of    where memory binds, issues, waits and
+           the incumbent's collectives (bucketing, issue and     the limit, in the      merges around the peak move together,
+           wait gaps, :mod:`solvers.model`), most exposed        backend's              which one local move cannot do
+           first; a window's schedule is kept only when it       deterministic time
+           evaluates better and fits
+polish     first-improvement local search                        the rest of the        the evaluator prices merges and both
+           (:func:`solvers.minimax.polish`): merge two           limit, in              memory counts exactly where the model
+           neighbouring buckets of a chain, move a boundary      evaluations            approximates them
+           between them, move one issue or wait
+=========  ====================================================  =====================  ========================================
+
+The objective (:class:`Objective`): with one cost model, the step time; with several, the
+worst-case regret ``max_m t_m / R_m - 1`` where ``R_m`` is the fastest start's step time under
+model ``m`` (then the sum of the regrets). A schedule over the budget never replaces one that
+fits.
+
+Determinism: ``time_limit_s`` is deterministic work. Evaluations are charged at a rate
+calibrated per graph size (:attr:`SearchConfig.evaluated_nodes_per_s`), CP-SAT windows their
+deterministic time; the wall clock never decides what runs, so every rank runs the same stages
+and gets the same schedule from the same graph. A limit too small for a stage skips it; the
+starts always run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from solvers.core.problem import Problem
+from solvers.core.schedule import (
+    InfeasibleBudgetError,
+    Schedule,
+    ScheduleError,
+    SolveResult,
+    SolveStatus,
+    StageRecord,
+)
+from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
+from solvers.core.units import fmt_bytes
+from solvers.heuristics import HEURISTICS, fsdp2_schedule
+from solvers import minimax
+
+logger = logging.getLogger(__name__)
+
+#: default work limit of a solve (s of deterministic work)
+DEFAULT_TIME_LIMIT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """Every tuning value of the plan (module docstring)."""
+
+    #: blocks per bucket of the regular bucketings tried as starts
+    start_sizes: tuple[int, ...] = (1, 2, 3, 4)
+    #: buckets of issue-ahead of the regular bucketings tried as starts
+    start_aheads: tuple[int, ...] = (1, 2)
+    #: moves a start over the budget may take to get under it (each evaluates the buckets alive
+    #: at the peak, delayed or waited sooner)
+    fit_moves: int = 8
+    #: starts over the budget moved under it: the best of them by the objective that can be (at
+    #: most four times as many are tried)
+    fit_starts: int = 4
+    #: starts over the budget by at most this share of it are tried first
+    near_miss_share: float = 0.05
+    #: share of the work limit the CP-SAT windows get (0: no windows); the polish gets the rest
+    window_share: float = 0.5
+    #: deterministic limit of one window (s of the backend's clock)
+    window_s: float = 0.3
+    #: collectives a window frees (about three transformer blocks)
+    window_members: int = 27
+    #: sweeps over the windows at most (a sweep that gains nothing ends them)
+    window_sweeps: int = 2
+    #: gap distances the polish moves one issue or wait by, largest first
+    polish_steps: tuple[int, ...] = (8, 2, 1)
+    #: calibration of work in seconds for evaluations: DAG nodes evaluated per second on one
+    #: core of the CI machine; an evaluation of a graph of ``n`` nodes costs ``n`` / this
+    evaluated_nodes_per_s: float = 2e5
+
+    def __post_init__(self) -> None:
+        if not self.start_sizes or min(self.start_sizes) < 1 or not self.start_aheads or min(self.start_aheads) < 1:
+            raise ValueError(f"start_sizes and start_aheads must be positive counts, got {self.start_sizes} and "
+                             f"{self.start_aheads}")
+        if self.fit_moves < 0 or self.fit_starts < 0:
+            raise ValueError(f"fit_moves and fit_starts must be >= 0, got {self.fit_moves} and {self.fit_starts}")
+        if not self.near_miss_share >= 0:
+            raise ValueError(f"near_miss_share must be >= 0, got {self.near_miss_share}")
+        if not 0 <= self.window_share <= 1:
+            raise ValueError(f"window_share must be in [0, 1], got {self.window_share}")
+        if self.window_s <= 0 or self.window_members < 2 or self.window_sweeps < 0:
+            raise ValueError("window_s must be > 0, window_members >= 2 and window_sweeps >= 0")
+        if not self.polish_steps or min(self.polish_steps) < 1:
+            raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
+        if not self.evaluated_nodes_per_s > 0:
+            raise ValueError(f"evaluated_nodes_per_s must be > 0, got {self.evaluated_nodes_per_s}")
+
+
+class WindowBackend(Protocol):
+    """A model backend that re-decides one window of a schedule
+    (:class:`solvers.cpsat.CpSatBackend`, :class:`solvers.milp.MilpBackend`)."""
+
+    name: str
+
+    def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
+                     limit_s: float, seed: int, num_workers: int, anchors, ties=None) -> Schedule | None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# the objective
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Evaluated:
+    """A schedule and its simulation under every model of the objective."""
+
+    schedule: Schedule
+    sims: dict[str, SimResult]
+    name: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The larger of the two memory counts (the same under every model)."""
+        return max(s.max_peak_bytes for s in self.sims.values())
+
+    def step_ms(self, label: str) -> float:
+        return self.sims[label].step_ms
+
+
+class Objective:
+    """The models a schedule is judged under and the budget it must hold.
+
+    Args:
+        problems: model label -> the graph priced by that model; the first is the primary one
+            (its chains and windows define the moves; CP-SAT models it).
+        mem_budget_bytes: peak-memory budget by both counts; None: no limit.
+    """
+
+    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None):
+        if not problems:
+            raise ValueError("a search needs at least one cost model's problem")
+        self.problems = dict(problems)
+        self.labels = list(problems)
+        self.primary = self.problems[self.labels[0]]
+        for label, p in self.problems.items():
+            if p.seq != self.primary.seq or p.colls.keys() != self.primary.colls.keys():
+                raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
+                                 "price the same export")
+        self.mem_budget_bytes = mem_budget_bytes
+        #: label -> the reference step time of the regret (the fastest start's), set by the starts
+        self.reference_ms: dict[str, float] = {}
+        self.evaluations = 0
+
+    def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
+        """``schedule`` under every model; None when it is no valid schedule of the graph."""
+        sims = {}
+        for label, p in self.problems.items():
+            self.evaluations += 1
+            try:
+                sims[label] = simulate(p.dag, schedule, problem=p)
+            except (ScheduleInvalidError, ScheduleError, ValueError):
+                return None
+        return Evaluated(schedule, sims, name)
+
+    def fits(self, e: Evaluated) -> bool:
+        return self.mem_budget_bytes is None or e.peak_bytes <= self.mem_budget_bytes
+
+    def key(self, e: Evaluated) -> tuple[float, float]:
+        """Smaller is better: (worst-case regret, sum of regrets); with one model, the step time."""
+        if len(self.labels) == 1:
+            t = e.step_ms(self.labels[0])
+            return (t, t)
+        regrets = [e.step_ms(label) / self.reference_ms[label] - 1 for label in self.labels]
+        return (max(regrets), sum(regrets))
+
+    def work_s(self, evaluations: int, config: SearchConfig) -> float:
+        """Deterministic work of ``evaluations`` evaluations of this graph (s)."""
+        return evaluations * self.primary.dag.number_of_nodes() / config.evaluated_nodes_per_s
+
+    def evaluations_for(self, work_s: float, config: SearchConfig) -> int:
+        return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
+
+
+# --------------------------------------------------------------------------------------------
+# stage 1: starts
+# --------------------------------------------------------------------------------------------
+def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str, Schedule]] = ()
+           ) -> tuple[list[Evaluated], int | None]:
+    """Every start that fits the budget, best first (:meth:`Objective.key`; ties keep the order
+    tried), and the smallest peak of all starts, fitting or not (bytes; None when none was
+    valid). Sets ``objective.reference_ms``.
+
+    The starts are evaluated as they are first; then the :attr:`SearchConfig.fit_starts` best
+    of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
+    bytes over the budget keeps almost all its overlap."""
+    p = objective.primary
+    seen: set[str] = set()
+    tried: list[Evaluated] = []
+
+    def consider(name: str, schedule: Schedule | None) -> Evaluated | None:
+        if schedule is None or schedule.digest() in seen:
+            return None
+        seen.add(schedule.digest())
+        e = objective.evaluate(schedule, name)
+        if e is not None:
+            tried.append(e)
+        return e
+
+    consider("traced", p.traced_schedule())
+    for name, schedule in extra:
+        consider(name, schedule)
+    for name, fn in HEURISTICS.items():
+        if name != "traced":
+            consider(name, fn(p, mem_budget_bytes=None).schedule)
+    # regular bucketings, chain after chain, each on top of the best of the chain before
+    rconfig = minimax.MinimaxConfig(regroup_sizes=config.start_sizes, regroup_aheads=config.start_aheads)
+    base = fsdp2_schedule(p)
+    for chain in sorted(p.chains, key=repr):
+        found = [e for r in minimax.regroupings(p, rconfig) if r.chain == chain
+                 if (e := consider(f"regular {r.describe()}", minimax.regroup(p, base, r))) is not None]
+        if found:
+            _set_reference(objective, tried)
+            base = min(found, key=lambda e: (not objective.fits(e), objective.key(e))).schedule
+    _set_reference(objective, tried)
+    if objective.mem_budget_bytes is not None and config.fit_moves:
+        # near misses first: delays fix a prefetch too many at the peak, not a bucket too large
+        near = objective.mem_budget_bytes * (1 + config.near_miss_share)
+        over = sorted((e for e in tried if not objective.fits(e)), key=lambda e: (e.peak_bytes > near, objective.key(e)))
+        fitted = 0
+        for e in over[:config.fit_starts * 4]:
+            moved = fit_by_delays(p, e.schedule, objective.mem_budget_bytes, max_moves=config.fit_moves)
+            objective.evaluations += config.fit_moves * 4  # the moves tried at each peak
+            fitted += consider(f"{e.name}, moved under the budget", moved) is not None
+            if fitted == config.fit_starts:
+                break
+    smallest = min((e.peak_bytes for e in tried), default=None)
+    fitting = sorted((e for e in tried if objective.fits(e)), key=objective.key)
+    _set_reference(objective, fitting or tried)
+    fitting.sort(key=objective.key)
+    return fitting, smallest
+
+
+def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *, max_moves: int = 8
+                  ) -> Schedule | None:
+    """``schedule`` moved under ``mem_budget_bytes`` (both memory counts) by a few local moves
+    at its peak, or None.
+
+    Each move takes one movable bucket alive at the step where a count peaks over the budget and
+    shortens its life across it: an all-gather issued before the peak is issued after the next
+    compute node instead (its buffer no longer overlaps the peak), a reduce-scatter in flight is
+    waited at the peak's step (its input freed sooner). Of the moves that lower the peak, the
+    fastest that fits is taken, else the one with the lowest peak; at most ``max_moves`` moves.
+    A regular plan a little over the budget so keeps all its prefetches but the ones at the peak.
+    """
+    sim = simulate(problem.dag, schedule, problem=problem)
+    for _ in range(max_moves):
+        if sim.max_peak_bytes <= mem_budget_bytes:
+            return schedule
+        at = sim.peak_step if sim.peak_bytes >= sim.tracker_peak_bytes else sim.tracker_peak_step
+        best: tuple[tuple, Schedule, SimResult] | None = None
+        for cand in _peak_moves(problem, schedule, at):
+            csim = simulate(problem.dag, cand, problem=problem)
+            if csim.max_peak_bytes >= sim.max_peak_bytes:
+                continue
+            fits = csim.max_peak_bytes <= mem_budget_bytes
+            key = (not fits, csim.step_ms if fits else csim.max_peak_bytes, csim.step_ms)
+            if best is None or key < best[0]:
+                best = (key, cand, csim)
+        if best is None:
+            return None
+        _, schedule, sim = best
+    return schedule if sim.max_peak_bytes <= mem_budget_bytes else None
+
+
+def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
+    """Schedules one move away from ``schedule`` (see :func:`fit_by_delays`) at step ``k``."""
+    steps = list(schedule.steps)
+    where = {(s.kind, s.ref): i for i, s in enumerate(steps) if s.kind != "node"}
+    out = []
+    for b, bucket in enumerate(schedule.buckets):
+        c = problem.colls[bucket.members[0]]
+        i, w = where[("issue", b)], where[("wait", b)]
+        if not c.movable or not i <= k < w:
+            continue
+        moved = list(steps)
+        if c.coll_type == "all_gather":
+            nxt = next((j for j in range(max(i, k) + 1, w) if steps[j].kind == "node"), None)
+            if nxt is None:
+                continue
+            step = moved.pop(i)
+            moved.insert(nxt, step)  # after the node: ``nxt`` shifted down by the pop
+        elif i < k:
+            step = moved.pop(w)
+            moved.insert(k, step)
+        else:
+            continue
+        out.append(Schedule(schedule.buckets, tuple(moved)))
+    return out
+
+
+def _set_reference(objective: Objective, evaluated: Sequence[Evaluated]) -> None:
+    """Each model's reference: the fastest of ``evaluated`` that fits under it (or of all, when
+    none fits)."""
+    pool = [e for e in evaluated if objective.fits(e)] or list(evaluated)
+    objective.reference_ms = {label: min(e.step_ms(label) for e in pool) for label in objective.labels}
+
+
+# --------------------------------------------------------------------------------------------
+# stage 2: windows
+# --------------------------------------------------------------------------------------------
+def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, config: SearchConfig,
+            work_s: float, seed: int, num_workers: int) -> tuple[Evaluated, float]:
+    """Rolling windows of CP-SAT (or MILP) solves over the incumbent (module docstring).
+    Returns the best schedule and the deterministic work spent (s)."""
+    from solvers.model import Anchors  # the formulation's anchors, built once per solve
+
+    p = objective.primary
+    anchors = Anchors(p)
+    order = _window_order(p)
+    k = config.window_members
+    stride = max(1, k // 2)
+    offsets = list(range(0, max(1, len(order) - k + stride), stride))
+    spent = 0.0
+    for _sweep in range(config.window_sweeps):
+        improved = False
+        exposed = _exposed_by_collective(incumbent, objective.labels[0])
+        load = {s0: sum(exposed.get(n, 0.0) for n in order[s0:s0 + k]) for s0 in offsets}
+        for s0 in sorted((s0 for s0 in offsets if load[s0] > 0), key=lambda s0: (-load[s0], s0)):
+            if spent + config.window_s > work_s + 1e-9:
+                return incumbent, spent
+            spent += config.window_s
+            free = _bucket_free(incumbent.schedule, order[s0:s0 + k])
+            try:
+                cand = backend.solve_window(p, objective.mem_budget_bytes, incumbent.schedule, free,
+                                            config.window_s, seed, num_workers, anchors)
+            except ScheduleError as e:
+                logger.debug("window at %d failed: %s", s0, e)
+                continue
+            e = objective.evaluate(cand) if cand is not None else None
+            if e is not None and objective.fits(e) and objective.key(e) < objective.key(incumbent):
+                e.name = incumbent.name
+                incumbent, improved = e, True
+        if not improved:
+            break
+    return incumbent, spent
+
+
+def _window_order(p: Problem) -> list[str]:
+    """Movable collectives in the order the graph needs them (need for all-gathers, gradient
+    ready for the others)."""
+    names = [c.name for c in p.colls.values() if c.movable]
+    return sorted(names, key=lambda n: (p.colls[n].needed if p.colls[n].coll_type == "all_gather"
+                                        else p.colls[n].ready, p.colls[n].traced_issue))
+
+
+def _bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
+    """``names`` and every collective sharing a bucket with one of them."""
+    bucket_of = schedule.bucket_of()
+    return {m for b in {bucket_of[n] for n in names} for m in schedule.buckets[b].members}
+
+
+def _exposed_by_collective(e: Evaluated, label: str) -> dict[str, float]:
+    sim = e.sims[label]
+    return {m: sim.bucket_exposed_ms.get(b, 0.0) for b, bk in enumerate(e.schedule.buckets) for m in bk.members}
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------
+def search(
+    problems: Mapping[str, Problem],
+    mem_budget_bytes: int | None,
+    *,
+    backend: WindowBackend | None = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    seed: int = 0,
+    num_workers: int = 1,
+    config: SearchConfig = SearchConfig(),
+    extra_starts: Sequence[Schedule] = (),
+) -> SolveResult:
+    """Run the plan (module docstring) and return its best schedule.
+
+    Args:
+        problems: model label -> the graph priced by that model; the first is the primary one.
+        mem_budget_bytes: peak-memory budget by both counts of the simulator; None: no limit.
+        backend: the window solver (None: no windows).
+        time_limit_s: deterministic work (s; module docstring).
+        seed, num_workers: the backend's.
+        config: the plan's tuning values.
+        extra_starts: schedules of the graph to start from too (e.g. the best at a smaller
+            budget): the result is never slower than the fastest that fits.
+
+    Returns:
+        A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
+        written graph that does not hold the budget) and ``stages`` what each stage did.
+
+    Raises:
+        InfeasibleBudgetError: no start fits the budget; ``min_peak_bytes`` is the smallest
+            peak of any start, a schedule that fits a budget that large.
+    """
+    t0 = time.perf_counter()
+    objective = Objective(problems, mem_budget_bytes)
+    primary = objective.labels[0]
+    stages: list[StageRecord] = []
+
+    t = time.perf_counter()
+    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(extra_starts)])
+    if not found:
+        peak = smallest if smallest is not None else 0
+        raise InfeasibleBudgetError(
+            f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
+            f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
+            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+    best = found[0]
+    used_s = objective.work_s(objective.evaluations, config)
+    stages.append(_stage("starts", t, used_s, objective.evaluations, best, primary, best))
+
+    left_s = max(0.0, time_limit_s - used_s)
+    if backend is not None and config.window_share > 0 and left_s * config.window_share >= config.window_s:
+        t, n0, before = time.perf_counter(), objective.evaluations, best
+        best, spent = windows(objective, best, backend, config, left_s * config.window_share, seed, num_workers)
+        spent += objective.work_s(objective.evaluations - n0, config)
+        left_s = max(0.0, left_s - spent)
+        stages.append(_stage("windows", t, spent, objective.evaluations - n0, best, primary, before))
+
+    n_polish = objective.evaluations_for(left_s, config)
+    if n_polish >= 2 * len(objective.labels):
+        t, before = time.perf_counter(), best
+        result = minimax.polish(objective.problems, best.schedule, _polish_reference(objective), mem_budget_bytes,
+                                minimax.MinimaxConfig(max_simulations=n_polish, steps=config.polish_steps))
+        e = objective.evaluate(result.schedule, best.name)
+        if e is not None and objective.fits(e) and objective.key(e) <= objective.key(best):
+            best = e
+        stages.append(_stage("polish", t, objective.work_s(result.simulations, config), result.simulations, best,
+                             primary, before))
+
+    alternatives = tuple(e.schedule for e in found if e.schedule.digest() != best.schedule.digest())
+    status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in stages) else \
+        SolveStatus.HEURISTIC
+    notes = (f"best start: {found[0].name}",)
+    return SolveResult(best.schedule, status, "search", best.step_ms(primary), problems[primary].lower_bound_ms(),
+                       time.perf_counter() - t0, best.peak_bytes, notes, alternatives=alternatives,
+                       stages=tuple(stages))
+
+
+def _polish_reference(objective: Objective) -> dict[str, float]:
+    """The polish's reference per model: the objective's (one model: any positive number, the
+    regret then orders by step time alone)."""
+    return dict(objective.reference_ms)
+
+
+def _stage(name: str, t0: float, work_s: float, evaluations: int, e: Evaluated, label: str,
+           before: Evaluated) -> StageRecord:
+    return StageRecord(name=name, wall_s=time.perf_counter() - t0, work_s=work_s, simulations=evaluations,
+                       step_ms=e.step_ms(label), gained_ms=max(0.0, before.step_ms(label) - e.step_ms(label)))
