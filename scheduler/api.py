@@ -218,11 +218,15 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
         _check_traced_fits(problem, budget)
         return _Answer(None, _unchanged_report(problem, budget=budget, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
-    key = _cache_key(problems, budget, solver, writeback)
+    graph_key = _graph_key(problems, solver, writeback)
+    key = _cache_key(graph_key, budget)
     hit = _cached(problem, key, budget)
     if hit is not None:
         return hit
-    result, notes = _solve(problems, budget, solver)
+    # what was installed for this graph at a budget as small or smaller fits this one: a start,
+    # so that more memory never gives a slower step
+    smaller = tuple(s for b, s in _INSTALLED.get(graph_key, []) if budget is None or (b is not None and b <= budget))
+    result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller))
     ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                      for i, s in enumerate(result.alternatives)]
     t_choose = time.perf_counter()
@@ -247,6 +251,9 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
     answer = _Answer(chosen.schedule, report)
     if key is not None:
         cache.store(key, answer.to_json())
+    if graph_key is not None:
+        _INSTALLED.setdefault(graph_key, []).append((budget, chosen.schedule))
+        del _INSTALLED[graph_key][:-_INSTALLED_PER_GRAPH]
     return answer
 
 
@@ -312,18 +319,32 @@ def _fixed_collective_notes(problem: Problem) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # the cache
 # --------------------------------------------------------------------------------------------
-def _cache_key(problems: dict[str, Problem], budget: int | None, solver: SolverOptions,
-               writeback: WriteBackOptions) -> str | None:
-    """The schedule cache's key of this solve (:mod:`scheduler.cache`), None when caching is off
-    or the solve is not a function of data alone (a hook, a solver given as a callable)."""
-    if cache.cache_dir() is None or solver.schedule_hook is not None or not isinstance(solver.solver, str):
+def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: WriteBackOptions) -> str | None:
+    """What decides the schedule besides the budget: the graph (its export under the primary
+    cost model), the models judged, the options; None when the solve is not a function of data
+    alone (a hook, a solver given as a callable)."""
+    if solver.schedule_hook is not None or not isinstance(solver.solver, str):
         return None
     options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
-               "payload_order": writeback.payload_order, "control_deps": writeback.control_deps}
-    fingerprint = "|".join(f"{label}:{cache.dag_fingerprint(p.dag)}" for label, p in problems.items())
-    return cache.cache_key(fingerprint, mem_budget_bytes=budget, options=options)
+               "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
+               "cost_models": list(problems), "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
+    return cache.cache_key("", mem_budget_bytes=None, options=options)
+
+
+def _cache_key(graph_key: str | None, budget: int | None) -> str | None:
+    """The schedule cache's key of this solve (:mod:`scheduler.cache`), None when caching is off
+    or the solve is not a function of data alone."""
+    if cache.cache_dir() is None or graph_key is None:
+        return None
+    return cache.cache_key(graph_key, mem_budget_bytes=budget, options={})
+
+
+#: graph key (:func:`_graph_key`) -> (budget, schedule) installed in this process, newest last
+_INSTALLED: dict[str, list[tuple[int | None, Schedule]]] = {}
+#: schedules kept per graph
+_INSTALLED_PER_GRAPH = 8
 
 
 def _cached(problem: Problem, key: str | None, budget: int | None) -> _Answer | None:

@@ -97,14 +97,42 @@ def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], clust
     labels = list(models)
     dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster)
     out = {labels[0]: Problem.from_dag(dag)}
-    if len(labels) > 1:
-        fx_nodes = {n.name: n for n in gm.graph.nodes}
-        for label in labels[1:]:
-            other: nx.DiGraph = dag.copy()
-            other.graph = copy.deepcopy(dag.graph)
-            annotate_costs(other, resolve_cost_model(models[label], cluster), cluster or Cluster(), fx_nodes=fx_nodes)
-            out[label] = Problem.from_dag(other)
+    priced = {_compute_key(labels[0]): dag}
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
+    for label in labels[1:]:
+        other: nx.DiGraph = dag.copy()
+        other.graph = copy.deepcopy(dag.graph)
+        model = resolve_cost_model(models[label], cluster)
+        base = priced.get(_compute_key(label))
+        annotate_costs(other, model if base is None else _ComputeFrom(model, base), cluster or Cluster(),
+                       fx_nodes=fx_nodes)
+        priced.setdefault(_compute_key(label), other)
+        out[label] = Problem.from_dag(other)
     return out
+
+
+def _compute_key(label: str) -> str:
+    """Models of one family label prefix price compute alike: a bandwidth factor scales the
+    network, not the GPU."""
+    return label.split(" bw", 1)[0]
+
+
+class _ComputeFrom:
+    """``model`` with its compute times taken from a DAG it already priced (the same model on
+    the cluster with other network bandwidths)."""
+
+    def __init__(self, model: Any, dag: "nx.DiGraph"):
+        self.model, self.dag = model, dag
+        self.name = getattr(model, "name", type(model).__name__)
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        return float(self.dag.nodes[attrs["name"]]["runtime_ms"])
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: Any) -> float:
+        return self.model.collective_ms(coll_type, payload_bytes, group)
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self.model.copy_ms(nbytes)
 
 
 # --------------------------------------------------------------------------------------------

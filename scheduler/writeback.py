@@ -256,13 +256,28 @@ def _merge_bucket(
     merge = bucketing.merge_all_gather_bucket if c0.coll_type == "all_gather" else bucketing.merge_reduce_scatter_bucket
     fqns = [f for n in colls for f in problem.colls[n.name].fqns]
     indices = [problem.colls[n.name].param_index for n in colls]
-    new_nodes, _ = merge(
-        graph,
-        colls,
-        mode=bucket_mode,  # type: ignore[arg-type]
-        insert_before=insert_before,
-        wait_insertion_point=wait_insertion_point,
-    )
+    # torch records each merged node's provenance with a deep copy of every member's own
+    # provenance chain, per new node: most of a merge's time on graphs from aot_autograd. The
+    # chains are shared instead (provenance is read, never changed), so the record is the same.
+    provenance = {n.name: n.meta.pop("from_node") for n in colls if "from_node" in n.meta}
+    try:
+        new_nodes, _ = merge(
+            graph,
+            colls,
+            mode=bucket_mode,  # type: ignore[arg-type]
+            insert_before=insert_before,
+            wait_insertion_point=wait_insertion_point,
+        )
+    except BaseException:
+        for n in colls:
+            if n.name in provenance:
+                n.meta["from_node"] = provenance[n.name]
+        raise
+    for n in new_nodes:
+        for source in n.meta.get("from_node", ()):
+            info = getattr(source, "node_info", None)
+            if info is not None and info.name in provenance:
+                source.from_node = list(provenance[info.name])
     new_coll = next(n for n in new_nodes if _is_collective(n))
     # Keep the FSDP annotations on the merged collective (reports, re-export).
     new_coll.meta["fsdp_fqn"] = fqns
