@@ -16,6 +16,9 @@ from harness.judged import PRODUCT, TORCH
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: every test here traces llama3-debug and solves it several times (a minute or more in all)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def comparison():
@@ -147,7 +150,6 @@ def test_unknown_baseline_and_solve_under_are_refused(comparison):
         equal_memory.compare(gm, solve_under="minimax")
 
 
-@pytest.mark.slow
 def test_demo_prints_the_comparison(tmp_path):
     """benchmarks/demo.py on llama3-debug: a table per graph with each baseline and fsdp-sched at
     its peak (step ms under both models, peak, compile s), the summary, and summary.json whose
