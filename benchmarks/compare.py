@@ -16,9 +16,15 @@ import argparse
 import json
 import logging
 import platform
+import sys
 import time
 from datetime import date
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):  # this repository's library and its harness
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 logger = logging.getLogger("benchmarks.compare")
 
@@ -46,7 +52,7 @@ def _row(graph: str, budget_label: str, method: str, res=None, sim=None, note: s
 def run(args: argparse.Namespace) -> list[dict]:
     from models import capture_fsdp_graphs
     from scheduler import Cluster, export_dag, simulate
-    from scheduler.baselines import simulate_torch_baseline
+    from harness.baselines import simulate_torch_baseline
     from solvers import InfeasibleBudgetError, Problem, solve
 
     cluster = Cluster(n_gpus=args.world_size, gpus_per_node=args.gpus_per_node)

@@ -4,21 +4,23 @@ For each graph (forward and backward of a preset, ``models.capture_fsdp_graphs``
 factor f:
 
 * budget: f x the traced graph's own peak by all counts
-  (``scheduler.verify.judge_graph(gm).max_peak_bytes``: re-export, liveness and torch tracker);
+  (``scheduler.choose.judge_graph(gm).max_peak_bytes``: re-export, liveness and torch tracker);
 * export: wall time of ``scheduler.export_dag(gm)`` alone;
 * torch: wall time of torch's ``schedule_overlap_bucketing`` on a deep copy, called as this repo
-  calls it (``scheduler.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run
+  calls it (``harness.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run
   after one warm-up run on another copy (the warm time is reported); torch's memory limit is
   its own (traced peak + max(1 GB, 5 %)), so it does not depend on f;
 * fsdp-sched: wall time of ``scheduler.optimize_schedule(copy, mem_budget=budget)`` with its
-  defaults, the first call for this graph and budget, and its ratio to torch's time;
+  defaults (no cost model: the robust default), the first call for this graph and budget, and
+  its ratio to torch's time;
 * cache (``--cache``, default on): with ``FSDP_SCHED_CACHE`` pointing to a fresh temporary
   directory, one call that fills the cache and one on another deep copy (a hit, if the cache
   answers: the "hit?" column says whether the report shows a sign of one);
 * from the report (``gm.meta["fsdp_sched_report"]``): the re-exported step of the chosen graph
-  against torch's rewritten graph judged the same way (``judge_graph(torch_graph)``), the chosen
-  candidate, ``solve_time_s`` / ``verify_time_s``, and the per-stage wall times if the report
-  has ``stages``.
+  (under the analytic model, the first of the family) against torch's rewritten graph judged
+  the same way (``judge_graph(torch_graph)``), the chosen candidate, ``solve_time_s`` /
+  ``verify_time_s`` (the judging of the written candidates), and the wall time of each stage of
+  the plan (``report.stages``: starts, windows, polish, judge).
 
 The cold call runs with ``FSDP_SCHED_CACHE`` set to a fresh empty directory too, so that no
 earlier run's cache can answer it. Run on one core, as the targets are stated per core:
@@ -155,15 +157,15 @@ def report_of(gm: Any) -> Any:
 def rows_of(spec: str, kind: str, gm: Any, budget_factors: list[float], use_cache: bool,
             tmp_root: str) -> list[dict[str, Any]]:
     """The rows of one graph: one per budget factor."""
+    from harness.baselines import torch_overlap_schedule
     from scheduler import export_dag, optimize_schedule
-    from scheduler.baselines import torch_overlap_schedule
-    from scheduler.verify import judge_graph
+    from scheduler.choose import judge_graph
 
     label = f"{spec} {kind}"
     traced = judge_graph(gm)
     traced_peak_bytes = traced.max_peak_bytes
     logger.info("%s: %d nodes, traced peak %.2f GiB, step %.3f ms", label, len(gm.graph.nodes),
-                traced_peak_bytes / 2**30, traced.primary_step_ms)
+                traced_peak_bytes / 2**30, traced.step_ms)
 
     _, export_s = timed(export_dag, gm)
     logger.info("%s: export %.2f s", label, export_s)
@@ -172,7 +174,7 @@ def rows_of(spec: str, kind: str, gm: Any, budget_factors: list[float], use_cach
     torch_gm, torch_s = timed(torch_overlap_schedule, copy.deepcopy(gm), inplace=True)
     torch_judged = judge_graph(torch_gm)
     logger.info("%s: torch %.2f s (first run %.2f s), step %.3f ms, peak %.2f GiB", label, torch_s, torch_first_s,
-                torch_judged.primary_step_ms, torch_judged.max_peak_bytes / 2**30)
+                torch_judged.step_ms, torch_judged.max_peak_bytes / 2**30)
 
     rows = []
     for f in budget_factors:
@@ -188,9 +190,9 @@ def rows_of(spec: str, kind: str, gm: Any, budget_factors: list[float], use_cach
                     fmt_stages(stages))
         row: dict[str, Any] = {
             "graph": spec, "kind": kind, "budget": f, "mem_budget_bytes": budget,
-            "traced_peak_bytes": traced_peak_bytes, "traced_step_ms": traced.primary_step_ms,
+            "traced_peak_bytes": traced_peak_bytes, "traced_step_ms": traced.step_ms,
             "export_s": export_s, "torch_first_s": torch_first_s, "torch_s": torch_s,
-            "torch_step_ms": torch_judged.primary_step_ms, "torch_peak_bytes": torch_judged.max_peak_bytes,
+            "torch_step_ms": torch_judged.step_ms, "torch_peak_bytes": torch_judged.max_peak_bytes,
             "fsdp_sched_s": sched_s, "ratio": sched_s / torch_s,
             "step_ms_after": report.step_ms_after, "reexported_step_ms": report.reexported_step_ms,
             "chosen_candidate": report.chosen_candidate, "solver": report.solver, "status": report.status,
@@ -225,7 +227,7 @@ def _opt(x: float | None, fmt: str) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| graph | kind | budget | export (s) | torch (s) | fsdp-sched (s) | ratio | cache fill (s) | "
-        "cache 2nd call (s) | hit? | step ms: fsdp-sched vs torch | chosen | solve / verify (s) | stages (s) |",
+        "cache 2nd call (s) | hit? | step ms: fsdp-sched vs torch | chosen | solve / judge (s) | stages (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

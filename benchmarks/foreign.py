@@ -15,12 +15,14 @@ and simulated in its own order; torch's scheduler rewrites its own copy, judged 
 - FSDP2-like: one bucket per block of the *true* blocks (from the capture's oracle), prefetch
   one block ahead, shrunk to the budget;
 - SimpleFSDP-like: greedy size-capped buckets;
-- torch: ``scheduler.baselines.torch_overlap_schedule`` without and with
+- torch: ``harness.baselines.torch_overlap_schedule`` without and with
   ``pre_bucketing_fsdp_collectives`` ("unavailable" when it raises TorchBaselineError);
 - fsdp-sched: what a user runs, ``scheduler.optimize_schedule(gm, mem_budget=..., cost_model=...)``
-  with its defaults (CP-SAT, then the closed loop of :mod:`scheduler.verify`: the solver's
-  schedule, the heuristics, the traced order and torch's scheduler are written back and the
-  fastest whose written graph fits is installed), judged on the graph it returns.
+  with its other defaults (the search, then :func:`scheduler.choose.choose`: its schedule, its
+  next best starts and the traced order are written back in turn and the first whose written
+  graph fits is installed), judged on the graph it returns. ``--solve-under each`` (default)
+  gives it the row's cost model; ``--solve-under robust`` gives it none (the robust default:
+  one solve per graph and budget, judged under each cost model of the rows).
   ``--product solver`` judges the solver's own schedule instead (``solvers.solve_budgets``,
   budgets in increasing order so the smaller budget's best is a start at the larger).
 
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for path in (REPO, REPO / "tests"):
+for path in (REPO, REPO / "tests", REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -59,6 +61,10 @@ BASELINES = ("traced", "fsdp2", "simplefsdp", "torch", "torch+prebucket")
 WORLD = 64
 #: what "fsdp-sched" is: "api" (optimize_schedule's returned graph) or "solver" (set by --product)
 PRODUCT = "api"
+#: the cost model optimize_schedule gets: "each" (the row's) or "robust" (none; set by --solve-under)
+SOLVE_UNDER = "each"
+#: (graph id, budget) -> optimize_schedule's graph without a cost model, solved once for every row
+_ROBUST: dict[tuple[int, int], Any] = {}
 
 
 def _dim(style: str) -> int:
@@ -80,10 +86,10 @@ def _judge(gm: Any, cost_model: str) -> tuple[float, int]:
     """(step ms, peak bytes) of ``gm`` as written: re-exported and simulated in its order; the
     peak is the largest of the re-export's, the reference liveness count's and torch's
     MemoryTracker's (the three counts a budget must hold by, for every column alike)."""
-    from scheduler.verify import judge_graph
+    from scheduler.choose import judge_graph
 
     figures = judge_graph(gm, cost_model)
-    return figures.primary_step_ms, figures.max_peak_bytes
+    return figures.step_ms, figures.max_peak_bytes
 
 
 def _written(gm: Any, problem: Any, schedule: Any, cost_model: str) -> tuple[float, int]:
@@ -95,7 +101,7 @@ def _written(gm: Any, problem: Any, schedule: Any, cost_model: str) -> tuple[flo
 
 
 def _torch(gm: Any, cost_model: str, prebucket: bool) -> tuple[float, int] | str:
-    from scheduler.baselines import TorchBaselineError, torch_overlap_schedule
+    from harness.baselines import TorchBaselineError, torch_overlap_schedule
 
     try:
         return _judge(torch_overlap_schedule(gm, pre_bucketing_fsdp_collectives=prebucket), cost_model)
@@ -147,11 +153,17 @@ def _api(gm: Any, budgets: list[int], cost_model: str) -> dict[int, Any]:
 
     out: dict[int, Any] = {}
     for budget in budgets:
+        if SOLVE_UNDER == "robust" and (id(gm), budget) in _ROBUST:
+            out[budget] = _ROBUST[(id(gm), budget)]
+            continue
         g = copy.deepcopy(gm)
         try:
-            out[budget] = optimize_schedule(g, mem_budget=budget, cost_model=cost_model)
+            out[budget] = optimize_schedule(g, mem_budget=budget,
+                                            cost_model=None if SOLVE_UNDER == "robust" else cost_model)
         except InfeasibleBudgetError as e:
             out[budget] = e
+        if SOLVE_UNDER == "robust":
+            _ROBUST[(id(gm), budget)] = out[budget]
     return out
 
 
@@ -171,10 +183,11 @@ def _score(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def style_rows(style: str, cost_models: tuple[str, ...], product: str = "api") -> list[dict[str, Any]]:
+def style_rows(style: str, cost_models: tuple[str, ...], product: str = "api", solve_under: str = "each"
+               ) -> list[dict[str, Any]]:
     """Capture ``style`` (16 layers, 64 ranks) and score both graphs under every cost model."""
-    global PRODUCT
-    PRODUCT = product  # a spawned worker starts from the module's default
+    global PRODUCT, SOLVE_UNDER
+    PRODUCT, SOLVE_UNDER = product, solve_under  # a spawned worker starts from the module's defaults
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -240,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--product", choices=("api", "solver"), default="api",
                     help="judge optimize_schedule's returned graph (default) or the solver's own schedule")
+    ap.add_argument("--solve-under", choices=("each", "robust"), default="each",
+                    help="optimize_schedule with the row's cost model (default) or with none (the robust default)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    work = [(s, tuple(args.cost_models), args.product) for s in args.styles]
+    work = [(s, tuple(args.cost_models), args.product, args.solve_under) for s in args.styles]
     ctx = multiprocessing.get_context("spawn")  # one fake process group per process
     with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
         per_style = pool.starmap(style_rows, work, chunksize=1)

@@ -13,8 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):  # this repository's library and its harness
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Regenerate the comparison tables and memory / step-time Pareto frontiers (issue 5, item 3).
+"""Regenerate the comparison tables and memory / step-time Pareto frontiers.
 
 For every model and graph (forward, backward), simulated with the analytic cost model:
 
@@ -37,6 +37,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):  # this repository's library and its harness
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 logger = logging.getLogger("benchmarks.run")
 
@@ -166,7 +171,7 @@ def load_graphs(model: str, args: argparse.Namespace, cluster) -> dict[str, tupl
         logger.info("cache %s: %s (%s)", "disabled" if args.no_cache else "miss", model, key)
 
     from models import capture_fsdp_graphs
-    from scheduler.baselines import simulate_torch_baseline
+    from harness.baselines import simulate_torch_baseline
 
     t = time.perf_counter()
     logger.info("capture: tracing %s (%s layers, world %d)", model, args.n_layers or "all", args.world_size)

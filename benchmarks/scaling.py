@@ -1,4 +1,4 @@
-"""How solve time and quality grow with the number of layers, for both solvers (issue 5, item 2).
+"""How solve time and quality grow with the number of layers, for both solvers.
 
 For one model (default llama3-405b, world 64) truncated to each of ``--layers`` (the last entry
 ``all`` is the preset's full depth), for the forward and backward graphs, unconstrained and at
@@ -7,7 +7,7 @@ the traced order's peak memory:
 * CP-SAT at each of ``--cpsat-limits`` (s) and the MILP (PuLP/CBC) at ``--milp-limit`` (s):
   simulated step, gap to the analytic lower bound, wall time, and from the solve's improvement
   history the time at which it was within 1 % of its final step (``t_1pct_s``) and when it last
-  improved (``t_last_s``); how the answer was found (full model, per-layer template, windows);
+  improved (``t_last_s``); the solve's notes;
 * the best heuristic (FSDP2-like, SimpleFSDP-like, AutoParallel-like, traced) that fits.
 
 Traced graphs come from the DAG cache of ``benchmarks/run.py`` (traced on a miss).

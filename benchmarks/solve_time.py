@@ -3,11 +3,11 @@
 Graphs: llama3-8b at 16 layers on 64 ranks (``models.capture_fsdp_graphs``) and a 16-layer
 foreign style of ``tests/foreign_models.py`` (64 ranks), forward and backward, analytic cost
 model; budgets 1.0x and 1.2x of the traced peak. For each: the wall time and step of the
-default solve (``solvers.solve(problem, mem_budget_bytes=...)``: default time limit and
-search, which stops when a sweep of windows brings no gain or its work is spent), the step of
-a solve with ``time_limit_s=60`` (windows and template windows twice as long, and far more work
-for more sweeps: :func:`solvers.driver.scaled_search`), and their difference. Run it on one
-core, as the target is stated:
+default solve (``solvers.solve(problem, mem_budget_bytes=...)``: the plan of
+:mod:`solvers.search` with its default work limit, ``solvers.search.DEFAULT_TIME_LIMIT_S``),
+the step of a solve with ``time_limit_s=60`` (the same stages with 30 times the work: more
+windows and a longer polish), and their difference: what the default leaves on the table. Run
+it on one core, as the target is stated:
 
     taskset -c 0 python benchmarks/solve_time.py
     taskset -c 0 python benchmarks/solve_time.py --graphs llama --kinds backward --json out.json

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
+
+#: the evaluation harness (``benchmarks/harness``, imported as ``harness``) is not installed with
+#: the library; its tests import it from the repository
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
 
 #: ranks of the fake process group the tracing tests use
 FAKE_WORLD = 4

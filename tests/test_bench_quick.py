@@ -22,6 +22,9 @@ METHODS = ("traced", "fsdp2", "simplefsdp", "autoparallel", "torch overlap_sched
            "analytic lower bound")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
+#: two runs of the quick benchmark and one of the scaling script in subprocesses (minutes)
+pytestmark = pytest.mark.slow
+
 
 def _run(out: Path, cache: Path) -> tuple[subprocess.CompletedProcess, float]:
     t = time.perf_counter()

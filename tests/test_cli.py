@@ -1,4 +1,4 @@
-"""The fsdp-sched command line: demo, trace -> solve round trip, sweep resume, user errors."""
+"""The fsdp-sched command line: trace -> solve round trip, the robust solve, sweep resume, user errors."""
 
 from __future__ import annotations
 
@@ -27,32 +27,6 @@ def test_budget_arg_parses_sizes_and_multiples():
     assert resolve_budget("0.5x", 1000) == 500
     assert resolve_budget("auto", 1000, floor_bytes=950) == 950  # never below a reachable peak
     assert resolve_budget("none", 1000) is None
-
-
-@pytest.mark.slow
-def test_demo_prints_comparison_table(tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert main(["-q", "demo", *TINY, "--time-limit", "2", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
-    for graph in ("forward", "backward"):
-        assert f"== {graph} graph" in text
-    for row in ("traced", "fsdp2", "simplefsdp", "autoparallel", "torch", "fsdp-sched"):
-        assert row in text
-    assert "step" in text and "exposed comm" in text and "peak" in text
-    summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"forward", "backward", "equal_memory"}
-    assert any(p.name.endswith("_gantt.png") for p in out.iterdir())
-    # the headline: at equal memory with each baseline, under both cost models, after the tables
-    headline = text.index("== headline: fsdp-sched at equal memory")
-    assert headline > text.index("== backward graph")
-    for model in ("analytic", "torch"):
-        assert f"fsdp-sched at equal memory, {model} cost model: x" in text[headline:]
-    for graph in ("forward", "backward"):
-        rows = summary["equal_memory"][graph]["rows"]
-        assert {r["baseline"] for r in rows} >= {"fsdp2", "simplefsdp"}
-        assert all(r["budget_bytes"] == summary["equal_memory"][graph]["baselines"][r["baseline"]]["peak_bytes"]
-                   for r in rows)
-        assert (out / f"{graph}_torch_equal_memory.png").stat().st_size > 0
 
 
 def test_trace_solve_round_trip(traced, tmp_path, capsys):
@@ -119,7 +93,7 @@ def test_unknown_model_exits_2(capsys):
 
 def test_console_script_help(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["demo", "--help"])
+        main(["solve", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--budget" in text and "--time-limit" in text and "--n-layers" in text
@@ -128,7 +102,7 @@ def test_console_script_help(capsys):
 # --------------------------------------------------------------------------------------------
 # --cost-model
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["demo", "trace", "solve", "sweep"])
+@pytest.mark.parametrize("command", ["trace", "solve", "sweep"])
 def test_every_command_takes_a_cost_model_by_name(command):
     from scheduler.cli.parser import build_parser
 
@@ -140,6 +114,7 @@ def test_every_command_takes_a_cost_model_by_name(command):
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 def test_trace_and_solve_price_with_the_named_cost_model(tmp_path, capsys):
     from scheduler.dag import load_dag
 
@@ -182,15 +157,33 @@ def test_robust_solve_needs_a_model(traced, capsys):
     assert "--robust" in capsys.readouterr().err
 
 
-def test_robust_solve_reports_the_criterion(tmp_path, capsys):
+def test_robust_solve_refuses_a_cost_model(capsys):
+    assert main(["solve", *TINY, "--robust", "--cost-model", "torch"]) == 2
+    assert "--robust" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_robust_solve_is_the_library_default_on_the_written_graph(tmp_path, capsys):
+    """``solve --model --robust`` runs optimize_schedule without a cost model: the report names
+    the six models of the family, the installed candidate's written graph holds the budget by
+    all three counts, and the schedule written out is that candidate's."""
+    from solvers.core import Schedule
+
     out = tmp_path / "robust"
-    assert main(["-q", "solve", *TINY, "--graph", "forward", "--robust", "--time-limit", "2", "--out", str(out),
+    assert main(["-q", "solve", *TINY, "--graph", "backward", "--robust", "--budget", "1.0x", "--out", str(out),
                  "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)["report"]
-    assert report["verified"] and report["criterion"].startswith("robust")
+    data = json.loads(capsys.readouterr().out)
+    report = data["report"]
+    assert len(report["cost_models"]) == 6 and {"analytic", "torch"} <= set(report["cost_models"])
+    assert report["verified"] and report["mem_budget_bytes"] is not None
     chosen = [c for c in report["candidates"] if c["name"] == report["chosen_candidate"]]
-    assert chosen and chosen[0]["worst_regret"] is not None and len(chosen[0]["step_ms"]) == 6
-    assert not (out / "forward_schedule.json").exists() and (out / "forward_report.json").is_file()
+    assert len(chosen) == 1 and chosen[0]["dropped"] is None
+    figures = chosen[0]["figures"]
+    assert max(figures["peak_bytes"], figures["liveness_peak_bytes"], figures["tracker_peak_bytes"]) \
+        <= report["mem_budget_bytes"]
+    schedule = Schedule.from_json(json.loads((out / "backward_schedule.json").read_text()))
+    assert schedule.digest() == chosen[0]["digest"]
+    assert data["sim"]["peak_bytes"] <= report["mem_budget_bytes"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +192,6 @@ def test_robust_solve_reports_the_criterion(tmp_path, capsys):
 # --------------------------------------------------------------------------------------------
 # (argv, the argument, its value); "{tmp}" is a temporary directory holding a regular file "afile"
 REFUSED = [
-    (["demo", "--out", "{tmp}/afile"], "--out", "afile"),
     (["trace", "--out", "{tmp}/afile/sub"], "--out", "afile/sub"),
     (["solve", "x.json", "--out", "{tmp}/afile"], "--out", "afile"),
     (["sweep", "x.json", "--db", "{tmp}/missing/r.sqlite"], "--db", "missing/r.sqlite"),
@@ -207,11 +199,11 @@ REFUSED = [
     (["solve", "x.json", "--budget", "1e400GiB"], "--budget", "1e400GiB"),
     (["solve", "x.json", "--budget", str(2**63)], "--budget", str(2**63)),
     (["solve", "x.json", "--budget", "infx"], "--budget", "infx"),
-    (["demo", "--budget", "nanx"], "--budget", "nanx"),
+    (["solve", "x.json", "--budget", "nanx"], "--budget", "nanx"),
     (["sweep", "x.json", "--budgets", "1GiB", "1e400GiB"], "--budgets", "1e400GiB"),
     (["solve", "x.json", "--time-limit", "inf"], "--time-limit", "inf"),
     (["sweep", "x.json", "--time-limit", "nan"], "--time-limit", "nan"),
-    (["demo", "--time-limit", "0"], "--time-limit", "0"),
+    (["solve", "x.json", "--time-limit", "0"], "--time-limit", "0"),
     (["trace", "--inter-node-gbps", "inf"], "--inter-node-gbps", "inf"),
     (["trace", "--world-size", "1"], "--world-size", "1"),
     (["trace", "--n-layers", "-2"], "--n-layers", "-2"),
@@ -296,7 +288,7 @@ def test_budget_multiple_out_of_range_exits_2(small_dag_file, tmp_path, multiple
     assert not (tmp_path / "o" / "sweep.sqlite").exists()
 
 
-def test_demo_refuses_an_unknown_solver_before_tracing(tmp_path, capsys):
-    assert main(["demo", "--solver", "bogus", "--out", str(tmp_path / "o")]) == 2
+def test_solve_refuses_an_unknown_solver_before_tracing(tmp_path, capsys):
+    assert main(["solve", *TINY, "--solver", "bogus", "--out", str(tmp_path / "o")]) == 2
     assert "unknown solver 'bogus'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

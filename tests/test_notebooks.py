@@ -24,7 +24,13 @@ def test_notebook_committed_without_outputs(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    import os
+
+    # the kernel imports this repository's packages, not another install (it runs in tmp_path,
+    # where a relative PYTHONPATH would point elsewhere)
+    root = str(Path(__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(path, as_version=4)
     # run in tmp_path so the pictures a notebook writes do not land in the repository
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",

@@ -1,10 +1,11 @@
-"""The ``fsdp-sched`` command line: demo, trace, solve, sweep.
+"""The ``fsdp-sched`` command line: trace, solve, sweep.
 
-- ``fsdp-sched demo`` (:mod:`scheduler.cli.demo`): trace a reference model, compare every
-  baseline with fsdp-sched under a memory budget, print a table and write pictures.
 - ``fsdp-sched trace`` / ``solve`` (:mod:`scheduler.cli.solve`): model -> DAG JSON files; DAG
   JSON (or a model) -> schedule, report, Chrome trace, Gantt chart.
 - ``fsdp-sched sweep`` (:mod:`scheduler.cli.sweep`): a list of budgets -> table and Pareto plot.
+
+The comparison with the baselines (the demo) is the evaluation harness's, outside the library:
+``python benchmarks/demo.py``.
 
 Sizes are read and written human-readably ("40GiB", "512MB"), times in ms. A bad argument or
 file ends with one line ``fsdp-sched: error: ...`` and exit status 2.

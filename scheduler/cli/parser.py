@@ -13,10 +13,10 @@ from scheduler.cli.common import (
     positive_int,
     world_size_arg,
 )
-from scheduler.cli.demo import cmd_demo
 from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import cmd_sweep
 from scheduler.costs import COST_MODELS
+from solvers.search import DEFAULT_TIME_LIMIT_S
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +37,8 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
     p.add_argument("--cost-model", choices=sorted(COST_MODELS), default=None,
                    help="how a traced model's nodes and collectives are priced: analytic (roofline + NCCL "
                         "alpha-beta, the default) or torch (torch's own roofline and NCCL estimators); a DAG "
-                        "file keeps the costs it was traced with")
+                        "file keeps the costs it was traced with; solve --robust judges under a family of "
+                        "models instead")
 
 
 def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
@@ -47,7 +48,8 @@ def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: 
                    help="peak-memory budget: a size such as 40GiB or 512MB, 'auto' (0.9 x the FSDP2-like "
                         "peak, at least the smallest baseline peak), a multiple of that peak such as 0.8x, or 'none' (default %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=time_limit,
-                   help="solver time limit per graph in seconds (default %(default)s)")
+                   help="work limit of the search per graph, in seconds of deterministic work "
+                        "(SolverOptions.time_limit_s; default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,17 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    p = sub.add_parser("demo", help="compare fsdp-sched with FSDP2, SimpleFSDP, AutoParallel and torch on a model",
-                       description="Trace a reference model, simulate the traced order, the FSDP2, SimpleFSDP and "
-                                   "AutoParallel-like heuristics, torch's overlap scheduler and fsdp-sched under a "
-                                   "budget, print a comparison per graph and write Gantt / memory pictures and "
-                                   "Chrome traces.")
-    _model_args(p, default_model="llama3-8b", default_layers=8)
-    _solve_args(p, budget_default="auto", time_limit=20.0)
-    p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the comparison as JSON instead of tables")
-    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("trace", help="trace a model into DAG JSON files",
                        description="Capture a reference model's FSDP forward / backward graphs and save them as "
@@ -87,19 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
         if name == "solve":
-            _solve_args(p, budget_default="none", time_limit=20.0)
+            _solve_args(p, budget_default="none", time_limit=DEFAULT_TIME_LIMIT_S)
             p.add_argument("--robust", action="store_true",
-                           help="with --model: write the candidates back, judge them under analytic and torch "
-                                "cost models with bandwidths +-30 %%, keep the least worst-case regret "
-                                "(optimize_schedule(robust=True)); writes the report, not a schedule file")
+                           help="with --model: optimize_schedule on the traced graph without a cost model, as "
+                                "the library does by default: the schedule with the least worst-case regret over "
+                                "analytic and torch cost models with bandwidths +-30 %%, written back and judged "
+                                "on the written graph (without it, the DAG exported under --cost-model is solved "
+                                "under that model alone)")
             p.set_defaults(func=cmd_solve)
         else:
             p.add_argument("--solver", default="cpsat", help="solver to sweep (default %(default)s)")
             p.add_argument("--budgets", type=budget_arg, nargs="+", default=["1.0x", "0.9x", "0.8x", "0.7x"],
                            help="budgets: sizes (40GiB) or multiples of the FSDP2-like peak (0.8x) "
                                 "(default: 1.0x 0.9x 0.8x 0.7x)")
-            p.add_argument("--time-limit", type=positive_float, default=10.0,
-                           help="solver time limit per point in seconds (default %(default)s)")
+            p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
+                           help="work limit of the search per point, in seconds of deterministic work "
+                                "(default %(default)s)")
             p.add_argument("--workers", type=positive_int, default=1,
                            help="solve points in N local processes (default 1: sequential)")
             p.add_argument("--address", default=None, metavar="URL",

@@ -1,5 +1,11 @@
 """``fsdp-sched trace`` (model -> DAG JSON files) and ``fsdp-sched solve`` (DAG JSON or a model
--> schedule, report, Chrome trace, Gantt chart)."""
+-> schedule, report, Chrome trace, Gantt chart).
+
+``solve`` on a DAG (a file, or ``--model`` exported under ``--cost-model``) is
+:func:`scheduler.solve_dag`: the DAG's own cost model decides. ``solve --model ... --robust`` is
+:func:`scheduler.optimize_schedule` on the traced graph without a cost model: the robust
+default, chosen on the written graph. ``--solver`` and ``--time-limit`` are
+:class:`scheduler.SolverOptions`' ``solver`` and ``time_limit_s``."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from scheduler.api import REPORT_KEY, optimize_schedule, solve_dag
+from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule, solve_dag
 from scheduler.cli.common import (
     GRAPHS,
     CliError,
@@ -21,7 +27,8 @@ from scheduler.cli.common import (
     trace_model,
     write_pictures,
 )
-from scheduler.dag import export_dag, save_dag
+from scheduler.dag import save_dag
+from scheduler.options import AgreementOptions, SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.registry import available_solvers
 
@@ -50,29 +57,31 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if args.solver not in available_solvers():
         raise CliError(f"unknown solver {args.solver!r}; choose one of {', '.join(available_solvers())}")
     if args.robust and not args.model:
-        raise CliError("--robust judges the rewritten graph under several cost models: it needs --model (a DAG "
-                       "file has no graph to rewrite)")
+        raise CliError("--robust judges the written graph under several cost models: it needs --model (a DAG "
+                       "file has no graph to write back)")
+    if args.robust and args.cost_model:
+        raise CliError("--robust judges under a family of cost models; --cost-model picks one: give one of them")
     dag, captured = (input_dag(args), None) if not args.robust else _traced(args)
     problem = Problem.from_dag(dag)
     budget = _budget(args.budget, problem)
+    solver = SolverOptions(solver=args.solver, time_limit_s=args.time_limit)
     logger.info("solving %s with %s, budget %s, limit %g s%s", dag.graph.get("name"), args.solver,
                 fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
     out = ensure_out_dir(Path(args.out))
     stem = str(dag.graph.get("name", "graph"))
     if args.robust:
-        report, problem = _solve_robust(args, getattr(captured, args.graph), budget)
-        sim = simulate(problem.dag, problem=problem)  # the written graph as re-exported
-        files = []
+        schedule, report = _solve_robust(args, getattr(captured, args.graph), budget, solver)
+        schedule = schedule or problem.traced_schedule()  # None: nothing was written
     else:
         try:
-            schedule, report = solve_dag(dag, budget, solver=args.solver, time_limit_s=args.time_limit)
+            schedule, report = solve_dag(dag, budget, solver=solver)
         except InfeasibleBudgetError as e:
             raise CliError(f"budget {fmt_bytes(budget)} cannot be met: {e}") from None
-        sim = simulate(dag, schedule, problem=problem)
-        (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
-        files = [out / f"{stem}_schedule.json"]
+    sim = simulate(dag, schedule, problem=problem)
+    (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
     (out / f"{stem}_report.json").write_text(json.dumps(report.to_json(), indent=1))
-    files += [out / f"{stem}_report.json", *write_pictures(sim, problem, out, stem, budget)]
+    files = [out / f"{stem}_schedule.json", out / f"{stem}_report.json",
+             *write_pictures(sim, problem, out, stem, budget)]
     if args.json:
         print(json.dumps({"report": report.to_json(), "sim": sim.summary(), "files": [str(f) for f in files]}))
     else:
@@ -96,17 +105,16 @@ def _traced(args: argparse.Namespace):
     return dags[args.graph], captured
 
 
-def _solve_robust(args: argparse.Namespace, gm, budget: int | None):
-    """``optimize_schedule(robust=True)`` on ``gm`` (this process alone, on a fake process
-    group): its report and the written graph re-exported."""
+def _solve_robust(args: argparse.Namespace, gm, budget: int | None, solver: SolverOptions):
+    """``optimize_schedule`` on ``gm`` without a cost model (this process alone, on a fake
+    process group): the schedule installed, over the traced graph (None when nothing was
+    written), and its report."""
     from models.capture import fake_process_group  # torch and the models only for commands that trace
 
-    cluster = cluster_of(args)
     with fake_process_group(args.world_size):
         try:
-            optimize_schedule(gm, budget, solver=args.solver, time_limit_s=args.time_limit, cost_model=args.cost_model,
-                              cluster=cluster, robust=True, agree=False)
+            optimize_schedule(gm, budget, cluster=cluster_of(args), solver=solver,
+                              agreement=AgreementOptions(enabled=False))
         except InfeasibleBudgetError as e:
-            raise CliError(f"budget {fmt_bytes(budget)} cannot be met on the rewritten graph: {e}") from None
-        problem = Problem.from_dag(export_dag(gm, cost_model=args.cost_model, cluster=cluster, name=args.graph))
-    return gm.meta[REPORT_KEY], problem
+            raise CliError(f"budget {fmt_bytes(budget)} cannot be met on the written graph: {e}") from None
+    return gm.meta[SCHEDULE_KEY], gm.meta[REPORT_KEY]

@@ -31,6 +31,7 @@ from scheduler.cli.common import (
     resolve_budget,
 )
 from scheduler.dag import dag_from_json, dag_to_json
+from scheduler.options import SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS
 from solvers.registry import available_solvers
@@ -50,7 +51,7 @@ def solve_point(dag_json: dict, solver: str, budget: int, time_limit_s: float) -
     """One sweep point (runs in a worker process too): a row of the results table."""
     dag = dag_from_json(dag_json)
     try:
-        schedule, report = solve_dag(dag, budget, solver=solver, time_limit_s=time_limit_s)
+        schedule, report = solve_dag(dag, budget, solver=SolverOptions(solver=solver, time_limit_s=time_limit_s))
     except InfeasibleBudgetError as e:
         return {"status": "infeasible", "error": str(e), "peak_bytes": e.min_peak_bytes}
     sim = simulate(dag, schedule)

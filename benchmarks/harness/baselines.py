@@ -1,7 +1,8 @@
 """Baselines: torch 2.13's own overlap scheduler and memory estimator, runnable without a GPU.
 
 torch's scheduler (``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``)
-is the anchor our schedules must beat (DESIGN.md). What it does, in order:
+is the anchor our schedules must beat. It is a baseline of the benchmarks only, not a candidate
+of :func:`scheduler.optimize_schedule`, so it lives with the harness. What it does, in order:
 
 1. Pre-bucketing (``pre_bucketing_fsdp_collectives=True``, default):
    ``fsdp.pre_bucket_fsdp_collectives`` finds the FSDP process groups structurally and merges
@@ -102,7 +103,6 @@ def torch_overlap_schedule(
             torch baseline is unavailable for it.
     """
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
-
 
     cluster = cluster or Cluster()
     if max_memory_increase_gb is None and max_memory_increase_ratio is None:

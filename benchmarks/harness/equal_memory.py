@@ -1,29 +1,29 @@
 """The headline at equal memory: fsdp-sched at each baseline's peak against that baseline.
 
-A user compares at equal memory with the tool they use today (issue 13), on the graph that is
-written back, under more than one cost model. For each baseline B of :data:`BASELINES`
-(FSDP2-like, torch's overlap scheduler, SimpleFSDP-like) and each cost model A of
-:data:`COST_MODELS`:
+A user compares at equal memory with the tool they use today, on the graph that is written
+back, under more than one cost model. For each baseline B of :data:`BASELINES` (FSDP2-like,
+torch's overlap scheduler, SimpleFSDP-like) and each cost model A of :data:`COST_MODELS`:
 
-1. B is written back and judged on its rewritten graph like every candidate of
-   :mod:`scheduler.verify` (:func:`scheduler.rewritten.judge_baselines`): ``peak(B)`` is the
-   largest of its re-export, liveness and torch-tracker peaks (``figures.max_peak_bytes``),
-   ``t_A(B)`` its re-exported step time under A;
-2. fsdp-sched (:func:`scheduler.rewritten.product_candidate`: ``optimize_schedule`` on a copy,
-   cost model A) runs at ``mem_budget = peak(B)``; its rewritten graph is judged the same way
-   (``fits`` when all three of its peaks are within ``peak(B)``);
+1. B is written back and judged on its written graph (:func:`harness.judged.judge_baseline`):
+   ``peak(B)`` is the largest of its re-export, liveness and torch-tracker peaks, ``t_A(B)`` its
+   re-exported step time under A;
+2. fsdp-sched (:func:`harness.judged.judge_product`: ``optimize_schedule`` on a copy) runs at
+   ``mem_budget = peak(B)``. With ``solve_under="robust"`` (default) it runs as users run it,
+   without a cost model (the schedule with the least worst-case regret over the family of
+   models), once per budget, and its one written graph is judged under every A; with
+   ``"each"``, it runs with ``cost_model=A`` for each A and is judged under A. Its written graph
+   ``fits`` when all three of its peaks are within ``peak(B)``. Each budget is solved on its own,
+   as a user would call it (baselines with the same peak share one solve);
 3. speedup vs B = ``t_A(B) / t_A(fsdp-sched)``; speedup vs the best baseline that fits =
    ``min t_A(B')`` over the baselines with ``peak(B') <= peak(B)``, divided by the same;
 4. whether a speedup is possible at all: ``bound_A``, the analytic lower bound on the step time
    of any schedule of the graph (:meth:`solvers.core.Problem.lower_bound_ms` of the traced
-   graph re-exported under A: the largest of all compute, each communication stream at its
-   cheapest after its first collective is ready plus the compute it cannot overlap, and the
-   exposed first all-gather; it ignores memory, so at a budget it can only be lower than the
+   graph exported under A; it ignores memory, so at a budget it can only be lower than the
    true optimum), and the headroom of the best baseline over it, ``min t_A(B') / bound_A``:
    the largest speedup vs the best baseline any schedule could reach.
 
 :func:`compare` returns the rows; :func:`format_table`, :func:`headline` and :func:`plot` show
-them (the demo and ``benchmarks/equal_memory.py`` print them).
+them (``benchmarks/demo.py`` and ``benchmarks/equal_memory.py`` print them).
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.judged import PRODUCT, TORCH, Judged, display, judge_baseline, judge_product
 from scheduler.dag import export_dag
-from scheduler.rewritten import TORCH_BASELINE, judge_baselines, product_candidate
-from scheduler.verify import Candidate
+from scheduler.options import SolverOptions
 from solvers.core import Problem, fmt_bytes
 
 if TYPE_CHECKING:
@@ -47,11 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: the baselines fsdp-sched is compared with, each at its own peak
-BASELINES = ("fsdp2", TORCH_BASELINE, "simplefsdp")
-#: the cost models each comparison is made under
+BASELINES = ("fsdp2", TORCH, "simplefsdp")
+#: the cost models each comparison is judged under
 COST_MODELS = ("analytic", "torch")
-#: display names of the baselines
-BASELINE_NAMES = {"fsdp2": "FSDP2-like", TORCH_BASELINE: "torch 2.13 overlap", "simplefsdp": "SimpleFSDP-like"}
+#: how fsdp-sched is solved: as users run it (no cost model), or under each judging model
+SOLVE_UNDER = ("robust", "each")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -67,12 +66,15 @@ class Row:
     #: the fastest baseline whose peak is within the budget (B itself at least)
     best_baseline: str
     best_baseline_ms: float
-    #: fsdp-sched's rewritten graph (None when no schedule fitted in the model)
+    #: fsdp-sched's written graph (None when no schedule fitted)
     product_ms: float | None = None
     product_peak_bytes: int | None = None
-    #: all three peaks of fsdp-sched's rewritten graph within the budget
+    #: all three peaks of fsdp-sched's written graph within the budget
     fits: bool = False
-    solve_time_s: float = 0.0
+    #: wall time of fsdp-sched's optimize_schedule (s)
+    compile_s: float | None = None
+    #: wall time of the baseline's compile pass (s; None for the heuristics)
+    baseline_compile_s: float | None = None
     note: str = ""
     #: lower bound on any schedule's step time under this cost model (point 4 above)
     lower_bound_ms: float | None = None
@@ -95,22 +97,33 @@ class Row:
 
 @dataclasses.dataclass(kw_only=True)
 class Comparison:
-    """Every row of one graph, the baselines as judged and those that could not be made."""
+    """Every row of one graph, the written graphs judged and the baselines that could not be made."""
 
     graph: str
     rows: list[Row]
-    #: name -> each baseline that could be made, judged on its rewritten graph
-    baselines: dict[str, Candidate]
+    #: name -> each baseline that could be made, judged on its written graph
+    baselines: dict[str, Judged]
+    #: (budget bytes, the cost model solved under or None for the robust default) -> fsdp-sched
+    products: dict[tuple[int, str | None], Judged]
     unavailable: dict[str, str]
+    #: cost model -> the lower bound of point 4 (ms)
+    lower_bounds_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def product_for(self, baseline: str, cost_model: str) -> Judged | None:
+        """fsdp-sched's written graph at ``baseline``'s peak judged under ``cost_model``."""
+        budget = self.baselines[baseline].max_peak_bytes
+        return self.products.get((budget, None)) or self.products.get((budget, cost_model))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "graph": self.graph,
             "rows": [{**dataclasses.asdict(r), "speedup": r.speedup, "speedup_vs_best": r.speedup_vs_best,
                       "headroom": r.headroom} for r in self.rows],
-            "baselines": {n: {"peak_bytes": c.figures.max_peak_bytes, "step_ms": c.figures.step_ms}
-                          for n, c in self.baselines.items()},
+            "baselines": {n: j.to_json() for n, j in self.baselines.items()},
+            "products": [{"budget_bytes": b, "solved_under": m or "robust", **j.to_json()}
+                         for (b, m), j in self.products.items()],
             "unavailable": self.unavailable,
+            "lower_bounds_ms": self.lower_bounds_ms,
         }
 
 
@@ -121,36 +134,41 @@ def compare(
     baselines: Sequence[str] = BASELINES,
     cost_models: Sequence[str] = COST_MODELS,
     cluster: Any = None,
-    time_limit_s: float = 15.0,
+    solver: SolverOptions = SolverOptions(),
+    solve_under: str = "robust",
     on_row: Callable[[Row], None] | None = None,
 ) -> Comparison:
     """fsdp-sched at each baseline's peak against it, under each cost model (module docstring).
 
     ``gm`` is not modified. Needs an initialised process group in which the graph's groups
-    resolve (a fake one is enough). A baseline that cannot be made (torch's pass fails on some
-    graphs) is listed in ``unavailable`` with the reason. ``on_row`` is called on each row as
-    it is made (progress). Solves at equal budgets under one model are made once.
+    resolve (a fake one is enough). A baseline that cannot be made is listed in
+    ``unavailable`` with the reason. ``on_row`` is called on each row as it is made.
     """
-    logger.info("%s: writing back and judging baselines %s", graph, list(baselines))
-    made = judge_baselines(gm, baselines, {m: m for m in cost_models}, cluster=cluster)
-    judged = {c.name: c for c in made if c.figures is not None}
-    unavailable = {c.name: c.error or "not judged" for c in made if c.figures is None}
-    for name, reason in unavailable.items():  # torch's pass fails on some graphs; the others still compare
-        logger.warning("%s: baseline %s unavailable: %s", graph, name, reason)
+    if solve_under not in SOLVE_UNDER:
+        raise ValueError(f"solve_under={solve_under!r} must be one of {SOLVE_UNDER}")
+    logger.info("%s: writing back and judging the baselines %s", graph, [display(b) for b in baselines])
+    made = {name: judge_baseline(gm, name, cost_models, cluster=cluster) for name in baselines}
+    judged = {n: j for n, j in made.items() if j.ok}
+    unavailable = {n: j.error or "not judged" for n, j in made.items() if not j.ok}
     bounds = lower_bounds(gm, cost_models, cluster=cluster)
+    products: dict[tuple[int, str | None], Judged] = {}
+    solve_models: list[str | None] = [None] if solve_under == "robust" else list(cost_models)
+    for model in solve_models:
+        for budget in sorted({j.max_peak_bytes for j in judged.values()}):
+            logger.info("%s: fsdp-sched at %s (the peak of %s)", graph, fmt_bytes(budget),
+                        ", ".join(display(n) for n, j in judged.items() if j.max_peak_bytes == budget))
+            products[(budget, model)] = judge_product(gm, budget, cost_models, cost_model=model, cluster=cluster,
+                                                      solver=solver)
     rows: list[Row] = []
-    solved: dict[tuple[int, str], tuple[Candidate, float]] = {}
-    for name in judged:
+    comparison = Comparison(graph=graph, rows=rows, baselines=judged, products=products, unavailable=unavailable,
+                            lower_bounds_ms=bounds)
+    for name, base in judged.items():
         for model in cost_models:
-            budget = judged[name].figures.max_peak_bytes
-            if (budget, model) not in solved:
-                solved[(budget, model)] = _product(gm, budget, model, cluster=cluster, time_limit_s=time_limit_s,
-                                                   graph=graph)
-            rows.append(_row(graph, name, model, judged, *solved[(budget, model)]))
+            rows.append(_row(graph, name, model, judged, comparison.product_for(name, model)))
             rows[-1].lower_bound_ms = bounds[model]
             if on_row is not None:
                 on_row(rows[-1])
-    return Comparison(graph=graph, rows=rows, baselines=judged, unavailable=unavailable)
+    return comparison
 
 
 def lower_bounds(gm: "torch.fx.GraphModule", cost_models: Sequence[str], *, cluster: Any = None) -> dict[str, float]:
@@ -159,29 +177,24 @@ def lower_bounds(gm: "torch.fx.GraphModule", cost_models: Sequence[str], *, clus
     return {m: Problem.from_dag(export_dag(gm, cost_model=m, cluster=cluster)).lower_bound_ms() for m in cost_models}
 
 
-def _product(gm, budget: int, model: str, *, cluster: Any, time_limit_s: float, graph: str) -> tuple[Candidate, float]:
-    """(fsdp-sched's candidate at ``budget`` under ``model``, judged under it; solve seconds)."""
-    logger.info("%s: fsdp-sched at %s under %s (limit %g s)", graph, fmt_bytes(budget), model, time_limit_s)
-    t0 = time.perf_counter()
-    product = product_candidate(gm, budget, {model: model}, cluster=cluster, time_limit_s=time_limit_s)
-    return product, time.perf_counter() - t0
-
-
-def _row(graph: str, name: str, model: str, judged: dict[str, Candidate], product: Candidate, seconds: float) -> Row:
-    budget = judged[name].figures.max_peak_bytes
-    fitting = {n: c.figures.step_ms[model] for n, c in judged.items() if c.figures.max_peak_bytes <= budget}
+def _row(graph: str, name: str, model: str, judged: dict[str, Judged], product: Judged | None) -> Row:
+    budget = judged[name].max_peak_bytes
+    fitting = {n: j.step_ms(model) for n, j in judged.items() if j.max_peak_bytes <= budget}
     best = min(sorted(fitting), key=fitting.get)
     row = Row(graph=graph, baseline=name, cost_model=model, budget_bytes=budget,
-              baseline_ms=judged[name].figures.step_ms[model], best_baseline=best, best_baseline_ms=fitting[best],
-              solve_time_s=seconds, note=product.error or "")
-    p = product.figures
-    if p is not None:
-        report = product.graph.meta.get("fsdp_sched_report") if product.graph is not None else None
+              baseline_ms=judged[name].step_ms(model), best_baseline=best, best_baseline_ms=fitting[best],
+              baseline_compile_s=judged[name].compile_s)
+    if product is None:
+        return row
+    row.compile_s = product.compile_s
+    row.note = product.error or ""
+    if product.ok:
+        report = product.report
         row.note = f"{report.chosen_candidate or report.solver}, {report.status}" if report is not None else ""
-        row.product_ms, row.product_peak_bytes = p.step_ms[model], p.max_peak_bytes
-        row.fits = p.max_peak_bytes <= budget
+        row.product_ms, row.product_peak_bytes = product.step_ms(model), product.max_peak_bytes
+        row.fits = product.max_peak_bytes <= budget
         if not row.fits:
-            row.note = f"over budget on the rewritten graph ({fmt_bytes(p.max_peak_bytes)}); {row.note}"
+            row.note = f"over budget on the written graph ({fmt_bytes(product.max_peak_bytes)}); {row.note}"
     return row
 
 
@@ -197,9 +210,9 @@ def format_table(rows: Sequence[Row], title: str = "") -> str:
     for r in rows:
         mine = "-" if r.product_ms is None else f"{r.product_ms:.2f}"
         lines.append(
-            f"{r.graph:<10}{BASELINE_NAMES.get(r.baseline, r.baseline):<20}{r.cost_model:<10}"
+            f"{r.graph:<10}{display(r.baseline):<20}{r.cost_model:<10}"
             f"{fmt_bytes(r.budget_bytes):>17}{r.baseline_ms:11.2f}{mine:>15}{_x(r.speedup):>8}"
-            f"{BASELINE_NAMES.get(r.best_baseline, r.best_baseline):>22}{_x(r.speedup_vs_best):>9}"
+            f"{display(r.best_baseline):>22}{_x(r.speedup_vs_best):>9}"
             f"{_ms(r.lower_bound_ms):>10}{_x(r.headroom):>10}"
             + (f"  {r.note}" if r.note and not r.fits else ""))
     return "\n".join(lines)
@@ -217,14 +230,14 @@ def headline(rows: Sequence[Row]) -> str:
         mine = [r for r in rows if r.cost_model == model]
         ok = [r for r in mine if r.speedup is not None]
         per = ", ".join(
-            f"x{geomean([r.speedup for r in ok if r.baseline == b]):.2f} vs {BASELINE_NAMES.get(b, b)}"
+            f"x{geomean([r.speedup for r in ok if r.baseline == b]):.2f} vs {display(b)}"
             for b in dict.fromkeys(r.baseline for r in ok))
         best = geomean([r.speedup_vs_best for r in ok])
         line = f"fsdp-sched at equal memory, {model} cost model: {per or 'no row fits'}"
         if best is not None:
             worst = min(ok, key=lambda r: r.speedup)
             line += (f"; x{best:.2f} vs the best baseline that fits (geomean); worst x{worst.speedup:.2f} "
-                     f"({worst.graph}, vs {BASELINE_NAMES.get(worst.baseline, worst.baseline)})")
+                     f"({worst.graph}, vs {display(worst.baseline)})")
         room = geomean([r.headroom for r in mine if r.headroom is not None])
         if room is not None:
             line += f"; at most x{room:.2f} possible vs the best baseline (geomean of its headroom over the lower bound)"
@@ -250,9 +263,8 @@ def plot(comparison: Comparison, cost_model: str, path: str | Path) -> Path:
     from scheduler import plots
 
     rows = [r for r in comparison.rows if r.cost_model == cost_model]
-    base = {BASELINE_NAMES.get(n, n): (c.figures.max_peak_bytes, c.figures.step_ms[cost_model])
-            for n, c in comparison.baselines.items()}
-    pairs = [(BASELINE_NAMES.get(r.baseline, r.baseline), (r.budget_bytes, r.baseline_ms),
-              (r.product_peak_bytes, r.product_ms)) for r in rows if r.product_ms is not None]
+    base = {display(n): (j.max_peak_bytes, j.step_ms(cost_model)) for n, j in comparison.baselines.items()}
+    pairs = [(display(r.baseline), (r.budget_bytes, r.baseline_ms), (r.product_peak_bytes, r.product_ms))
+             for r in rows if r.product_ms is not None]
     return plots.pareto([p for _, _, p in pairs], path, base, equal_memory=pairs,
-                        title=f"{comparison.graph}: fsdp-sched at each baseline's peak ({cost_model} cost model)")
+                        title=f"{comparison.graph}: {PRODUCT} at each baseline's peak ({cost_model} cost model)")
