@@ -296,8 +296,9 @@ class _TraceMemo:
     """Traces of torch's bucket merge functions, by the fake mode, the function and the
     arguments' shapes: torch's merge functions trace a small function with make_fx for every
     bucket, which costs far more than the rest of a write-back, and a model's repeated blocks
-    give buckets of few shapes. A traced function is only ever copied into a graph
-    (``node_copy``), never changed, so one trace serves every bucket of its key."""
+    give buckets of few shapes. A traced function is only copied into a graph (``node_copy``),
+    never changed, so one trace serves every bucket of its key, its FakeTensors propagated
+    afresh from each bucket's inputs."""
 
     def __init__(self) -> None:
         import weakref
@@ -340,8 +341,10 @@ _MEMO = _TraceMemo()
 @contextlib.contextmanager
 def _memoized_merge_traces():
     """torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`) while merging."""
+    import torch.utils._pytree as pytree
     from torch._dynamo.utils import detect_fake_mode
     from torch._inductor.fx_passes import bucketing
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     original = bucketing._trace
 
@@ -354,9 +357,13 @@ def _memoized_merge_traces():
         if key not in traces:
             _MEMO.misses += 1
             traces[key] = original(fn, inps)
-        else:
-            _MEMO.hits += 1
-        return traces[key]
+            return traces[key]
+        _MEMO.hits += 1
+        # fresh FakeTensors for this bucket: two buckets must not share a storage, or a count of
+        # storages (torch's MemoryTracker, inductor) takes them for one
+        traced = traces[key]
+        FakeTensorProp(traced, mode).propagate_dont_convert_inputs(*pytree.tree_leaves(inps))
+        return traced
 
     bucketing._trace = trace
     try:

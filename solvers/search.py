@@ -229,8 +229,14 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     for name, schedule in extra:
         consider(name, schedule)
     for name, fn in HEURISTICS.items():
-        if name != "traced":
-            consider(name, fn(p, mem_budget_bytes=None).schedule)
+        if name == "traced":
+            continue
+        consider(name, fn(p, mem_budget_bytes=None).schedule)
+        if objective.mem_budget_bytes is not None:  # the heuristic's own ladder down to the budget
+            try:
+                consider(f"{name}, shrunk to the budget", fn(p, mem_budget_bytes=objective.mem_budget_bytes).schedule)
+            except InfeasibleBudgetError:
+                pass
     # regular bucketings, chain after chain, each on top of the best of the chain before
     rconfig = minimax.MinimaxConfig(regroup_sizes=config.start_sizes, regroup_aheads=config.start_aheads)
     base = fsdp2_schedule(p)
