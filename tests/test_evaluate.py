@@ -15,7 +15,8 @@ peak counts to the byte, on
 The fast path must be the one taken on those graphs (``Evaluator.fast``, ``Plan.fast``): a
 fallback to the simulator would make the equality trivial. Where the evaluator cannot place a
 storage, or the simulator's static data disagree with its rules, it falls back and the numbers
-are still the simulator's.
+are still the simulator's. The minimax polish gives the same result with the evaluator as with
+every evaluation forced through the simulator.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.validator import validate_schedule
 from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, window
-from solvers.minimax import MinimaxConfig, _entries, _neighbours
+from solvers.minimax import MinimaxConfig, _entries, _neighbours, polish, reference_times, regrouped_starts
 from solvers.periodic import chain_ordered, from_entries
 
 HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
@@ -379,3 +380,37 @@ def test_foreign_styles(style):
         assert ev.fast
         for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(15)]:
             check(ev, schedule)
+
+
+# --------------------------------------------------------------------------------------------
+# the minimax polish: the same result as with every evaluation simulated
+# --------------------------------------------------------------------------------------------
+def _simulated_only(monkeypatch):
+    """Every evaluation of every evaluator goes to the simulator."""
+    monkeypatch.setattr(Evaluator, "peaks", lambda self, plan: None)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_polish_and_regrouped_starts_as_with_the_simulator(llama_debug, kind, monkeypatch):
+    gm = getattr(llama_debug, kind)
+    problems = {cm: Problem.from_dag(_export(gm, cost_model=cm)) for cm in ("analytic", "torch")}
+    p0 = problems["analytic"]
+    traced = simulate(p0.dag, p0.traced_schedule(), problem=p0)
+    budget = int(traced.max_peak_bytes * 1.3)
+    starts = [p0.traced_schedule(), solve(p0, solver="fsdp2").schedule]
+    reference = reference_times(problems, starts, budget)
+    config = MinimaxConfig(max_simulations=400, regroup_starts=2, regroup_refine=1)
+
+    def run():
+        out = []
+        for start in starts:
+            r = polish(problems, start, reference, budget, config)
+            out.append((r.schedule.digest(), r.simulations, r.moves, r.stopped, r.regret))
+        regrouped = regrouped_starts(problems, starts[1], reference, budget, config)
+        out.append([(r, s.digest(), regret) for r, s, regret in regrouped])
+        return out
+
+    fast = run()
+    _simulated_only(monkeypatch)
+    assert run() == fast
+    assert any(moves > 0 for _, _, moves, _, _ in fast[:2])
