@@ -179,6 +179,99 @@ def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.
     return checked
 
 
+def _consumed_results_dag(n: int = 5):
+    """Reduce-scatter results read by compute nodes, not the output: freed at a fixed node,
+    or (torch's tracker, merged bucket) at the last reader of any member's result. Each
+    gradient is also read by the next compute node, inside its reduce-scatter's window: freed by
+    whichever of the two runs later.
+
+        x -> grad_i (4 MiB) -> act_i -> ... ;  grad_i -> rs_i -> wait_i -> use_i (after every act)
+    """
+    b = DagBuilder("consumed", graph_kind="backward")
+    prev = b.add_input("x", size_bytes=1 << 20)
+    waits = []
+    for i in range(n):
+        grad = b.add_compute(f"grad_{i}", prev, size_bytes=4 << 20, runtime_ms=0.5)
+        prev = b.add_compute(f"act_{i}", grad, size_bytes=1 << 20, runtime_ms=0.3)
+        waits.append(b.add_collective(f"rs_{i}", grad, coll_type="reduce_scatter", fqn=f"layers.{i}.w.weight",
+                                      param_index=i))
+    uses = [b.add_compute(f"use_{i}", w, size_bytes=1 << 18, runtime_ms=0.2) for i, w in enumerate(waits)]
+    b.add_output(prev, *uses)
+    return b.build()
+
+
+def test_results_freed_at_compute_nodes():
+    problem = Problem.from_dag(_consumed_results_dag())
+    ev = Evaluator(problem)
+    assert ev.fast
+    rng = random.Random(8)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(60)]:
+        check(ev, schedule)
+    # the frees at fixed nodes that depend on the bucketing, and those at whichever of a node
+    # and a step runs later, were met
+    assert any(t.node for t in ev.memory.templates.values())
+    assert ev.memory.floating
+    assert neighbour_checks(problem, solve(problem, solver="fsdp2").schedule, 60, rng) > 0
+
+
+def _random_program(rng: random.Random):
+    """A random program of compute nodes, views, all-gathers of pinned shards (with or without
+    a cast) and reduce-scatters of computed values, each value read by zero to three later
+    nodes or collectives; some results reach the output, others are read by compute nodes.
+    Collectives that read another's result are kept where traced."""
+    b = DagBuilder("random", graph_kind="backward")
+    live = [b.add_input("x", size_bytes=rng.choice([1 << 16, 1 << 20]))]
+    k = 0
+    for i in range(rng.randint(6, 18)):
+        r = rng.random()
+        if r < 0.25:
+            shard = b.add_input(f"w{i}", size_bytes=rng.choice([1 << 12, 1 << 16]), releasable=False)
+            live.append(b.add_collective(f"ag{i}", shard, fqn=f"layers.{k}.w{i}.weight", param_index=i,
+                                         cast=rng.random() < 0.5))
+            k += rng.random() < 0.4
+        elif r < 0.45:
+            src = rng.choice(live)
+            live.append(b.add_collective(f"rs{i}", src, coll_type="reduce_scatter", fqn=f"layers.{k}.g{i}.weight",
+                                         param_index=100 + i))
+        elif r < 0.55:
+            live.append(b.add_view(f"v{i}", rng.choice(live)))
+        else:
+            ins = rng.sample(live, min(len(live), rng.randint(1, 2)))
+            live.append(b.add_compute(f"op{i}", *ins, size_bytes=rng.choice([0, 1 << 14, 1 << 18, 1 << 20]),
+                                      runtime_ms=rng.choice([0.01, 0.2, 1.0])))
+        if len(live) > 4 and rng.random() < 0.3:
+            live.pop(rng.randrange(len(live) - 1))  # no longer read (by what follows)
+    b.add_compute("last", *live[-2:], size_bytes=1 << 10, runtime_ms=0.1)
+    b.add_output("last", *rng.sample(live, min(len(live), 2)))
+    return b.build()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_programs(seed):
+    """Random programs: where the evaluator takes the fast path its numbers are the simulator's
+    on random valid schedules; where it falls back, they are too. The polish's neighbours too,
+    read from entries, valid or not (a fixed collective issued in the gap of the wait it reads,
+    before that wait, is no valid schedule: the checks send it to the simulator)."""
+    rng = random.Random(seed)
+    problem = Problem.from_dag(_random_program(rng))
+    ev = Evaluator(problem)
+    schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(8)]
+    for schedule in schedules:
+        assert_same(validate_schedule(problem, schedule), ev.evaluate(schedule))
+    for entries in _neighbours(problem, _entries(schedules[-1]), MinimaxConfig())[:15]:
+        ordered = chain_ordered(problem, entries)
+        if ordered is not None:
+            built = from_entries(problem, ordered)
+            assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(ev.plan_entries(ordered)))
+
+
+def test_random_programs_take_the_fast_path():
+    """Most random programs are covered by the fast path (the property above is not vacuous)."""
+    fast = sum(Evaluator(Problem.from_dag(_random_program(random.Random(s)))).fast for s in range(40))
+    assert fast >= 30
+
+
 def test_minimax_neighbours_read_from_entries():
     rng = random.Random(1)
     for kw in SYNTHETIC:
@@ -250,7 +343,7 @@ def test_wait_before_issue_is_refused_as_by_the_simulator():
 
 
 def _shared_input_dag():
-    """One cast read by two all-gathers: which of them frees it depends on their order.
+    """One cast read by two all-gathers: whichever of them runs last frees it.
 
         x (releasable) -> y = cast(x) -> ag_a(y), ag_b(y) -> mm_a, mm_b -> output
     """
@@ -267,8 +360,37 @@ def _shared_input_dag():
     return b.build()
 
 
-def test_storage_read_by_two_collectives_falls_back_to_the_simulator():
+def test_storage_read_by_two_collectives():
     problem = Problem.from_dag(_shared_input_dag())
+    ev = Evaluator(problem)
+    assert ev.fast and ev.memory.floating
+    rng = random.Random(3)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(30)]:
+        check(ev, schedule)
+
+
+def _result_read_by_a_collective_dag():
+    """A reduce-scatter's result, through a view, reduce-scattered again: torch's tracker
+    counts the first result under its bucket's wait result when it is merged, which the second
+    collective's release would have to follow.
+
+        g0, g1 -> rs0, rs1 ; view(wait(rs0)) -> rs2 -> output
+    """
+    b = DagBuilder("chained", graph_kind="backward")
+    x = b.add_input("x", size_bytes=1 << 20)
+    g0 = b.add_compute("g0", x, size_bytes=1 << 20, runtime_ms=0.5)
+    g1 = b.add_compute("g1", g0, size_bytes=1 << 20, runtime_ms=0.5)
+    w0 = b.add_collective("rs0", g0, coll_type="reduce_scatter", fqn="layers.0.a.weight", param_index=0)
+    w1 = b.add_collective("rs1", g1, coll_type="reduce_scatter", fqn="layers.0.b.weight", param_index=1)
+    v = b.add_view("v", w0)
+    w2 = b.add_collective("rs2", v, coll_type="reduce_scatter", fqn="layers.1.c.weight", param_index=2)
+    b.add_compute("tail", g1, size_bytes=1 << 10, runtime_ms=0.3)
+    b.add_output("tail", w1, w2)
+    return b.build()
+
+
+def test_unplaceable_storage_falls_back_to_the_simulator():
+    problem = Problem.from_dag(_result_read_by_a_collective_dag())
     ev = Evaluator(problem)
     assert not ev.fast and ev.reason
     rng = random.Random(3)
@@ -285,6 +407,24 @@ def test_rules_out_of_step_with_the_static_data_fall_back():
     simulator._STATIC[problem] = dataclasses.replace(st, mem_uses={**st.mem_uses, key: st.mem_uses[key] + 1})
     ev = Evaluator(problem)
     assert not ev.fast
+    for schedule in heuristic_schedules(problem):
+        assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
+
+
+def test_a_rule_change_the_static_data_do_not_show_falls_back(monkeypatch):
+    """A simulator whose compute nodes also allocate a scratch storage that is never freed
+    (its uses unchanged): the evaluator's first comparison with the simulator sees it, and
+    every schedule is simulated."""
+    original = simulator._Simulator._run_node
+
+    def with_scratch(self, k, name):
+        original(self, k, name)
+        self.mem.alloc(f"scratch:{name}", 4096)
+
+    monkeypatch.setattr(simulator._Simulator, "_run_node", with_scratch)
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=3, params_per_layer=3, graph_kind="backward", seed=77))
+    ev = Evaluator(problem)
+    assert not ev.fast and ev.reason
     for schedule in heuristic_schedules(problem):
         assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
 

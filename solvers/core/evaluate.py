@@ -2,8 +2,8 @@
 
 :func:`solvers.core.simulator.simulate` walks every node of the graph in Python; a search that
 judges thousands of neighbours, each under several cost models, spends most of its time there.
-An :class:`Evaluator` is built once per problem and gives the same numbers from work that
-grows with the number of buckets, not of nodes:
+An :class:`Evaluator` is built per problem (its analysis is cached per problem) and gives the
+same numbers from work that grows with the number of buckets, not of nodes:
 
 - Compute positions are fixed: a schedule only places issue and wait steps into the gaps
   between compute nodes (:mod:`solvers.core.schedule`). The timeline walks the issue and wait
@@ -12,36 +12,42 @@ grows with the number of buckets, not of nodes:
   ``comm_ms`` are the simulator's floats bit for bit.
 - Memory is split in two. Every storage of each count (the execution model's and torch's
   ``MemoryTracker`` rules, module docstring of :mod:`solvers.core.simulator`) is allocated at
-  one step and freed after the last release of its uses. A storage whose allocation and last
+  one step and freed at the last release of its uses. A storage whose allocation and last
   release both happen at compute nodes whatever the schedule is *static*: together they make a
   fixed live-bytes profile over the compute steps, with a sparse table for range maxima. Every
   other storage (a collective's inputs held until its wait, its result, the wait's result,
   prologue and epilogue casts, bucket buffers, the tracker's own storages) changes the live
-  bytes only at its bucket's issue or wait steps (or at a fixed node that depends on the
+  bytes only at its bucket's issue or wait steps (or after a fixed node that depends on the
   bucketing): each bucket gets, per step, the net change and the highest point inside the step
-  (a template, cached by the bucket's members). The peak is a sweep over the issue and wait
-  steps with a range maximum of the static profile between them.
+  (a template, cached by the bucket's members). A storage freed by whichever of several
+  collectives' steps and a compute node runs last (one read by two collectives, or by a compute
+  node inside its collective's window) has its free placed per schedule (a *floating* free).
+  The peak is a sweep over the issue and wait steps with a range maximum of the static profile
+  between them.
 
 One source of the rules. The storages, their owners, their uses and those never freed are the
 simulator's own static analysis (``simulator._static``: ``mem_owner`` / ``trk_owner``,
-``mem_uses`` / ``trk_uses``, ``*_never_free``, ``trk_nodes``, ``preds``, ``inputs``); the
-Problem gives the collectives' prologues, epilogues, folded casts and bytes. What each step
-does with them (:func:`_node_ops`, :func:`_issue_ops`, :func:`_wait_ops`) follows the
-simulator's ``_Simulator._run_node`` / ``_issue`` / ``_wait`` line by line, as a list of
-allocations, releases, frees and record points; ``tests/test_evaluate.py`` holds the two equal
-on every heuristic and on random valid schedules of many graphs. The build checks that the
-releases these lists make of every storage are exactly its uses in the static data: where they
-differ (the simulator's rules changed under the evaluator), or where a storage's last release
-depends on the order of two buckets (a storage read by two collectives) or cannot be placed by
-the windows alone, the evaluator does not guess: :attr:`Evaluator.fast` is False and every
-evaluation is :func:`simulate`'s (the reason is logged and kept in :attr:`Evaluator.reason`).
+``mem_uses`` / ``trk_uses``, ``*_never_free``, ``preds``, ``inputs``); the Problem gives the
+collectives' prologues, epilogues, folded casts and bytes. What each step does with them
+(:func:`_node_ops`, :func:`_bucket_ops`) follows the simulator's ``_Simulator._run_node`` /
+``_issue`` / ``_wait`` line by line, as lists of allocations, releases, frees and record points;
+``tests/test_evaluate.py`` holds the two equal on many graphs. Two guards keep a change of the
+simulator from making the evaluator silently wrong: the build checks that the releases these
+lists make of every storage are exactly its uses in the static data, and the first evaluator of
+a graph compares its peaks with the simulator's on the traced schedule and on one with merged
+buckets. Where either fails, or where a storage cannot be placed (one made by several
+collectives, by a node and a collective, made inside the window of a collective that frees it,
+or a merged reduce-scatter's result read by another collective), the evaluator does not guess:
+:attr:`Evaluator.fast` is False and every evaluation is :func:`simulate`'s (the reason is
+logged and kept in :attr:`Evaluator.reason`).
 
 Assumption: the schedule is valid (:func:`~solvers.core.validator.validate_schedule` accepts
 it) and its compute nodes run in ``problem.seq`` order, as every schedule builder here makes
-them. The cheap parts of that are checked on every call (each collective in one bucket, every
-bucket issued once and waited once after its issue, a merged bucket of one kind of movable
-collectives, each bucket issued and waited inside its window ``[max ready, min needed]``) and a
-schedule that fails them is simulated instead, so the numbers stay the simulator's.
+them. All of that but the order of the compute nodes is checked on every call, cheaply: each
+collective in one bucket, every bucket issued once and waited once after its issue, a merged
+bucket of one kind of movable collectives, each bucket issued and waited inside its window
+``[max ready, min needed]``, a collective that reads another's result issued after that one's
+wait. A schedule that fails is simulated instead, so the numbers stay the simulator's.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ from typing import Any
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step
-from solvers.core.simulator import SimResult, _Static, _static, simulate
+from solvers.core.simulator import ScheduleInvalidError, SimResult, _Static, _static, simulate
+from solvers.core.validator import validate_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +150,9 @@ class _Template:
     lo: int
     hi: int
     valid: bool
+    #: per count and step (issue, wait): the changes by point and the records, to redo a step's
+    #: effect with a free placed in it per plan (:func:`_place_floating`)
+    raw: tuple = ()
 
 
 class _MemoryModel:
@@ -161,7 +171,8 @@ class _MemoryModel:
         except _Unsupported as e:
             self.reason = str(e)
         self.templates: dict[tuple[str, ...], _Template] = {}
-        self.fingerprint = self._fingerprint(p)
+        #: whether the first evaluator has compared it with the simulator (:meth:`Evaluator._canary`)
+        self.checked = False
 
     # -- static analysis ---------------------------------------------------------------------
     def _owner(self, count: int, name: str) -> Any:
@@ -252,6 +263,10 @@ class _MemoryModel:
         self.prof_free = [[0] * n for _ in range(2)]
         # (coll, variant, count) -> contributions
         self.contrib: dict[tuple[str, int, int], _Contrib] = {}
+        #: storages freed by whichever of several steps and a compute node runs last:
+        #: (count, bytes, last compute reader or None, ((collective, last release point per
+        #: variant or None), ...))
+        self.floating: list[tuple[int, int, int | None, tuple]] = []
         #: RS collectives' tracker storages under a merged bucket's wait result: release info
         self.wait_info: dict[str, tuple[list[int], list[tuple[int, int]], bool, int]] = {}
         for c, never_free, uses in ((_MEM, st.mem_never_free, st.mem_uses), (_TRK, st.trk_never_free, st.trk_uses)):
@@ -279,13 +294,18 @@ class _MemoryModel:
             self._profile(c, a, size, _NEVER if never or not s_rel or max(s_rel) < a else max(s_rel))
             return
         if len(touch) > 1:
-            # read by several collectives: static only when a compute node frees it after all of them
+            # read by several collectives: static when a compute node frees it after all of them,
+            # else freed by whichever runs last, placed per plan
             if s_alloc is not None and (never or (s_rel and all(max(s_rel) >= colls[m].needed for m in touch))):
                 a, size = s_alloc
                 self._profile(c, a, size, _NEVER if never else max(s_rel))
                 return
-            raise _Unsupported(f"storage {key!r} is used by collectives {sorted(touch)[:3]}: its release depends on "
-                               "their order")
+            if s_alloc is None:
+                if c == _TRK and key in self.redirect:
+                    raise _Unsupported(f"the result of {key!r} is read by other collectives and moves under its "
+                                       "bucket's wait result when merged")
+                return self._made_by_one(c, key, never, s_rel, touch, c_alloc, c_rel)
+            return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
         (m,) = touch
         coll = colls[m]
         lo, hi = coll.ready, coll.needed
@@ -303,8 +323,8 @@ class _MemoryModel:
                     last = ("node", q)
                 elif q < lo:
                     last = ("site", max(sites))
-                else:
-                    raise _Unsupported(f"storage {key!r}: its last release (node {q} or {m!r}) depends on the schedule")
+                else:  # a compute node inside the window: whichever runs later, placed per plan
+                    return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
             elif s_rel:
                 last = ("node", max(s_rel))
             else:
@@ -370,21 +390,50 @@ class _MemoryModel:
         else:
             self._contrib(m, v, c).add(last[1], -size)
 
+    def _floating(self, c: int, key: Any, s_alloc, s_rel: list[int], touch: set[str], c_rel) -> None:
+        """A storage made by a compute node before every step of the collectives that use it,
+        freed by whichever of its last compute reader and their steps runs last: live in the
+        profile from its node on, its free placed per plan (:func:`_place_floating`)."""
+        a, size = s_alloc
+        if any(a >= self.colls[m].ready for m in touch):
+            raise _Unsupported(f"storage {key!r}: made inside the window of a collective that uses it")
+        self._profile(c, a, size, _NEVER)
+        self.floating.append((c, size, max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
+
+    def _made_by_one(self, c: int, key: Any, never: bool, s_rel: list[int], touch: set[str], c_alloc,
+                     c_rel) -> None:
+        """A storage made at one collective's step (its result) and read by other collectives
+        (which read it after that step: the graph's data flow, which a valid schedule keeps):
+        allocated in that collective's template, freed by whichever of its readers runs last."""
+        makers = {m for m in touch for v in (_ALONE, _MERGED) if c_alloc.get((m, v), {}).get(key)}
+        if len(makers) != 1:
+            raise _Unsupported(f"storage {key!r} is made by several collectives {sorted(makers)[:3]}")
+        (maker,) = makers
+        sizes = set()
+        for v in ((_ALONE, _MERGED) if self.colls[maker].movable else (_ALONE,)):
+            made = c_alloc[(maker, v)].get(key)
+            if made is not None:
+                self._contrib(maker, v, c).add(*made)
+                sizes.add(made[1])
+        if never:
+            return
+        if len(sizes) != 1:
+            raise _Unsupported(f"storage {key!r} is made with other bytes alone than in a bucket")
+        self.floating.append((c, sizes.pop(), max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
+
+    def _release_points(self, key: Any, touch: set[str], c_rel) -> tuple:
+        """((collective, its last release of ``key`` alone, in a bucket (movable only)), ...)."""
+        out = []
+        for m in sorted(touch):
+            variants = (_ALONE, _MERGED) if self.colls[m].movable else (_ALONE,)
+            out.append((m, tuple(max(c_rel[(m, v)][key]) if c_rel[(m, v)].get(key) else None for v in variants)))
+        return tuple(out)
+
     def _contrib(self, m: str, v: int, c: int) -> "_Contrib":
         k = (m, v, c)
         if k not in self.contrib:
             self.contrib[k] = _Contrib()
         return self.contrib[k]
-
-    def _fingerprint(self, p: Problem) -> tuple:
-        """Everything the counts read: problems with equal fingerprints have equal peaks."""
-        st = self.st
-        nodes = p.dag.nodes
-        return (p.seq, tuple(sorted((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
-                                    for n, a in nodes(data=True))),
-                tuple((m, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue, c.folded_cast,
-                       c.coll_type, c.ready, c.needed, c.movable) for m, c in p.colls.items()),
-                st.mem_never_free, st.trk_never_free)
 
     # -- profile and templates -------------------------------------------------------------
     def finish(self) -> None:
@@ -422,7 +471,7 @@ class _MemoryModel:
             return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
         v = _MERGED if merged else _ALONE
         ops = _bucket_ops(colls, self.nodes, self.st, self.trk_out, members, merged)
-        per_count = []
+        per_count, raw = [], []
         node: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for c in (_MEM, _TRK):
             deltas: list[dict[int, int]] = [defaultdict(int), defaultdict(int)]
@@ -448,10 +497,11 @@ class _MemoryModel:
                 # the wait result of a merged RS: freed after the last release of any member's
                 self._merged_wait_free(members, allocs[_WAITB][2], deltas, node)
             per_count.append([_step_effect(deltas[a], recs[a]) for a in (_ISSUE, _WAIT)])
+            raw.append(tuple((dict(deltas[a]), tuple(recs[a])) for a in (_ISSUE, _WAIT)))
         issue = (*per_count[_MEM][_ISSUE], *per_count[_TRK][_ISSUE])
         wait = (*per_count[_MEM][_WAIT], *per_count[_TRK][_WAIT])
         events = tuple(sorted((g, d[0], d[1]) for g, d in node.items() if d[0] or d[1]))
-        return _Template(issue, wait, events, lo, hi, True)
+        return _Template(issue, wait, events, lo, hi, True, tuple(raw))
 
     def _merged_wait_free(self, members, size: int, deltas, node) -> None:
         rels, sites, never, uses = [], [], False, 0
@@ -471,15 +521,24 @@ class _MemoryModel:
 
     def peaks(self, plan: Plan, templates: Sequence[_Template]) -> tuple[int, int]:
         """(peak_bytes, tracker_peak_bytes) of a plan whose checks passed."""
+        events = [e for t in templates if t.node for e in t.node]
+        issue = [t.issue for t in templates]
+        wait = [t.wait for t in templates]
+        if self.floating:
+            _place_floating(self.floating, plan, templates, issue, wait, events)
+        if events:
+            events.sort()
+        return self._sweep(plan, issue, wait, events)
+
+    def _sweep(self, plan: Plan, issue: list, wait: list, events: list) -> tuple[int, int]:
+        """The peaks: the issue and wait steps in order, each bucket's step effects, the
+        static profile's range maxima between them, the changes after fixed nodes."""
         rec_m, rec_t = self.rec
         gap_m, gap_t = self.gap
         tab_m, tab_t = self.table
         peak_m, peak_t = self.init
         dm = dt = 0
         g_next = 0
-        events = [e for t in templates if t.node for e in t.node]
-        if events:
-            events.sort()
         ei, ne = 0, len(events)
         for is_issue, b, gap in plan.steps:
             while ei < ne and events[ei][0] < gap:
@@ -509,7 +568,7 @@ class _MemoryModel:
                 if v > peak_t:
                     peak_t = v
                 g_next = gap
-            net_m, top_m, net_t, top_t = templates[b].issue if is_issue else templates[b].wait
+            net_m, top_m, net_t, top_t = issue[b] if is_issue else wait[b]
             v = gap_m[gap] + dm + top_m
             if v > peak_m:
                 peak_m = v
@@ -556,6 +615,46 @@ class _Contrib:
 
 class _Unsupported(Exception):
     """The evaluator cannot place a storage exactly; the simulator judges every schedule."""
+
+
+def _place_floating(floating: Sequence[tuple], plan: Plan, templates: Sequence[_Template], issue: list,
+                   wait: list, events: list) -> None:
+    """Each floating free (:meth:`_MemoryModel._floating`) where it happens in this plan: after
+    its last compute reader when that runs after every step that releases it (a step in a gap
+    up to the node runs before it), else at its point in the last such step, whose effect is
+    then redone."""
+    bucket_of = {m: b for b, members in enumerate(plan.members) for m in members}
+    at: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, anchor) -> (gap, index of the step)
+    for k, (is_issue, b, gap) in enumerate(plan.steps):
+        at[(b, _ISSUE if is_issue else _WAIT)] = (gap, k)
+    extra: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)  # (b, anchor) -> frees
+    for c, size, q, sites in floating:
+        last = (q, 1, 0, 0, None) if q is not None else None
+        for m, by_variant in sites:
+            b = bucket_of[m]
+            site = by_variant[-1 if len(plan.members[b]) > 1 else 0]
+            if site is None:
+                continue
+            gap, k = at[(b, site[0])]
+            point = (gap, 0, k, site[1], (b, site[0]))
+            if last is None or point > last:
+                last = point
+        if last is None:
+            continue
+        if last[4] is None:
+            events.append((q, -size, 0) if c == _MEM else (q, 0, -size))
+        else:
+            extra[last[4]].append((c, last[3], -size))
+    for (b, anchor), frees in extra.items():
+        effect = []
+        for c in (_MEM, _TRK):
+            deltas, recs = templates[b].raw[c][anchor]
+            deltas = defaultdict(int, deltas)
+            for count, sub, d in frees:
+                if count == c:
+                    deltas[sub] += d
+            effect.extend(_step_effect(deltas, recs))
+        (issue if anchor == _ISSUE else wait)[b] = tuple(effect)
 
 
 def _step_effect(deltas: Mapping[int, int], recs: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -789,16 +888,38 @@ _MEMORY: "weakref.WeakKeyDictionary[Problem, _MemoryModel]" = weakref.WeakKeyDic
 _TIMES: "weakref.WeakKeyDictionary[Problem, tuple[float, dict]]" = weakref.WeakKeyDictionary()
 
 
+#: memory models by everything they read (:func:`_fingerprint`): one graph priced by several
+#: cost models shares one
+_SHARED: "weakref.WeakValueDictionary[tuple, _MemoryModel]" = weakref.WeakValueDictionary()
+
+
 def _memory_model(p: Problem) -> _MemoryModel:
     m = _MEMORY.get(p)
     if m is None:
-        m = _MemoryModel(p)
-        if m.reason is None:
-            m.finish()
-        else:
-            logger.info("evaluator: the simulator judges every schedule of this graph: %s", m.reason)
+        key = _fingerprint(p)
+        m = _SHARED.get(key)
+        if m is None:
+            m = _MemoryModel(p)
+            if m.reason is None:
+                m.finish()
+            else:
+                logger.info("evaluator: the simulator judges every schedule of this graph: %s", m.reason)
+            _SHARED[key] = m
         _MEMORY[p] = m
     return m
+
+
+def _fingerprint(p: Problem) -> tuple:
+    """Everything a memory model reads of a problem: problems with equal fingerprints (one
+    graph priced by several cost models) have equal peaks under every schedule."""
+    st = _static(p)
+    return (p.seq, tuple(sorted((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
+                                for n, a in p.dag.nodes(data=True))),
+            tuple((m, c.key, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue, c.folded_cast,
+                   c.ready, c.needed, c.movable) for m, c in p.colls.items()),
+            tuple(sorted(st.mem_owner.items())), tuple(sorted(st.trk_owner.items())),
+            tuple(sorted(st.mem_uses.items())), tuple(sorted(st.trk_uses.items())),
+            st.mem_never_free, st.trk_never_free, st.inputs)
 
 
 class Evaluator:
@@ -815,9 +936,38 @@ class Evaluator:
         self.problem = problem
         self.memory = _memory_model(problem)
         self.timeline = _Timeline(problem)
+        self.fallbacks = 0
+        self.after = _collective_dependencies(problem)
+        self.involved = {m for c, _, d in self.after for m in (c, d)}
+        if not self.memory.checked:
+            self.memory.checked = True
+            if self.memory.reason is None:
+                self._canary()
         self.fast = self.memory.reason is None
         self.reason = self.memory.reason
-        self.fallbacks = 0
+
+    def _canary(self) -> None:
+        """Once per memory model: the traced schedule and one with merged buckets, evaluated
+        and simulated. A difference means the simulator's rules changed in a way the static
+        data do not show (:func:`_bucket_ops` no longer mirrors it): every schedule is then
+        simulated, and the warning asks for the evaluator to be brought up to date."""
+        p = self.problem
+        for name, schedule in (("traced", p.traced_schedule()), ("merged", _merged_schedule(p))):
+            if schedule is None:
+                continue
+            try:
+                sim = validate_schedule(p, schedule)
+            except ScheduleInvalidError:
+                continue
+            self.fast = True
+            plan = self.plan(schedule)
+            found = self.peaks(plan)
+            if found is not None and found != (sim.peak_bytes, sim.tracker_peak_bytes):
+                self.memory.reason = (f"the evaluator's peaks {found} differ from the simulator's "
+                                      f"{(sim.peak_bytes, sim.tracker_peak_bytes)} on the {name} schedule")
+                logger.warning("evaluator: %s; every schedule of this graph is simulated (solvers/core/evaluate.py "
+                               "no longer mirrors the simulator's rules)", self.memory.reason)
+                return
 
     # -- plans ---------------------------------------------------------------------------
     def plan(self, schedule: Schedule) -> Plan:
@@ -884,6 +1034,8 @@ class Evaluator:
                 if issued[b] < 0 or waited[b] >= 0:
                     return None
                 waited[b] = gap
+        if self.after and not self._ordered(members, ops):
+            return None
         cache = self.memory.templates
         template = self.memory.template
         out = []
@@ -893,6 +1045,19 @@ class Evaluator:
                 return None
             out.append(t)
         return tuple(out)
+
+    def _ordered(self, members: tuple[tuple[str, ...], ...], ops) -> bool:
+        """A collective that reads another's result (kept alone, where traced: such
+        collectives do not move) is issued (or waited) after that one's wait."""
+        involved = self.involved
+        bucket = {ms[0]: b for b, ms in enumerate(members) if ms[0] in involved}
+        step: dict[tuple[int, int], int] = {}
+        for k, (is_issue, b, _) in enumerate(ops):
+            step[(b, _ISSUE if is_issue else _WAIT)] = k
+        for c, anchor, d in self.after:
+            if c not in bucket or d not in bucket or step[(bucket[c], anchor)] < step[(bucket[d], _WAIT)]:
+                return False  # merged (a fixed collective may not be) or in the wrong order
+        return True
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self, schedule: Schedule | Plan) -> Evaluation:
@@ -931,6 +1096,49 @@ class Evaluator:
         return Evaluation.of(simulate(p.dag, plan.to_schedule(p), problem=p))
 
 
+def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
+    """``(c, anchor, d)``: collective ``c``'s issue (its prologue, itself) or wait reads the
+    result of collective ``d`` (its wait or an epilogue), so runs after ``d``'s wait. The
+    windows do not say it (they count compute nodes only)."""
+    result_of = {}
+    for name, c in p.colls.items():
+        for node in (c.wait, *c.epilogue):
+            result_of[node] = name
+    out = []
+    for name, c in p.colls.items():
+        for anchor, readers in ((_ISSUE, (*c.prologue, name)), (_WAIT, (c.wait,))):
+            for r in readers:
+                for u in p.dag.predecessors(r):
+                    d = result_of.get(u)
+                    if d is not None and d != name:
+                        out.append((name, anchor, d))
+    return tuple(out)
+
+
+def _merged_schedule(p: Problem) -> Schedule | None:
+    """Consecutive pairs of each chain merged where their windows meet, issued at the window's
+    start and waited at its end; everything else alone where traced (None: nothing to merge)."""
+    buckets, issue, wait = [], [], []
+    paired: set[str] = set()
+    for chain in p.chains.values():
+        for a, b in zip(chain[::2], chain[1::2]):
+            lo = max(p.colls[a].ready, p.colls[b].ready)
+            hi = min(p.colls[a].needed, p.colls[b].needed)
+            if lo <= hi:
+                buckets.append(Bucket((a, b)))
+                issue.append(lo)
+                wait.append(hi)
+                paired.update((a, b))
+    if not paired:
+        return None
+    for m, c in p.colls.items():
+        if m not in paired:
+            buckets.append(Bucket((m,)))
+            issue.append(c.traced_issue)
+            wait.append(c.traced_wait)
+    return Schedule.from_positions(p.seq, buckets, issue, wait)
+
+
 def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
     """``simulate(problem.dag, schedule, problem=problem)``'s numbers, fast (:class:`Evaluator`;
     build one per problem to evaluate many schedules)."""
@@ -959,11 +1167,12 @@ class ModelEvaluator:
             if _shape(e.problem) != shape:
                 raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
                                  "price the same export")
-        # problems with equal memory share one count (computed for the first of them)
+        # problems with equal memory share one memory model: its peaks are counted once, for the
+        # first of them
         self.memory_of: dict[str, str] = {}
-        prints: dict[tuple, str] = {}
+        first_of: dict[int, str] = {}
         for label, e in self.evaluators.items():
-            self.memory_of[label] = prints.setdefault(e.memory.fingerprint, label) if e.fast else label
+            self.memory_of[label] = first_of.setdefault(id(e.memory), label) if e.fast else label
 
     def plan(self, schedule: Schedule) -> Plan:
         return self.first.plan(schedule)
