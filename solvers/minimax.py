@@ -23,7 +23,9 @@ times), a reference step time ``R_m > 0`` per model (the best known under ``m``)
                 (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
 
 where ``t_m(s)`` is the simulated step time of ``s`` under ``P_m``
-(:func:`solvers.core.simulate`: the execution model every solver and judge shares).
+(:func:`solvers.core.simulate`: the execution model every solver and judge shares; the search
+reads it, with both peaks, from :class:`solvers.core.evaluate.ModelEvaluator`, which gives the
+simulator's numbers from work that grows with the buckets and counts memory once for all models).
 
 A start over the budget is first moved under it: the score is (bytes over ``B``, worst-case
 regret, total), compared in that order, so moves that lower the excess come first (and the
@@ -77,6 +79,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from solvers.config import SIMULATED_NODES_PER_S
+from solvers.core.evaluate import ModelEvaluator, Plan
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
@@ -230,8 +233,9 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             f"the smallest peak it reached is {fmt_bytes(peak)} ({peak} B); start from a schedule that fits",
             budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     regret = {label: sims[label].step_ms / search.reference[label] - 1 for label in search.labels}
-    result = MinimaxResult(schedule=schedule, step_ms={label: sims[label].step_ms for label in search.labels},
-                           regret=regret, peak_bytes=peak, moves=moves, simulations=search.simulations,
+    result = MinimaxResult(schedule=search.schedule_of(schedule),
+                           step_ms={label: sims[label].step_ms for label in search.labels}, regret=regret,
+                           peak_bytes=peak, moves=moves, simulations=search.simulations,
                            solve_time_s=time.perf_counter() - t0, stopped=stopped)
     logger.info("minimax polish: worst-case regret %.2f %% after %d moves, %d simulations, %.1f s (%s)",
                 100 * result.worst_regret, moves, search.simulations, result.solve_time_s, stopped)
@@ -261,28 +265,43 @@ class _Search:
         self.simulations = 0
         #: model labels, the one of largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
+        self.evaluator = ModelEvaluator(self.problems)
 
     def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float]):
+        """:meth:`evaluate` of the schedule of ``entries`` (:func:`solvers.periodic.from_entries`)
+        without building it: an accepted one is returned as its :class:`~solvers.core.evaluate.Plan`
+        (:func:`_entries` reads it, :meth:`schedule_of` builds the schedule)."""
         ordered = chain_ordered(self.p0, entries)
         if ordered is None:
             return None
-        self.simulations += 1  # building the schedule costs about a simulation
+        # counted as one simulation, the cost of building the schedule before the evaluator read
+        # entries directly, so that work limits keep their meaning
+        self.simulations += 1
         try:
-            schedule = from_entries(self.p0, ordered)
+            plan = self.evaluator.plan_entries(ordered)
         except ValueError:
             return None
-        return self.evaluate(schedule, bar)
+        return self.evaluate(plan, bar)
 
-    def evaluate(self, schedule: Schedule, bar: tuple[int, float, float] | None):
-        """(schedule, (excess bytes over the budget, worst regret, total), sims by label) when
-        ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else None.
-        Simulates the models in :attr:`order` and stops at the first that rules it out."""
+    def schedule_of(self, schedule: Schedule | Plan) -> Schedule:
+        """The schedule of an accepted plan (:meth:`evaluate_entries`), as ``from_entries`` builds it."""
+        if isinstance(schedule, Plan):
+            return schedule.schedule or from_entries(self.p0, list(schedule.entries))
+        return schedule
+
+    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float] | None):
+        """(schedule, (excess bytes over the budget, worst regret, total), evaluations by label)
+        when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
+        None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
+        the simulator's numbers, memory counted once) and stops at the first that rules it out;
+        each model evaluated counts as one simulation."""
+        plan = schedule if isinstance(schedule, Plan) else self.evaluator.plan(schedule)
+        evaluation = self.evaluator.lazy(plan)
         sims = {}
         excess, worst, total = 0, -float("inf"), 0.0
         for label in self.order:
-            p = self.problems[label]
             try:
-                sim = simulate(p.dag, schedule, problem=p)
+                sim = evaluation(label)
             except ScheduleInvalidError:
                 return None
             finally:
@@ -303,7 +322,9 @@ class _Search:
         return schedule, (excess, worst, total), sims
 
 
-def _entries(schedule: Schedule) -> list[Entry]:
+def _entries(schedule: Schedule | Plan) -> list[Entry]:
+    if isinstance(schedule, Plan) and schedule.entries is not None:
+        return list(schedule.entries)  # the buckets and gaps of the schedule they build, in its order
     issue, wait = schedule.positions()
     return [(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
 

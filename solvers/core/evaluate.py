@@ -1,0 +1,1210 @@
+"""Check, fast: the step time and both peak-memory counts of a schedule, equal to the simulator's.
+
+:func:`solvers.core.simulator.simulate` walks every node of the graph in Python; a search that
+judges thousands of neighbours, each under several cost models, spends most of its time there.
+An :class:`Evaluator` is built per problem (its analysis is cached per problem) and gives the
+same numbers from work that grows with the number of buckets, not of nodes:
+
+- Compute positions are fixed: a schedule only places issue and wait steps into the gaps
+  between compute nodes (:mod:`solvers.core.schedule`). The timeline walks the issue and wait
+  steps in order and adds the compute runtimes between them as the simulator does, one by one
+  in the same order (``functools.reduce`` in C), so ``step_ms``, ``exposed_comm_ms`` and
+  ``comm_ms`` are the simulator's floats bit for bit.
+- Memory is split in two. Every storage of each count (the execution model's and torch's
+  ``MemoryTracker`` rules, module docstring of :mod:`solvers.core.simulator`) is allocated at
+  one step and freed at the last release of its uses. A storage whose allocation and last
+  release both happen at compute nodes whatever the schedule is *static*: together they make a
+  fixed live-bytes profile over the compute steps, with a sparse table for range maxima. Every
+  other storage (a collective's inputs held until its wait, its result, the wait's result,
+  prologue and epilogue casts, bucket buffers, the tracker's own storages) changes the live
+  bytes only at its bucket's issue or wait steps (or after a fixed node that depends on the
+  bucketing): each bucket gets, per step, the net change and the highest point inside the step
+  (a template, cached by the bucket's members). A storage freed by whichever of several
+  collectives' steps and a compute node runs last (one read by two collectives, or by a compute
+  node inside its collective's window) has its free placed per schedule (a *floating* free).
+  The peak is a sweep over the issue and wait steps with a range maximum of the static profile
+  between them.
+
+One source of the rules. The storages, their owners, their uses and those never freed are the
+simulator's own static analysis (``simulator._static``: ``mem_owner`` / ``trk_owner``,
+``mem_uses`` / ``trk_uses``, ``*_never_free``, ``preds``, ``inputs``); the Problem gives the
+collectives' prologues, epilogues, folded casts and bytes. What each step does with them
+(:func:`_node_ops`, :func:`_bucket_ops`) follows the simulator's ``_Simulator._run_node`` /
+``_issue`` / ``_wait`` line by line, as lists of allocations, releases, frees and record points;
+``tests/test_evaluate.py`` holds the two equal on many graphs. Two guards keep a change of the
+simulator from making the evaluator silently wrong: the build checks that the releases these
+lists make of every storage are exactly its uses in the static data, and the first evaluator of
+a graph compares its peaks with the simulator's on the traced schedule and on one with merged
+buckets. Where either fails, or where a storage cannot be placed (one made by several
+collectives, by a node and a collective, made inside the window of a collective that frees it,
+or a merged reduce-scatter's result read by another collective), the evaluator does not guess:
+:attr:`Evaluator.fast` is False and every evaluation is :func:`simulate`'s (the reason is
+logged and kept in :attr:`Evaluator.reason`).
+
+Assumption: the schedule is valid (:func:`~solvers.core.validator.validate_schedule` accepts
+it) and its compute nodes run in ``problem.seq`` order, as every schedule builder here makes
+them. All of that but the order of the compute nodes is checked on every call, cheaply: each
+collective in one bucket, every bucket issued once and waited once after its issue, a merged
+bucket of one kind of movable collectives, each bucket issued and waited inside its window
+``[max ready, min needed]``, a collective that reads another's result issued after that one's
+wait. A schedule that fails is simulated instead, so the numbers stay the simulator's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import operator
+import weakref
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, Schedule, Step
+from solvers.core.simulator import ScheduleInvalidError, SimResult, _Static, _static, simulate
+from solvers.core.validator import validate_schedule
+
+logger = logging.getLogger(__name__)
+
+# micro-operations of one step, in the simulator's order; ``sub`` numbers the points inside a step
+_ALLOC, _REC, _REL, _FREE = range(4)
+_ISSUE, _WAIT = 0, 1
+_MEM, _TRK = 0, 1
+#: bucket-level storages of the simulator (``bucket:<b>``, ``result:<m>`` / ``result:<b>``,
+#: ``wait:<b>``): keys private to one bucket's template
+_BUCKET, _RESULT, _WAITB = ("bucket",), ("result",), ("wait",)
+_ALONE, _MERGED = 0, 1
+#: never: a storage that is not freed
+_NEVER = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What a search reads of one schedule under one cost model; each field means what the
+    same field of :class:`~solvers.core.simulator.SimResult` means, with the same value
+    (``compute_ms`` within float rounding: it is summed in another order)."""
+
+    step_ms: float
+    compute_ms: float
+    exposed_comm_ms: float
+    comm_ms: dict[str, float]
+    peak_bytes: int
+    tracker_peak_bytes: int
+    n_collectives: int
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The larger of the two counts: what a budget must hold on the written graph."""
+        return max(self.peak_bytes, self.tracker_peak_bytes)
+
+    @staticmethod
+    def of(sim: SimResult) -> "Evaluation":
+        return Evaluation(step_ms=sim.step_ms, compute_ms=sim.compute_ms, exposed_comm_ms=sim.exposed_comm_ms,
+                          comm_ms=dict(sim.comm_ms), peak_bytes=sim.peak_bytes,
+                          tracker_peak_bytes=sim.tracker_peak_bytes, n_collectives=sim.n_collectives)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A schedule as the evaluator reads it: each bucket's members and the issue and wait
+    steps in execution order, ``(is_issue, bucket index, gap)``. ``schedule`` is the schedule
+    it was read from (None when built from entries, :meth:`Evaluator.plan_entries`); ``fast``
+    False when the cheap validity checks failed and the simulator must judge it."""
+
+    members: tuple[tuple[str, ...], ...]
+    steps: tuple[tuple[bool, int, int], ...]
+    fast: bool
+    schedule: Schedule | None = None
+    entries: tuple | None = None
+    #: each bucket's template in the memory model that checked the plan
+    templates: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    model: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_schedule(self, problem: Problem) -> Schedule:
+        """The schedule itself (built from the entries when it was not given)."""
+        if self.schedule is not None:
+            return self.schedule
+        n = problem.n
+        order: list[list] = [[] for _ in range(n + 1)]
+        for is_issue, b, gap in self.steps:
+            order[gap].append(("issue" if is_issue else "wait", b))
+        steps: list[Step] = []
+        for g in range(n + 1):
+            steps.extend(Step(k, b) for k, b in order[g])
+            if g < n:
+                steps.append(Step("node", problem.seq[g]))
+        return Schedule(tuple(Bucket(m) for m in self.members), tuple(steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    """One bucket's effect on memory and where it may run. Per count (mem, trk) and step
+    (issue, wait): ``(net bytes, highest point above the bytes live when the step starts)``;
+    ``node``: ``(gap, mem bytes, trk bytes)`` changes after that compute node's record."""
+
+    issue: tuple[int, int, int, int]
+    wait: tuple[int, int, int, int]
+    node: tuple[tuple[int, int, int], ...]
+    lo: int
+    hi: int
+    valid: bool
+    #: per count and step (issue, wait): the changes by point and the records, to redo a step's
+    #: effect with a free placed in it per plan (:func:`_place_floating`)
+    raw: tuple = ()
+
+
+class _MemoryModel:
+    """Both memory counts of one problem: the static profile and the bucket templates."""
+
+    def __init__(self, p: Problem):
+        # cached per problem: hold its parts, never the problem itself (the cache is weak)
+        self.colls, self.nodes, self.n = p.colls, p.dag.nodes, p.n
+        self.st = _static(p)
+        self.reason: str | None = None
+        self.trk_out = {m: _tracker_out_bytes(p, m) for m in p.colls}
+        # RS collectives whose tracker storage moves under the bucket's wait result when merged
+        self.redirect = {m for m, c in p.colls.items() if c.movable and c.coll_type != "all_gather"}
+        try:
+            self._build(p)
+        except _Unsupported as e:
+            self.reason = str(e)
+        self.templates: dict[tuple[str, ...], _Template] = {}
+        #: whether the first evaluator has compared it with the simulator (:meth:`Evaluator._canary`)
+        self.checked = False
+
+    # -- static analysis ---------------------------------------------------------------------
+    def _owner(self, count: int, name: str) -> Any:
+        st = self.st
+        return st.mem_owner.get(name, name) if count == _MEM else st.trk_owner.get(name, name)
+
+    def _build(self, p: Problem) -> None:
+        st = self.st
+        n = p.n
+        counts = (_MEM, _TRK)
+        # static sites: key -> (alloc node (-1: the inputs), bytes); key -> release nodes
+        s_alloc: list[dict[Any, tuple[int, int]]] = [{}, {}]
+        s_rel: list[dict[Any, list[int]]] = [defaultdict(list), defaultdict(list)]
+        for name, size in st.inputs:
+            for c in counts:
+                key = self._owner(c, name)
+                if size and key not in s_alloc[c]:
+                    s_alloc[c][key] = (-1, size)
+        node_ops = [_node_ops(p, st, g) for g in range(n)]
+        for g, ops in enumerate(node_ops):
+            for c in counts:
+                for _, code, key, amount, _m in ops[c]:
+                    if code == _ALLOC:
+                        if key in s_alloc[c]:
+                            raise _Unsupported(f"storage {key!r} is allocated twice")
+                        s_alloc[c][key] = (g, amount)
+                    elif code == _REL:
+                        s_rel[c][self._owner(c, key)].append(g)
+                    elif code == _FREE:
+                        raise _Unsupported(f"node {p.seq[g]!r} frees a storage directly")
+        # collective sites, per variant: (coll, variant) -> key -> [(anchor, sub), bytes] / [sites]
+        c_alloc: list[dict[tuple[str, int], dict[Any, tuple[tuple[int, int], int]]]] = [{}, {}]
+        c_rel: list[dict[tuple[str, int], dict[Any, list[tuple[int, int]]]]] = [{}, {}]
+        touching: list[dict[Any, set[str]]] = [defaultdict(set), defaultdict(set)]
+        for m, coll in p.colls.items():
+            variants = (_ALONE, _MERGED) if coll.movable else (_ALONE,)
+            for v in variants:
+                ops = _bucket_ops(p.colls, p.dag.nodes, st, self.trk_out, (m,), v == _MERGED)
+                for c in counts:
+                    alloc: dict[Any, tuple[tuple[int, int], int]] = {}
+                    rel: dict[Any, list[tuple[int, int]]] = defaultdict(list)
+                    for anchor, sub, code, key, amount, member in ops[c]:
+                        if member is None:
+                            continue  # the bucket's own storages: built with its template
+                        if code == _ALLOC:
+                            if key in alloc:
+                                raise _Unsupported(f"storage {key!r} is allocated twice by {m!r}")
+                            alloc[key] = ((anchor, sub), amount)
+                            touching[c][key].add(m)
+                        elif code == _REL:
+                            owner = self._owner(c, key)
+                            if c == _TRK and v == _MERGED and owner == m and m in self.redirect:
+                                owner = (_WAITB, m)  # the bucket's wait result holds it
+                            rel[owner].append((anchor, sub))
+                            touching[c][owner].add(m)
+                        elif code == _FREE:
+                            raise _Unsupported(f"collective {m!r} frees a storage of its own directly")
+                    c_alloc[c][(m, v)] = alloc
+                    c_rel[c][(m, v)] = dict(rel)
+        # a collective releases as many uses alone as in a bucket (only where differs)
+        for c in counts:
+            for m, coll in p.colls.items():
+                if coll.movable and sum(map(len, c_rel[c][(m, _ALONE)].values())) != sum(
+                        map(len, c_rel[c][(m, _MERGED)].values())):
+                    raise _Unsupported(f"collective {m!r} releases other uses alone than in a bucket")
+        # the releases of every storage must be its uses in the simulator's static data
+        for c, uses in ((_MEM, st.mem_uses), (_TRK, st.trk_uses)):
+            made: dict[Any, int] = defaultdict(int)
+            for key, gs in s_rel[c].items():
+                made[key] += len(gs)
+            for (m, v), rel in c_rel[c].items():
+                if v != _ALONE:
+                    continue
+                for key, sites in rel.items():
+                    made[key] += len(sites)
+            diff = [k for k in set(made) | {k for k, u in uses.items() if u} if made.get(k, 0) != uses.get(k, 0)]
+            if diff:
+                raise _Unsupported(f"the releases of {sorted(map(str, diff))[:3]} differ from the simulator's uses "
+                                   "(its rules changed: the evaluator follows the static data only)")
+        self._classify(s_alloc, s_rel, c_alloc, c_rel, touching)
+
+    def _classify(self, s_alloc, s_rel, c_alloc, c_rel, touching) -> None:
+        """Each storage of each count: static (into the profile), or one collective's (into its
+        contributions per variant), or a reason the evaluator cannot place it."""
+        st, n = self.st, self.n
+        # profile changes: at node g, before its record (alloc) and after it (free); -1: inputs
+        self.prof_alloc = [[0] * (n + 1) for _ in range(2)]  # index g + 1
+        self.prof_free = [[0] * n for _ in range(2)]
+        # (coll, variant, count) -> contributions
+        self.contrib: dict[tuple[str, int, int], _Contrib] = {}
+        #: storages freed by whichever of several steps and a compute node runs last:
+        #: (count, bytes, last compute reader or None, ((collective, last release point per
+        #: variant or None), ...))
+        self.floating: list[tuple[int, int, int | None, tuple]] = []
+        #: RS collectives' tracker storages under a merged bucket's wait result: release info
+        self.wait_info: dict[str, tuple[list[int], list[tuple[int, int]], bool, int]] = {}
+        for c, never_free, uses in ((_MEM, st.mem_never_free, st.mem_uses), (_TRK, st.trk_never_free, st.trk_uses)):
+            keys = set(s_alloc[c]) | set(s_rel[c]) | set(touching[c])
+            for key in keys:
+                if isinstance(key, tuple):  # a merged RS's storage under its wait result
+                    continue
+                never = key in never_free or not uses.get(key, 0)
+                self._classify_key(c, key, never, s_alloc[c].get(key), s_rel[c].get(key, []),
+                                   touching[c].get(key, set()), c_alloc[c], c_rel[c])
+                if c == _TRK and key in self.redirect:
+                    self.wait_info[key] = (list(s_rel[c].get(key, [])), list(c_rel[c].get((key, _MERGED), {}).get(
+                        (_WAITB, key), [])), key in never_free, uses.get(key, 0))
+
+    def _classify_key(self, c: int, key: Any, never: bool, s_alloc, s_rel: list[int], touch: set[str],
+                      c_alloc, c_rel) -> None:
+        colls = self.colls
+        by_collective = any(c_alloc.get((m, v), {}).get(key) for m in touch for v in (_ALONE, _MERGED))
+        if s_alloc is None and not by_collective:
+            return  # never allocated (no bytes): its releases change nothing
+        if s_alloc is not None and by_collective:
+            raise _Unsupported(f"storage {key!r} is allocated by a node and by a collective")
+        if not touch:
+            a, size = s_alloc
+            self._profile(c, a, size, _NEVER if never or not s_rel or max(s_rel) < a else max(s_rel))
+            return
+        if len(touch) > 1:
+            # read by several collectives: static when a compute node frees it after all of them,
+            # else freed by whichever runs last, placed per plan
+            if s_alloc is not None and (never or (s_rel and all(max(s_rel) >= colls[m].needed for m in touch))):
+                a, size = s_alloc
+                self._profile(c, a, size, _NEVER if never else max(s_rel))
+                return
+            if s_alloc is None:
+                if c == _TRK and key in self.redirect:
+                    raise _Unsupported(f"the result of {key!r} is read by other collectives and moves under its "
+                                       "bucket's wait result when merged")
+                return self._made_by_one(c, key, never, s_rel, touch, c_alloc, c_rel)
+            return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
+        (m,) = touch
+        coll = colls[m]
+        lo, hi = coll.ready, coll.needed
+        variants = (_ALONE, _MERGED) if coll.movable else (_ALONE,)
+        resolved = {}
+        for v in variants:
+            ca = c_alloc[(m, v)].get(key)
+            sites = c_rel[(m, v)].get(key, [])
+            # the last release: a node after every step of the collective, or one of its steps
+            if never or (not s_rel and not sites):
+                last = _NEVER
+            elif s_rel and sites:
+                q = max(s_rel)
+                if q >= hi:
+                    last = ("node", q)
+                elif q < lo:
+                    last = ("site", max(sites))
+                else:  # a compute node inside the window: whichever runs later, placed per plan
+                    return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
+            elif s_rel:
+                last = ("node", max(s_rel))
+            else:
+                last = ("site", max(sites))
+            if ca is None and s_alloc is None:
+                resolved[v] = None
+                continue
+            # a release before the allocation frees nothing: the storage then lives on
+            if last is not _NEVER:
+                if s_alloc is not None:
+                    a = s_alloc[0]
+                    if last[0] == "node":
+                        last = last if last[1] >= a else _NEVER
+                    elif a >= hi:
+                        last = _NEVER
+                    elif a >= lo:
+                        raise _Unsupported(f"storage {key!r}: allocated at node {a} inside {m!r}'s window")
+                else:
+                    site = ca[0]
+                    if last[0] == "site":
+                        last = last if last[1] > site else _NEVER
+                    elif last[1] < lo:
+                        last = _NEVER
+                    elif last[1] < hi:
+                        raise _Unsupported(f"storage {key!r}: freed at node {last[1]} inside {m!r}'s window")
+            resolved[v] = (ca, last)
+        if s_alloc is not None:
+            a, size = s_alloc
+            lasts = {r[1] for r in resolved.values() if r is not None}
+            if all(r is not None and r[1] is not _NEVER and r[1][0] == "node" for r in resolved.values()) \
+                    and len(lasts) == 1:
+                self._profile(c, a, size, next(iter(lasts))[1])
+                return
+            self._profile(c, a, size, _NEVER)
+            for v, r in resolved.items():
+                if r is not None and r[1] is not _NEVER:
+                    self._dynamic_free(c, m, v, r[1], size)
+            return
+        # allocated by the collective: fold a free at a fixed node into the profile when every
+        # variant allocates it with the same bytes
+        allocs = {r[0][1] if r is not None else None for r in resolved.values()}
+        lasts = {r[1] for r in resolved.values() if r is not None}
+        fold = (None not in allocs and len(allocs) == 1 and len(lasts) == 1
+                and next(iter(lasts)) is not _NEVER and next(iter(lasts))[0] == "node")
+        if fold:
+            self.prof_free[c][next(iter(lasts))[1]] += next(iter(allocs))
+        for v, r in resolved.items():
+            if r is None:
+                continue
+            (site, size), last = r
+            self._contrib(m, v, c).add(site, size)
+            if last is not _NEVER and not fold:
+                self._dynamic_free(c, m, v, last, size)
+
+    def _profile(self, c: int, a: int, size: int, free: int | None) -> None:
+        self.prof_alloc[c][a + 1] += size
+        if free is not _NEVER:
+            self.prof_free[c][free] += size
+
+    def _dynamic_free(self, c: int, m: str, v: int, last, size: int) -> None:
+        if last[0] == "node":
+            self._contrib(m, v, c).node.append((last[1], -size))
+        else:
+            self._contrib(m, v, c).add(last[1], -size)
+
+    def _floating(self, c: int, key: Any, s_alloc, s_rel: list[int], touch: set[str], c_rel) -> None:
+        """A storage made by a compute node before every step of the collectives that use it,
+        freed by whichever of its last compute reader and their steps runs last: live in the
+        profile from its node on, its free placed per plan (:func:`_place_floating`)."""
+        a, size = s_alloc
+        if any(a >= self.colls[m].ready for m in touch):
+            raise _Unsupported(f"storage {key!r}: made inside the window of a collective that uses it")
+        self._profile(c, a, size, _NEVER)
+        self.floating.append((c, size, max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
+
+    def _made_by_one(self, c: int, key: Any, never: bool, s_rel: list[int], touch: set[str], c_alloc,
+                     c_rel) -> None:
+        """A storage made at one collective's step (its result) and read by other collectives
+        (which read it after that step: the graph's data flow, which a valid schedule keeps):
+        allocated in that collective's template, freed by whichever of its readers runs last."""
+        makers = {m for m in touch for v in (_ALONE, _MERGED) if c_alloc.get((m, v), {}).get(key)}
+        if len(makers) != 1:
+            raise _Unsupported(f"storage {key!r} is made by several collectives {sorted(makers)[:3]}")
+        (maker,) = makers
+        sizes = set()
+        for v in ((_ALONE, _MERGED) if self.colls[maker].movable else (_ALONE,)):
+            made = c_alloc[(maker, v)].get(key)
+            if made is not None:
+                self._contrib(maker, v, c).add(*made)
+                sizes.add(made[1])
+        if never:
+            return
+        if len(sizes) != 1:
+            raise _Unsupported(f"storage {key!r} is made with other bytes alone than in a bucket")
+        self.floating.append((c, sizes.pop(), max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
+
+    def _release_points(self, key: Any, touch: set[str], c_rel) -> tuple:
+        """((collective, its last release of ``key`` alone, in a bucket (movable only)), ...)."""
+        out = []
+        for m in sorted(touch):
+            variants = (_ALONE, _MERGED) if self.colls[m].movable else (_ALONE,)
+            out.append((m, tuple(max(c_rel[(m, v)][key]) if c_rel[(m, v)].get(key) else None for v in variants)))
+        return tuple(out)
+
+    def _contrib(self, m: str, v: int, c: int) -> "_Contrib":
+        k = (m, v, c)
+        if k not in self.contrib:
+            self.contrib[k] = _Contrib()
+        return self.contrib[k]
+
+    # -- profile and templates -------------------------------------------------------------
+    def finish(self) -> None:
+        """The static profile of each count: live bytes at each node's record, during the
+        steps of each gap, and a sparse table of range maxima."""
+        n = self.n
+        self.rec: list[list[int]] = []
+        self.gap: list[list[int]] = []
+        self.table: list[list[list[int]]] = []
+        for c in (_MEM, _TRK):
+            live = self.prof_alloc[c][0]
+            gap, rec = [live], []
+            for g in range(n):
+                live += self.prof_alloc[c][g + 1]
+                rec.append(live)
+                live -= self.prof_free[c][g]
+                gap.append(live)
+            self.rec.append(rec)
+            self.gap.append(gap)
+            self.table.append(_sparse_table(rec))
+        self.init = (self.prof_alloc[_MEM][0], self.prof_alloc[_TRK][0])
+
+    def template(self, members: tuple[str, ...]) -> _Template:
+        t = self.templates.get(members)
+        if t is None:
+            t = self.templates[members] = self._template(members)
+        return t
+
+    def _template(self, members: tuple[str, ...]) -> _Template:
+        colls = self.colls
+        lo = max(colls[m].ready for m in members)
+        hi = min(colls[m].needed for m in members)
+        merged = len(members) > 1
+        if merged and (len({colls[m].key for m in members}) > 1 or not all(colls[m].movable for m in members)):
+            return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
+        v = _MERGED if merged else _ALONE
+        ops = _bucket_ops(colls, self.nodes, self.st, self.trk_out, members, merged)
+        per_count, raw = [], []
+        node: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for c in (_MEM, _TRK):
+            deltas: list[dict[int, int]] = [defaultdict(int), defaultdict(int)]
+            recs: list[list[tuple[int, int]]] = [[], []]
+            for m in members:
+                k = self.contrib.get((m, v, c))
+                if k is not None:
+                    for anchor in (_ISSUE, _WAIT):
+                        for sub, d in k.at[anchor].items():
+                            deltas[anchor][sub] += d
+                    for g, d in k.node:
+                        node[g][c] += d
+            allocs: dict[Any, tuple[int, int, int]] = {}
+            for anchor, sub, code, key, amount, member in ops[c]:
+                if code == _REC:
+                    recs[anchor].append((sub, amount))
+                elif member is None and code == _ALLOC:
+                    allocs[key] = (anchor, sub, amount)
+                    deltas[anchor][sub] += amount
+                elif member is None and code == _FREE and key in allocs:  # one of 0 bytes is never live
+                    deltas[anchor][sub] -= allocs[key][2]
+            if c == _TRK and merged and _WAITB in allocs and colls[members[0]].coll_type != "all_gather":
+                # the wait result of a merged RS: freed after the last release of any member's
+                self._merged_wait_free(members, allocs[_WAITB][2], deltas, node)
+            per_count.append([_step_effect(deltas[a], recs[a]) for a in (_ISSUE, _WAIT)])
+            raw.append(tuple((dict(deltas[a]), tuple(recs[a])) for a in (_ISSUE, _WAIT)))
+        issue = (*per_count[_MEM][_ISSUE], *per_count[_TRK][_ISSUE])
+        wait = (*per_count[_MEM][_WAIT], *per_count[_TRK][_WAIT])
+        events = tuple(sorted((g, d[0], d[1]) for g, d in node.items() if d[0] or d[1]))
+        return _Template(issue, wait, events, lo, hi, True, tuple(raw))
+
+    def _merged_wait_free(self, members, size: int, deltas, node) -> None:
+        rels, sites, never, uses = [], [], False, 0
+        for m in members:
+            r, s, nf, u = self.wait_info.get(m, ([], [], False, 0))
+            rels += r
+            sites += s
+            never |= nf
+            uses += u
+        if never or not uses or not (rels or sites):
+            return
+        if rels:  # compute nodes that read a member's result run after the bucket's wait
+            node[max(rels)][_TRK] -= size
+        else:
+            anchor, sub = max(sites)
+            deltas[anchor][sub] -= size
+
+    def peaks(self, plan: Plan, templates: Sequence[_Template]) -> tuple[int, int]:
+        """(peak_bytes, tracker_peak_bytes) of a plan whose checks passed."""
+        events = [e for t in templates if t.node for e in t.node]
+        issue = [t.issue for t in templates]
+        wait = [t.wait for t in templates]
+        if self.floating:
+            _place_floating(self.floating, plan, templates, issue, wait, events)
+        if events:
+            events.sort()
+        return self._sweep(plan, issue, wait, events)
+
+    def _sweep(self, plan: Plan, issue: list, wait: list, events: list) -> tuple[int, int]:
+        """The peaks: the issue and wait steps in order, each bucket's step effects, the
+        static profile's range maxima between them, the changes after fixed nodes."""
+        rec_m, rec_t = self.rec
+        gap_m, gap_t = self.gap
+        tab_m, tab_t = self.table
+        peak_m, peak_t = self.init
+        dm = dt = 0
+        g_next = 0
+        ei, ne = 0, len(events)
+        for is_issue, b, gap in plan.steps:
+            while ei < ne and events[ei][0] < gap:
+                g, em, et = events[ei]
+                if g_next <= g:
+                    k = (g - g_next + 1).bit_length() - 1
+                    row_m, row_t = tab_m[k], tab_t[k]
+                    j = g - (1 << k) + 1
+                    v = (row_m[g_next] if row_m[g_next] > row_m[j] else row_m[j]) + dm
+                    if v > peak_m:
+                        peak_m = v
+                    v = (row_t[g_next] if row_t[g_next] > row_t[j] else row_t[j]) + dt
+                    if v > peak_t:
+                        peak_t = v
+                    g_next = g + 1
+                dm += em
+                dt += et
+                ei += 1
+            if g_next < gap:
+                k = (gap - g_next).bit_length() - 1
+                row_m, row_t = tab_m[k], tab_t[k]
+                j = gap - (1 << k)
+                v = (row_m[g_next] if row_m[g_next] > row_m[j] else row_m[j]) + dm
+                if v > peak_m:
+                    peak_m = v
+                v = (row_t[g_next] if row_t[g_next] > row_t[j] else row_t[j]) + dt
+                if v > peak_t:
+                    peak_t = v
+                g_next = gap
+            net_m, top_m, net_t, top_t = issue[b] if is_issue else wait[b]
+            v = gap_m[gap] + dm + top_m
+            if v > peak_m:
+                peak_m = v
+            v = gap_t[gap] + dt + top_t
+            if v > peak_t:
+                peak_t = v
+            dm += net_m
+            dt += net_t
+        n = self.n
+        while True:
+            end = events[ei][0] if ei < ne else n - 1
+            if g_next <= end and end >= 0:
+                k = (end - g_next + 1).bit_length() - 1
+                row_m, row_t = tab_m[k], tab_t[k]
+                j = end - (1 << k) + 1
+                v = (row_m[g_next] if row_m[g_next] > row_m[j] else row_m[j]) + dm
+                if v > peak_m:
+                    peak_m = v
+                v = (row_t[g_next] if row_t[g_next] > row_t[j] else row_t[j]) + dt
+                if v > peak_t:
+                    peak_t = v
+                g_next = end + 1
+            if ei >= ne:
+                break
+            dm += events[ei][1]
+            dt += events[ei][2]
+            ei += 1
+        return peak_m, peak_t
+
+
+class _Contrib:
+    """One collective's share of its bucket's template in one count and variant: bytes changed
+    at points of the issue and wait steps, and after fixed compute nodes."""
+
+    __slots__ = ("at", "node")
+
+    def __init__(self) -> None:
+        self.at: tuple[dict[int, int], dict[int, int]] = (defaultdict(int), defaultdict(int))
+        self.node: list[tuple[int, int]] = []
+
+    def add(self, site: tuple[int, int], size: int) -> None:
+        self.at[site[0]][site[1]] += size
+
+
+class _Unsupported(Exception):
+    """The evaluator cannot place a storage exactly; the simulator judges every schedule."""
+
+
+def _place_floating(floating: Sequence[tuple], plan: Plan, templates: Sequence[_Template], issue: list,
+                   wait: list, events: list) -> None:
+    """Each floating free (:meth:`_MemoryModel._floating`) where it happens in this plan: after
+    its last compute reader when that runs after every step that releases it (a step in a gap
+    up to the node runs before it), else at its point in the last such step, whose effect is
+    then redone."""
+    bucket_of = {m: b for b, members in enumerate(plan.members) for m in members}
+    at: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, anchor) -> (gap, index of the step)
+    for k, (is_issue, b, gap) in enumerate(plan.steps):
+        at[(b, _ISSUE if is_issue else _WAIT)] = (gap, k)
+    extra: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)  # (b, anchor) -> frees
+    for c, size, q, sites in floating:
+        last = (q, 1, 0, 0, None) if q is not None else None
+        for m, by_variant in sites:
+            b = bucket_of[m]
+            site = by_variant[-1 if len(plan.members[b]) > 1 else 0]
+            if site is None:
+                continue
+            gap, k = at[(b, site[0])]
+            point = (gap, 0, k, site[1], (b, site[0]))
+            if last is None or point > last:
+                last = point
+        if last is None:
+            continue
+        if last[4] is None:
+            events.append((q, -size, 0) if c == _MEM else (q, 0, -size))
+        else:
+            extra[last[4]].append((c, last[3], -size))
+    for (b, anchor), frees in extra.items():
+        effect = []
+        for c in (_MEM, _TRK):
+            deltas, recs = templates[b].raw[c][anchor]
+            deltas = defaultdict(int, deltas)
+            for count, sub, d in frees:
+                if count == c:
+                    deltas[sub] += d
+            effect.extend(_step_effect(deltas, recs))
+        (issue if anchor == _ISSUE else wait)[b] = tuple(effect)
+
+
+def _step_effect(deltas: Mapping[int, int], recs: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(net change, highest point above the start) of one step: an allocation or a free at
+    ``sub`` counts for the records at later points; a record adds its transient bytes."""
+    top = None
+    for sub, extra in recs:
+        v = sum(d for s, d in deltas.items() if s < sub) + extra
+        top = v if top is None or v > top else top
+    return sum(deltas.values()), (top if top is not None else -(1 << 62))
+
+
+def _sparse_table(values: list[int]) -> list[list[int]]:
+    table = [list(values)]
+    k = 1
+    while (1 << k) <= len(values):
+        prev, half = table[-1], 1 << (k - 1)
+        table.append([a if a > b else b for a, b in zip(prev, prev[half:])])
+        k += 1
+    return table
+
+
+def _tracker_out_bytes(p: Problem, m: str) -> int:
+    """As ``_Simulator._tracker_out_bytes``: a collective's result by torch's tracker, at its
+    buffer's size when it writes into a buffer of the graph."""
+    alias = p.dag.nodes[m]["alias_of"]
+    return p.colls[m].out_bytes if alias is None else int(p.dag.nodes[alias]["size_bytes"])
+
+
+# -- the simulator's steps as micro-operations ---------------------------------------------
+# Each op: (sub, code, key, amount, member) for nodes and (anchor, sub, code, key, amount,
+# member) for buckets; ``key`` is the storage (the owner) of an allocation or a free, the node
+# name whose storage loses a use for a release; ``amount`` the bytes, or a record's transient
+# bytes; ``member`` the collective that makes the op, None for the bucket's own storages.
+
+
+def _node_ops(p: Problem, st: _Static, g: int) -> tuple[list, list]:
+    """``_Simulator._run_node``: the output allocated, a record, the inputs' uses released."""
+    name = p.seq[g]
+    a = p.dag.nodes[name]
+    mem: list = []
+    trk: list = []
+    if a["alias_of"] is None and int(a["size_bytes"]):
+        mem.append((0, _ALLOC, name, int(a["size_bytes"]), None))
+        trk.append((0, _ALLOC, st.trk_owner.get(name, name), int(a["size_bytes"]), None))
+    mem.append((1, _REC, None, 0, None))
+    trk.append((1, _REC, None, 0, None))
+    for u in st.preds[name]:
+        mem.append((2, _REL, u, 0, None))
+        trk.append((2, _REL, u, 0, None))
+    return mem, trk
+
+
+def _bucket_ops(colls: Mapping[str, Any], nodes: Any, st: _Static, trk_out: Mapping[str, int],
+                members: tuple[str, ...], merged: bool) -> tuple[list, list]:
+    """A bucket's issue and wait steps (``_Simulator._issue`` with ``_run_prologue``,
+    ``_alloc_alone`` / ``_merge_all_gather`` / ``_merge_reduce_scatter``, and ``_wait`` with
+    ``_wait_tracker``), per count. ``merged``: as a bucket of several collectives (the
+    members' own ops of one collective are those it makes in any merged bucket)."""
+    mem: list = []
+    trk: list = []
+    preds = st.preds
+    c0 = colls[members[0]]
+    gather = c0.coll_type == "all_gather"
+
+    def owner(name: str) -> str:
+        return st.trk_owner.get(name, name)
+
+    def rel(anchor: int, sub: int, name: str, member: str | None, counts=(0, 1)) -> None:
+        for u in preds[name]:
+            for c in counts:
+                (mem, trk)[c].append((anchor, sub, _REL, u, 0, member))
+
+    def alloc(ops: list, anchor: int, sub: int, key: Any, nbytes: int, member: str | None) -> None:
+        if nbytes:
+            ops.append((anchor, sub, _ALLOC, key, nbytes, member))
+
+    I, W = _ISSUE, _WAIT
+    # issue: the prologue casts (a merged all-gather skips the casts it folds into its copy)
+    folded = {colls[m].folded_cast: m for m in members if colls[m].folded_cast} if merged and gather else {}
+    prologue = [(pn, m) for m in members for pn in colls[m].prologue if pn not in folded]
+    for pn, m in prologue:
+        nbytes = int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0
+        alloc(mem, I, 0, pn, nbytes, m)
+        alloc(trk, I, 0, owner(pn), nbytes, m)
+    mem.append((I, 1, _REC, None, 0, None))
+    trk.append((I, 1, _REC, None, 0, None))
+    for pn, m in prologue:
+        rel(I, 2, pn, m)
+    if not merged:
+        (m,) = members
+        alloc(mem, I, 3, m, colls[m].out_bytes, m)
+        alloc(trk, I, 3, _RESULT, trk_out[m], None)
+        trk.append((I, 4, _REC, None, 0, None))
+        rel(I, 5, m, m, (_TRK,))
+        mem.append((I, 4, _REC, None, 0, None))
+    elif gather:
+        size = sum(colls[m].out_bytes for m in members)
+        read = sum(colls[m].merge_read_bytes for m in members)
+        alloc(mem, I, 3, _BUCKET, size, None)
+        alloc(trk, I, 3, _BUCKET, size, None)
+        mem.append((I, 4, _REC, None, read, None))
+        trk.append((I, 4, _REC, None, read, None))
+        for m in members:
+            rel(I, 5, m, m)
+        for f, m in folded.items():
+            rel(I, 5, f, m)
+        alloc(trk, I, 5, _RESULT, size, None)
+        trk.append((I, 6, _REC, None, 0, None))
+        trk.append((I, 7, _FREE, _BUCKET, 0, None))
+    else:
+        payload = sum(colls[m].payload_bytes for m in members)
+        alloc(mem, I, 3, _BUCKET, payload, None)
+        alloc(trk, I, 3, _BUCKET, payload, None)
+        mem.append((I, 4, _REC, None, 0, None))
+        trk.append((I, 4, _REC, None, 0, None))
+        for m in members:
+            rel(I, 5, m, m)
+            alloc(mem, I, 5, m, colls[m].out_bytes, m)
+        alloc(trk, I, 5, _RESULT, sum(colls[m].out_bytes for m in members), None)
+        trk.append((I, 6, _REC, None, 0, None))
+        trk.append((I, 7, _FREE, _BUCKET, 0, None))
+        mem.append((I, 6, _REC, None, 0, None))
+    # wait: the execution model's count
+    if merged and gather:
+        for m in members:
+            alloc(mem, W, 0, m, colls[m].out_bytes, m)
+    epilogue = [(e, m) for m in members for e in colls[m].epilogue]
+    for e, m in epilogue:
+        if nodes[e]["alias_of"] is None:
+            alloc(mem, W, 0, e, int(nodes[e]["size_bytes"]), m)
+    mem.append((W, 1, _REC, None, 0, None))
+    if merged:
+        mem.append((W, 2, _FREE, _BUCKET, 0, None))
+    else:
+        rel(W, 2, members[0], members[0], (_MEM,))
+    # wait: torch's tracker
+    if not merged:
+        (m,) = members
+        alloc(trk, W, 0, m, trk_out[m], m)
+        trk.append((W, 1, _REC, None, 0, None))
+        trk.append((W, 2, _FREE, _RESULT, 0, None))
+    else:
+        size = sum(colls[m].out_bytes for m in members)
+        alloc(trk, W, 0, _WAITB, size, None)
+        trk.append((W, 1, _REC, None, 0, None))
+        trk.append((W, 2, _FREE, _RESULT, 0, None))
+        if gather:
+            for m in members:
+                alloc(trk, W, 2, m, colls[m].out_bytes, m)
+            trk.append((W, 3, _REC, None, 0, None))
+            trk.append((W, 4, _FREE, _WAITB, 0, None))
+    for e, m in epilogue:
+        if nodes[e]["alias_of"] is None:
+            alloc(trk, W, 4, owner(e), int(nodes[e]["size_bytes"]), m)
+    trk.append((W, 5, _REC, None, 0, None))
+    for e, m in epilogue:
+        rel(W, 6, e, m)
+    return mem, trk
+
+
+# -- the timeline ----------------------------------------------------------------------------
+class _Timeline:
+    """The compute stream and the communication streams of one problem (its runtimes)."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        self.compute_ms = p.compute_ms
+        cached = _TIMES.get(p)
+        if cached is None:
+            cached = _TIMES[p] = (functools.reduce(operator.add, self.compute_ms, 0.0), {})
+        #: members -> (copy-in ms, copy-out ms, communication ms, group), shared by the problem's evaluators
+        self.total_compute_ms, self.costs = cached
+
+    def cost(self, members: tuple[str, ...]) -> tuple[float, float, float, str]:
+        c = self.costs.get(members)
+        if c is None:
+            p = self.p
+            c = self.costs[members] = (p.copy_in_ms(members), p.copy_out_ms(members), p.bucket_comm_ms(members),
+                                       p.colls[members[0]].group_name)
+        return c
+
+    def run(self, plan: Plan) -> tuple[float, float, float, dict[str, float]]:
+        """(step_ms, compute_ms, exposed_comm_ms, comm_ms per group), in the simulator's float
+        operations and order."""
+        rts = self.compute_ms
+        add = operator.add
+        reduce = functools.reduce
+        get = self.costs.get
+        costs = [get(m) or self.cost(m) for m in plan.members]
+        t = 0.0
+        exposed = 0.0
+        extra = 0.0
+        g_prev = 0
+        stream_free: dict[str, float] = {}
+        comm: dict[str, float] = {}
+        end = [0.0] * len(costs)
+        for is_issue, b, gap in plan.steps:
+            if gap != g_prev:
+                if gap == g_prev + 1:
+                    t += rts[g_prev]
+                else:
+                    t = reduce(add, rts[g_prev:gap], t)
+                g_prev = gap
+            if is_issue:
+                cin, _, dur, group = costs[b]
+                t += cin
+                extra += cin
+                free = stream_free.get(group, 0.0)
+                e = (t if t >= free else free) + dur
+                stream_free[group] = e
+                comm[group] = comm.get(group, 0.0) + dur
+                end[b] = e
+            else:
+                e = end[b]
+                if e > t:
+                    exposed += e - t
+                    t = e
+                cout = costs[b][1]
+                t += cout
+                extra += cout
+        if g_prev < len(rts):
+            t = reduce(add, rts[g_prev:], t)
+        return t, self.total_compute_ms + extra, exposed, comm
+
+
+# -- the evaluators --------------------------------------------------------------------------
+#: per problem (weak: the values hold no reference to it): both memory counts, and the compute
+#: total with each bucket's costs
+_MEMORY: "weakref.WeakKeyDictionary[Problem, _MemoryModel]" = weakref.WeakKeyDictionary()
+_TIMES: "weakref.WeakKeyDictionary[Problem, tuple[float, dict]]" = weakref.WeakKeyDictionary()
+
+
+#: memory models by everything they read (:func:`_fingerprint`): one graph priced by several
+#: cost models shares one
+_SHARED: "weakref.WeakValueDictionary[tuple, _MemoryModel]" = weakref.WeakValueDictionary()
+
+
+def _memory_model(p: Problem) -> _MemoryModel:
+    m = _MEMORY.get(p)
+    if m is None:
+        key = _fingerprint(p)
+        m = _SHARED.get(key)
+        if m is None:
+            m = _MemoryModel(p)
+            if m.reason is None:
+                m.finish()
+            else:
+                logger.info("evaluator: the simulator judges every schedule of this graph: %s", m.reason)
+            _SHARED[key] = m
+        _MEMORY[p] = m
+    return m
+
+
+def _fingerprint(p: Problem) -> tuple:
+    """Everything a memory model reads of a problem: problems with equal fingerprints (one
+    graph priced by several cost models) have equal peaks under every schedule."""
+    st = _static(p)
+    return (p.seq, tuple(sorted((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
+                                for n, a in p.dag.nodes(data=True))),
+            tuple((m, c.key, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue, c.folded_cast,
+                   c.ready, c.needed, c.movable) for m, c in p.colls.items()),
+            tuple(sorted(st.mem_owner.items())), tuple(sorted(st.trk_owner.items())),
+            tuple(sorted(st.mem_uses.items())), tuple(sorted(st.trk_uses.items())),
+            st.mem_never_free, st.trk_never_free, st.inputs)
+
+
+class Evaluator:
+    """Exact, fast evaluation of schedules of one problem (module docstring). The first one
+    built for a problem analyses its memory (cached per problem); later ones are cheap.
+
+    Attributes:
+        fast: False when the evaluator cannot place every storage of the graph exactly; then
+            every evaluation is the simulator's (``reason`` says why).
+        fallbacks: schedules handed to the simulator so far (failed cheap checks or not fast).
+    """
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.memory = _memory_model(problem)
+        self.timeline = _Timeline(problem)
+        self.fallbacks = 0
+        self.after = _collective_dependencies(problem)
+        self.involved = {m for c, _, d in self.after for m in (c, d)}
+        if not self.memory.checked:
+            self.memory.checked = True
+            if self.memory.reason is None:
+                self._canary()
+        self.fast = self.memory.reason is None
+        self.reason = self.memory.reason
+
+    def _canary(self) -> None:
+        """Once per memory model: the traced schedule and one with merged buckets, evaluated
+        and simulated. A difference means the simulator's rules changed in a way the static
+        data do not show (:func:`_bucket_ops` no longer mirrors it): every schedule is then
+        simulated, and the warning asks for the evaluator to be brought up to date."""
+        p = self.problem
+        for name, schedule in (("traced", p.traced_schedule()), ("merged", _merged_schedule(p))):
+            if schedule is None:
+                continue
+            try:
+                sim = validate_schedule(p, schedule)
+            except ScheduleInvalidError:
+                continue
+            self.fast = True
+            plan = self.plan(schedule)
+            found = self.peaks(plan)
+            if found is not None and found != (sim.peak_bytes, sim.tracker_peak_bytes):
+                self.memory.reason = (f"the evaluator's peaks {found} differ from the simulator's "
+                                      f"{(sim.peak_bytes, sim.tracker_peak_bytes)} on the {name} schedule")
+                logger.warning("evaluator: %s; every schedule of this graph is simulated (solvers/core/evaluate.py "
+                               "no longer mirrors the simulator's rules)", self.memory.reason)
+                return
+
+    # -- plans ---------------------------------------------------------------------------
+    def plan(self, schedule: Schedule) -> Plan:
+        """``schedule`` read into a :class:`Plan` (one pass over its steps)."""
+        steps = schedule.steps
+        idx = [k for k, s in enumerate(steps) if s.kind != "node"]
+        ops = tuple((steps[k].kind == "issue", steps[k].ref, k - j) for j, k in enumerate(idx))
+        members = tuple(b.members for b in schedule.buckets)
+        templates = self._check(members, ops) if len(steps) - len(idx) == self.problem.n else None
+        return Plan(members, ops, templates is not None, schedule=schedule, templates=templates or (),
+                    model=self.memory)
+
+    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]]) -> Plan:
+        """The :class:`Plan` of the schedule :func:`solvers.periodic.from_entries` builds from
+        ``(bucket, issue gap, wait gap)`` entries, without building it: buckets sorted by
+        (issue gap, need, ready, traced issue, members) of their first member; in a gap, the
+        waits of buckets issued earlier, then the issues, then the waits of buckets issued
+        there (:meth:`Schedule.from_positions`).
+
+        Raises:
+            ValueError: a bucket's gaps are not ``0 <= issue <= wait <= n``.
+        """
+        colls = self.problem.colls
+        n = self.problem.n
+
+        def chain_key(e):
+            c = colls[e[0].members[0]]
+            return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
+
+        ordered = sorted(entries, key=chain_key)
+        keys = []
+        for b, (bk, i, w) in enumerate(ordered):
+            if not (0 <= i <= w <= n):
+                raise ValueError(f"bucket {b}: need 0 <= issue_at ({i}) <= wait_at ({w}) <= {n}")
+            keys.append((i, 1, b, True))
+            keys.append((w, 0 if i < w else 2, b, False))
+        keys.sort()
+        ops = tuple((is_issue, b, gap) for gap, _, b, is_issue in keys)
+        members = tuple(e[0].members for e in ordered)
+        templates = self._check(members, ops)
+        return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
+                    model=self.memory)
+
+    def _check(self, members: tuple[tuple[str, ...], ...], ops) -> tuple[_Template, ...] | None:
+        """The cheap part of validity (module docstring): the buckets' templates, or None when
+        the simulator must judge the schedule."""
+        if not self.fast:
+            return None
+        colls = self.problem.colls
+        names = set().union(*members) if members else set()
+        if sum(map(len, members)) != len(colls) or len(names) != len(colls) or not names <= colls.keys():
+            return None
+        nb = len(members)
+        issued = [-1] * nb
+        waited = [-1] * nb
+        for is_issue, b, gap in ops:
+            if b.__class__ is not int or not 0 <= b < nb:
+                return None
+            if is_issue:
+                if issued[b] >= 0:
+                    return None
+                issued[b] = gap
+            else:
+                if issued[b] < 0 or waited[b] >= 0:
+                    return None
+                waited[b] = gap
+        if self.after and not self._ordered(members, ops):
+            return None
+        cache = self.memory.templates
+        template = self.memory.template
+        out = []
+        for b, ms in enumerate(members):
+            t = cache.get(ms) or template(ms)
+            if not t.valid or waited[b] < 0 or issued[b] < t.lo or waited[b] > t.hi:
+                return None
+            out.append(t)
+        return tuple(out)
+
+    def _ordered(self, members: tuple[tuple[str, ...], ...], ops) -> bool:
+        """A collective that reads another's result (kept alone, where traced: such
+        collectives do not move) is issued (or waited) after that one's wait."""
+        involved = self.involved
+        bucket = {ms[0]: b for b, ms in enumerate(members) if ms[0] in involved}
+        step: dict[tuple[int, int], int] = {}
+        for k, (is_issue, b, _) in enumerate(ops):
+            step[(b, _ISSUE if is_issue else _WAIT)] = k
+        for c, anchor, d in self.after:
+            if c not in bucket or d not in bucket or step[(bucket[c], anchor)] < step[(bucket[d], _WAIT)]:
+                return False  # merged (a fixed collective may not be) or in the wrong order
+        return True
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, schedule: Schedule | Plan) -> Evaluation:
+        """The :class:`Evaluation` of a schedule (or of a :class:`Plan` of it); the same numbers
+        as :func:`simulate` for a valid schedule (module docstring).
+
+        Raises:
+            ScheduleInvalidError: as :func:`simulate` does (a bucket never waited, or waited
+                before it is issued).
+        """
+        plan = schedule if isinstance(schedule, Plan) else self.plan(schedule)
+        peaks = self.peaks(plan)
+        if peaks is None:
+            return self._simulated(plan)
+        return self.timed(plan, peaks)
+
+    def peaks(self, plan: Plan) -> tuple[int, int] | None:
+        """(peak_bytes, tracker_peak_bytes) of the plan; None when the simulator must judge it."""
+        if not (self.fast and plan.fast):
+            return None
+        if plan.model is self.memory:
+            return self.memory.peaks(plan, plan.templates)
+        template = self.memory.template
+        return self.memory.peaks(plan, [template(m) for m in plan.members])
+
+    def timed(self, plan: Plan, peaks: tuple[int, int]) -> Evaluation:
+        """The evaluation of a plan whose peaks are known (they are the same under every cost
+        model of one graph)."""
+        step, compute, exposed, comm = self.timeline.run(plan)
+        return Evaluation(step_ms=step, compute_ms=compute, exposed_comm_ms=exposed, comm_ms=comm,
+                          peak_bytes=peaks[0], tracker_peak_bytes=peaks[1], n_collectives=len(plan.members))
+
+    def _simulated(self, plan: Plan) -> Evaluation:
+        self.fallbacks += 1
+        p = self.problem
+        return Evaluation.of(simulate(p.dag, plan.to_schedule(p), problem=p))
+
+
+def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
+    """``(c, anchor, d)``: collective ``c``'s issue (its prologue, itself) or wait reads the
+    result of collective ``d`` (its wait or an epilogue), so runs after ``d``'s wait. The
+    windows do not say it (they count compute nodes only)."""
+    result_of = {}
+    for name, c in p.colls.items():
+        for node in (c.wait, *c.epilogue):
+            result_of[node] = name
+    out = []
+    for name, c in p.colls.items():
+        for anchor, readers in ((_ISSUE, (*c.prologue, name)), (_WAIT, (c.wait,))):
+            for r in readers:
+                for u in p.dag.predecessors(r):
+                    d = result_of.get(u)
+                    if d is not None and d != name:
+                        out.append((name, anchor, d))
+    return tuple(out)
+
+
+def _merged_schedule(p: Problem) -> Schedule | None:
+    """Consecutive pairs of each chain merged where their windows meet, issued at the window's
+    start and waited at its end; everything else alone where traced (None: nothing to merge)."""
+    buckets, issue, wait = [], [], []
+    paired: set[str] = set()
+    for chain in p.chains.values():
+        for a, b in zip(chain[::2], chain[1::2]):
+            lo = max(p.colls[a].ready, p.colls[b].ready)
+            hi = min(p.colls[a].needed, p.colls[b].needed)
+            if lo <= hi:
+                buckets.append(Bucket((a, b)))
+                issue.append(lo)
+                wait.append(hi)
+                paired.update((a, b))
+    if not paired:
+        return None
+    for m, c in p.colls.items():
+        if m not in paired:
+            buckets.append(Bucket((m,)))
+            issue.append(c.traced_issue)
+            wait.append(c.traced_wait)
+    return Schedule.from_positions(p.seq, buckets, issue, wait)
+
+
+def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
+    """``simulate(problem.dag, schedule, problem=problem)``'s numbers, fast (:class:`Evaluator`;
+    build one per problem to evaluate many schedules)."""
+    return Evaluator(problem).evaluate(schedule)
+
+
+class ModelEvaluator:
+    """One graph priced by several cost models (same nodes, collectives and bytes, other
+    runtimes): a schedule is read once, its memory counted once per distinct memory (once,
+    when the problems share their bytes), its timeline run per model.
+
+    Raises:
+        ValueError: no problem, or problems of different graphs (other compute nodes or
+            collectives, or other windows).
+    """
+
+    def __init__(self, problems: Mapping[str, Problem]):
+        if not problems:
+            raise ValueError("ModelEvaluator needs at least one cost model's problem")
+        self.labels = list(problems)
+        self.evaluators = {label: Evaluator(p) for label, p in problems.items()}
+        first = self.evaluators[self.labels[0]]
+        self.first = first
+        shape = _shape(first.problem)
+        for label, e in self.evaluators.items():
+            if _shape(e.problem) != shape:
+                raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
+                                 "price the same export")
+        # problems with equal memory share one memory model: its peaks are counted once, for the
+        # first of them
+        self.memory_of: dict[str, str] = {}
+        first_of: dict[int, str] = {}
+        for label, e in self.evaluators.items():
+            self.memory_of[label] = first_of.setdefault(id(e.memory), label) if e.fast else label
+
+    def plan(self, schedule: Schedule) -> Plan:
+        return self.first.plan(schedule)
+
+    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]]) -> Plan:
+        return self.first.plan_entries(entries)
+
+    def evaluate(self, schedule: Schedule | Plan, labels: Sequence[str] | None = None) -> dict[str, Evaluation]:
+        """Label -> the :class:`Evaluation` of ``schedule`` under that model (``labels``: only
+        those, in that order)."""
+        plan = schedule if isinstance(schedule, Plan) else self.plan(schedule)
+        evals = self.lazy(plan)
+        return {label: evals(label) for label in (labels or self.labels)}
+
+    def lazy(self, plan: Plan):
+        """A function label -> the :class:`Evaluation` of ``plan`` under that model, each
+        memory count made at most once (for a search that stops at the first model that rules
+        a schedule out)."""
+        peaks: dict[str, tuple[int, int] | None] = {}
+
+        def one(label: str) -> Evaluation:
+            e = self.evaluators[label]
+            source = self.memory_of[label]
+            if source not in peaks:
+                peaks[source] = self.evaluators[source].peaks(plan)
+            found = peaks[source]
+            return e._simulated(plan) if found is None else e.timed(plan, found)
+
+        return one
+
+
+def _shape(p: Problem) -> tuple:
+    """What makes two problems the same graph for one plan: the compute sequence and the
+    collectives with their windows."""
+    return (p.seq, tuple((m, c.ready, c.needed, c.movable, c.key, c.traced_issue) for m, c in p.colls.items()))

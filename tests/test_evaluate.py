@@ -1,0 +1,556 @@
+"""The fast evaluator (solvers/core/evaluate.py) gives the simulator's numbers.
+
+Every schedule here is valid (``validate_schedule`` accepts it, and returns the simulation the
+evaluator is compared with): step time within 1e-9 relative (in practice the same float), both
+peak counts to the byte, on
+
+- every heuristic's schedule and random valid schedules (random merges of consecutive chain
+  members, random issue and wait gaps inside the windows, random payload order) of synthetic
+  FSDP DAGs (hypothesis), llama3-debug's forward and backward, the foreign styles of
+  ``tests/foreign_models.py``, and graphs re-exported after a write-back (merged all-gathers
+  already in the graph: ``all_gather_into_tensor_out``);
+- the neighbours the minimax polish generates, read from entries without building them;
+- one schedule under two cost models of one graph (memory counted once).
+
+The fast path must be the one taken on those graphs (``Evaluator.fast``, ``Plan.fast``): a
+fallback to the simulator would make the equality trivial. Where the evaluator cannot place a
+storage, or the simulator's static data disagree with its rules, it falls back and the numbers
+are still the simulator's. The minimax polish gives the same result with the evaluator as with
+every evaluation forced through the simulator.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.synthetic import DagBuilder, make_fsdp_dag
+from solvers import solve
+from solvers.core import simulator
+from solvers.core.evaluate import Evaluator, ModelEvaluator
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, Schedule
+from solvers.core.simulator import ScheduleInvalidError, simulate
+from solvers.core.validator import validate_schedule
+from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, window
+from solvers.minimax import MinimaxConfig, _entries, _neighbours, polish, reference_times, regrouped_starts
+from solvers.periodic import chain_ordered, from_entries
+
+HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
+REL = 1e-9
+
+
+def assert_same(sim, ev) -> None:
+    """The evaluation ``ev`` carries the simulation ``sim``'s numbers."""
+    scale = max(1.0, abs(sim.step_ms))
+    assert abs(ev.step_ms - sim.step_ms) <= REL * scale
+    assert abs(ev.exposed_comm_ms - sim.exposed_comm_ms) <= REL * scale
+    assert abs(ev.compute_ms - sim.compute_ms) <= REL * scale
+    assert ev.comm_ms.keys() == sim.comm_ms.keys()
+    assert all(abs(ev.comm_ms[g] - sim.comm_ms[g]) <= REL * scale for g in sim.comm_ms)
+    assert ev.peak_bytes == sim.peak_bytes
+    assert ev.tracker_peak_bytes == sim.tracker_peak_bytes
+    assert ev.max_peak_bytes == sim.max_peak_bytes
+    assert ev.n_collectives == sim.n_collectives
+
+
+def check(ev: Evaluator, schedule: Schedule) -> None:
+    """``schedule`` is valid, evaluated on the fast path, with the simulator's numbers."""
+    sim = validate_schedule(ev.problem, schedule)
+    plan = ev.plan(schedule)
+    assert plan.fast
+    assert_same(sim, ev.evaluate(plan))
+
+
+def heuristic_schedules(problem: Problem) -> list[Schedule]:
+    return [solve(problem, solver=h).schedule for h in HEURISTICS]
+
+
+def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
+    """A random valid schedule: chains cut into random runs (split where windows do not meet),
+    members in random payload order now and then, issue and wait gaps anywhere in the window
+    (often at its ends), waits first or last in their gap."""
+    plan = list(fixed_buckets(problem))
+    keep = rng.random()
+    for chain in problem.chains.values():
+        runs: list[list[str]] = [[]]
+        for m in chain:
+            if runs[-1] and rng.random() > keep:
+                runs.append([])
+            runs[-1].append(m)
+        for run in runs:
+            for piece in split_feasible(problem, run):
+                lo, hi = window(problem, piece)
+                issue = rng.choice([lo, hi, rng.randint(lo, hi)])
+                wait = rng.choice([issue, hi, rng.randint(issue, hi)])
+                members = list(piece)
+                if rng.random() < 0.2:
+                    rng.shuffle(members)
+                plan.append(PlannedBucket(tuple(members), issue, wait, wait_first=rng.random() < 0.5))
+    return schedule_from_plan(problem, plan)
+
+
+@st.composite
+def schedules(draw, problem: Problem) -> Schedule:
+    """The hypothesis form of :func:`random_schedule`: every cut, gap and order drawn."""
+    plan = list(fixed_buckets(problem))
+    for chain in problem.chains.values():
+        runs: list[list[str]] = [[]]
+        for m in chain:
+            if runs[-1] and draw(st.booleans()):
+                runs.append([])
+            runs[-1].append(m)
+        for run in runs:
+            for piece in split_feasible(problem, run):
+                lo, hi = window(problem, piece)
+                issue = draw(st.integers(lo, hi))
+                wait = draw(st.integers(issue, hi))
+                members = tuple(draw(st.permutations(piece))) if len(piece) > 1 else tuple(piece)
+                plan.append(PlannedBucket(members, issue, wait, wait_first=draw(st.booleans())))
+    return schedule_from_plan(problem, plan)
+
+
+SYNTHETIC = [
+    dict(graph_kind="forward"),
+    dict(graph_kind="backward"),
+    dict(graph_kind="forward", reshard_after_forward=True, seed=1),
+    dict(graph_kind="backward", reshard_after_forward=True, seed=2),
+    dict(graph_kind="backward", n_groups=2, seed=3),
+    dict(graph_kind="forward", param_dtype="float32", n_groups=2),
+    dict(graph_kind="backward", with_embeddings=False, params_per_layer=2, seed=4),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# synthetic DAGs
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", SYNTHETIC, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_heuristics_and_random_schedules_of_synthetic_dags(kw):
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=4, **kw))
+    ev = Evaluator(problem)
+    assert ev.fast
+    rng = random.Random(0)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(30)]:
+        check(ev, schedule)
+    assert ev.fallbacks == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_hypothesis_random_schedules(data):
+    dag = make_fsdp_dag(
+        n_layers=data.draw(st.integers(1, 4)),
+        params_per_layer=data.draw(st.integers(1, 4)),
+        param_bytes=data.draw(st.sampled_from([1 << 16, 1 << 20, 16 << 20])),
+        compute_ms_per_node=data.draw(st.sampled_from([0.05, 0.5, 2.0])),
+        graph_kind=data.draw(st.sampled_from(["forward", "backward"])),
+        reshard_after_forward=data.draw(st.booleans()),
+        n_groups=data.draw(st.integers(1, 2)),
+        seed=data.draw(st.integers(0, 10_000)),
+        param_dtype=data.draw(st.sampled_from(["bfloat16", "float32"])),
+    )
+    problem = Problem.from_dag(dag)
+    check(Evaluator(problem), data.draw(schedules(problem)))
+
+
+def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.Random) -> int:
+    """The polish's neighbours of ``start``, read from entries: the same plan as the schedule
+    ``from_entries`` builds, and its simulation's numbers. Returns how many were checked."""
+    ev = Evaluator(problem)
+    moves = _neighbours(problem, _entries(start), MinimaxConfig())
+    rng.shuffle(moves)
+    checked = 0
+    for entries in moves[:limit]:
+        ordered = chain_ordered(problem, entries)
+        if ordered is None:
+            continue
+        built = from_entries(problem, ordered)
+        plan = ev.plan_entries(ordered)
+        read = ev.plan(built)
+        assert (plan.members, plan.steps, plan.fast) == (read.members, read.steps, read.fast)
+        assert plan.to_schedule(problem).digest() == built.digest()
+        assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(plan))
+        checked += 1
+    return checked
+
+
+def _consumed_results_dag(n: int = 5):
+    """Reduce-scatter results read by compute nodes, not the output: freed at a fixed node,
+    or (torch's tracker, merged bucket) at the last reader of any member's result. Each
+    gradient is also read by the next compute node, inside its reduce-scatter's window: freed by
+    whichever of the two runs later.
+
+        x -> grad_i (4 MiB) -> act_i -> ... ;  grad_i -> rs_i -> wait_i -> use_i (after every act)
+    """
+    b = DagBuilder("consumed", graph_kind="backward")
+    prev = b.add_input("x", size_bytes=1 << 20)
+    waits = []
+    for i in range(n):
+        grad = b.add_compute(f"grad_{i}", prev, size_bytes=4 << 20, runtime_ms=0.5)
+        prev = b.add_compute(f"act_{i}", grad, size_bytes=1 << 20, runtime_ms=0.3)
+        waits.append(b.add_collective(f"rs_{i}", grad, coll_type="reduce_scatter", fqn=f"layers.{i}.w.weight",
+                                      param_index=i))
+    uses = [b.add_compute(f"use_{i}", w, size_bytes=1 << 18, runtime_ms=0.2) for i, w in enumerate(waits)]
+    b.add_output(prev, *uses)
+    return b.build()
+
+
+def test_results_freed_at_compute_nodes():
+    problem = Problem.from_dag(_consumed_results_dag())
+    ev = Evaluator(problem)
+    assert ev.fast
+    rng = random.Random(8)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(60)]:
+        check(ev, schedule)
+    # the frees at fixed nodes that depend on the bucketing, and those at whichever of a node
+    # and a step runs later, were met
+    assert any(t.node for t in ev.memory.templates.values())
+    assert ev.memory.floating
+    assert neighbour_checks(problem, solve(problem, solver="fsdp2").schedule, 60, rng) > 0
+
+
+def _random_program(rng: random.Random):
+    """A random program of compute nodes, views, all-gathers of pinned shards (with or without
+    a cast) and reduce-scatters of computed values, each value read by zero to three later
+    nodes or collectives; some results reach the output, others are read by compute nodes.
+    Collectives that read another's result are kept where traced."""
+    b = DagBuilder("random", graph_kind="backward")
+    live = [b.add_input("x", size_bytes=rng.choice([1 << 16, 1 << 20]))]
+    k = 0
+    for i in range(rng.randint(6, 18)):
+        r = rng.random()
+        if r < 0.25:
+            shard = b.add_input(f"w{i}", size_bytes=rng.choice([1 << 12, 1 << 16]), releasable=False)
+            live.append(b.add_collective(f"ag{i}", shard, fqn=f"layers.{k}.w{i}.weight", param_index=i,
+                                         cast=rng.random() < 0.5))
+            k += rng.random() < 0.4
+        elif r < 0.45:
+            src = rng.choice(live)
+            live.append(b.add_collective(f"rs{i}", src, coll_type="reduce_scatter", fqn=f"layers.{k}.g{i}.weight",
+                                         param_index=100 + i))
+        elif r < 0.55:
+            live.append(b.add_view(f"v{i}", rng.choice(live)))
+        else:
+            ins = rng.sample(live, min(len(live), rng.randint(1, 2)))
+            live.append(b.add_compute(f"op{i}", *ins, size_bytes=rng.choice([0, 1 << 14, 1 << 18, 1 << 20]),
+                                      runtime_ms=rng.choice([0.01, 0.2, 1.0])))
+        if len(live) > 4 and rng.random() < 0.3:
+            live.pop(rng.randrange(len(live) - 1))  # no longer read (by what follows)
+    b.add_compute("last", *live[-2:], size_bytes=1 << 10, runtime_ms=0.1)
+    b.add_output("last", *rng.sample(live, min(len(live), 2)))
+    return b.build()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_programs(seed):
+    """Random programs: where the evaluator takes the fast path its numbers are the simulator's
+    on random valid schedules; where it falls back, they are too. The polish's neighbours too,
+    read from entries, valid or not (a fixed collective issued in the gap of the wait it reads,
+    before that wait, is no valid schedule: the checks send it to the simulator)."""
+    rng = random.Random(seed)
+    problem = Problem.from_dag(_random_program(rng))
+    ev = Evaluator(problem)
+    schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(8)]
+    for schedule in schedules:
+        assert_same(validate_schedule(problem, schedule), ev.evaluate(schedule))
+    for entries in _neighbours(problem, _entries(schedules[-1]), MinimaxConfig())[:15]:
+        ordered = chain_ordered(problem, entries)
+        if ordered is not None:
+            built = from_entries(problem, ordered)
+            assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(ev.plan_entries(ordered)))
+
+
+def test_random_programs_take_the_fast_path():
+    """Most random programs are covered by the fast path (the property above is not vacuous)."""
+    fast = sum(Evaluator(Problem.from_dag(_random_program(random.Random(s)))).fast for s in range(40))
+    assert fast >= 30
+
+
+def test_minimax_neighbours_read_from_entries():
+    rng = random.Random(1)
+    for kw in SYNTHETIC:
+        problem = Problem.from_dag(make_fsdp_dag(n_layers=3, **kw))
+        starts = (solve(problem, solver="fsdp2").schedule, random_schedule(problem, rng))
+        assert sum(neighbour_checks(problem, start, 40, rng) for start in starts) > 0
+
+
+def test_two_cost_models_share_one_memory_count():
+    """One graph priced twice: the memory of a schedule is counted once for both, each
+    timeline is its own model's, and both equal the simulator under that model."""
+    slow, fast = (Problem.from_dag(make_fsdp_dag(n_layers=4, graph_kind="backward", seed=5, world_size=64,
+                                                 cluster=_cluster(gbps))) for gbps in (25.0, 400.0))
+    both = ModelEvaluator({"slow": slow, "fast": fast})
+    assert both.memory_of == {"slow": "slow", "fast": "slow"}
+    rng = random.Random(2)
+    differ = 0
+    for schedule in heuristic_schedules(slow) + [random_schedule(slow, rng) for _ in range(10)]:
+        evals = both.evaluate(schedule)
+        for label, p in (("slow", slow), ("fast", fast)):
+            assert_same(simulate(p.dag, schedule, problem=p), evals[label])
+        differ += evals["slow"].step_ms != evals["fast"].step_ms
+    assert differ > 0
+
+
+def _cluster(inter_node_gbps: float):
+    from scheduler.costs import Cluster
+
+    return Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps)
+
+
+def test_model_evaluator_refuses_problems_of_other_graphs():
+    a = Problem.from_dag(make_fsdp_dag(n_layers=2, graph_kind="forward"))
+    b = Problem.from_dag(make_fsdp_dag(n_layers=3, graph_kind="forward"))
+    with pytest.raises(ValueError, match="same graph"):
+        ModelEvaluator({"a": a, "b": b})
+    with pytest.raises(ValueError):
+        ModelEvaluator({})
+
+
+# --------------------------------------------------------------------------------------------
+# schedules the fast path does not take, graphs it does not cover: still the simulator's numbers
+# --------------------------------------------------------------------------------------------
+def test_schedule_outside_its_window_gets_the_simulators_numbers():
+    """A reduce-scatter issued before its gradient exists is no valid schedule; the cheap check
+    sends it to the simulator, so the numbers stay the simulator's."""
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=3, graph_kind="backward"))
+    rs = next(c for c in problem.colls.values() if c.coll_type == "reduce_scatter" and c.ready > 0)
+    entries = [(b, i, w) for b, i, w in _entries(problem.traced_schedule()) if b.members != (rs.name,)]
+    early = from_entries(problem, entries + [(Bucket((rs.name,)), 0, rs.ready)])
+    ev = Evaluator(problem)
+    assert not ev.plan(early).fast
+    assert_same(simulate(problem.dag, early, problem=problem), ev.evaluate(early))
+    assert ev.fallbacks == 1
+
+
+def test_wait_before_issue_is_refused_as_by_the_simulator():
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=2, graph_kind="forward"))
+    traced = problem.traced_schedule()
+    steps = list(traced.steps)
+    k = next(i for i, s in enumerate(steps) if s.kind == "issue")
+    w = next(i for i, s in enumerate(steps) if s.kind == "wait" and s.ref == steps[k].ref)
+    steps[k], steps[w] = steps[w], steps[k]
+    bad = Schedule(traced.buckets, tuple(steps))
+    with pytest.raises(ScheduleInvalidError):
+        simulate(problem.dag, bad, problem=problem)
+    with pytest.raises(ScheduleInvalidError):
+        Evaluator(problem).evaluate(bad)
+
+
+def _shared_input_dag():
+    """One cast read by two all-gathers: whichever of them runs last frees it.
+
+        x (releasable) -> y = cast(x) -> ag_a(y), ag_b(y) -> mm_a, mm_b -> output
+    """
+    b = DagBuilder("shared", graph_kind="forward")
+    b.add_input("x", size_bytes=1 << 20)
+    b.add_input("h", size_bytes=1 << 16, releasable=False)
+    y = b.add_compute("y", "x", size_bytes=1 << 20, runtime_ms=0.1)
+    b.add_compute("pad", "h", size_bytes=1 << 16, runtime_ms=0.5)
+    wa = b.add_collective("ag_a", y, fqn="layers.0.a.weight", param_index=0)
+    wb = b.add_collective("ag_b", y, fqn="layers.0.b.weight", param_index=1)
+    ma = b.add_compute("mm_a", "pad", wa, size_bytes=1 << 16, runtime_ms=1.0)
+    mb = b.add_compute("mm_b", ma, wb, size_bytes=1 << 16, runtime_ms=1.0)
+    b.add_output(mb)
+    return b.build()
+
+
+def test_storage_read_by_two_collectives():
+    problem = Problem.from_dag(_shared_input_dag())
+    ev = Evaluator(problem)
+    assert ev.fast and ev.memory.floating
+    rng = random.Random(3)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(30)]:
+        check(ev, schedule)
+
+
+def _result_read_by_a_collective_dag():
+    """A reduce-scatter's result, through a view, reduce-scattered again: torch's tracker
+    counts the first result under its bucket's wait result when it is merged, which the second
+    collective's release would have to follow.
+
+        g0, g1 -> rs0, rs1 ; view(wait(rs0)) -> rs2 -> output
+    """
+    b = DagBuilder("chained", graph_kind="backward")
+    x = b.add_input("x", size_bytes=1 << 20)
+    g0 = b.add_compute("g0", x, size_bytes=1 << 20, runtime_ms=0.5)
+    g1 = b.add_compute("g1", g0, size_bytes=1 << 20, runtime_ms=0.5)
+    w0 = b.add_collective("rs0", g0, coll_type="reduce_scatter", fqn="layers.0.a.weight", param_index=0)
+    w1 = b.add_collective("rs1", g1, coll_type="reduce_scatter", fqn="layers.0.b.weight", param_index=1)
+    v = b.add_view("v", w0)
+    w2 = b.add_collective("rs2", v, coll_type="reduce_scatter", fqn="layers.1.c.weight", param_index=2)
+    b.add_compute("tail", g1, size_bytes=1 << 10, runtime_ms=0.3)
+    b.add_output("tail", w1, w2)
+    return b.build()
+
+
+def test_unplaceable_storage_falls_back_to_the_simulator():
+    problem = Problem.from_dag(_result_read_by_a_collective_dag())
+    ev = Evaluator(problem)
+    assert not ev.fast and ev.reason
+    rng = random.Random(3)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(10)]:
+        assert_same(validate_schedule(problem, schedule), ev.evaluate(schedule))
+
+
+def test_rules_out_of_step_with_the_static_data_fall_back():
+    """Where the simulator's uses of a storage are not the releases the evaluator's rules make
+    (the simulator's rules changed under it), the evaluator does not guess."""
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=2, graph_kind="backward"))
+    st = simulator._static(problem)
+    key = next(k for k, n in st.mem_uses.items() if n and k not in st.mem_never_free)
+    simulator._STATIC[problem] = dataclasses.replace(st, mem_uses={**st.mem_uses, key: st.mem_uses[key] + 1})
+    ev = Evaluator(problem)
+    assert not ev.fast
+    for schedule in heuristic_schedules(problem):
+        assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
+
+
+def test_a_rule_change_the_static_data_do_not_show_falls_back(monkeypatch):
+    """A simulator whose compute nodes also allocate a scratch storage that is never freed
+    (its uses unchanged): the evaluator's first comparison with the simulator sees it, and
+    every schedule is simulated."""
+    original = simulator._Simulator._run_node
+
+    def with_scratch(self, k, name):
+        original(self, k, name)
+        self.mem.alloc(f"scratch:{name}", 4096)
+
+    monkeypatch.setattr(simulator._Simulator, "_run_node", with_scratch)
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=3, params_per_layer=3, graph_kind="backward", seed=77))
+    ev = Evaluator(problem)
+    assert not ev.fast and ev.reason
+    for schedule in heuristic_schedules(problem):
+        assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
+
+
+# --------------------------------------------------------------------------------------------
+# captured graphs: llama3-debug, the foreign styles, written graphs re-exported
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_debug():
+    from conftest import capture_llama_debug
+
+    return capture_llama_debug(n_layers=2)
+
+
+def _export(gm, **kw):
+    from models.capture import fake_process_group
+    from scheduler import export_dag
+
+    with fake_process_group(4):
+        return export_dag(gm, **kw)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_llama_debug(llama_debug, kind):
+    problem = Problem.from_dag(_export(getattr(llama_debug, kind)))
+    ev = Evaluator(problem)
+    assert ev.fast
+    rng = random.Random(4)
+    for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(40)]:
+        check(ev, schedule)
+    assert neighbour_checks(problem, solve(problem, solver="fsdp2").schedule, 60, rng) > 0
+    assert neighbour_checks(problem, random_schedule(problem, rng), 60, rng) > 0
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_llama_debug_under_two_cost_models(llama_debug, kind):
+    """The same graph exported with the analytic model and torch's estimators."""
+    gm = getattr(llama_debug, kind)
+    problems = {cm: Problem.from_dag(_export(gm, cost_model=cm)) for cm in ("analytic", "torch")}
+    both = ModelEvaluator(problems)
+    assert both.memory_of == {"analytic": "analytic", "torch": "analytic"}
+    rng = random.Random(5)
+    p0 = problems["analytic"]
+    for schedule in heuristic_schedules(p0) + [random_schedule(p0, rng) for _ in range(15)]:
+        evals = both.evaluate(schedule)
+        for label, p in problems.items():
+            assert_same(simulate(p.dag, schedule, problem=p), evals[label])
+    assert all(e.fallbacks == 0 for e in both.evaluators.values())
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("heuristic", ["fsdp2", "simplefsdp"])
+def test_written_graphs_reexported(llama_debug, kind, heuristic):
+    """A graph written back with merged buckets: its all-gathers write into bucket buffers
+    (``all_gather_into_tensor_out``, no bytes of their own)."""
+    from models.capture import fake_process_group
+    from scheduler import export_dag
+    from scheduler.writeback import apply_schedule
+
+    gm = copy.deepcopy(getattr(llama_debug, kind))
+    with fake_process_group(4):
+        problem = Problem.from_dag(export_dag(gm))
+        apply_schedule(gm, problem, solve(problem, solver=heuristic).schedule)
+        again = Problem.from_dag(export_dag(gm))
+    if kind == "forward":
+        assert any(str(a["target"]).endswith("all_gather_into_tensor_out.default")
+                   for _, a in again.dag.nodes(data=True))
+    ev = Evaluator(again)
+    assert ev.fast
+    rng = random.Random(6)
+    for schedule in heuristic_schedules(again) + [random_schedule(again, rng) for _ in range(20)]:
+        check(ev, schedule)
+
+
+def _foreign_styles():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import foreign_models as fm
+
+    return fm
+
+
+@pytest.mark.parametrize("style", ["tied", "alternating", "sac", "tp", "fp32", "moe"])
+def test_foreign_styles(style):
+    fm = _foreign_styles()
+    captured = fm.capture(style, n_layers=2)
+    rng = random.Random(7)
+    for kind in ("forward", "backward"):
+        problem = Problem.from_dag(_export(getattr(captured, kind)))
+        ev = Evaluator(problem)
+        assert ev.fast
+        for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(15)]:
+            check(ev, schedule)
+
+
+# --------------------------------------------------------------------------------------------
+# the minimax polish: the same result as with every evaluation simulated
+# --------------------------------------------------------------------------------------------
+def _simulated_only(monkeypatch):
+    """Every evaluation of every evaluator goes to the simulator."""
+    monkeypatch.setattr(Evaluator, "peaks", lambda self, plan: None)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_polish_and_regrouped_starts_as_with_the_simulator(llama_debug, kind, monkeypatch):
+    gm = getattr(llama_debug, kind)
+    problems = {cm: Problem.from_dag(_export(gm, cost_model=cm)) for cm in ("analytic", "torch")}
+    p0 = problems["analytic"]
+    traced = simulate(p0.dag, p0.traced_schedule(), problem=p0)
+    budget = int(traced.max_peak_bytes * 1.3)
+    starts = [p0.traced_schedule(), solve(p0, solver="fsdp2").schedule]
+    reference = reference_times(problems, starts, budget)
+    config = MinimaxConfig(max_simulations=400, regroup_starts=2, regroup_refine=1)
+
+    def run():
+        out = []
+        for start in starts:
+            r = polish(problems, start, reference, budget, config)
+            out.append((r.schedule.digest(), r.simulations, r.moves, r.stopped, r.regret))
+        regrouped = regrouped_starts(problems, starts[1], reference, budget, config)
+        out.append([(r, s.digest(), regret) for r, s, regret in regrouped])
+        return out
+
+    fast = run()
+    _simulated_only(monkeypatch)
+    assert run() == fast
+    assert any(moves > 0 for _, _, moves, _, _ in fast[:2])
