@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from solvers.core.evaluate import Evaluation, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import (
     InfeasibleBudgetError,
@@ -131,10 +132,10 @@ class WindowBackend(Protocol):
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Evaluated:
-    """A schedule and its simulation under every model of the objective."""
+    """A schedule and its evaluation under every model of the objective."""
 
     schedule: Schedule
-    sims: dict[str, SimResult]
+    sims: dict[str, Evaluation]
     name: str = ""
 
     @property
@@ -166,19 +167,20 @@ class Objective:
                 raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
                                  "price the same export")
         self.mem_budget_bytes = mem_budget_bytes
+        self.evaluator = ModelEvaluator(self.problems)
         #: label -> the reference step time of the regret (the fastest start's), set by the starts
         self.reference_ms: dict[str, float] = {}
         self.evaluations = 0
 
     def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
-        """``schedule`` under every model; None when it is no valid schedule of the graph."""
-        sims = {}
-        for label, p in self.problems.items():
-            self.evaluations += 1
-            try:
-                sims[label] = simulate(p.dag, schedule, problem=p)
-            except (ScheduleInvalidError, ScheduleError, ValueError):
-                return None
+        """``schedule`` under every model (:class:`solvers.core.evaluate.ModelEvaluator`: the
+        simulator's numbers; memory once, a timeline per model); None when it is no valid
+        schedule of the graph."""
+        self.evaluations += 1
+        try:
+            sims = self.evaluator.evaluate(schedule)
+        except (ScheduleInvalidError, ScheduleError, ValueError):
+            return None
         return Evaluated(schedule, sims, name)
 
     def fits(self, e: Evaluated) -> bool:
@@ -348,7 +350,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
     spent = 0.0
     for _sweep in range(config.window_sweeps):
         improved = False
-        exposed = _exposed_by_collective(incumbent, objective.labels[0])
+        exposed = _exposed_by_collective(p, incumbent.schedule)
         load = {s0: sum(exposed.get(n, 0.0) for n in order[s0:s0 + k]) for s0 in offsets}
         for s0 in sorted((s0 for s0 in offsets if load[s0] > 0), key=lambda s0: (-load[s0], s0)):
             if spent + config.window_s > work_s + 1e-9:
@@ -384,9 +386,10 @@ def _bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
     return {m for b in {bucket_of[n] for n in names} for m in schedule.buckets[b].members}
 
 
-def _exposed_by_collective(e: Evaluated, label: str) -> dict[str, float]:
-    sim = e.sims[label]
-    return {m: sim.bucket_exposed_ms.get(b, 0.0) for b, bk in enumerate(e.schedule.buckets) for m in bk.members}
+def _exposed_by_collective(p: Problem, schedule: Schedule) -> dict[str, float]:
+    """Collective -> the time the compute stream waits for its bucket (ms, one simulation)."""
+    sim = simulate(p.dag, schedule, problem=p)
+    return {m: sim.bucket_exposed_ms.get(b, 0.0) for b, bk in enumerate(schedule.buckets) for m in bk.members}
 
 
 # --------------------------------------------------------------------------------------------

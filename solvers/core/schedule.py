@@ -171,8 +171,12 @@ class Schedule:
 
     def digest(self) -> str:
         """A stable hash of the schedule: equal on every rank iff the schedules are equal."""
-        payload = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(payload.encode()).hexdigest()
+        cached = self.__dict__.get("_digest")
+        if cached is None:  # a schedule never changes: hash it once
+            payload = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+            cached = hashlib.sha256(payload.encode()).hexdigest()
+            object.__setattr__(self, "_digest", cached)
+        return cached
 
     def bucket_of(self) -> dict[str, int]:
         """Map collective name -> index of its bucket."""
