@@ -63,8 +63,7 @@ from typing import Any
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step
-from solvers.core.simulator import ScheduleInvalidError, SimResult, _Static, _static, simulate
-from solvers.core.validator import validate_schedule
+from solvers.core.simulator import SimResult, _Static, _static, simulate
 
 logger = logging.getLogger(__name__)
 
@@ -913,13 +912,13 @@ def _fingerprint(p: Problem) -> tuple:
     """Everything a memory model reads of a problem: problems with equal fingerprints (one
     graph priced by several cost models) have equal peaks under every schedule."""
     st = _static(p)
-    return (p.seq, tuple(sorted((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
-                                for n, a in p.dag.nodes(data=True))),
+    # in the export's order: exports of one graph list it alike (another order only costs a share)
+    return (p.seq, tuple((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
+                         for n, a in p.dag.nodes(data=True)),
             tuple((m, c.key, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue, c.folded_cast,
                    c.ready, c.needed, c.movable) for m, c in p.colls.items()),
-            tuple(sorted(st.mem_owner.items())), tuple(sorted(st.trk_owner.items())),
-            tuple(sorted(st.mem_uses.items())), tuple(sorted(st.trk_uses.items())),
-            st.mem_never_free, st.trk_never_free, st.inputs)
+            tuple(st.mem_owner.items()), tuple(st.trk_owner.items()), tuple(st.mem_uses.items()),
+            tuple(st.trk_uses.items()), st.mem_never_free, st.trk_never_free, st.inputs)
 
 
 class Evaluator:
@@ -952,17 +951,16 @@ class Evaluator:
         data do not show (:func:`_bucket_ops` no longer mirrors it): every schedule is then
         simulated, and the warning asks for the evaluator to be brought up to date."""
         p = self.problem
+        self.fast = True
         for name, schedule in (("traced", p.traced_schedule()), ("merged", _merged_schedule(p))):
-            if schedule is None:
+            # the traced schedule is valid; the merged one where it passes the checks (its
+            # compute nodes run in order: Schedule.from_positions)
+            plan = None if schedule is None else self.plan(schedule)
+            found = None if plan is None else self.peaks(plan)
+            if found is None:
                 continue
-            try:
-                sim = validate_schedule(p, schedule)
-            except ScheduleInvalidError:
-                continue
-            self.fast = True
-            plan = self.plan(schedule)
-            found = self.peaks(plan)
-            if found is not None and found != (sim.peak_bytes, sim.tracker_peak_bytes):
+            sim = simulate(p.dag, schedule, problem=p)
+            if found != (sim.peak_bytes, sim.tracker_peak_bytes):
                 self.memory.reason = (f"the evaluator's peaks {found} differ from the simulator's "
                                       f"{(sim.peak_bytes, sim.tracker_peak_bytes)} on the {name} schedule")
                 logger.warning("evaluator: %s; every schedule of this graph is simulated (solvers/core/evaluate.py "
