@@ -26,6 +26,11 @@ Models here:
 :func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`,
 ``"table:PATH"`` / ``"profile:PATH"``, or an object) into a model.
 
+Topology: a process group is priced by the nodes its ranks span (:meth:`GroupInfo.n_nodes`:
+from the group's real ranks, recorded at export from the initialised process group, and the
+cluster's GPUs per node; else ``ceil(size / gpus_per_node)``), never by its size alone, in
+every model here (torch's NCCL estimator included, :func:`torch_nccl_topology`).
+
 Models that price some nodes from data and leave the rest to a fallback say which
 (``compute_matched(attrs, fx_node)``, ``collective_matched(coll_type, group)``);
 :func:`annotate_costs` then records ``dag.graph["cost_coverage"]``: the share of compute time
@@ -284,8 +289,16 @@ class TorchCostModel:
       read of the destination.
 
     Collectives: ``torch._inductor.comm_analysis.estimate_nccl_collective_runtime_impl`` (min over
-    ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster.
-    Its ``bytes`` argument is input + output bytes, so it is given exactly that.
+    ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster
+    and the GPU generation of the cluster's GPU (:data:`TORCH_GPU_GENERATION`; torch detects
+    it from CUDA, and without one assumes Ampere). Its ``bytes`` argument is input + output
+    bytes, so it is given exactly that. torch counts a group's nodes from its size alone
+    (``ceil(size / gpus_per_node)``, 8 GPUs per node without CUDA), so a dp group strided
+    across the nodes of a dp x tp mesh would be priced as one NVLink node: the estimate is
+    made with torch's GPUs per node set to the group's ranks per node
+    (``ceil(size / nodes)``, ``nodes`` from the group's real ranks, :meth:`GroupInfo.n_nodes`),
+    so that torch sees the nodes the group spans and prices the network hops, bandwidth and
+    protocols of that many nodes.
     Bucket copies (:meth:`copy_ms`): torch's transfer time of reading and writing the bytes.
     """
 
@@ -333,9 +346,7 @@ class TorchCostModel:
         return stack
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
-        from unittest import mock
-
-        from torch._inductor import comm_analysis, config
+        from torch._inductor import comm_analysis
 
         colls = {
             "all_gather": "ALL_GATHER",
@@ -352,9 +363,7 @@ class TorchCostModel:
             nbytes = payload_bytes + payload_bytes // max(group.size, 1)
         else:  # input and output of one size (all-reduce; all-to-all with an even split)
             nbytes = 2 * payload_bytes
-        with mock.patch.object(config, "intra_node_bw", self.cluster.intra_node_gbps), mock.patch.object(
-            config, "inter_node_bw", self.cluster.inter_node_gbps
-        ):
+        with torch_nccl_topology(self.cluster, group):
             ms = float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
         if ms <= 0 and is_all_to_all(coll_type) and group.size > 1:  # estimator declined it
             return all_to_all_ms(payload_bytes, group, self.cluster)
@@ -369,6 +378,76 @@ class TorchCostModel:
         t = torch.empty(int(nbytes), dtype=torch.uint8, device="meta")
         with self._peaks():
             return float(rte.get_transfer_time([t], [t])) / 1e6
+
+
+#: GPU presets -> the generation torch's NCCL model keys its tables on (``NVIDIA_GPU_TYPE``)
+TORCH_GPU_GENERATION = {"h100-sxm": "HOPPER", "h200": "HOPPER", "a100-sxm": "AMPERE", "b200": "BLACKWELL"}
+
+
+class _CudaView:
+    """``torch.cuda`` as torch's NCCL model sees it inside :func:`torch_nccl_topology`: as
+    many devices per node as the priced group has ranks per node; everything else is the real
+    module."""
+
+    def __init__(self, gpus_per_node: int):
+        import torch
+
+        self._cuda = torch.cuda
+        self._gpus_per_node = gpus_per_node
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self._gpus_per_node
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+
+class _TorchView:
+    """The ``torch`` module seen from ``comm_analysis`` inside :func:`torch_nccl_topology`:
+    the real one, but for ``torch.cuda`` (a :class:`_CudaView`)."""
+
+    def __init__(self, gpus_per_node: int):
+        import torch
+
+        self._torch = torch
+        self.cuda = _CudaView(gpus_per_node)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def torch_nccl_topology(cluster: Cluster, group: GroupInfo) -> Any:
+    """A context in which ``torch._inductor.comm_analysis`` prices a collective of ``group``
+    on ``cluster``: the cluster's intra / inter-node bandwidths (``config.intra_node_bw`` /
+    ``inter_node_bw``) and GPU generation (:data:`TORCH_GPU_GENERATION`; a GPU outside it keeps
+    torch's own detection), NVLink inside a node, and the nodes the group spans by its ranks.
+
+    torch derives the node count as ``ceil(group_size / gpus_per_node)`` with
+    ``gpus_per_node = torch.cuda.device_count()`` (8 without CUDA); here the module sees
+    ``ceil(size / nodes)`` devices, the group's ranks per node, so the count it derives is the
+    group's own (exact when the ranks are spread evenly over the nodes). Only the names that
+    ``comm_analysis`` looks up in its own module are replaced, for the duration of the context.
+    """
+    import contextlib
+    from unittest import mock
+
+    from torch._inductor import comm_analysis, config
+
+    nodes = group.n_nodes(cluster)
+    per_node = max(1, math.ceil(group.size / max(nodes, 1)))
+    generation_name = TORCH_GPU_GENERATION.get(cluster.gpu_spec.name)
+    generation = (getattr(comm_analysis.NVIDIA_GPU_TYPE, generation_name) if generation_name
+                  else comm_analysis.get_gpu_type())
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(config, "intra_node_bw", cluster.intra_node_gbps))
+    stack.enter_context(mock.patch.object(config, "inter_node_bw", cluster.inter_node_gbps))
+    stack.enter_context(mock.patch.object(comm_analysis, "get_gpu_type", lambda: generation))
+    stack.enter_context(mock.patch.object(comm_analysis, "_has_nvlink", lambda: True))
+    stack.enter_context(mock.patch.object(comm_analysis, "torch", _TorchView(per_node)))
+    return stack
 
 
 class TableCostModel:
