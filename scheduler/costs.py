@@ -568,8 +568,9 @@ class ProfileCostModel:
     """Compute times from a torch.profiler trace of one training step.
 
     Each compute node is priced by the profiled calls of its aten op on its input shapes
-    (:meth:`scheduler.profile_trace.ProfileTrace.lookup_ms`: the kernels' time in a GPU trace,
-    the op's own time in a CPU trace); nodes without a matching call, collectives and bucket
+    (:meth:`scheduler.profile_trace.ProfileTrace.lookup_ms`: the kernels' time in a GPU trace;
+    in a CPU trace the op's own time and the host's time up to the next op, see
+    :mod:`scheduler.profile_trace`); nodes without a matching call, collectives and bucket
     copies are priced by ``fallback`` (default: the analytic model on ``cluster``; give a
     :class:`TableCostModel` of measured collective times to price collectives from
     measurements too). :func:`annotate_costs` records the share of compute time that was
@@ -752,6 +753,19 @@ def cost_model_from_files(spec: str, cluster: Cluster | None = None) -> CostMode
         raise type(e)(f"cost model {spec!r}: {e}") from None
     model.name = text  # type: ignore[attr-defined]
     return model
+
+
+def cost_model_files(spec: Any) -> list[list[Any]]:
+    """``[[path, size, mtime_ns], ...]`` of the files a file-backed cost model name reads
+    (empty for anything else): for caches keyed by the cost model's name, which must change
+    when a file does."""
+    if not isinstance(spec, str) or not _FILE_SPEC.match(spec):
+        return []
+    out = []
+    for part in _FILE_SPEC_SPLIT.split(spec.strip()):
+        key = _file_key(part.partition(":")[2].strip()) or ()
+        out += [[path, size, mtime] for path, mtime, size in key]
+    return out
 
 
 def _read_cached(kind: str, path: str) -> Any:

@@ -14,7 +14,13 @@ It builds on torch's profile-guided estimation
   the GPU kernels launched under it;
 - a CPU trace (no kernel events: ``ProfilerActivity.CPU`` only, as on this machine) has no
   kernels to sum, so each CPU op event is timed by its own duration (inclusive of the ops it
-  calls), parsed by the same ``ProfileData`` op parser;
+  calls), parsed by the same ``ProfileData`` op parser. On a CPU the thread that runs the
+  graph is its compute stream, and it is also busy between two ops: in Python, and issuing
+  collectives (gloo's ``c10d`` calls take the calling thread's time). With ``host_time``
+  (the default for CPU traces) an op is charged that time too: from its end to the start of
+  the next op under the same parent (a collective's issue in between included, time blocked
+  in ``wait_tensor`` not: the simulator models waiting), or to the parent's end after the last
+  one. Over a graph's ops this adds up to the time its region took less the waits;
 - a node is looked up first with torch's key (op name, input shapes, input strides, dtype;
   ``ProfileData.lookup_op`` with torch's own FX-side helpers), then by op name and input
   shapes alone: torch's FX side keys on the node's *output* dtype and skips tensor-list
@@ -48,6 +54,9 @@ class ProfileTrace:
 
     Args:
         path: a Chrome trace JSON file exported by ``torch.profiler`` (``record_shapes=True``).
+        host_time: charge each op of a CPU trace the host time up to the next op too (see the
+            module docstring); default True for a CPU trace, and a GPU trace never (its ops are
+            timed by their kernels).
 
     Attributes:
         device: ``"gpu"`` when ops are timed by their kernels, ``"cpu"`` by their own events.
@@ -59,7 +68,7 @@ class ProfileTrace:
             ``record_shapes=True``).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, host_time: bool | None = None):
         from torch._inductor.fx_passes.profile_guided_estimation import ProfileData
 
         self.path = Path(path)
@@ -69,14 +78,15 @@ class ProfileTrace:
             raise ProfileTraceError(f"{self.path}: not a Chrome trace (no 'traceEvents' list); export it with "
                                     "torch.profiler's prof.export_chrome_trace(path)")
         self.device = "gpu" if any(isinstance(e, dict) and e.get("cat") == "kernel" for e in events) else "cpu"
+        self.host_time = False
         self._data = ProfileData()
         if self.device == "gpu":
             # torch's parser: each CPU op timed by the kernels launched under it
             self._data.load(str(self.path))
         else:
-            for ev in events:
-                if isinstance(ev, dict) and ev.get("cat") == "cpu_op" and (ev.get("dur") or 0) > 0:
-                    self._data._parse_op(str(ev.get("name", "")), ev.get("args") or {}, float(ev["dur"]))
+            self.host_time = True if host_time is None else bool(host_time)
+            for ev, us in _cpu_op_times(events, self.host_time):
+                self._data._parse_op(str(ev.get("name", "")), ev.get("args") or {}, us)
             self._data._build_indices()
         self.n_ops = len(self._data.ops)
         if self.n_ops == 0:
@@ -111,6 +121,51 @@ class ProfileTrace:
             return None
         us = self._by_shapes.get((name, shapes))
         return None if us is None else us / 1e3
+
+
+def _is_collective_call(name: str) -> bool:
+    """A c10d call that issues a collective (its host time goes to the op before it)."""
+    return ("c10d" in name or name == "record_param_comms") and not _is_wait(name)
+
+
+def _is_wait(name: str) -> bool:
+    return name.endswith("wait_tensor") or name.endswith("::wait")
+
+
+def _cpu_op_times(events: list[Any], host_time: bool) -> list[tuple[dict[str, Any], float]]:
+    """Every CPU op event with the time (us) it is charged: its duration, plus with
+    ``host_time`` the host time after it up to the next op under the same parent (see the
+    module docstring)."""
+    ops = [e for e in events if isinstance(e, dict) and e.get("cat") == "cpu_op" and (e.get("dur") or 0) > 0
+           and isinstance(e.get("ts"), (int, float))]
+    if not host_time:
+        return [(e, float(e["dur"])) for e in ops]
+    charged = {id(e): float(e["dur"]) for e in ops}
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        children: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        parents: dict[int, dict[str, Any]] = {}
+        stack: list[dict[str, Any]] = []
+        for e in thread:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack:
+                children[id(stack[-1])].append(e)
+                parents[id(stack[-1])] = stack[-1]
+            stack.append(e)
+        for pid, kids in children.items():
+            parent_end = parents[pid]["ts"] + parents[pid]["dur"]
+            ops_at_level = [k for k in kids if not _is_collective_call(k["name"]) and not _is_wait(k["name"])]
+            waits = [k for k in kids if _is_wait(k["name"])]
+            for i, k in enumerate(ops_at_level):
+                end = k["ts"] + k["dur"]
+                nxt = ops_at_level[i + 1]["ts"] if i + 1 < len(ops_at_level) else parent_end
+                blocked = sum(w["dur"] for w in waits if end <= w["ts"] < nxt)
+                charged[id(k)] += max(0.0, nxt - end - blocked)
+    return [(e, charged[id(e)]) for e in ops]
 
 
 def _load_json(path: Path) -> dict[str, Any]:

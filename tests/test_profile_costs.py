@@ -76,11 +76,13 @@ def _node_key(node):
 def test_every_matmul_is_priced_by_its_profiled_calls(recorded):
     """Each mm of the traced step (two forward, three backward) costs the mean of the trace's
     aten::mm calls with its input shapes and strides (those with its shapes where the eager
-    step ran it on other strides)."""
+    step ran it on other strides); with the host time after each call, at least that."""
     path, gm = recorded
     events = _events_by_op(path)
-    model = ProfileCostModel(path, cluster=Cluster())
+    model = ProfileCostModel(ProfileTrace(path, host_time=False), cluster=Cluster())
+    with_host = ProfileCostModel(path, cluster=Cluster())  # a CPU trace: host time counted by default
     dag = export_dag(gm, cost_model=model)
+    dag_host = export_dag(gm, cost_model=with_host)
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert len(mms) == 5
     for node in mms:
@@ -89,6 +91,7 @@ def test_every_matmul_is_priced_by_its_profiled_calls(recorded):
             d for (op, dims, _), ds in events.items() if (op, dims) == (name, shapes) for d in ds]
         assert durations, f"the eager step ran no aten::mm on {shapes}"
         assert dag.nodes[node.name]["runtime_ms"] == pytest.approx(sum(durations) / len(durations), rel=1e-9)
+        assert dag_host.nodes[node.name]["runtime_ms"] >= dag.nodes[node.name]["runtime_ms"]
 
 
 def test_matched_share_and_fallback(recorded):
@@ -174,6 +177,45 @@ def test_profile_by_name_through_optimize_schedule(group_name, tmp_path):
     report = gm.meta[REPORT_KEY]
     assert 0 < report.cost_coverage["compute_matched_share"] <= 1
     assert report.cost_coverage["compute_matched_share"] == pytest.approx(expected["compute_matched_share"])
+
+
+def _op(name, ts, dur, tid=1, dims=((8, 8), (8, 8))):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 7, "tid": tid, "ts": ts, "dur": dur,
+            "args": {"Input Dims": [list(d) for d in dims], "Input Strides": [[8, 1]] * len(dims),
+                     "Input type": ["float"] * len(dims)}}
+
+
+def test_host_time_of_a_cpu_trace_adds_up_to_the_region_less_its_waits(tmp_path):
+    """A graph region of 100 us on one thread (another thread's event is no sibling)::
+
+        CompiledFunction [0, 100)
+          aten::mm [0, 30)  c10d issue [35, 45)  aten::relu [50, 60)  wait [62, 80)  aten::add [85, 90)
+
+    With host time: mm is charged up to relu's start (50 us: the issue and the gaps), relu up to
+    add's start less the wait (17 us), add up to the region's end (15 us); together the region
+    less its wait (82 us). Without: their own durations."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "CompiledFunction", "pid": 7, "tid": 1, "ts": 0, "dur": 100, "args": {}},
+        _op("aten::mm", 0, 30),
+        _op("_c10d_functional::all_gather_into_tensor", 35, 10, dims=((8, 8),)),
+        _op("c10d::_allgather_base_", 36, 8, dims=((64, 8), (8, 8))),  # nested in the issue
+        _op("aten::relu", 50, 10, dims=((8, 16),)),
+        _op("_c10d_functional::wait_tensor", 62, 18, dims=((64, 8),)),
+        _op("aten::add", 85, 5, dims=((4, 4), (4, 4))),
+        _op("aten::relu", 20, 300, tid=2, dims=((8, 32),)),  # another thread
+    ]
+    path = tmp_path / "region.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    with_host, own = ProfileTrace(path), ProfileTrace(path, host_time=False)
+    key = lambda name, *dims: (name, tuple(dims))  # noqa: E731
+    got = {k: v / 1e3 for k, v in with_host._by_shapes.items()}
+    assert got[key("aten::mm", (8, 8), (8, 8))] == pytest.approx(0.050)
+    assert got[key("aten::relu", (8, 16))] == pytest.approx(0.017)
+    assert got[key("aten::add", (4, 4), (4, 4))] == pytest.approx(0.015)
+    assert got[key("aten::relu", (8, 32))] == pytest.approx(0.300)  # top level of its thread: no parent
+    assert sum(got[key(*k)] for k in [("aten::mm", (8, 8), (8, 8)), ("aten::relu", (8, 16)),
+                                      ("aten::add", (4, 4), (4, 4))]) == pytest.approx(0.100 - 0.018)
+    assert own._by_shapes[key("aten::mm", (8, 8), (8, 8))] == pytest.approx(30)
 
 
 @pytest.mark.parametrize("content, needle", [
