@@ -317,3 +317,16 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
         assert report.step_ms_before == pytest.approx(by_table)
         assert report.cost_coverage["fallback_groups"] == fallback
     assert simulate(export_dag(copy.deepcopy(gm0), cost_model=f"table:{full}")).step_ms > 2 * simulate(analytic).step_ms
+
+
+def test_inductor_pass_cache_key_follows_the_table_file(csv_path):
+    """The inductor pass's uuid (the key of inductor's FX graph cache) changes when the table
+    a "table:PATH" name reads changes, so a cached graph scheduled with old times is not
+    reused."""
+    from scheduler.compile import inductor_post_grad_pass
+
+    name = f"table:{csv_path}"
+    before = inductor_post_grad_pass(cost_model=name).uuid()
+    assert inductor_post_grad_pass(cost_model=name).uuid() == before
+    csv_path.write_text(CSV.replace("0.2397", "0.23975"))
+    assert inductor_post_grad_pass(cost_model=name).uuid() != before
