@@ -576,6 +576,10 @@ class ProfileCostModel:
     measurements too). :func:`annotate_costs` records the share of compute time that was
     matched in the DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage``).
 
+    Ranks that read their own traces price alike graphs differently: give every rank the same
+    trace file (one rank's profile), or solve on one rank (``broadcast_from``), so that every
+    rank gets the identical schedule.
+
     Args:
         trace: a :class:`~scheduler.profile_trace.ProfileTrace` or the path of the Chrome trace
             JSON (``prof.export_chrome_trace(path)`` of a step profiled with
