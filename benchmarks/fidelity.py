@@ -12,12 +12,28 @@ alpha-beta collectives, op times that add up), measured on CPU kernels and gloo:
 nothing about GPU performance. Time that the simulator does not model (autograd engine,
 dynamo guards, Python between ops) shows up as measured > predicted.
 
+With ``--profile`` each solver's compiled step is also predicted from a profile of the same
+run: the collectives are timed on the same group by ``fsdp-sched measure`` (its CSV, read back
+as a :class:`scheduler.costs.TableCostModel`), a training step is recorded with
+``torch.profiler`` on every rank after each timed step (CPU activity, ``record_shapes=True``;
+the profiled steps are not timed), and the rewritten forward and backward graphs that ran are priced by
+:class:`scheduler.costs.ProfileCostModel` (each node's op on its input shapes as the profile
+timed it; unmatched nodes timed on this CPU by the measured model) with collectives from that
+table, then simulated in their order, once per profiled step; the median over the steps of the
+slowest rank's prediction is compared with the median of the measured steps (each step's
+slowest rank), and the means too. The share of compute time the trace
+priced is reported per rank.
+
 Run (a few minutes on 2 cores)::
 
     python benchmarks/fidelity.py                         # llama3-debug, 4 layers, 2 ranks
     python benchmarks/fidelity.py --world-size 4 --set dim=128 --set seq_len=128
+    # predicted from a profile; ops large enough that the profiler's own cost per op is small
+    python benchmarks/fidelity.py --profile --world-size 4 --steps 7 --set n_layers=2 --set dim=512 \
+        --set ffn_hidden_dim=1536 --set seq_len=256
 
-Prints a table and writes ``benchmarks/out/fidelity.json``.
+Prints a table and writes ``benchmarks/out/fidelity.json`` (the profiles and the collective
+table under ``benchmarks/out/fidelity/``).
 """
 
 from __future__ import annotations
@@ -65,6 +81,14 @@ class FidelityConfig:
     cache_dir: str | None = None
     #: wall-clock limit of the whole multi-process run, s
     timeout_s: float = 900.0
+    #: also predict each step from a torch.profiler trace of the same run, with collective
+    #: times from ``fsdp-sched measure`` on the same group
+    profile: bool = False
+    #: directory of the profiles and the measured collective table (``--profile``)
+    profile_dir: str = str(REPO / "benchmarks" / "out" / "fidelity")
+    #: per-rank input sizes (bytes) of the measured collective table (``--profile``): they
+    #: bracket the model's per-parameter and merged collectives
+    table_sizes: tuple[int, ...] = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -91,8 +115,10 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     mesh = make_mesh(world_size)
     group = mesh.get_group()
-    cost = MeasuredCostModel.from_live_group(group, sizes=cfg.collective_sizes, cache_dir=cfg.cache_dir)
     cluster = Cluster(n_gpus=world_size, gpus_per_node=world_size)  # one "node": the local machine
+    cost = MeasuredCostModel.from_live_group(group, sizes=cfg.collective_sizes, cache_dir=cfg.cache_dir,
+                                             cluster=cluster)
+    table = _measured_table(cfg, group, cluster) if cfg.profile else None
     mcfg = get_config(cfg.model, **cfg.overrides)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, mcfg.vocab_size, (mcfg.batch_size, mcfg.seq_len), generator=gen)
@@ -102,15 +128,16 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
     for solver in cfg.solvers:
         torch._dynamo.reset()
         model = models.build_model(cfg.model, mesh=mesh, seed=0, param_dtype=None, **cfg.overrides)
-        backend = scheduler.backend(
-            solver=solver, cost_model=cost, cluster=cluster, time_limit_s=cfg.time_limit_s,
+        graphs: dict[str, Any] = {}
+        backend = _recording_backend(
+            graphs, solver=solver, cost_model=cost, cluster=cluster, time_limit_s=cfg.time_limit_s,
             broadcast_from=0, seed=0, fallback=False,  # the solver's own schedule, not a better heuristic
         )
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         start = time.perf_counter()
         compiled(tokens, labels).backward()  # compiles both graphs (measuring + solving)
         compile_s = time.perf_counter() - start
-        fw_ms, bw_ms = [], []
+        fw_ms, bw_ms, traces = [], [], []
         for i in range(cfg.warmup_steps + cfg.steps):
             model.zero_grad(set_to_none=True)
             dist.barrier(group)
@@ -122,11 +149,19 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
             if i >= cfg.warmup_steps:
                 fw_ms.append((t1 - t0) * 1e3)
                 bw_ms.append((t2 - t1) * 1e3)
+                if cfg.profile:  # interleaved, so that profiled and timed steps share the machine's load
+                    traces.append(_profile_step(compiled, model, tokens, labels, group))
+        trace_paths = []
+        for i, trace in enumerate(traces):
+            trace_paths.append(Path(cfg.profile_dir) / f"{solver}-rank{rank}-step{i}.json")
+            trace_paths[-1].parent.mkdir(parents=True, exist_ok=True)
+            trace_paths[-1].write_text(json.dumps(trace))
         # a step is as slow as its slowest rank
         times = torch.tensor([fw_ms, bw_ms], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         reports = {r.graph_name: r for r in backend.reports}
         fw, bw = reports["forward"], reports["backward"]
+        steps = [a + b for a, b in zip(times[0].tolist(), times[1].tolist())]
         rows.append({
             "solver": solver,
             "status": f"{fw.status}/{bw.status}",
@@ -135,14 +170,138 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
             "predicted_bw_ms": bw.step_ms_after,
             "measured_fw_ms": statistics.median(times[0].tolist()),
             "measured_bw_ms": statistics.median(times[1].tolist()),
-            "measured_step_ms_all": [a + b for a, b in zip(times[0].tolist(), times[1].tolist())],
+            "measured_step_ms": statistics.median(steps),
+            "measured_step_ms_all": steps,
             "compile_s": compile_s,
         })
+        if cfg.profile:
+            rows[-1].update(_predict_from_profile(graphs, trace_paths, table, cost, cluster, group))
         if rank == 0:
             logger.info("%s: %s", solver, {k: v for k, v in rows[-1].items() if k != "measured_step_ms_all"})
     if rank == 0:
         rows.append({"cost_model_stats": dict(cost.stats), "collective_fit": cost.collective_fits[0]})
     return rows
+
+
+def _recording_backend(graphs: dict[str, Any], **options: Any) -> Any:
+    """``scheduler.backend(**options)`` that also keeps the graphs it compiled (rewritten in
+    place by ``optimize_schedule``, as they run) in ``graphs["forward"]`` / ``["backward"]``."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_compiler
+
+    import scheduler
+    from scheduler.api import REPORT_KEY
+
+    reports: list[Any] = []
+
+    def compiler(kind: str):
+        def compile_graph(gm, example_inputs):
+            gm.meta.setdefault("fsdp_graph_kind", kind)
+            scheduler.optimize_schedule(gm, None, **options)
+            reports.append(gm.meta[REPORT_KEY])
+            graphs[kind] = gm
+            return gm
+
+        return make_boxed_compiler(compile_graph)
+
+    fn = aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                      partition_fn=min_cut_rematerialization_partition)
+    fn.reports = reports
+    return fn
+
+
+def _measured_table(cfg: FidelityConfig, group: Any, cluster: Any) -> Any:
+    """``fsdp-sched measure`` on this group (every rank runs the command; rank 0 writes the
+    CSV), read back as the table cost model every rank uses."""
+    import torch.distributed as dist
+
+    from scheduler.cli import main as cli_main
+    from scheduler.costs import TableCostModel
+
+    out = Path(cfg.profile_dir)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier(group)
+    path = out / "collectives.csv"
+    status = cli_main(["-q", "measure", "--out", str(path), "--collectives", "all_gather,reduce_scatter",
+                       "--sizes", ",".join(f"{b}B" for b in cfg.table_sizes)])
+    if status != 0:
+        raise RuntimeError(f"fsdp-sched measure exited with {status}")
+    dist.barrier(group)
+    return TableCostModel.from_file(path, cluster=cluster)
+
+
+def _profile_step(compiled: Any, model: Any, tokens: Any, labels: Any, group: Any) -> dict[str, Any]:
+    """One training step under torch.profiler (CPU, shapes recorded): its Chrome trace."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        compiled(tokens, labels).backward()
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(f"{d}/step.json")
+        return json.loads(Path(f"{d}/step.json").read_text())
+
+
+def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any, measured: Any, cluster: Any,
+                          group: Any) -> dict[str, Any]:
+    """Per profiled step: the graphs that ran, simulated in their order under that step's
+    profile of this rank (compute), the measured table (collectives) and the measured model
+    (compute the trace did not time, copies); the slowest rank's prediction per step, their
+    median, and every rank's matched share (first step)."""
+    import torch
+    import torch.distributed as dist
+
+    from scheduler import export_dag, simulate
+    from scheduler.costs import ProfileCostModel, TableCostModel
+
+    fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
+    per_step = []
+    for trace in traces:
+        model = ProfileCostModel(trace, fallback=fallback, cluster=cluster)
+        pred, shares = [], []
+        for kind in ("forward", "backward"):
+            dag = export_dag(graphs[kind], cost_model=model, cluster=cluster, name=kind)
+            pred.append(simulate(dag).step_ms)
+            cov = dag.graph["cost_coverage"]
+            shares.append(cov["compute_matched_share"])
+            assert not cov["fallback_groups"], f"collectives without a measured row: {cov['fallback_groups']}"
+        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares])
+    mine = torch.tensor(per_step, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    # per step, the slowest rank's prediction (as the measured step is its slowest rank's)
+    slowest = [max((t[i] for t in every), key=lambda row: float(row[2])) for i in range(len(traces))]
+    return {
+        "profile_fw_ms": statistics.median(float(r[0]) for r in slowest),
+        "profile_bw_ms": statistics.median(float(r[1]) for r in slowest),
+        "profile_step_ms": statistics.median(float(r[2]) for r in slowest),
+        "profile_step_ms_all": [float(r[2]) for r in slowest],
+        "profile_matched_share": [[float(t[0][3]), float(t[0][4])] for t in every],
+    }
+
+
+def format_profile_table(rows: list[dict[str, Any]]) -> str:
+    """Predicted from the profile against measured, as markdown (ms)."""
+    lines = ["| solver | profile fw | measured fw | profile bw | measured bw | profile step | measured step | "
+             "error | mean: profile / measured | compute matched (fw / bw, per rank) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "profile_step_ms" not in r:
+            continue
+        err = r["profile_step_ms"] / r["measured_step_ms"] - 1
+        mean_p = statistics.mean(r["profile_step_ms_all"])
+        mean_m = statistics.mean(r["measured_step_ms_all"])
+        share = "; ".join(f"{a:.0%} / {b:.0%}" for a, b in r["profile_matched_share"])
+        lines.append(f"| {r['solver']} | {r['profile_fw_ms']:.1f} | {r['measured_fw_ms']:.1f} | {r['profile_bw_ms']:.1f} | "
+                     f"{r['measured_bw_ms']:.1f} | {r['profile_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
+                     f"{err:+.1%} | {mean_p:.1f} / {mean_m:.1f} ({mean_p / mean_m - 1:+.1%}) | {share} |")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -185,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=FidelityConfig.steps)
     p.add_argument("--time-limit-s", type=float, default=FidelityConfig.time_limit_s)
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="also predict each step from a torch.profiler trace of the run and a collective table "
+                        "measured by `fsdp-sched measure` on the same group")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "fidelity.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -193,13 +355,16 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["overrides"] = {k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
     cfg = FidelityConfig(
         model=args.model, world_size=args.world_size, solvers=tuple(args.solvers.split(",")),
-        steps=args.steps, time_limit_s=args.time_limit_s, cache_dir=args.cache_dir, **kwargs,
+        steps=args.steps, time_limit_s=args.time_limit_s, cache_dir=args.cache_dir, profile=args.profile, **kwargs,
     )
     start = time.perf_counter()
     rows = run(cfg)
     print(f"\nfidelity: {cfg.model} {cfg.overrides} on {cfg.world_size} gloo ranks (CPU; ms, median of "
           f"{cfg.steps} steps, slowest rank)")
     print(format_table(rows))
+    if cfg.profile:
+        print("\npredicted from a profile of the same run (compute) and `fsdp-sched measure` (collectives):")
+        print(format_profile_table(rows))
     print(f"({time.perf_counter() - start:.0f} s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": dataclasses.asdict(cfg), "rows": rows}, indent=1))

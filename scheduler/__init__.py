@@ -26,6 +26,8 @@ _EXPORTS = {
     "AnalyticCostModel": "scheduler.costs",
     "TorchCostModel": "scheduler.costs",
     "TableCostModel": "scheduler.costs",
+    "ProfileCostModel": "scheduler.costs",
+    "CollectiveTable": "scheduler.cost_tables",
     "annotate_costs": "scheduler.costs",
     "MeasuredCostModel": "scheduler.measure",
     "simulate": "solvers.core.simulator",

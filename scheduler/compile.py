@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import REPORT_KEY, optimize_schedule
+from scheduler.costs import cost_model_files
 from scheduler.options import WriteBackOptions
 from scheduler.report import ScheduleReport
 from solvers.core import parse_bytes
@@ -109,7 +110,9 @@ def inductor_post_grad_pass(**options: Any):
             self.reports.append(gm.meta[REPORT_KEY])
 
         def uuid(self) -> str:
-            return "fsdp-sched:" + json.dumps(options, sort_keys=True, default=repr)
+            # a cost model named by its files ("table:PATH") prices what the files hold now
+            files = cost_model_files(options.get("cost_model"))
+            return "fsdp-sched:" + json.dumps({**options, "cost_model_files": files}, sort_keys=True, default=repr)
 
     return _FsdpSchedPass()
 

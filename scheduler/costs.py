@@ -17,22 +17,41 @@ Models here:
   alpha-beta over a :class:`Cluster` topology.
 - :class:`TorchCostModel`: torch's own estimators (inductor roofline, comm_analysis), made to
   work without a GPU.
-- :class:`TableCostModel`: a user table or callable, falling back to another model.
+- :class:`TableCostModel`: measured collective times (a CSV or nccl-tests output,
+  :mod:`scheduler.cost_tables`), a user table or callable, falling back to another model.
+- :class:`ProfileCostModel`: compute times from a torch.profiler trace of one step
+  (:mod:`scheduler.profile_trace`), falling back to another model.
 - :class:`scheduler.measure.MeasuredCostModel`: timed on the current device (see that module).
 
-:func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`, or an
-object) into a model.
+:func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`,
+``"table:PATH"`` / ``"profile:PATH"``, or an object) into a model.
+
+Topology: a process group is priced by the nodes its ranks span (:meth:`GroupInfo.n_nodes`:
+from the group's real ranks, recorded at export from the initialised process group, and the
+cluster's GPUs per node; else ``ceil(size / gpus_per_node)``), never by its size alone, in
+every model here (torch's NCCL estimator included, :func:`torch_nccl_topology`).
+
+Models that price some nodes from data and leave the rest to a fallback say which
+(``compute_matched(attrs, fx_node)``, ``collective_matched(coll_type, group)``);
+:func:`annotate_costs` then records ``dag.graph["cost_coverage"]``: the share of compute time
+matched and the process groups whose collectives the fallback priced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import networkx as nx
+
+from scheduler.cost_tables import CollectiveTable, CostTableError
+from scheduler.profile_trace import ProfileTrace, ProfileTraceError
 
 if TYPE_CHECKING:
     import torch.fx
@@ -270,8 +289,16 @@ class TorchCostModel:
       read of the destination.
 
     Collectives: ``torch._inductor.comm_analysis.estimate_nccl_collective_runtime_impl`` (min over
-    ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster.
-    Its ``bytes`` argument is input + output bytes, so it is given exactly that.
+    ring/tree x LL/LL128/Simple), with ``intra_node_bw`` / ``inter_node_bw`` set from the cluster
+    and the GPU generation of the cluster's GPU (:data:`TORCH_GPU_GENERATION`; torch detects
+    it from CUDA, and without one assumes Ampere). Its ``bytes`` argument is input + output
+    bytes, so it is given exactly that. torch counts a group's nodes from its size alone
+    (``ceil(size / gpus_per_node)``, 8 GPUs per node without CUDA), so a dp group strided
+    across the nodes of a dp x tp mesh would be priced as one NVLink node: the estimate is
+    made with torch's GPUs per node set to the group's ranks per node
+    (``ceil(size / nodes)``, ``nodes`` from the group's real ranks, :meth:`GroupInfo.n_nodes`),
+    so that torch sees the nodes the group spans and prices the network hops, bandwidth and
+    protocols of that many nodes.
     Bucket copies (:meth:`copy_ms`): torch's transfer time of reading and writing the bytes.
     """
 
@@ -319,9 +346,7 @@ class TorchCostModel:
         return stack
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
-        from unittest import mock
-
-        from torch._inductor import comm_analysis, config
+        from torch._inductor import comm_analysis
 
         colls = {
             "all_gather": "ALL_GATHER",
@@ -338,9 +363,7 @@ class TorchCostModel:
             nbytes = payload_bytes + payload_bytes // max(group.size, 1)
         else:  # input and output of one size (all-reduce; all-to-all with an even split)
             nbytes = 2 * payload_bytes
-        with mock.patch.object(config, "intra_node_bw", self.cluster.intra_node_gbps), mock.patch.object(
-            config, "inter_node_bw", self.cluster.inter_node_gbps
-        ):
+        with torch_nccl_topology(self.cluster, group):
             ms = float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group.size, coll))
         if ms <= 0 and is_all_to_all(coll_type) and group.size > 1:  # estimator declined it
             return all_to_all_ms(payload_bytes, group, self.cluster)
@@ -357,47 +380,259 @@ class TorchCostModel:
             return float(rte.get_transfer_time([t], [t])) / 1e6
 
 
-class TableCostModel:
-    """User-supplied costs: a table ``{node name or target: ms}`` and/or a callable.
+#: GPU presets -> the generation torch's NCCL model keys its tables on (``NVIDIA_GPU_TYPE``)
+TORCH_GPU_GENERATION = {"h100-sxm": "HOPPER", "h200": "HOPPER", "a100-sxm": "AMPERE", "b200": "BLACKWELL"}
 
-    ``compute`` is looked up by node name first, then by target (e.g. ``"aten.mm.default"``);
-    a callable receives the node attributes and returns ms or None. Anything not covered falls
-    back to ``fallback`` (default: analytic). Collectives may be given as a callable
-    ``(coll_type, payload_bytes, GroupInfo) -> ms``.
+
+class _CudaView:
+    """``torch.cuda`` as torch's NCCL model sees it inside :func:`torch_nccl_topology`: as
+    many devices per node as the priced group has ranks per node; everything else is the real
+    module."""
+
+    def __init__(self, gpus_per_node: int):
+        import torch
+
+        self._cuda = torch.cuda
+        self._gpus_per_node = gpus_per_node
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return self._gpus_per_node
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+
+class _TorchView:
+    """The ``torch`` module seen from ``comm_analysis`` inside :func:`torch_nccl_topology`:
+    the real one, but for ``torch.cuda`` (a :class:`_CudaView`)."""
+
+    def __init__(self, gpus_per_node: int):
+        import torch
+
+        self._torch = torch
+        self.cuda = _CudaView(gpus_per_node)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def torch_nccl_topology(cluster: Cluster, group: GroupInfo) -> Any:
+    """A context in which ``torch._inductor.comm_analysis`` prices a collective of ``group``
+    on ``cluster``: the cluster's intra / inter-node bandwidths (``config.intra_node_bw`` /
+    ``inter_node_bw``) and GPU generation (:data:`TORCH_GPU_GENERATION`; a GPU outside it keeps
+    torch's own detection), NVLink inside a node, and the nodes the group spans by its ranks.
+
+    torch derives the node count as ``ceil(group_size / gpus_per_node)`` with
+    ``gpus_per_node = torch.cuda.device_count()`` (8 without CUDA); here the module sees
+    ``ceil(size / nodes)`` devices, the group's ranks per node, so the count it derives is the
+    group's own (exact when the ranks are spread evenly over the nodes). Only the names that
+    ``comm_analysis`` looks up in its own module are replaced, for the duration of the context.
     """
+    import contextlib
+    from unittest import mock
 
-    name = "table"
+    from torch._inductor import comm_analysis, config
+
+    nodes = group.n_nodes(cluster)
+    per_node = max(1, math.ceil(group.size / max(nodes, 1)))
+    generation_name = TORCH_GPU_GENERATION.get(cluster.gpu_spec.name)
+    generation = (getattr(comm_analysis.NVIDIA_GPU_TYPE, generation_name) if generation_name
+                  else comm_analysis.get_gpu_type())
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(config, "intra_node_bw", cluster.intra_node_gbps))
+    stack.enter_context(mock.patch.object(config, "inter_node_bw", cluster.inter_node_gbps))
+    stack.enter_context(mock.patch.object(comm_analysis, "get_gpu_type", lambda: generation))
+    stack.enter_context(mock.patch.object(comm_analysis, "_has_nvlink", lambda: True))
+    stack.enter_context(mock.patch.object(comm_analysis, "torch", _TorchView(per_node)))
+    return stack
+
+
+class TableCostModel:
+    """User-supplied costs: measured collective times, a compute table and/or callables.
+
+    - ``collectives``: a :class:`~scheduler.cost_tables.CollectiveTable` of measured times
+      (:meth:`from_file` reads one from a CSV or nccl-tests output), looked up by collective,
+      group size, the nodes the group's ranks span (:meth:`GroupInfo.n_nodes` on ``cluster``)
+      and the per-rank input bytes; log-log interpolation between rows, bandwidth scaling
+      outside them (see :class:`~scheduler.cost_tables.CollectiveTable`). A group without a
+      row falls back, and :func:`annotate_costs` records it in the DAG's ``cost_coverage``
+      (``ScheduleReport.cost_coverage["fallback_groups"]``).
+    - ``compute``: ``{node name or target: ms}``, looked up by node name first, then by
+      target (e.g. ``"aten.mm.default"``), or a callable receiving the node attributes and
+      returning ms or None.
+    - ``collective``: a callable ``(coll_type, payload_bytes, GroupInfo) -> ms`` (it covers
+      every collective; give either it or ``collectives``).
+
+    Anything not covered falls back to ``fallback`` (default: the analytic model on
+    ``cluster``, default :class:`Cluster`).
+    """
 
     def __init__(
         self,
         compute: Mapping[str, float] | Callable[[Mapping[str, Any]], float | None] | None = None,
         *,
         collective: Callable[[str, int, GroupInfo], float] | None = None,
+        collectives: CollectiveTable | None = None,
         fallback: CostModel | None = None,
+        cluster: Cluster | None = None,
+        name: str = "table",
     ):
+        if collective is not None and collectives is not None:
+            raise ValueError("give a collective callable or a collectives table, not both")
+        self.cluster = cluster or getattr(fallback, "cluster", None) or Cluster()
         self._compute = compute
         self._collective = collective
-        self._fallback = fallback or AnalyticCostModel()
+        self.collectives = collectives
+        self._fallback = fallback or AnalyticCostModel(self.cluster)
+        self.name = name
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | Path,
+        *,
+        cluster: Cluster | None = None,
+        fallback: CostModel | None = None,
+        **nccl_tests_kw: Any,
+    ) -> "TableCostModel":
+        """Measured collective times from ``path``: a CSV with the header
+        ``collective,group_size,nodes,input_bytes,ms``, the stdout of an nccl-tests program
+        (``all_gather_perf``, ``reduce_scatter_perf``, ``all_reduce_perf``,
+        ``alltoall_perf``: its ``size`` column is the gathered output for an all-gather, so
+        ``input_bytes = size / group_size``, and the per-rank input for the others; see
+        :func:`scheduler.cost_tables.read_nccl_tests`, which ``nccl_tests_kw`` ``collective``
+        / ``group_size`` / ``nodes`` go to), or a directory of such files. Everything else
+        (compute, copies, uncovered groups) from ``fallback`` (default: analytic on
+        ``cluster``).
+
+        Raises:
+            CostTableError (a ValueError): the file is missing or unreadable, or a line is bad;
+                the message names the file, the line and the field.
+        """
+        table = CollectiveTable.read(path, **nccl_tests_kw)
+        return cls(collectives=table, fallback=fallback, cluster=cluster, name=f"table:{path}")
 
     def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        v = self._own_compute_ms(attrs)
+        return v if v is not None else self._fallback.compute_ms(attrs, fx_node)
+
+    def _own_compute_ms(self, attrs: Mapping[str, Any]) -> float | None:
         c = self._compute
         if callable(c):
             v = c(attrs)
-            if v is not None:
-                return float(v)
-        elif c is not None:
+            return None if v is None else float(v)
+        if c is not None:
             for key in (attrs.get("name"), attrs.get("target")):
                 if key is not None and key in c:
                     return float(c[key])
-        return self._fallback.compute_ms(attrs, fx_node)
+        return None
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
         if self._collective is not None:
             return float(self._collective(coll_type, payload_bytes, group))
+        if self.collectives is not None:
+            ms = self.collectives.lookup_ms(coll_type, group.size, group.n_nodes(self.cluster), payload_bytes)
+            if ms is not None:
+                return ms
         return self._fallback.collective_ms(coll_type, payload_bytes, group)
 
     def copy_ms(self, nbytes: int) -> float:
         return self._fallback.copy_ms(nbytes)
+
+    # coverage (read by annotate_costs): True / False, or None where the model does not say
+    def compute_matched(self, attrs: Mapping[str, Any], fx_node: Any = None) -> bool | None:
+        """Whether the fallback priced the node from its own data (a profile); None when the
+        fallback does not say. A compute table is the user's own figures, not counted."""
+        if self._own_compute_ms(attrs) is not None:
+            return None
+        return _ask(self._fallback, "compute_matched", attrs, fx_node)
+
+    def collective_matched(self, coll_type: str, group: GroupInfo) -> bool | None:
+        """With a collectives table: whether it has a row for ``coll_type`` on ``group``
+        (else a fallback's measured data may price it); None without a table, unless the
+        fallback says."""
+        if self._collective is not None:
+            return None
+        if self.collectives is not None and self.collectives.covers(coll_type, group.size, group.n_nodes(self.cluster)):
+            return True
+        said = _ask(self._fallback, "collective_matched", coll_type, group)
+        if self.collectives is None:
+            return said
+        return bool(said)
+
+
+class ProfileCostModel:
+    """Compute times from a torch.profiler trace of one training step.
+
+    Each compute node is priced by the profiled calls of its aten op on its input shapes
+    (:meth:`scheduler.profile_trace.ProfileTrace.lookup_ms`: the kernels' time in a GPU trace;
+    in a CPU trace the op's own time and the host's time up to the next op, see
+    :mod:`scheduler.profile_trace`); nodes without a matching call, collectives and bucket
+    copies are priced by ``fallback`` (default: the analytic model on ``cluster``; give a
+    :class:`TableCostModel` of measured collective times to price collectives from
+    measurements too). :func:`annotate_costs` records the share of compute time that was
+    matched in the DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage``).
+
+    Ranks that read their own traces price alike graphs differently: give every rank the same
+    trace file (one rank's profile), or solve on one rank (``broadcast_from``), so that every
+    rank gets the identical schedule.
+
+    Args:
+        trace: a :class:`~scheduler.profile_trace.ProfileTrace` or the path of the Chrome trace
+            JSON (``prof.export_chrome_trace(path)`` of a step profiled with
+            ``record_shapes=True``).
+    """
+
+    def __init__(self, trace: "ProfileTrace | str | Path", *, fallback: CostModel | None = None,
+                 cluster: Cluster | None = None, name: str | None = None):
+        self.trace = trace if isinstance(trace, ProfileTrace) else ProfileTrace(trace)
+        self.cluster = cluster or getattr(fallback, "cluster", None) or Cluster()
+        self._fallback = fallback or AnalyticCostModel(self.cluster)
+        self.name = name or f"profile:{self.trace.path}"
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, cluster: Cluster | None = None,
+                  fallback: CostModel | None = None) -> "ProfileCostModel":
+        """The model of the Chrome trace in ``path`` (see the class).
+
+        Raises:
+            ProfileTraceError (a ValueError): a missing, unreadable or shapeless trace.
+        """
+        return cls(ProfileTrace(path), fallback=fallback, cluster=cluster)
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        ms = self._profiled_ms(attrs, fx_node)
+        return ms if ms is not None else self._fallback.compute_ms(attrs, fx_node)
+
+    def _profiled_ms(self, attrs: Mapping[str, Any], fx_node: Any) -> float | None:
+        if fx_node is None or attrs.get("kind", "compute") != "compute":
+            return None
+        return self.trace.lookup_ms(fx_node)
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        return self._fallback.collective_ms(coll_type, payload_bytes, group)
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self._fallback.copy_ms(nbytes)
+
+    def compute_matched(self, attrs: Mapping[str, Any], fx_node: Any = None) -> bool:
+        """Whether the node is priced by the profile (else by the fallback)."""
+        if self._profiled_ms(attrs, fx_node) is not None:
+            return True
+        return bool(_ask(self._fallback, "compute_matched", attrs, fx_node))
+
+    def collective_matched(self, coll_type: str, group: GroupInfo) -> bool | None:
+        """The fallback's answer (collectives are its to price)."""
+        return _ask(self._fallback, "collective_matched", coll_type, group)
+
+
+def _ask(model: Any, method: str, *args: Any) -> Any:
+    """``model.method(*args)`` when the model has that coverage method, else None."""
+    fn = getattr(model, method, None)
+    return fn(*args) if callable(fn) else None
 
 
 class BlendCostModel:
@@ -431,6 +666,12 @@ class BlendCostModel:
 
 #: cost models that can be named: ``export_dag(gm, cost_model="torch")``
 COST_MODELS: dict[str, type] = {"analytic": AnalyticCostModel, "torch": TorchCostModel}
+#: cost models named with a file: ``"table:PATH"`` (measured collective times,
+#: :meth:`TableCostModel.from_file`) and ``"profile:PATH"`` (compute times from a torch.profiler
+#: trace, :class:`ProfileCostModel`); ``"profile:TRACE+table:CSV"`` takes both
+FILE_COST_MODELS = ("table", "profile")
+_FILE_SPEC = re.compile(r"^\s*(table|profile)\s*:", re.IGNORECASE)
+_FILE_SPEC_SPLIT = re.compile(r"\+(?=\s*(?:table|profile)\s*:)", re.IGNORECASE)
 
 
 def resolve_cost_model(spec: "CostModel | str | None", cluster: Cluster | None = None) -> CostModel:
@@ -438,31 +679,122 @@ def resolve_cost_model(spec: "CostModel | str | None", cluster: Cluster | None =
 
     Args:
         spec: None (the analytic model), a name of :data:`COST_MODELS` (``"analytic"``,
-            ``"torch"``; case and surrounding blanks ignored), or a cost model object (any
+            ``"torch"``; case and surrounding blanks ignored), a file-backed name
+            (:data:`FILE_COST_MODELS`, see :func:`cost_model_from_files`: ``"table:PATH"``,
+            ``"profile:PATH"`` or ``"profile:TRACE+table:CSV"``), or a cost model object (any
             object with ``compute_ms``, ``collective_ms`` and ``copy_ms``), returned as is.
 
     Raises:
-        ValueError: an unknown name, or an object that is not a cost model; the message lists
+        ValueError: an unknown name, a file that cannot be read (the message names the file,
+            the line and the field), or an object that is not a cost model; the message lists
             the valid names.
     """
     cluster = cluster or Cluster()
     if spec is None:
         return AnalyticCostModel(cluster)
     if isinstance(spec, str):
+        if _FILE_SPEC.match(spec):
+            return cost_model_from_files(spec, cluster)
         cls = COST_MODELS.get(spec.strip().lower())
         if cls is None:
             raise ValueError(
-                f"unknown cost model {spec!r}; valid names are {sorted(COST_MODELS)} (or pass a cost "
-                "model object with compute_ms, collective_ms and copy_ms)"
+                f"unknown cost model {spec!r}; valid names are {sorted(COST_MODELS)}, 'table:PATH' (measured "
+                "collective times: a CSV or nccl-tests output) and 'profile:PATH' (a torch.profiler trace), or "
+                "pass a cost model object with compute_ms, collective_ms and copy_ms"
             )
         return cls(cluster)
     missing = [m for m in ("compute_ms", "collective_ms", "copy_ms") if not callable(getattr(spec, m, None))]
     if missing:
         raise ValueError(
             f"cost_model {spec!r} is not a cost model (it lacks {', '.join(missing)}); pass one of the "
-            f"names {sorted(COST_MODELS)} or an object with compute_ms, collective_ms and copy_ms"
+            f"names {sorted(COST_MODELS)}, 'table:PATH', 'profile:PATH', or an object with compute_ms, "
+            "collective_ms and copy_ms"
         )
     return spec
+
+
+def cost_model_from_files(spec: str, cluster: Cluster | None = None) -> CostModel:
+    """The model a file-backed name stands for, on ``cluster``:
+
+    - ``"table:PATH"``: :meth:`TableCostModel.from_file` (collectives measured, the rest
+      analytic);
+    - ``"profile:PATH"``: :class:`ProfileCostModel` (compute from the trace, the rest
+      analytic);
+    - ``"profile:TRACE+table:PATH"`` (either order): compute from the trace, collectives
+      from the table, the rest analytic.
+
+    Files are read once per content: a name resolved again (every rank, every candidate
+    judged) reuses what was read while the file's size and modification time are unchanged.
+    The model's ``name`` is ``spec`` without surrounding blanks.
+
+    Raises:
+        ValueError: a part that names no file, the same kind twice, or a file that cannot be
+            read (:class:`~scheduler.cost_tables.CostTableError`,
+            :class:`~scheduler.profile_trace.ProfileTraceError`).
+    """
+    cluster = cluster or Cluster()
+    text = spec.strip()
+    paths: dict[str, str] = {}
+    for part in _FILE_SPEC_SPLIT.split(text):
+        kind, _, path = part.partition(":")
+        kind, path = kind.strip().lower(), path.strip()
+        if kind not in FILE_COST_MODELS:
+            raise ValueError(f"cost model {spec!r}: {part!r} is not 'table:PATH' or 'profile:PATH'")
+        if not path:
+            raise ValueError(f"cost model {spec!r} names no file after {kind!r}:; write {kind}:PATH")
+        if kind in paths:
+            raise ValueError(f"cost model {spec!r} names two {kind} files; give one (a table may be a directory)")
+        paths[kind] = path
+    model: CostModel = AnalyticCostModel(cluster)
+    try:
+        if "table" in paths:
+            model = TableCostModel(collectives=_read_cached("table", paths["table"]), fallback=model,
+                                   cluster=cluster, name=f"table:{paths['table']}")
+        if "profile" in paths:
+            model = ProfileCostModel(_read_cached("profile", paths["profile"]), fallback=model, cluster=cluster,
+                                     name=f"profile:{paths['profile']}")
+    except (CostTableError, ProfileTraceError) as e:
+        raise type(e)(f"cost model {spec!r}: {e}") from None
+    model.name = text  # type: ignore[attr-defined]
+    return model
+
+
+def cost_model_files(spec: Any) -> list[list[Any]]:
+    """``[[path, size, mtime_ns], ...]`` of the files a file-backed cost model name reads
+    (empty for anything else): for caches keyed by the cost model's name, which must change
+    when a file does."""
+    if not isinstance(spec, str) or not _FILE_SPEC.match(spec):
+        return []
+    out = []
+    for part in _FILE_SPEC_SPLIT.split(spec.strip()):
+        key = _file_key(part.partition(":")[2].strip()) or ()
+        out += [[path, size, mtime] for path, mtime, size in key]
+    return out
+
+
+def _read_cached(kind: str, path: str) -> Any:
+    """The table or trace in ``path``, read once per (path, sizes, modification times)."""
+    key = _file_key(path)
+    if key is None:  # missing: the reader raises the error that says so
+        return _READERS[kind](path)
+    return _read_file(kind, path, key)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_file(kind: str, path: str, key: tuple) -> Any:
+    return _READERS[kind](path)
+
+
+_READERS: dict[str, Callable[[str], Any]] = {"table": CollectiveTable.read, "profile": ProfileTrace}
+
+
+def _file_key(path: str) -> tuple | None:
+    p = Path(path)
+    try:
+        files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+        return tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    except OSError:
+        return None
 
 
 #: ops that only allocate (no kernel touches the bytes)
@@ -536,10 +868,13 @@ def annotate_costs(
     """
     fx_nodes = fx_nodes or {}
     keys: dict[str, list[int]] = {}
+    coverage = _Coverage(cost_model, cluster)
     for n, a in dag.nodes(data=True):
         kind = a["kind"]
         if kind == "compute":
-            a["runtime_ms"] = _check_ms(cost_model.compute_ms({**a, "name": n}, fx_nodes.get(n)), f"node {n!r}")
+            attrs = {**a, "name": n}
+            a["runtime_ms"] = _check_ms(cost_model.compute_ms(attrs, fx_nodes.get(n)), f"node {n!r}")
+            coverage.compute(attrs, fx_nodes.get(n), a["runtime_ms"])
         elif kind == "collective":
             # all-to-all (expert parallel) too: not movable, but it occupies its group's stream
             if a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce") or is_all_to_all(a["coll_type"]):
@@ -547,6 +882,7 @@ def annotate_costs(
                 a["runtime_ms"] = _check_ms(
                     cost_model.collective_ms(a["coll_type"], a["payload_bytes"], gi), f"collective {n!r}"
                 )
+                coverage.collective(a["coll_type"], gi)
                 keys.setdefault(f"{a['coll_type']}|{a['group_name']}", []).append(a["payload_bytes"])
             else:
                 a["runtime_ms"] = 0.0
@@ -572,4 +908,62 @@ def annotate_costs(
     dag.graph["copy_ms_per_byte"] = (c1 - c0) / (1 << 30)
     dag.graph["cost_model"] = getattr(cost_model, "name", type(cost_model).__name__)
     dag.graph["cluster"] = cluster.to_json()
+    summary = coverage.summary()
+    if summary is None:
+        dag.graph.pop("cost_coverage", None)
+    else:
+        dag.graph["cost_coverage"] = summary
     return dag
+
+
+class _Coverage:
+    """What of a DAG a cost model priced from its own data (a profile, a measured table) and
+    what it left to its fallback, for models that say (``compute_matched`` /
+    ``collective_matched`` returning True or False, as :class:`TableCostModel` with a
+    collectives table and :class:`ProfileCostModel` do; None: the model does not say)."""
+
+    def __init__(self, cost_model: CostModel, cluster: Cluster):
+        self.cluster = cluster
+        self._compute = getattr(cost_model, "compute_matched", None)
+        self._collective = getattr(cost_model, "collective_matched", None)
+        self.compute_ms = 0.0
+        self.matched_ms = 0.0
+        self.compute_said = False
+        self.collective_said = False
+        self.fallback_groups: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def compute(self, attrs: Mapping[str, Any], fx_node: Any, runtime_ms: float) -> None:
+        self.compute_ms += runtime_ms
+        said = self._compute(attrs, fx_node) if callable(self._compute) else None
+        if said is not None:
+            self.compute_said = True
+            if said:
+                self.matched_ms += runtime_ms
+
+    def collective(self, coll_type: str, group: GroupInfo) -> None:
+        said = self._collective(coll_type, group) if callable(self._collective) else None
+        if said is None:
+            return
+        self.collective_said = True
+        if not said:
+            self.fallback_groups.setdefault((group.name, coll_type), {
+                "group_name": group.name, "coll_type": coll_type, "group_size": group.size,
+                "nodes": group.n_nodes(self.cluster)})
+
+    def summary(self) -> dict[str, Any] | None:
+        """``cost_coverage`` of the DAG: ``compute_ms`` (all compute), ``compute_matched_ms``
+        and ``compute_matched_share`` (priced from the model's data; None when the model does
+        not say, the share also when there is no compute time), ``fallback_groups`` (one
+        record per process group and collective type priced by the fallback: group_name,
+        coll_type, group_size, nodes; None when the model does not say). None for a model
+        that says neither."""
+        if not self.compute_said and not self.collective_said:
+            return None
+        matched = self.compute_said
+        return {
+            "compute_ms": self.compute_ms,
+            "compute_matched_ms": self.matched_ms if matched else None,
+            "compute_matched_share": self.matched_ms / self.compute_ms if matched and self.compute_ms > 0 else None,
+            "fallback_groups": ([self.fallback_groups[k] for k in sorted(self.fallback_groups)]
+                                if self.collective_said else None),
+        }

@@ -208,6 +208,18 @@ STRUCTURE = {
     "error": optional(STR),
 }
 
+#: what a cost model priced from its own data (:func:`scheduler.costs.annotate_costs`)
+FALLBACK_GROUP = {"group_name": STR, "coll_type": STR, "group_size": COUNT, "nodes": COUNT}
+COST_COVERAGE = {
+    "compute_ms": TIME_MS,
+    "compute_matched_ms": nullable(TIME_MS),
+    "compute_matched_share": nullable(Attr("a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1)),
+    "fallback_groups": nullable(Attr("a list of {group_name, coll_type, group_size, nodes} records",
+                                     lambda v: isinstance(v, list) and all(
+                                         _is_record(g) and set(g) == set(FALLBACK_GROUP)
+                                         and all(FALLBACK_GROUP[k].test(g[k]) for k in g) for g in v))),
+}
+
 #: ``dag.graph``
 GRAPH_ATTRS: dict[str, Attr] = {
     "schema": Attr(repr(SCHEMA), lambda v: v == SCHEMA),
@@ -224,6 +236,7 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "copy_ms_per_byte": MS_PER_BYTE,
     "copy_ms_fixed": TIME_MS,
     "structure": optional(record("a structure summary (scheduler.structure)", STRUCTURE)),
+    "cost_coverage": optional(record("a cost coverage record (scheduler.costs.annotate_costs)", COST_COVERAGE)),
 }
 
 

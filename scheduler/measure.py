@@ -14,6 +14,10 @@ Ops that cannot be timed in isolation fall back to another model (default:
 :class:`~scheduler.costs.AnalyticCostModel`): random ops, collectives, views, ops on opaque
 script objects or symbolic shapes, ops larger than ``max_op_bytes``, and ops that raise.
 
+:func:`measure_collective_table` times every collective at a range of sizes on a live group
+and returns a :class:`~scheduler.cost_tables.CollectiveTable` (``fsdp-sched measure`` writes it
+as CSV, ``cost_model="table:PATH"`` reads it back).
+
 Multi-rank use: the collective fit is identical on every rank (broadcast from rank 0), but
 compute timings are taken by each process and differ slightly. Schedules must be identical on
 every rank, so solve on one rank and broadcast the schedule
@@ -38,7 +42,8 @@ from typing import Any
 
 import torch
 
-from scheduler.costs import AnalyticCostModel, CostModel, GroupInfo
+from scheduler.cost_tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
+from scheduler.costs import AnalyticCostModel, Cluster, CostModel, GroupInfo
 from solvers.core.units import fit_line
 
 logger = logging.getLogger(__name__)
@@ -46,6 +51,10 @@ logger = logging.getLogger(__name__)
 CACHE_VERSION = 1
 #: per-rank payload sizes, bytes, at which :func:`fit_collectives` times each collective
 DEFAULT_COLLECTIVE_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+#: collectives :func:`measure_collective_table` can time (``fsdp-sched measure``): all a table holds
+MEASURED_COLLECTIVES = COLLECTIVES
+#: a measured time is never recorded below this (ms): a table holds times > 0
+_MIN_MS = 1e-6
 #: bytes copied when fitting ``copy_ms`` (bucket copy-in / copy-out)
 _COPY_SIZES = (64 << 10, 1 << 20, 8 << 20)
 #: collectives of a sample are repeated up to this many times, until they move this many bytes
@@ -79,8 +88,11 @@ class MeasuredCostModel:
         max_op_bytes: ops whose inputs and outputs exceed this many bytes are not run (they
             fall back), so that full-size graphs cannot exhaust host or device memory.
         collective_fit: result(s) of :func:`fit_collectives`; a collective on a group of the
-            fitted size uses ``alpha_ms + beta_ms_per_byte * payload_bytes``. Others fall back.
-        fallback: model for everything not measured (default: ``AnalyticCostModel()``).
+            fitted size spanning the fitted number of nodes uses ``alpha_ms +
+            beta_ms_per_byte * payload_bytes``. Others fall back.
+        fallback: model for everything not measured (default: ``AnalyticCostModel(cluster)``).
+        cluster: counts the nodes a priced group spans (default: the fallback's cluster, else
+            :class:`~scheduler.costs.Cluster`).
     """
 
     name = "measured"
@@ -96,6 +108,7 @@ class MeasuredCostModel:
         max_op_bytes: int = 2 << 30,
         collective_fit: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         fallback: CostModel | None = None,
+        cluster: Cluster | None = None,
     ):
         if repeats < 1 or warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -113,7 +126,8 @@ class MeasuredCostModel:
             self.collective_fits = [collective_fit]
         else:
             self.collective_fits = list(collective_fit)
-        self.fallback = fallback or AnalyticCostModel()
+        self.cluster = cluster or getattr(fallback, "cluster", None) or Cluster()
+        self.fallback = fallback or AnalyticCostModel(self.cluster)
         self.device_name = _device_name(self.device)
         #: counters: ops timed, cache hits, fallbacks
         self.stats = {"measured": 0, "cache_hits": 0, "fallbacks": 0}
@@ -145,14 +159,25 @@ class MeasuredCostModel:
             return self._compute_ms_local(attrs, fx_node)
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
-        """``alpha + beta * payload`` from a fit on a group of ``group.size`` ranks (the same
-        group name preferred), else the fallback's time."""
-        fits = [f for f in self.collective_fits if f["group_size"] == group.size and coll_type in f]
-        fits.sort(key=lambda f: f["group_name"] != group.name)
+        """``alpha + beta * payload`` from a fit on a group of ``group.size`` ranks over as
+        many nodes as ``group`` spans (the same group name preferred), else the fallback's
+        time."""
+        fits = self._fits(coll_type, group)
         if not fits:
             return self.fallback.collective_ms(coll_type, payload_bytes, group)
         line = fits[0][coll_type]
         return line["alpha_ms"] + line["beta_ms_per_byte"] * payload_bytes
+
+    def collective_matched(self, coll_type: str, group: GroupInfo) -> bool:
+        """Whether a fit prices ``coll_type`` on ``group`` (else the fallback does)."""
+        return bool(self._fits(coll_type, group))
+
+    def _fits(self, coll_type: str, group: GroupInfo) -> list[Mapping[str, Any]]:
+        nodes = group.n_nodes(self.cluster)
+        fits = [f for f in self.collective_fits
+                if f["group_size"] == group.size and coll_type in f and f.get("nodes", nodes) == nodes]
+        fits.sort(key=lambda f: f["group_name"] != group.name)
+        return fits
 
     def copy_ms(self, nbytes: int) -> float:
         """Time of copying ``nbytes`` on :attr:`device`: an affine fit over a few sizes."""
@@ -337,17 +362,14 @@ def fit_collectives(
 ) -> dict[str, Any]:
     """Time all-gather and reduce-scatter on a live process group and fit ``alpha + beta * bytes``.
 
-    Every rank of ``group`` (default: the world) must call it together. Each collective runs
-    the functional ops that FSDP graphs hold (``_c10d_functional.all_gather_into_tensor`` /
-    ``reduce_scatter_tensor`` + ``wait_tensor``) on fp32 payloads of ``sizes`` bytes per rank
-    (the shard for an all-gather, the full input for a reduce-scatter: the ``payload_bytes``
-    convention of :mod:`scheduler.costs`). A sample is a barrier, then a few back-to-back
-    calls (more for small payloads); per size the median of ``repeats`` samples is taken, then
-    the maximum over ranks. The fit minimises relative error with
-    ``alpha_ms >= 0`` and ``beta_ms_per_byte >= 0``; it is computed on rank 0 and broadcast,
-    so every rank returns the identical dict::
+    Every rank of ``group`` (default: the world) must call it together. The times are those of
+    :func:`time_collectives` (the functional ops FSDP graphs hold, fp32 payloads of ``sizes``
+    bytes per rank: the shard for an all-gather, the full input for a reduce-scatter; the
+    median of ``repeats`` samples, then the maximum over ranks). The fit minimises relative
+    error with ``alpha_ms >= 0`` and ``beta_ms_per_byte >= 0``; it is computed on rank 0 and
+    broadcast, so every rank returns the identical dict::
 
-        {"group_name": str, "group_size": int, "backend": str, "device": str,
+        {"group_name": str, "group_size": int, "nodes": int, "backend": str, "device": str,
          "all_gather": {"alpha_ms": float, "beta_ms_per_byte": float,
                         "samples": [[payload_bytes, ms], ...]},
          "reduce_scatter": {...}}
@@ -355,29 +377,101 @@ def fit_collectives(
     import torch.distributed as dist
 
     group = group or dist.group.WORLD
+    start = time.perf_counter()
+    timed = time_collectives(group, ("all_gather", "reduce_scatter"), sizes, repeats=repeats, warmup=warmup)
     n = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    result = None
+    if dist.get_rank(group) == 0:
+        result = {"group_name": group.group_name, "group_size": n, "nodes": group_nodes(group), "backend": backend,
+                  "device": _device_name(_collective_device(group))}
+        for coll in ("all_gather", "reduce_scatter"):
+            points = [(b, ms) for c, b, ms in timed if c == coll]
+            alpha, beta = fit_line(points)
+            result[coll] = {"alpha_ms": alpha, "beta_ms_per_byte": beta, "samples": [list(p) for p in points]}
+        logger.info(
+            "collective fit on %d ranks (%.1f s): all_gather %.4f ms + %.3g ms/B, reduce_scatter %.4f ms + %.3g ms/B",
+            n, time.perf_counter() - start,
+            result["all_gather"]["alpha_ms"], result["all_gather"]["beta_ms_per_byte"],
+            result["reduce_scatter"]["alpha_ms"], result["reduce_scatter"]["beta_ms_per_byte"],
+        )
+    else:
+        group_nodes(group)  # a collective: every rank takes part
+    return _broadcast_from_rank0(result, group)
+
+
+def measure_collective_table(
+    group: Any = None,
+    *,
+    collectives: Sequence[str] = MEASURED_COLLECTIVES,
+    sizes: Sequence[int] = DEFAULT_TABLE_SIZES,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> CollectiveTable:
+    """Measured collective times on a live process group, as a table (``fsdp-sched measure``).
+
+    Every rank of ``group`` (default: the world) must call it together; every rank returns
+    the identical table (rank 0's, broadcast). One row per collective and per size of
+    ``sizes`` (bytes of the per-rank input, the ``input_bytes`` of
+    :mod:`scheduler.cost_tables`), timed by :func:`time_collectives`; ``nodes`` is the number
+    of distinct host names among the group's ranks. Write it with
+    :meth:`~scheduler.cost_tables.CollectiveTable.to_csv` and use it as
+    ``cost_model="table:PATH"``.
+
+    Raises:
+        ValueError: an unknown collective or a size < 1 byte.
+    """
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    unknown = [c for c in collectives if c not in MEASURED_COLLECTIVES]
+    if unknown or not collectives:
+        raise ValueError(f"collectives={list(collectives)!r}: give some of {', '.join(MEASURED_COLLECTIVES)}")
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"sizes={list(sizes)!r}: give sizes in bytes >= 1")
+    timed = time_collectives(group, collectives, sizes, repeats=repeats, warmup=warmup)
+    n = dist.get_world_size(group)
+    nodes = group_nodes(group)
+    rows = [CollectiveRow(coll, n, nodes, nbytes, max(ms, _MIN_MS), f"measured on {group.group_name}")
+            for coll, nbytes, ms in timed]
+    return _broadcast_from_rank0(CollectiveTable(rows), group)
+
+
+def time_collectives(
+    group: Any,
+    collectives: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[tuple[str, int, float]]:
+    """``[(collective, input_bytes, ms), ...]`` of each collective at each size on ``group``.
+
+    Every rank must call it together. Each call runs the functional op that FSDP graphs hold
+    (``_c10d_functional.all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce``
+    / ``all_to_all_single`` with even splits, then ``wait_tensor``) on an fp32 input of about
+    the size's bytes per rank (rounded to whole elements, divisible by the group size where the
+    op splits it; the bytes returned are the input's). A sample is a barrier, then a few
+    back-to-back calls (more for small inputs); per size the median of ``repeats`` samples,
+    then the maximum over ranks (a collective is as slow as its slowest rank). Identical on
+    every rank.
+    """
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    device = _collective_device(group)
     c10d = torch.ops._c10d_functional
+    name = group.group_name
     elem = 4
     medians: list[float] = []
     plan: list[tuple[str, int]] = []
-    start = time.perf_counter()
-    for coll in ("all_gather", "reduce_scatter"):
+    for coll in collectives:
         for nbytes in sizes:
             numel = max(n, nbytes // elem)
-            if coll == "reduce_scatter":
+            if coll in ("reduce_scatter", "all_to_all"):
                 numel = -(-numel // n) * n  # divisible by the group size
-                inp = torch.randn(numel, device=device)
-
-                def run(inp: torch.Tensor = inp) -> torch.Tensor:
-                    return c10d.wait_tensor(c10d.reduce_scatter_tensor(inp, "sum", n, group.group_name))
-            else:
-                inp = torch.randn(numel, device=device)
-
-                def run(inp: torch.Tensor = inp) -> torch.Tensor:
-                    return c10d.wait_tensor(c10d.all_gather_into_tensor(inp, n, group.group_name))
-
+            inp = torch.randn(numel, device=device)
+            run = _collective_call(c10d, coll, inp, n, name)
             # back-to-back calls after one barrier amortise the skew with which ranks leave
             # it; the count depends on the size only, so that every rank runs the same calls
             inner = max(1, min(_COLLECTIVE_INNER_MAX, _COLLECTIVE_INNER_BYTES // (numel * elem)))
@@ -398,20 +492,39 @@ def fit_collectives(
             logger.info("%s of %d bytes per rank on %d ranks: %.3f ms", coll, numel * elem, n, medians[-1])
     times = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    result = None
-    if dist.get_rank(group) == 0:
-        result = {"group_name": group.group_name, "group_size": n, "backend": backend, "device": _device_name(device)}
-        for coll in ("all_gather", "reduce_scatter"):
-            points = [(b, float(t)) for (c, b), t in zip(plan, times.tolist()) if c == coll]
-            alpha, beta = fit_line(points)
-            result[coll] = {"alpha_ms": alpha, "beta_ms_per_byte": beta, "samples": [list(p) for p in points]}
-        logger.info(
-            "collective fit on %d ranks (%.1f s): all_gather %.4f ms + %.3g ms/B, reduce_scatter %.4f ms + %.3g ms/B",
-            n, time.perf_counter() - start,
-            result["all_gather"]["alpha_ms"], result["all_gather"]["beta_ms_per_byte"],
-            result["reduce_scatter"]["alpha_ms"], result["reduce_scatter"]["beta_ms_per_byte"],
-        )
-    return _broadcast_from_rank0(result, group)
+    return [(c, b, float(t)) for (c, b), t in zip(plan, times.tolist())]
+
+
+def _collective_call(c10d: Any, coll: str, inp: torch.Tensor, n: int, group_name: str) -> Any:
+    """A function running ``coll`` on ``inp`` once, waited."""
+    if coll == "all_gather":
+        return lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(inp, n, group_name))
+    if coll == "reduce_scatter":
+        return lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(inp, "sum", n, group_name))
+    if coll == "all_reduce":
+        return lambda: c10d.wait_tensor(c10d.all_reduce(inp, "sum", group_name))
+    split = [inp.numel() // n] * n
+    return lambda: c10d.wait_tensor(c10d.all_to_all_single(inp, split, split, group_name))
+
+
+def group_nodes(group: Any = None) -> int:
+    """How many distinct hosts the ranks of ``group`` run on (a collective: every rank of the
+    group calls it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts))
+
+
+def _collective_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 @contextlib.contextmanager

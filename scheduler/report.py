@@ -99,6 +99,12 @@ class ScheduleReport:
     cost_models: list[str] = dataclasses.field(default_factory=list)
     #: the answer came from the schedule cache (:mod:`scheduler.cache`), not from a solve
     cache_hit: bool = False
+    #: what the cost model priced from its own data (a profile, a measured table) and what
+    #: it left to its fallback (:func:`scheduler.costs.annotate_costs`): ``compute_ms``,
+    #: ``compute_matched_ms``, ``compute_matched_share``, ``fallback_groups`` (group_name,
+    #: coll_type, group_size, nodes per group priced by the fallback); empty for a model that
+    #: does not say (analytic, torch)
+    cost_coverage: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def stage_wall_s(self) -> dict[str, float]:
         """Stage name -> wall time (s), stages of one name summed."""
@@ -160,6 +166,7 @@ class ScheduleReport:
                 f"issue-to-wait: {_spread(self.rs_wait_distance)}"
             )
         lines += self._verification_lines()
+        lines += self._coverage_lines()
         if self.fell_back:
             lines.append(f"  fell back from {self.requested_solver} to {self.solver}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -185,6 +192,19 @@ class ScheduleReport:
             written = "-" if not f else f"{fmt_ms(f['step_ms'])}, peak {fmt_bytes(max(f['peak_bytes'], f['liveness_peak_bytes'], f['tracker_peak_bytes']))}"
             outcome = "chosen" if c.get("dropped") is None else f"dropped: {c['dropped']}"
             lines.append(f"    candidate {c['name']:<40} written {written}: {outcome}")
+        return lines
+
+
+    def _coverage_lines(self) -> list[str]:
+        """What the cost model priced from its data, what its fallback priced."""
+        cov = self.cost_coverage
+        lines = []
+        if cov.get("compute_matched_share") is not None:
+            lines.append(f"  costs: {cov['compute_matched_share']:.1%} of compute time from the cost model's data "
+                         f"({fmt_ms(cov['compute_matched_ms'])} of {fmt_ms(cov['compute_ms'])}), the rest from its fallback")
+        for g in cov.get("fallback_groups") or ():
+            lines.append(f"  costs: {g['coll_type']} on group {g['group_name']} ({g['group_size']} ranks, "
+                         f"{g['nodes']} node(s)) has no measured row: priced by the fallback model")
         return lines
 
 
@@ -238,6 +258,7 @@ def make_report(
         fell_back=fell_back,
         graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
         stages=[st.to_json() for st in stages],
+        cost_coverage=dict(problem.dag.graph.get("cost_coverage") or {}),
         **after_fields(problem, after, bound),
     )
 

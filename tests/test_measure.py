@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module in spawned ranks
 
-from gloo_harness import ChildProcessFailed, MultiprocessTimeout, run_multiprocess  # noqa: E402
+from gloo_harness import ChildProcessFailed, MultiprocessTimeout, free_port, run_multiprocess  # noqa: E402
 
 from scheduler.costs import AnalyticCostModel, GroupInfo  # noqa: E402
 from scheduler.measure import MeasuredCostModel, fit_collectives  # noqa: E402
@@ -179,3 +179,83 @@ def test_harness_propagates_child_traceback():
         run_multiprocess(_raise_on_rank1, 2, timeout_s=60)
     assert info.value.rank == 1
     _assert_no_children_left()
+
+
+def test_collective_fit_matches_the_nodes_a_group_spans(tmp_path):
+    """A fit taken on one node prices a group of its size on one node, not the same number of
+    ranks spread over several nodes (those fall back, and the model says so)."""
+    fit = {"group_name": "0", "group_size": 8, "nodes": 1,
+           "all_gather": {"alpha_ms": 0.5, "beta_ms_per_byte": 1e-6}}
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path, collective_fit=fit)
+    one_node, strided = GroupInfo("a", 8, tuple(range(8))), GroupInfo("b", 8, tuple(range(0, 64, 8)))
+    assert model.collective_ms("all_gather", 1000, one_node) == pytest.approx(0.501)
+    assert model.collective_matched("all_gather", one_node) and not model.collective_matched("all_gather", strided)
+    assert model.collective_ms("all_gather", 1000, strided) == AnalyticCostModel().collective_ms(
+        "all_gather", 1000, strided)
+
+
+# --------------------------------------------------------------------------------------------
+# fsdp-sched measure on real gloo groups
+MEASURE_SIZES = (4 << 10, 64 << 10)
+
+
+def _measure_body(rank: int, world_size: int, out: str) -> int:
+    from scheduler.cli import main
+
+    return main(["-q", "measure", "--out", out, "--sizes", ",".join(f"{b}B" for b in MEASURE_SIZES),
+                 "--repeats", "2", "--warmup", "1"])
+
+
+def _check_measured_table(path: Path, world_size: int) -> None:
+    from scheduler.costs import TableCostModel
+
+    model = TableCostModel.from_file(path)
+    colls = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    assert model.collectives.keys() == sorted((c, world_size, 1) for c in colls)
+    rows = [ln.split(",") for ln in path.read_text().splitlines()[1:]]
+    assert len(rows) == len(colls) * len(MEASURE_SIZES)
+    group = GroupInfo("0", world_size, tuple(range(world_size)))  # one host
+    for coll, n, nodes, nbytes, ms in rows:
+        assert float(ms) > 0 and int(nbytes) >= min(MEASURE_SIZES) and int(nbytes) % 4 == 0
+        assert model.collective_ms(coll, int(nbytes), group) == pytest.approx(float(ms), rel=1e-5)
+        assert model.collective_matched(coll, group)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_measure_writes_a_table_on_a_gloo_group(tmp_path, world_size):
+    """``fsdp-sched measure`` on every rank of a live gloo group: rank 0 writes one row per
+    collective and size, for the group's size on one node (one host), and the CSV reads back
+    as a cost model that prices those collectives at the measured times."""
+    out = tmp_path / "collectives.csv"
+    assert run_multiprocess(_measure_body, world_size, str(out), timeout_s=180) == [0] * world_size
+    _check_measured_table(out, world_size)
+    _assert_no_children_left()
+
+
+@pytest.mark.slow
+def test_measure_under_torchrun_initialises_its_own_group(tmp_path):
+    """Launched by torchrun (no group initialised): the command makes a gloo group from the
+    launcher's environment and writes the table."""
+    import subprocess
+
+    out = tmp_path / "collectives.csv"
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "scheduler.cli", "-q", "measure", "--out", str(out), "--backend", "gloo",
+         "--sizes", ",".join(f"{b}B" for b in MEASURE_SIZES), "--repeats", "2", "--warmup", "1"],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _check_measured_table(out, 2)
+
+
+def test_measure_without_a_group_or_launcher_says_how_to_launch(tmp_path, monkeypatch, capsys):
+    from scheduler.cli import main
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["measure", "--out", str(tmp_path / "t.csv")]) == 2
+    assert "torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "t.csv").exists()

@@ -53,6 +53,19 @@ def budget_arg(text: str) -> str | int:
         raise argparse.ArgumentTypeError(f"bad budget: {e}; or 'auto', 'none', '0.8x'") from None
 
 
+def cost_model_arg(text: str) -> str:
+    """``--cost-model``: a name (analytic, torch) or a file-backed model (table:PATH,
+    profile:PATH, profile:TRACE+table:PATH), checked now (files read) so that a bad name or
+    file fails before any model is traced."""
+    from scheduler.costs import resolve_cost_model
+
+    try:
+        resolve_cost_model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+    return text.strip() if ":" in text else text.strip().lower()
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (a time limit, a bandwidth): "inf" and "nan" are refused, since
     the solvers would not honour them as the user meant."""

@@ -7,15 +7,18 @@ import argparse
 from scheduler.cli.common import (
     GRAPHS,
     budget_arg,
+    cost_model_arg,
     db_arg,
     out_dir_arg,
     positive_float,
     positive_int,
     world_size_arg,
 )
+from scheduler.cli.measure import cmd_measure, mesh_arg, out_file_arg, sizes_arg
 from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import cmd_sweep
-from scheduler.costs import COST_MODELS
+from scheduler.cost_tables import COLLECTIVES as MEASURED_COLLECTIVES
+from scheduler.cost_tables import DEFAULT_TABLE_SIZES
 from solvers.search import DEFAULT_TIME_LIMIT_S
 
 
@@ -34,11 +37,13 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
                    help="FSDP ranks, also the cluster size for the cost model (default %(default)s, 8 per node)")
     p.add_argument("--inter-node-gbps", type=positive_float, default=None,
                    help="inter-node bus bandwidth per GPU in GB/s (default: the Cluster default, 50)")
-    p.add_argument("--cost-model", choices=sorted(COST_MODELS), default=None,
+    p.add_argument("--cost-model", type=cost_model_arg, default=None, metavar="MODEL",
                    help="how a traced model's nodes and collectives are priced: analytic (roofline + NCCL "
-                        "alpha-beta, the default) or torch (torch's own roofline and NCCL estimators); a DAG "
-                        "file keeps the costs it was traced with; solve --robust judges under a family of "
-                        "models instead")
+                        "alpha-beta), torch (torch's own roofline and NCCL estimators), "
+                        "table:PATH (collective times measured: a CSV from `fsdp-sched measure` or nccl-tests "
+                        "output), profile:PATH (compute times from a torch.profiler Chrome trace of one step), "
+                        "or profile:TRACE+table:PATH; a DAG file keeps the costs it was traced with; without it, "
+                        "solve --robust judges under a family of models")
 
 
 def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
@@ -106,4 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--db", type=db_arg, default=None,
                            help="SQLite results file; finished points are skipped on rerun (default OUT/sweep.sqlite)")
             p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("measure", help="time the collectives on this job's process group and write a table",
+                       description="Time all-gather, reduce-scatter, all-reduce and all-to-all on the process "
+                                   "group this command runs on (launch it on every rank, e.g. with torchrun) at "
+                                   "a range of sizes, and write a CSV (collective,group_size,nodes,input_bytes,ms) "
+                                   "that --cost-model table:PATH reads.")
+    p.add_argument("--out", type=out_file_arg, default="collectives.csv", help="CSV file to write (default %(default)s)")
+    p.add_argument("--sizes", type=sizes_arg, default=DEFAULT_TABLE_SIZES, metavar="SIZES",
+                   help="per-rank input sizes, comma-separated (default 4KiB,16KiB,...,64MiB: powers of 4)")
+    p.add_argument("--collectives", type=_collectives_arg, default=MEASURED_COLLECTIVES, metavar="NAMES",
+                   help=f"comma-separated, of {','.join(MEASURED_COLLECTIVES)} (default: all)")
+    p.add_argument("--mesh", type=mesh_arg, default=None, metavar="AxB",
+                   help="the job's device mesh (8x8: dp 8 x tp 8): measure this rank's group along every "
+                        "dimension instead of the whole group")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed samples per size (median; default %(default)s)")
+    p.add_argument("--warmup", type=positive_int, default=2, help="untimed samples per size (default %(default)s)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process group backend when none is initialised (default: nccl with CUDA, else gloo)")
+    p.set_defaults(func=cmd_measure)
     return parser
+
+
+def _collectives_arg(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in MEASURED_COLLECTIVES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown collective(s) {bad or text!r}; choose from {', '.join(MEASURED_COLLECTIVES)}")
+    return names

@@ -1,0 +1,124 @@
+"""``fsdp-sched measure``: time the collectives on the user's own process group and write the
+table that ``--cost-model table:PATH`` (``cost_model="table:PATH"``) reads.
+
+Run it on every rank of the job, as the training job itself is launched::
+
+    torchrun --nproc-per-node 8 --nnodes 4 ... -m scheduler.cli measure --out collectives.csv
+    torchrun ... -m scheduler.cli measure --mesh 4x8 --out collectives.csv   # dp x tp groups
+
+Without an initialised process group it initialises one from the launcher's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL where CUDA is available,
+else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.cost_tables`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from scheduler.cli.common import CliError
+from scheduler.cost_tables import CollectiveTable
+from solvers.core import parse_bytes
+
+logger = logging.getLogger(__name__)
+
+#: environment variables a launcher (torchrun, mpirun with them exported) sets on every rank
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def sizes_arg(text: str) -> tuple[int, ...]:
+    """``--sizes``: comma-separated sizes ("4KiB,1MiB,64MiB") of the per-rank input."""
+    try:
+        sizes = tuple(parse_bytes(t.strip()) for t in text.split(",") if t.strip())
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"bad size in {text!r}: {e}") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no sizes in {text!r}; give e.g. 4KiB,1MiB,64MiB")
+    return tuple(sorted(set(sizes)))  # type: ignore[arg-type]
+
+
+def mesh_arg(text: str) -> tuple[int, ...]:
+    """``--mesh``: the job's device mesh, outermost dimension first ("8x8": dp 8 x tp 8)."""
+    try:
+        dims = tuple(int(t) for t in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad mesh {text!r}; write the dimensions like 8x8") from None
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"bad mesh {text!r}; every dimension must be >= 1")
+    return dims
+
+
+def out_file_arg(text: str) -> str:
+    """``--out``: a file in an existing directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a CSV file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(path.parent)!r} of {text!r} does not exist")
+    return text
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from scheduler.measure import measure_collective_table
+
+    owned = False
+    if not dist.is_initialized():
+        missing = [v for v in _LAUNCH_ENV if v not in os.environ]
+        if missing:
+            raise CliError(
+                f"fsdp-sched measure times collectives on a process group, and {', '.join(missing)} "
+                "is not set: launch it on every rank like the job, e.g. `torchrun --nproc-per-node 8 -m "
+                "scheduler.cli measure --out collectives.csv`")
+        backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        owned = True
+    try:
+        world = dist.get_world_size()
+        if world < 2:
+            raise CliError("the process group has one rank; collectives need at least two")
+        groups = _groups(args.mesh, world)
+        rows = []
+        for group in groups:
+            table = measure_collective_table(group, collectives=args.collectives, sizes=args.sizes,
+                                             repeats=args.repeats, warmup=args.warmup)
+            rows += table.rows
+        # every rank has its own groups' tables; rank 0 writes its own
+        table = CollectiveTable(rows)
+        if dist.get_rank() == 0:
+            text = table.to_csv(args.out)
+            if not args.quiet:
+                print(text, end="")
+            print(f"wrote {args.out} ({sum(len(p) for p in table.points.values())} rows)")
+        dist.barrier()
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return 0
+
+
+def _groups(mesh: tuple[int, ...] | None, world: int) -> list:
+    """The process groups to measure: the world, or this rank's group along every dimension of
+    ``mesh`` (every group of a dimension runs at once, as in training)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh is None:
+        return [dist.group.WORLD]
+    n = 1
+    for d in mesh:
+        n *= d
+    if n != world:
+        raise CliError(f"--mesh {'x'.join(map(str, mesh))} has {n} ranks; the process group has {world}")
+    device = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(torch.cuda.current_device())
+    dm = init_device_mesh(device, mesh)
+    return [dm.get_group(d) for d in range(len(mesh)) if mesh[d] > 1]

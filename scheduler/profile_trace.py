@@ -1,0 +1,223 @@
+"""Op times from a torch.profiler trace, looked up for FX nodes by aten op and input shapes.
+
+:class:`ProfileTrace` reads the Chrome trace JSON that ``torch.profiler`` exports
+(``prof.export_chrome_trace(path)``, recorded with ``record_shapes=True``) of one training
+step, and answers :meth:`ProfileTrace.lookup_ms` for an FX node: the mean time of the profiled
+calls of the node's op with the node's input shapes, or None when the trace has no such call.
+:class:`scheduler.costs.ProfileCostModel` prices compute nodes with it
+(``cost_model="profile:PATH"``).
+
+It builds on torch's profile-guided estimation
+(``torch._inductor.fx_passes.profile_guided_estimation``):
+
+- a GPU trace (kernel events) is parsed by torch's ``ProfileData``: each CPU op is timed by
+  the GPU kernels launched under it;
+- a CPU trace (no kernel events: ``ProfilerActivity.CPU`` only, as on this machine) has no
+  kernels to sum, so each CPU op event is timed by its own duration (inclusive of the ops it
+  calls), parsed by the same ``ProfileData`` op parser. On a CPU the thread that runs the
+  graph is its compute stream, and it is also busy between two ops: in Python, and issuing
+  collectives (gloo's ``c10d`` calls take the calling thread's time). With ``host_time``
+  (the default for CPU traces) an op is charged that time too: from its end to the start of
+  the next op under the same parent (a collective's issue in between included, time blocked
+  in ``wait_tensor`` not: the simulator models waiting), or to the parent's end after the last
+  one. Over a graph's ops this adds up to the time its region took less the waits;
+- a node is looked up first with torch's key (op name, input shapes, input strides, dtype;
+  ``ProfileData.lookup_op`` with torch's own FX-side helpers), then by op name and input
+  shapes alone: torch's FX side keys on the node's *output* dtype and skips tensor-list
+  arguments (``cat``, ``stack``), while the profile keys on the first input's dtype and lists
+  tensor lists, and eager code may run an op on other strides than the traced graph does.
+
+Collective kernels are not priced from the trace here (the measured collective table is the
+supported source, :mod:`scheduler.cost_tables`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.fx
+
+logger = logging.getLogger(__name__)
+
+
+class ProfileTraceError(ValueError):
+    """A trace that cannot be read or holds nothing to price with; the message says why."""
+
+
+class ProfileTrace:
+    """Op times of one profiled step, by (op name, input shapes[, strides, dtype]).
+
+    Args:
+        path: a Chrome trace JSON file exported by ``torch.profiler`` (``record_shapes=True``).
+        host_time: charge each op of a CPU trace the host time up to the next op too (see the
+            module docstring); default True for a CPU trace, and a GPU trace never (its ops are
+            timed by their kernels).
+
+    Attributes:
+        device: ``"gpu"`` when ops are timed by their kernels, ``"cpu"`` by their own events.
+        n_ops: number of op calls read (with their input shapes).
+
+    Raises:
+        ProfileTraceError: a missing or unreadable file, a JSON that is not a Chrome trace, or
+            a trace without op events carrying input shapes (recorded without
+            ``record_shapes=True``).
+    """
+
+    def __init__(self, path: str | Path, *, host_time: bool | None = None):
+        from torch._inductor.fx_passes.profile_guided_estimation import ProfileData
+
+        self.path = Path(path)
+        data = _load_json(self.path)
+        events = data.get("traceEvents")
+        if not isinstance(events, list):
+            raise ProfileTraceError(f"{self.path}: not a Chrome trace (no 'traceEvents' list); export it with "
+                                    "torch.profiler's prof.export_chrome_trace(path)")
+        self.device = "gpu" if any(isinstance(e, dict) and e.get("cat") == "kernel" for e in events) else "cpu"
+        self.host_time = False
+        self._data = ProfileData()
+        if self.device == "gpu":
+            # torch's parser: each CPU op timed by the kernels launched under it
+            self._data.load(str(self.path))
+        else:
+            self.host_time = True if host_time is None else bool(host_time)
+            for ev, us in _cpu_op_times(events, self.host_time):
+                self._data._parse_op(str(ev.get("name", "")), ev.get("args") or {}, us)
+            self._data._build_indices()
+        self.n_ops = len(self._data.ops)
+        if self.n_ops == 0:
+            raise ProfileTraceError(
+                f"{self.path}: no op events with input shapes; record the step with "
+                "torch.profiler.profile(record_shapes=True)"
+                + (" (and CUDA activity: a GPU trace times ops by their kernels)" if self.device == "gpu" else ""))
+        by_shapes: dict[tuple, list[float]] = defaultdict(list)
+        for rec in self._data.ops:
+            by_shapes[(rec.op_name, rec.input_shapes)].append(rec.duration_us)
+        self._by_shapes = {k: sum(v) / len(v) for k, v in by_shapes.items()}
+        logger.info("%s: %d %s op calls, %d distinct (op, shapes)", self.path, self.n_ops, self.device,
+                    len(self._by_shapes))
+
+    def lookup_ms(self, fx_node: "torch.fx.Node") -> float | None:
+        """Mean profiled time (ms) of the node's op on its input shapes; None when the trace
+        has no call of that op on those shapes (or the node is not an op call)."""
+        from torch._inductor.fx_passes import profile_guided_estimation as pge
+
+        if getattr(fx_node, "op", None) != "call_function":
+            return None
+        name = pge._fx_target_to_profile_name(fx_node)
+        if name is None:
+            return None
+        exact = pge._get_node_input_shapes_and_strides(fx_node)
+        if exact is not None:
+            ms = self._data.lookup_op(name, exact[0], exact[1], pge._get_node_dtype(fx_node))
+            if ms is not None:
+                return float(ms)
+        shapes = _input_shapes(fx_node)
+        if shapes is None:
+            return None
+        us = self._by_shapes.get((name, shapes))
+        return None if us is None else us / 1e3
+
+
+def _is_collective_call(name: str) -> bool:
+    """A c10d call that issues a collective (its host time goes to the op before it)."""
+    return ("c10d" in name or name == "record_param_comms") and not _is_wait(name)
+
+
+def _is_wait(name: str) -> bool:
+    return name.endswith("wait_tensor") or name.endswith("::wait")
+
+
+def _cpu_op_times(events: list[Any], host_time: bool) -> list[tuple[dict[str, Any], float]]:
+    """Every CPU op event with the time (us) it is charged: its duration, plus with
+    ``host_time`` the host time after it up to the next op under the same parent (see the
+    module docstring)."""
+    ops = [e for e in events if isinstance(e, dict) and e.get("cat") == "cpu_op" and (e.get("dur") or 0) > 0
+           and isinstance(e.get("ts"), (int, float))]
+    if not host_time:
+        return [(e, float(e["dur"])) for e in ops]
+    charged = {id(e): float(e["dur"]) for e in ops}
+    by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in ops:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        children: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        parents: dict[int, dict[str, Any]] = {}
+        stack: list[dict[str, Any]] = []
+        for e in thread:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            if stack:
+                children[id(stack[-1])].append(e)
+                parents[id(stack[-1])] = stack[-1]
+            stack.append(e)
+        for pid, kids in children.items():
+            parent_end = parents[pid]["ts"] + parents[pid]["dur"]
+            ops_at_level = [k for k in kids if not _is_collective_call(k["name"]) and not _is_wait(k["name"])]
+            waits = [k for k in kids if _is_wait(k["name"])]
+            for i, k in enumerate(ops_at_level):
+                end = k["ts"] + k["dur"]
+                nxt = ops_at_level[i + 1]["ts"] if i + 1 < len(ops_at_level) else parent_end
+                blocked = sum(w["dur"] for w in waits if end <= w["ts"] < nxt)
+                charged[id(k)] += max(0.0, nxt - end - blocked)
+    return [(e, charged[id(e)]) for e in ops]
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ProfileTraceError(f"{path}: no such trace file; give the Chrome trace JSON of one step "
+                                "(torch.profiler: prof.export_chrome_trace(path))")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileTraceError(f"{path}: cannot read it ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ProfileTraceError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg}); give the "
+                                "Chrome trace that torch.profiler exports") from None
+    if not isinstance(data, dict):
+        raise ProfileTraceError(f"{path}: not a Chrome trace (a JSON {type(data).__name__}, not an object)")
+    return data
+
+
+def _input_shapes(fx_node: "torch.fx.Node") -> tuple | None:
+    """The node's positional tensor inputs as the profiler lists them: one shape per tensor,
+    a tuple of shapes per tensor list; 0-dim tensors and non-tensors are left out (the
+    profiler records ``[]`` for both, and torch's parser drops empty entries)."""
+    import torch
+    import torch.fx
+    from torch._inductor.fx_passes.node_runtime_estimation import get_hint
+
+    def shape(n: Any) -> tuple[int, ...] | None:
+        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            return None
+        dims = [get_hint(s) for s in val.shape]
+        if any(d is None for d in dims):
+            raise _Symbolic
+        return tuple(int(d) for d in dims)
+
+    out: list[Any] = []
+    try:
+        for arg in fx_node.args:
+            if isinstance(arg, (list, tuple)):
+                shapes = [shape(a) for a in arg]
+                if shapes and all(s is not None for s in shapes):
+                    out.append(tuple(shapes))
+                continue
+            s = shape(arg)
+            if s:  # a 0-dim tensor is recorded as []: dropped on both sides
+                out.append(s)
+    except _Symbolic:
+        return None
+    return tuple(out) if out else None
+
+
+class _Symbolic(Exception):
+    """A shape without a hint: the node cannot be matched by shape."""
+
