@@ -292,7 +292,7 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
 
     from test_writeback import toy_graph
 
-    from scheduler import export_dag, optimize_schedule, simulate
+    from scheduler import SolverOptions, export_dag, optimize_schedule, simulate
     from scheduler.api import REPORT_KEY
 
     gm0 = toy_graph(group_name, 4)
@@ -311,7 +311,7 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
                                                   "group_size": 4, "nodes": 1}])):
         name = f"table:{path}"
         gm = copy.deepcopy(gm0)
-        optimize_schedule(gm, None, cost_model=name, time_limit_s=2)
+        optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(time_limit_s=2))
         report = gm.meta[REPORT_KEY]
         by_table = simulate(export_dag(copy.deepcopy(gm0), cost_model=name)).step_ms
         assert report.step_ms_before == pytest.approx(by_table)

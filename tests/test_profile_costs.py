@@ -152,7 +152,7 @@ def test_profile_by_name_through_optimize_schedule(group_name, tmp_path):
 
     from test_writeback import _inputs, toy_graph
 
-    from scheduler import optimize_schedule
+    from scheduler import SolverOptions, optimize_schedule
     from scheduler.api import REPORT_KEY
 
     W = 4
@@ -173,7 +173,7 @@ def test_profile_by_name_through_optimize_schedule(group_name, tmp_path):
     gm = toy_graph(group_name, W)
     name = f"profile:{trace}"
     expected = export_dag(copy.deepcopy(gm), cost_model=name).graph["cost_coverage"]
-    optimize_schedule(gm, None, cost_model=name, time_limit_s=2)
+    optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(time_limit_s=2))
     report = gm.meta[REPORT_KEY]
     assert 0 < report.cost_coverage["compute_matched_share"] <= 1
     assert report.cost_coverage["compute_matched_share"] == pytest.approx(expected["compute_matched_share"])
