@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step
-from solvers.core.simulator import simulate
+from solvers.core.evaluate import evaluate as evaluate_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,14 @@ def evaluate(
     t0: float,
     notes: Sequence[str] = (),
 ) -> SolveResult:
-    """Simulate ``schedule`` and wrap it as a :class:`SolveResult`.
+    """Evaluate ``schedule`` (:func:`solvers.core.evaluate.evaluate`: the simulator's numbers)
+    and wrap it as a :class:`SolveResult`.
 
     Args:
         t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
         notes: remarks stored on the result.
     """
-    sim = simulate(problem.dag, schedule, problem=problem)
+    sim = evaluate_schedule(problem, schedule)
     return SolveResult(
         schedule=schedule,
         status=status,

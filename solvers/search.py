@@ -2,42 +2,48 @@
 
 :func:`search` finds a schedule of one graph priced by one cost model or by several (a
 *family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
-Every schedule it compares is evaluated exactly on the execution model (the simulator's rules:
-step time, and peak memory by its own count and by torch's ``MemoryTracker`` rules).
+Every schedule it compares is evaluated exactly on the execution model
+(:mod:`solvers.core.evaluate`: the simulator's step time, and peak memory by its own count and
+by torch's ``MemoryTracker`` rules).
 
 =========  ====================================================  =====================  ========================================
 stage      what it does                                          work                   why it exists
 =========  ====================================================  =====================  ========================================
-starts     each chain of mergeable collectives bucketed          one evaluation per     bucket granularity decides most of a
-           regularly (:func:`solvers.minimax.regroup`: ``size``  start and model, and   step and no local move changes it (the
-           blocks per bucket, issued ``ahead`` buckets early),   the moves that bring   models disagree on it: one wants two
-           chain after chain; the heuristics (traced,            a start under the      blocks per bucket, another four); a
-           FSDP2-like, SimpleFSDP-like, AutoParallel-like) and   budget                 valid answer before any solver
-           the caller's starts; a start over the budget is
-           moved under it at its peak
-           (:func:`solvers.warmstart.fit_by_delays`); the best
-           that fits is the incumbent
-windows    CP-SAT (or the MILP) re-decides rolling windows of    ``window_share`` of    where memory binds, issues, waits and
-           the incumbent's collectives (bucketing, issue and     the limit, in the      merges around the peak move together,
-           wait gaps, :mod:`solvers.model`), most exposed        backend's              which one local move cannot do
-           first; a window's schedule is kept only when it       deterministic time
-           evaluates better and fits
+starts     each chain of mergeable collectives bucketed          a fixed set: about     bucket granularity decides most of a
+           regularly (``size`` blocks per bucket, issued         one evaluation per     step and no local move changes it (the
+           ``ahead`` buckets early), chain after chain; the      start, plus the moves  models disagree on it: one wants two
+           heuristics (traced, FSDP2-like, SimpleFSDP-like,      that bring the best    blocks per bucket, another four); a
+           AutoParallel-like), as they are and shrunk to the     few under the budget   valid answer before any solver
+           budget; the caller's starts; the best few over the
+           budget moved under it at their peak
+           (:func:`fit_by_delays`); the best that fits is the
+           incumbent
+windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`` of    where memory binds, issues, waits and
+           rolling windows of the incumbent's collectives        ``time_limit_s``, in   merges around the peak move together,
+           (bucketing, issue and wait gaps,                      the backend's          which one local move cannot do
+           :mod:`solvers.model`), most exposed first; a          deterministic time
+           window's schedule is kept only when it evaluates
+           better and fits
 polish     first-improvement local search                        the rest of the        the evaluator prices merges and both
-           (:func:`solvers.minimax.polish`): merge two           limit, in              memory counts exactly where the model
-           neighbouring buckets of a chain, move a boundary      evaluations            approximates them
-           between them, move one issue or wait
+           (:func:`solvers.minimax.polish`): merge two           limit, in              memory counts exactly where a model
+           neighbouring buckets of a chain, move a boundary      evaluations, shared    approximates them; a local search ends
+           between them, move one issue or wait; from the        by its starts          where its start leads
+           incumbent and, with several models, from the
+           fastest start under each
 =========  ====================================================  =====================  ========================================
 
 The objective (:class:`Objective`): with one cost model, the step time; with several, the
 worst-case regret ``max_m t_m / R_m - 1`` where ``R_m`` is the fastest start's step time under
 model ``m`` (then the sum of the regrets). A schedule over the budget never replaces one that
-fits.
+fits. Windows run with one model only: a window is solved under one model, and with several
+its schedule trades that model against the others (on llama3-8b's graphs no window was ever
+kept under the family of six).
 
-Determinism: ``time_limit_s`` is deterministic work. Evaluations are charged at a rate
-calibrated per graph size (:attr:`SearchConfig.evaluated_nodes_per_s`), CP-SAT windows their
-deterministic time; the wall clock never decides what runs, so every rank runs the same stages
-and gets the same schedule from the same graph. A limit too small for a stage skips it; the
-starts always run.
+Determinism: ``time_limit_s`` is deterministic work, shared by the windows (the backend's
+deterministic clock) and the polish (evaluations, converted at
+:attr:`SearchConfig.evaluated_nodes_per_s`); the starts are a fixed set. The wall clock never
+decides what runs, so every rank runs the same stages and gets the same schedule from the
+same graph.
 """
 
 from __future__ import annotations
@@ -93,11 +99,17 @@ class SearchConfig:
     window_members: int = 27
     #: sweeps over the windows at most (a sweep that gains nothing ends them)
     window_sweeps: int = 2
+    #: schedules the polish starts from: the best start, and with several cost models the fastest
+    #: start under each (the work is shared among them)
+    polish_starts: int = 3
     #: gap distances the polish moves one issue or wait by, largest first
     polish_steps: tuple[int, ...] = (8, 2, 1)
-    #: calibration of work in seconds for evaluations: DAG nodes evaluated per second on one
-    #: core of the CI machine; an evaluation of a graph of ``n`` nodes costs ``n`` / this
-    evaluated_nodes_per_s: float = 2e5
+    #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
+    #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
+    #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
+    #: ``n`` nodes are ``work_s`` x this / ``n`` of them, a number of the graph and the limit
+    #: alone, so that every rank polishes alike
+    evaluated_nodes_per_s: float = 1e7
 
     def __post_init__(self) -> None:
         if not self.start_sizes or min(self.start_sizes) < 1 or not self.start_aheads or min(self.start_aheads) < 1:
@@ -111,6 +123,8 @@ class SearchConfig:
             raise ValueError(f"window_share must be in [0, 1], got {self.window_share}")
         if self.window_s <= 0 or self.window_members < 2 or self.window_sweeps < 0:
             raise ValueError("window_s must be > 0, window_members >= 2 and window_sweeps >= 0")
+        if self.polish_starts < 1:
+            raise ValueError(f"polish_starts must be >= 1, got {self.polish_starts}")
         if not self.polish_steps or min(self.polish_steps) < 1:
             raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
         if not self.evaluated_nodes_per_s > 0:
@@ -194,11 +208,9 @@ class Objective:
         regrets = [e.step_ms(label) / self.reference_ms[label] - 1 for label in self.labels]
         return (max(regrets), sum(regrets))
 
-    def work_s(self, evaluations: int, config: SearchConfig) -> float:
-        """Deterministic work of ``evaluations`` evaluations of this graph (s)."""
-        return evaluations * self.primary.dag.number_of_nodes() / config.evaluated_nodes_per_s
-
-    def evaluations_for(self, work_s: float, config: SearchConfig) -> int:
+    def simulations_for(self, work_s: float, config: SearchConfig) -> int:
+        """The polish's simulations (one model's evaluation of one neighbour, as
+        :func:`solvers.minimax.polish` counts them) in ``work_s`` seconds of work on this graph."""
         return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
 
 
@@ -440,27 +452,37 @@ def search(
             f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
             budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     best = found[0]
-    used_s = objective.work_s(objective.evaluations, config)
-    stages.append(_stage("starts", t, used_s, objective.evaluations, best, primary, best))
+    stages.append(_stage("starts", t, 0.0, objective.evaluations, best, primary, best))
 
-    left_s = max(0.0, time_limit_s - used_s)
-    if backend is not None and config.window_share > 0 and left_s * config.window_share >= config.window_s:
+    left_s = time_limit_s
+    # windows with one cost model only: under several, a window solved under one of them
+    # traded that model against the others and no window was ever taken (module docstring)
+    if backend is not None and len(objective.labels) == 1 and left_s * config.window_share >= config.window_s:
         t, n0, before = time.perf_counter(), objective.evaluations, best
         best, spent = windows(objective, best, backend, config, left_s * config.window_share, seed, num_workers)
-        spent += objective.work_s(objective.evaluations - n0, config)
         left_s = max(0.0, left_s - spent)
         stages.append(_stage("windows", t, spent, objective.evaluations - n0, best, primary, before))
 
-    n_polish = objective.evaluations_for(left_s, config)
+    n_polish = objective.simulations_for(left_s, config)
     if n_polish >= 2 * len(objective.labels):
         t, before = time.perf_counter(), best
-        result = minimax.polish(objective.problems, best.schedule, _polish_reference(objective), mem_budget_bytes,
-                                minimax.MinimaxConfig(max_simulations=n_polish, steps=config.polish_steps))
-        e = objective.evaluate(result.schedule, best.name)
-        if e is not None and objective.fits(e) and objective.key(e) <= objective.key(best):
-            best = e
-        stages.append(_stage("polish", t, objective.work_s(result.simulations, config), result.simulations, best,
-                             primary, before))
+        polished, used = best, 0
+        # a local search ends where its start leads: with several models, also from the best
+        # start under each model alone (where the models disagree, the worst case lies between)
+        froms = _polish_starts(objective, found, best, config.polish_starts)
+        for k, start in enumerate(froms):
+            share = (n_polish - used) // (len(froms) - k)
+            if share < 2 * len(objective.labels):
+                continue
+            result = minimax.polish(objective.problems, start.schedule, _polish_reference(objective),
+                                    mem_budget_bytes, minimax.MinimaxConfig(max_simulations=share,
+                                                                            steps=config.polish_steps))
+            used += result.simulations
+            e = objective.evaluate(result.schedule, start.name)
+            if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
+                polished = e
+        best = polished
+        stages.append(_stage("polish", t, left_s * used / n_polish, used, best, primary, before))
 
     alternatives = tuple(e.schedule for e in found if e.schedule.digest() != best.schedule.digest())
     status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in stages) else \
@@ -469,6 +491,18 @@ def search(
     return SolveResult(best.schedule, status, "search", best.step_ms(primary), problems[primary].lower_bound_ms(),
                        time.perf_counter() - t0, best.peak_bytes, notes, alternatives=alternatives,
                        stages=tuple(stages))
+
+
+def _polish_starts(objective: Objective, found: Sequence[Evaluated], best: Evaluated, most: int) -> list[Evaluated]:
+    """The polish's starts: ``best``, then with several models the fastest start under each
+    (distinct ones, at most ``most`` in all)."""
+    out = [best]
+    if len(objective.labels) > 1:
+        for label in objective.labels:
+            fastest = min(found, key=lambda e: (e.step_ms(label), objective.key(e)))
+            if all(fastest.schedule.digest() != o.schedule.digest() for o in out):
+                out.append(fastest)
+    return out[:most]
 
 
 def _polish_reference(objective: Objective) -> dict[str, float]:

@@ -119,21 +119,24 @@ class Schedule:
         n = len(seq)
         if not (len(buckets) == len(issue_at) == len(wait_at)):
             raise ValueError("buckets, issue_at and wait_at must have the same length")
-        per_gap_issue: list[list[int]] = [[] for _ in range(n + 1)]
-        per_gap_wait: list[list[int]] = [[] for _ in range(n + 1)]
+        # (gap, phase, bucket): in a gap the waits of buckets issued before it, then the issues,
+        # then the waits of buckets issued in it, each in bucket order
+        events: list[tuple[int, int, int]] = []
         for b, (i, w) in enumerate(zip(issue_at, wait_at)):
             if not (0 <= i <= w <= n):
                 raise ValueError(f"bucket {b}: need 0 <= issue_at ({i}) <= wait_at ({w}) <= {n}")
-            per_gap_issue[i].append(b)
-            per_gap_wait[w].append(b)
+            events.append((i, 1, b))
+            events.append((w, 2 if i == w else 0, b))
+        events.sort()
+        nodes = _node_steps(seq)
         steps: list[Step] = []
-        for p in range(n + 1):
-            issued_here = set(per_gap_issue[p])
-            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b not in issued_here)
-            steps.extend(Step("issue", b) for b in per_gap_issue[p])
-            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b in issued_here)
-            if p < n:
-                steps.append(Step("node", seq[p]))
+        at = 0
+        for gap, phase, b in events:
+            if gap > at:
+                steps.extend(nodes[at:gap])
+                at = gap
+            steps.append(Step("issue" if phase == 1 else "wait", b))
+        steps.extend(nodes[at:])
         return Schedule(tuple(buckets), tuple(steps))
 
     def positions(self) -> tuple[list[int], list[int]]:
@@ -181,6 +184,21 @@ class Schedule:
     def bucket_of(self) -> dict[str, int]:
         """Map collective name -> index of its bucket."""
         return {m: i for i, b in enumerate(self.buckets) for m in b.members}
+
+
+#: node steps of the sequences schedules were built over lately (a schedule's node steps are the
+#: same objects for every schedule of one problem): id(seq) -> (seq, steps)
+_NODE_STEPS: dict[int, tuple[Sequence[str], tuple[Step, ...]]] = {}
+
+
+def _node_steps(seq: Sequence[str]) -> tuple[Step, ...]:
+    cached = _NODE_STEPS.get(id(seq))
+    if cached is None or cached[0] is not seq or len(cached[1]) != len(seq) or (seq and (
+            cached[1][0].ref != seq[0] or cached[1][-1].ref != seq[-1])):
+        if len(_NODE_STEPS) >= 64:
+            _NODE_STEPS.clear()
+        cached = _NODE_STEPS[id(seq)] = (seq, tuple(Step("node", name) for name in seq))
+    return cached[1]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
