@@ -74,7 +74,10 @@ _CASTS = frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten
 _VIEWS = frozenset({torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                     torch.ops.aten.permute.default, torch.ops.aten.reshape.default,
                     torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
-                    torch.ops.aten.alias.default, torch.ops.aten.detach.default})
+                    torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+                    # an uneven shard is padded before the gather and sliced after it
+                    torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default,
+                    torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default})
 
 
 @dataclass
@@ -256,8 +259,9 @@ def _block_of(node: fx.Node) -> int | None:
 
 
 def _gather_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """Per forward parameter all-gather: its casts, itself, its wait and the views of the
-    gathered parameter up to its readers."""
+    """Per forward parameter all-gather: what prepares its input from the shard (single-input,
+    single-use ops: casts, the padding of an uneven shard), itself, its wait and the views of
+    the gathered parameter up to its readers."""
     chains = []
     for node in gm.graph.nodes:
         if node.target is not ALL_GATHER or node.meta.get("autograd_backward"):
@@ -266,7 +270,8 @@ def _gather_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
             continue
         chain = [node]
         src = node.args[0]
-        while isinstance(src, fx.Node) and src.target in _CASTS and len(src.users) == 1:
+        while (isinstance(src, fx.Node) and src.op == "call_function" and len(src.users) == 1
+               and len(src.all_input_nodes) == 1):
             chain.append(src)
             src = src.args[0]
         stack = list(node.users)
