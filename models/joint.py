@@ -53,14 +53,14 @@ from models.build import split_options
 from models.capture import (
     ALL_GATHER,
     COLLECTIVES,
-    REDUCE_SCATTER,
     WAIT,
     _mark,
+    gradient_collectives,
     _trace_back_to_placeholder,
     _user_fqn,
     fake_process_group,
 )
-from models.fsdp import SAC_SAVE_OPS, FSDPOptions, ReplicateParametrization, make_mesh, parallelize
+from models.fsdp import SAC_SAVE_OPS, FSDPOptions, ReplicateParametrization, dp_group_names, mesh_for, parallelize
 from models.llama import LlamaConfig, Transformer, TransformerBlock, get_config
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,6 @@ logger = logging.getLogger(__name__)
 #: ``node.meta["custom"]`` key naming the module that ran a node (the graph trainer's key)
 MODULE_FQN_KEY = "module_fqn"
 
-_CASTS = frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})
 #: ops between a gathered parameter's wait and its reader that only view it: recomputed with the
 #: gather, or the saved view would keep the full parameter alive through the backward
 _VIEWS = frozenset({torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -218,7 +217,7 @@ def trace_joint_step(model: nn.Module, tokens: torch.Tensor, labels: torch.Tenso
 # annotation
 
 
-def annotate_joint(gm: fx.GraphModule, param_fqns: list[str], dp_group_name: str) -> None:
+def annotate_joint(gm: fx.GraphModule, param_fqns: list[str], dp_group_names: list[str]) -> None:
     """Write ``fsdp_role`` / ``fsdp_fqn`` / ``fsdp_param_index`` on the collectives of a joint
     graph whose inputs start with the ``len(param_fqns)`` parameter shards and whose outputs
     are ``[loss, grad_1, ..]`` in the same order (by data flow, never by node name)."""
@@ -226,19 +225,15 @@ def annotate_joint(gm: fx.GraphModule, param_fqns: list[str], dp_group_name: str
     n_params = len(param_fqns)
 
     def mark(coll: fx.Node, i: int | None) -> None:
-        fsdp = i is not None and str(coll.args[-1]) == dp_group_name
+        fsdp = i is not None and str(coll.args[-1]) in dp_group_names
         _mark(coll, "fsdp" if fsdp else "tp", param_fqns[i] if i is not None else None, i)
 
     marked: set[fx.Node] = set()
     grads = gm.graph.find_nodes(op="output")[0].args[0][1:]
     for i, grad in enumerate(grads[:n_params]):
-        node = grad
-        while isinstance(node, fx.Node) and node.op == "call_function" and node.target is not WAIT and (
-                node.target in _CASTS or node.target in _VIEWS):
-            node = node.args[0]
-        if isinstance(node, fx.Node) and node.target is WAIT and node.args[0].target in COLLECTIVES:
-            mark(node.args[0], i)
-            marked.add(node.args[0])
+        for coll in gradient_collectives(grad):
+            mark(coll, i)
+            marked.add(coll)
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES and node not in marked:
             ph = _trace_back_to_placeholder(node.args[0])
@@ -346,12 +341,13 @@ def apply_recompute(gm: fx.GraphModule, options: FSDPOptions) -> fx.GraphModule:
 
 
 def joint_graph_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *, options: FSDPOptions,
-                   dp_group_name: str) -> tuple[fx.GraphModule, list[Any], list[str], list[str]]:
+                   dp_group_names: list[str]) -> tuple[fx.GraphModule, list[Any], list[str], list[str]]:
     """The joint graph of a sharded ``model`` (traced, annotated, recomputed as ``options``
-    ask): returns (graph, fake inputs, parameter FQNs, buffer names)."""
+    ask; ``dp_group_names``: :func:`models.fsdp.dp_group_names` of its mesh): returns (graph,
+    fake inputs, parameter FQNs, buffer names)."""
     gm, inputs = trace_joint_step(model, tokens, labels)
     param_fqns = [_user_fqn(n) for n, _ in model.named_parameters()]
-    annotate_joint(gm, param_fqns, dp_group_name)
+    annotate_joint(gm, param_fqns, dp_group_names)
     gm = apply_recompute(gm, options)
     return gm, inputs, param_fqns, [n for n, _ in model.named_buffers()]
 
@@ -372,14 +368,13 @@ def capture_joint_graph(name: str, *, world_size: int, n_layers: int | None = No
         raise ValueError(f"FSDP capture needs world_size >= 2, got {world_size}")
     start = time.perf_counter()
     with fake_process_group(world_size):
-        mesh = make_mesh(world_size, fsdp_options.tp_size)
-        dp_mesh = mesh if fsdp_options.tp_size == 1 else mesh["dp"]
+        mesh = mesh_for(world_size, fsdp_options)
         with torch.device("meta"):
             model = Transformer(config)
         parallelize(model, mesh, fsdp_options)
         tokens = torch.empty((config.batch_size, config.seq_len), dtype=torch.long, device="meta")
         gm, inputs, param_fqns, buffer_names = joint_graph_of(
-            model, tokens, tokens.clone(), options=fsdp_options, dp_group_name=dp_mesh.get_group().group_name)
+            model, tokens, tokens.clone(), options=fsdp_options, dp_group_names=dp_group_names(mesh, fsdp_options))
     elapsed = time.perf_counter() - start
     logger.info("captured the joint graph of %s (%d layers, %d nodes) in %.1f s", config.name, config.n_layers,
                 len(gm.graph.nodes), elapsed)
