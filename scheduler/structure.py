@@ -571,29 +571,32 @@ def node_phases(gm: "torch.fx.GraphModule", graph_kind: str = "unknown") -> dict
     """The direction of every ``call_function`` node of a joint graph (``"forward"`` or
     ``"backward"``); None when ``gm`` is not a joint graph (module docstring).
 
-    ``node.meta["autograd_backward"]`` decides where the graph carries it (make_fx of
+    A node is backward when it carries ``node.meta["autograd_backward"]`` (make_fx of
     ``torch.autograd.grad`` under torch's non-strict tracing, torch's remat pass on its
-    recomputed copies); else a node is forward if the graph's first output (the loss) reads it.
+    recomputed copies), or when the graph's first output (the loss) does not read it: nodes a
+    rewrite inserted (merged buckets and their copies) carry no mark, and what the loss reads
+    is the forward.
     """
     if graph_kind in ("forward", "backward"):
         return None
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     marked = [bool(n.meta.get("autograd_backward", False)) for n in calls]
-    if any(marked) and not all(marked):
-        return {n: "backward" if m else "forward" for n, m in zip(calls, marked)}
-    if any(marked) or any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
+    if all(marked) or any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
         return None
     loss = _loss_output(gm)
-    if loss is None:
-        return None
     forward: set[Any] = set()
-    stack = [loss]
+    stack = [loss] if loss is not None else []
     while stack:
         n = stack.pop()
         if n in forward:
             continue
         forward.add(n)
         stack.extend(n.all_input_nodes)
+    if any(marked):
+        return {n: "backward" if m or (loss is not None and n not in forward) else "forward"
+                for n, m in zip(calls, marked)}
+    if loss is None:
+        return None
     colls = [n for n in calls if _is_collective(n)]
     gathers_forward = any(_op(n).startswith("all_gather") and n in forward for n in colls)
     reduces_backward = any(_op(n).startswith("reduce_scatter") and n not in forward for n in colls)

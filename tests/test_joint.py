@@ -312,3 +312,23 @@ def test_budget_equal_to_the_traced_peak_is_met(joints, variant):
     assert liveness_peak(gm) <= budget
     assert report.peak_bytes_after <= budget
     assert report.step_ms_after < report.step_ms_before
+
+
+def test_torch_manual_per_block_plan_buckets_each_block_and_direction(joints):
+    """torch's manual scheduler with the per-block plan of structure inference: on the reshard
+    graph one all-gather bucket per block and direction plus the root runs (embeddings; final
+    norm and output; in backward output and norm), one reduce-scatter bucket per block plus
+    the two root runs; the rewritten graph still reads as a joint graph, its merged buckets
+    (new nodes, without autograd_backward marks) in the right direction."""
+    from scheduler.baselines import manual_bucket_plans, torch_manual_schedule
+
+    gm = joints["reshard"].graph
+    plans, _ = manual_bucket_plans(gm)
+    assert plans == ["forward.root0", "forward.block0", "forward.block1", "forward.root1",
+                     "backward.root0", "backward.block1", "backward.block0", "backward.root1"]
+    out = torch_manual_schedule(gm)
+    dag = _export(out)
+    colls = [(a["coll_type"], a["phase"]) for _, a in dag.nodes(data=True) if a["kind"] == "collective"]
+    assert sorted(colls) == sorted([("all_gather", "forward")] * 4 + [("all_gather", "backward")] * 3
+                                   + [("reduce_scatter", "backward")] * 4)
+    assert dag.graph["graph_kind"] == "joint"
