@@ -318,7 +318,8 @@ def _name_from_dynamo(node: Any, graph_kind: str, gm: Any) -> str | None:
 def _name_from_module_stack(node: Any, graph_kind: str, gm: Any) -> str | None:
     # the gather itself inside a parametrization module names the parameter
     for raw in reversed(_raw_module_paths(node)):
-        if ".parametrizations." in raw or "._modules['parametrizations']" in raw:
+        # a graph trainer's module_fqn of a root parameter starts with "parametrizations."
+        if ".parametrizations." in "." + raw or "._modules['parametrizations']" in raw:
             return normalize_path(raw)
     # else the ops that read the gathered parameter / produce the gradient
     if _op(node).startswith("all_gather"):
