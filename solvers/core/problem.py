@@ -162,7 +162,7 @@ class Problem:
                 prologue_ms=prologue_ms,
                 epilogue=epilogue,
                 epilogue_ms=sum(float(nodes[e]["runtime_ms"]) for e in epilogue),
-                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter"),
+                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce"),
                 ready=ready,
                 needed=needed,
                 traced_issue=t_issue,
