@@ -43,7 +43,7 @@ from torch._functorch.aot_autograd import make_boxed_compiler
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from models.build import split_options
-from models.fsdp import FSDPOptions, make_mesh, parallelize
+from models.fsdp import FSDPOptions, dp_group_names, mesh_for, parallelize
 from models.llama import LlamaConfig, Transformer, get_config
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,23 @@ def _is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def gradient_collectives(grad: Any) -> list[fx.Node]:
+    """The collectives that reduce a gradient graph output, last first: from the output back
+    through dtype casts and views to a wait, its collective, and on through the collective's
+    input (HSDP: the all-reduce, then the reduce-scatter whose result it reads)."""
+    found = []
+    node = grad
+    while isinstance(node, fx.Node):
+        while node.op == "call_function" and node.target is not WAIT and node.target in _PASS_THROUGH:
+            node = node.args[0]
+        coll = _collective_of(node) if node.op == "call_function" and node.target is WAIT else None
+        if coll is None:
+            break
+        found.append(coll)
+        node = coll.args[0]
+    return found
+
+
 def _collective_of(wait: fx.Node) -> fx.Node | None:
     src = wait.args[0]
     return src if isinstance(src, fx.Node) and src.target in COLLECTIVES else None
@@ -182,10 +199,10 @@ def _mark(collective: fx.Node, role: str, fqn: str | None, index: int | None) ->
 class _Annotator:
     """Maps graph placeholders to parameters and writes the node / graph metadata."""
 
-    def __init__(self, param_fqns: list[str], dp_group_name: str) -> None:
+    def __init__(self, param_fqns: list[str], dp_group_names: list[str]) -> None:
         self.param_fqns = param_fqns
         self.index_of = {fqn: i for i, fqn in enumerate(param_fqns)}
-        self.dp_group_name = dp_group_name
+        self.dp_group_names = set(dp_group_names)
         self.primal_fqn: dict[str, str] = {}  # forward placeholder name -> parameter FQN
         self.forward_inputs: list[str] = []  # forward placeholder names, in order
         self.forward_nodes: dict[str, fx.Node] = {}
@@ -207,7 +224,7 @@ class _Annotator:
                 self.primal_fqn[node.name] = fqn
 
     def _mark_param(self, collective: fx.Node, fqn: str | None) -> None:
-        fsdp = fqn is not None and _group_name(collective) == self.dp_group_name
+        fsdp = fqn is not None and _group_name(collective) in self.dp_group_names
         _mark(collective, "fsdp" if fsdp else "tp", fqn, self.index_of.get(fqn) if fqn else None)
 
     def annotate_forward(self, gm: fx.GraphModule) -> None:
@@ -228,11 +245,7 @@ class _Annotator:
             fqn = self.primal_fqn.get(self.forward_inputs[j])
             if fqn is None:
                 continue
-            node = grad
-            while node.op == "call_function" and node.target is not WAIT and node.target in _PASS_THROUGH:
-                node = node.args[0]
-            coll = _collective_of(node) if node.target is WAIT else None
-            if coll is not None:
+            for coll in gradient_collectives(grad):
                 self._mark_param(coll, fqn)
                 marked.add(coll)
         # re-gathers (and anything else): trace back to a saved forward value, then to a primal
@@ -281,15 +294,14 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
                 config.name, config.n_layers, world_size, fsdp_options)
     torch._dynamo.reset()  # each capture compiles a fresh model: avoid recompile limits / stale caches
     with fake_process_group(world_size):
-        mesh = make_mesh(world_size, fsdp_options.tp_size)
-        dp_mesh = mesh if fsdp_options.tp_size == 1 else mesh["dp"]
+        mesh = mesh_for(world_size, fsdp_options)
         with torch.device("meta"):
             model = Transformer(config)
         parallelize(model, mesh, fsdp_options)
         named = list(model.named_parameters())
         param_fqns = [_user_fqn(n) for n, _ in named]
         fqn_by_id = {id(p): _user_fqn(n) for n, p in named}
-        annotator = _Annotator(param_fqns, dp_mesh.get_group().group_name)
+        annotator = _Annotator(param_fqns, dp_group_names(mesh, fsdp_options))
         captured: dict[str, Any] = {}
 
         def backend(gm: fx.GraphModule, example_inputs):

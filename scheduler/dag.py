@@ -5,7 +5,8 @@ against it field by field, :mod:`scheduler.dag_schema`):
 
 Graph attributes (``dag.graph``):
     schema (str): always ``"fsdp-sched/dag"``; version (int): ``SCHEMA_VERSION``.
-    name (str), graph_kind (str): ``"forward"``, ``"backward"`` or ``"unknown"``.
+    name (str), graph_kind (str): ``"forward"``, ``"backward"``, ``"joint"`` (forward, loss
+        and backward in one graph: make_fx of a training step) or ``"unknown"``.
     order (list[str]): node names in graph (execution) order.
     process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
     cluster (dict): the :class:`scheduler.costs.Cluster` the costs were computed for.
@@ -47,7 +48,9 @@ Node attributes (key = FX node name):
         movable (bool: the scheduler may bucket and move it; fixed collectives keep their
         traced issue and wait positions).
         block (int | None: index of the collective's block in forward execution order, None
-        outside any repeated block), structure_source (str | None): see scheduler/structure.py.
+        outside any repeated block), phase ("forward" | "backward" | None: the direction it
+        runs in, which tells a joint graph's forward gathers from its backward re-gathers),
+        structure_source (str | None): see scheduler/structure.py.
     Wait nodes also carry: collective (name of the collective they wait on).
     external_wait (str, on "view" nodes only): a wait_tensor that waits on no collective of
         this graph, kept in place as a zero-cost view: "input" (on a graph input: the
@@ -625,6 +628,7 @@ def _annotate_structure(dag: nx.DiGraph, gm: "torch.fx.GraphModule") -> None:
         for _, a in dag.nodes(data=True):
             if a["kind"] == "collective":
                 a["block"] = None
+                a["phase"] = None
                 a["structure_source"] = None
         dag.graph["structure"] = {"source": "error", "error": str(e), "n_blocks": 0, "block_names": [],
                                   "signatures": [], "n_signatures": 0, "signature_period": None,

@@ -32,7 +32,7 @@ from typing import Any
 import networkx as nx
 
 from scheduler.costs import GPU_PRESETS, Cluster, GPUSpec
-from scheduler.structure import SOURCES
+from scheduler.structure import PHASES, SOURCES
 
 SCHEMA = "fsdp-sched/dag"
 SCHEMA_VERSION = 1
@@ -270,12 +270,13 @@ _COLLECTIVE = {
     "epilogue": optional(list_of(NAME)),
     "movable": BOOL,
     "block": optional(nullable(COUNT)),
+    "phase": optional(nullable(one_of(*PHASES))),
     "structure_source": optional(nullable(one_of(*SOURCES))),
 }
 #: a collective waited in no wait of the graph, kept as a zero-cost compute node
 #: (``unwaited_collective``): it keeps its collective attributes, which nothing reads
 _UNWAITED = {
-    **{k: optional(a) for k, a in _COLLECTIVE.items() if k not in ("block", "structure_source")},
+    **{k: optional(a) for k, a in _COLLECTIVE.items() if k not in ("block", "phase", "structure_source")},
     "unwaited_collective": optional(Attr("true", lambda v: v is True)),
     "wait": optional(Attr("null", lambda v: v is None)),
     "prologue": optional(EMPTY_LIST),

@@ -63,7 +63,8 @@ class ScheduleReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
     fell_back: bool = False
-    #: ``"forward"``, ``"backward"``, ``"inference"`` or ``"unknown"`` (a graph given by hand)
+    #: ``"forward"``, ``"backward"``, ``"inference"``, ``"joint"`` (forward, loss and backward in
+    #: one graph) or ``"unknown"`` (a graph given by hand)
     graph_kind: str = "unknown"
     #: torch's compile id of the graph (``"0/0"``: frame 0, first compile; the forward and the
     #: backward of one compile share it), None outside ``torch.compile``

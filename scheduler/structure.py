@@ -1,6 +1,9 @@
-"""Structure inference: which parameter, and so which collective, belongs to which block.
+"""Structure inference: which parameter, and so which collective, belongs to which block,
+and in which direction it runs.
 
-Works on any partitioned forward or backward graph, including graphs we did not capture.
+Works on any partitioned forward or backward graph and on joint forward + loss + backward
+graphs (make_fx of a training step, as torchtitan's graph trainer traces it), including graphs
+we did not capture.
 For every parameter collective of the DAG (role ``"fsdp"``: the all-gather of a parameter
 shard, the reduce-scatter of a gradient) it recovers the parameter's name and the *block*
 (transformer layer, MLP block, ...) it belongs to, and says which blocks look alike.
@@ -16,7 +19,9 @@ Sources, tried in this order for each collective; the first that names it wins:
    input whose gradient they produce (output ``j`` is the gradient of forward input ``j``);
    backward re-gathers the forward placeholder they gather again.
 3. ``"module_stack"``: what aot_autograd graphs carry: ``nn_module_stack`` (forward) /
-   ``fwd_nn_module_stack`` (backward) of the collective itself, which names the parameter
+   ``fwd_nn_module_stack`` (backward), or what graph-trainer joint graphs carry:
+   ``node.meta["custom"]["module_fqn"]`` (the innermost module, on backward nodes copied
+   from their forward op), of the collective itself, which names the parameter
    when the gather runs in a parametrization (SimpleFSDP style:
    ``trunk.0.up.parametrizations.weight.0`` -> ``trunk.0.up.weight``); else of the ops that
    consume the gathered parameter (forward) or produce the gradient (backward), whose module
@@ -29,6 +34,15 @@ Sources, tried in this order for each collective; the first that names it wins:
    signatures apart (e.g. alternating widths). It cannot tell a block that alternates two
    layer kinds from one layer: it then reports the pair as one block.
 
+Joint graphs (``graph_kind`` ``"joint"``, or a graph of unknown kind whose nodes carry
+``autograd_backward`` on part of them, or whose reduce-scatters do not feed its scalar first
+output while some all-gather does): every node is in the *forward* (the loss and what it reads)
+or the *backward* (``node.meta["autograd_backward"]`` where the graph carries it, else what
+the loss does not read: gradients, and the recomputed copies that selective checkpointing or
+reshard-after-forward put there). Blocks are numbered by the forward; the graph fallback finds
+the repetition in each direction apart, and a backward re-gather takes the block of the
+forward all-gather of the same parameter shard (the same graph input).
+
 A block from a name is its first purely numeric path component with its prefix
 (``trunk.3.up.weight`` -> ``trunk.3``); names without one (embeddings, final norm, output)
 are in no block. Blocks are numbered 0, 1, ... in *forward* execution order in both graphs
@@ -38,7 +52,9 @@ expert all-to-alls) get the block of their module stack when the graph has one, 
 
 What :func:`annotate_structure` writes on the DAG:
 
-- every collective node: ``block`` (int | None); ``structure_source`` (str | None: the source
+- every collective node: ``block`` (int | None); ``phase`` (``"forward"``, ``"backward"`` or
+  None: the direction it runs in; in a partitioned graph its kind, as given or guessed);
+  ``structure_source`` (str | None: the source
   that named it, None when none did); ``fqns`` (list[str]) replaced by the recovered name when
   the collective had no ``fsdp_fqn`` and a source named it.
 - ``dag.graph["structure"]`` (JSON-able dict): ``source`` (str: the source that named most
@@ -50,6 +66,7 @@ What :func:`annotate_structure` writes on the DAG:
   (int | None: the least ``p`` with ``signatures[b] == signatures[b + p]`` for every ``b``,
   None without blocks), ``unit_collectives`` (int | None: collectives per repeating unit
   found by the fallback, None for named blocks).
+- ``dag.graph["graph_kind"]`` set to ``"joint"`` when a graph of unknown kind is a joint graph.
 """
 
 from __future__ import annotations
@@ -70,6 +87,11 @@ logger = logging.getLogger(__name__)
 #: gm.meta key of the forward-input names recorded from the dynamo graph
 INPUT_NAMES_KEY = "fsdp_input_names"
 SOURCES = ("fsdp_fqn", "dynamo", "module_stack", "graph")
+#: the directions a node of a joint graph runs in
+PHASES = ("forward", "backward")
+#: ``node.meta["custom"]`` key naming the module whose forward ran a node (torchtitan's graph
+#: trainer annotates every node with it)
+MODULE_FQN_KEY = "module_fqn"
 
 #: ops a parameter or gradient passes through unchanged (up to dtype / layout)
 _PASS_OPS = {"convert_element_type", "_to_copy", "view", "_unsafe_view", "reshape", "t", "permute",
@@ -234,12 +256,11 @@ def _output_index(node: Any) -> int | None:
 
 
 def _module_paths(node: Any) -> list[str]:
-    """Module paths (outermost first, normalised) from the node's (fwd_)nn_module_stack."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    """Module paths (outermost first, normalised) from the node's (fwd_)nn_module_stack, or its
+    ``custom`` ``module_fqn`` (the innermost module only)."""
     out = []
-    for v in stack.values():
-        path = v[0] if isinstance(v, (tuple, list)) else v
-        p = normalize_path(str(path)) if path is not None else None
+    for path in _raw_module_paths(node):
+        p = normalize_path(path)
         if p:
             out.append(p)
     return out
@@ -247,7 +268,12 @@ def _module_paths(node: Any) -> list[str]:
 
 def _raw_module_paths(node: Any) -> list[str]:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    return [str(v[0] if isinstance(v, (tuple, list)) else v) for v in stack.values()]
+    paths = [str(v[0] if isinstance(v, (tuple, list)) else v) for v in stack.values()]
+    custom = node.meta.get("custom")
+    fqn = custom.get(MODULE_FQN_KEY) if isinstance(custom, dict) else None
+    if not paths and isinstance(fqn, str) and fqn:
+        paths.append(fqn)
+    return paths
 
 
 def _param_val(coll: Any) -> Any:
@@ -292,7 +318,8 @@ def _name_from_dynamo(node: Any, graph_kind: str, gm: Any) -> str | None:
 def _name_from_module_stack(node: Any, graph_kind: str, gm: Any) -> str | None:
     # the gather itself inside a parametrization module names the parameter
     for raw in reversed(_raw_module_paths(node)):
-        if ".parametrizations." in raw or "._modules['parametrizations']" in raw:
+        # a graph trainer's module_fqn of a root parameter starts with "parametrizations."
+        if ".parametrizations." in "." + raw or "._modules['parametrizations']" in raw:
             return normalize_path(raw)
     # else the ops that read the gathered parameter / produce the gradient
     if _op(node).startswith("all_gather"):
@@ -435,8 +462,11 @@ class Structure:
 
     def __init__(self, block: dict[str, int | None], names: dict[str, str], source_of: dict[str, str],
                  block_names: list[str], signatures: list[int], source: str,
-                 unit_collectives: int | None):
+                 unit_collectives: int | None, phase: dict[str, str | None] | None = None,
+                 graph_kind: str = "unknown"):
         self.block = block  #: collective node name -> block index | None
+        self.phase = phase or {}  #: collective node name -> "forward" | "backward" | None
+        self.graph_kind = graph_kind  #: "forward", "backward", "joint" or "unknown"
         self.names = names  #: collective node name -> recovered parameter name
         self.source_of = source_of  #: collective node name -> source that named it
         self.block_names = block_names
@@ -473,12 +503,14 @@ def _classes(keys: Iterable[Any]) -> list[int]:
 
 def infer_structure(gm: "torch.fx.GraphModule", param_colls: Sequence[str], *, graph_kind: str = "unknown",
                     other_colls: Sequence[str] = ()) -> Structure:
-    """Blocks of the parameter collectives ``param_colls`` (FX node names, graph order).
+    """Blocks and directions of the parameter collectives ``param_colls`` (FX node names, graph
+    order).
 
     Args:
-        gm: the partitioned forward or backward graph.
+        gm: the partitioned forward or backward graph, or a joint graph.
         param_colls: its parameter collectives (FSDP all-gathers / reduce-scatters).
-        graph_kind: ``"forward"``, ``"backward"`` or ``"unknown"`` (then a graph with a
+        graph_kind: ``"forward"``, ``"backward"``, ``"joint"`` or ``"unknown"`` (then a joint
+            graph is recognised by :func:`node_phases`, and otherwise a graph with a
             ``tangents_*`` placeholder or reduce-scatters and no all-gather before them is
             taken as backward).
         other_colls: its other collectives (tensor / expert parallel): they get a block from
@@ -486,10 +518,16 @@ def infer_structure(gm: "torch.fx.GraphModule", param_colls: Sequence[str], *, g
     """
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
-    if graph_kind not in ("forward", "backward"):
+    phases = node_phases(gm, graph_kind)
+    if phases is not None:
+        graph_kind = "joint"
+    elif graph_kind not in ("forward", "backward"):
         graph_kind = _guess_kind(nodes)
     backward = graph_kind == "backward"
     colls = [by_name[c] for c in param_colls]
+    phase_of: dict[str, str | None] = {}
+    for name in [*param_colls, *other_colls]:
+        phase_of[name] = phases.get(by_name[name]) if phases is not None else graph_kind
 
     names: dict[str, str] = {}
     source_of: dict[str, str] = {}
@@ -503,7 +541,7 @@ def infer_structure(gm: "torch.fx.GraphModule", param_colls: Sequence[str], *, g
             if name:
                 names[c.name], source_of[c.name] = name, source
                 break
-    _dedupe(names)
+    _dedupe(names, {c.name: (_op(c), phase_of[c.name]) for c in colls})
 
     block: dict[str, int | None] = {}
     if colls and len(names) == len(colls):
@@ -515,15 +553,68 @@ def infer_structure(gm: "torch.fx.GraphModule", param_colls: Sequence[str], *, g
             members = [c for c in colls if block[c.name] == b]
             sig_keys.append(tuple((_op(c), _val_key(c), names[c.name][len(bname):]) for c in members))
     else:
-        block_names, unit = _blocks_from_graph(nodes, colls, block, backward)
+        if phases is None:
+            block_names, unit = _blocks_from_graph(nodes, colls, block, backward)
+        else:
+            block_names, unit = _joint_blocks_from_graph(nodes, colls, block, phase_of)
         source = "graph" if block_names else ("none" if not names else Counter(source_of.values()).most_common(1)[0][0])
         sig_keys = [tuple((_op(c), _val_key(c)) for c in colls if block[c.name] == b) for b in range(len(block_names))]
     for name in other_colls:
         block[name] = _block_of_other(by_name[name], block_names)
-    structure = Structure(block, names, source_of, block_names, _classes(sig_keys), source, unit)
+    structure = Structure(block, names, source_of, block_names, _classes(sig_keys), source, unit,
+                          phase=phase_of, graph_kind=graph_kind)
     logger.info("structure of %s graph: %d blocks from %s, %d signature(s)", graph_kind, len(block_names),
                 source, len(set(structure.signatures)))
     return structure
+
+
+def node_phases(gm: "torch.fx.GraphModule", graph_kind: str = "unknown") -> dict[Any, str] | None:
+    """The direction of every ``call_function`` node of a joint graph (``"forward"`` or
+    ``"backward"``); None when ``gm`` is not a joint graph (module docstring).
+
+    A node is backward when it carries ``node.meta["autograd_backward"]`` (make_fx of
+    ``torch.autograd.grad`` under torch's non-strict tracing, torch's remat pass on its
+    recomputed copies), or when the graph's first output (the loss) does not read it: nodes a
+    rewrite inserted (merged buckets and their copies) carry no mark, and what the loss reads
+    is the forward.
+    """
+    if graph_kind in ("forward", "backward"):
+        return None
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    marked = [bool(n.meta.get("autograd_backward", False)) for n in calls]
+    if all(marked) or any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
+        return None
+    loss = _loss_output(gm)
+    forward: set[Any] = set()
+    stack = [loss] if loss is not None else []
+    while stack:
+        n = stack.pop()
+        if n in forward:
+            continue
+        forward.add(n)
+        stack.extend(n.all_input_nodes)
+    if any(marked):
+        return {n: "backward" if m or (loss is not None and n not in forward) else "forward"
+                for n, m in zip(calls, marked)}
+    if loss is None:
+        return None
+    colls = [n for n in calls if _is_collective(n)]
+    gathers_forward = any(_op(n).startswith("all_gather") and n in forward for n in colls)
+    reduces_backward = any(_op(n).startswith("reduce_scatter") and n not in forward for n in colls)
+    if graph_kind != "joint" and not (gathers_forward and reduces_backward):
+        return None
+    return {n: "forward" if n in forward else "backward" for n in calls}
+
+
+def _loss_output(gm: "torch.fx.GraphModule") -> Any:
+    """The graph's first output when it is a scalar (0-dim) tensor node: a training step's loss."""
+    outputs = gm.graph.find_nodes(op="output")
+    if not outputs:
+        return None
+    outs = outputs[0].args[0]
+    first = outs[0] if isinstance(outs, (list, tuple)) and outs else outs
+    val = getattr(first, "meta", {}).get("val")
+    return first if getattr(val, "ndim", None) == 0 else None
 
 
 def _guess_kind(nodes: list[Any]) -> str:
@@ -542,14 +633,14 @@ def _val_key(c: Any) -> tuple:
             if shape is not None else None)
 
 
-def _dedupe(names: dict[str, str]) -> None:
+def _dedupe(names: dict[str, str], kinds: Mapping[str, tuple]) -> None:
     """Two collectives of one graph guessed to one name (one module, two parameters): the
-    second becomes ``<module>.bias``, further ones ``<name>#k``. An all-gather and a
-    reduce-scatter of one parameter in one graph (backward re-gather) keep their name."""
-    seen: dict[tuple[str, str], int] = {}
+    second becomes ``<module>.bias``, further ones ``<name>#k``. Collectives of one parameter
+    that differ in ``kinds`` (op and direction: a backward re-gather beside the reduce-scatter,
+    a joint graph's forward gather and backward re-gather) keep their name."""
+    seen: dict[tuple, int] = {}
     for c in list(names):
-        kind = "ag" if "all_gather" in c else "other"
-        key = (names[c], kind)
+        key = (names[c], kinds.get(c))
         k = seen.get(key, 0)
         seen[key] = k + 1
         if k == 1 and names[c].endswith(".weight"):
@@ -595,6 +686,32 @@ def _blocks_from_graph(nodes: list[Any], colls: list[Any], block: dict[str, int 
     return [f"block{b}" for b in range(units)], period
 
 
+def _joint_blocks_from_graph(nodes: list[Any], colls: list[Any], block: dict[str, int | None],
+                             phase_of: Mapping[str, str | None]) -> tuple[list[str], int | None]:
+    """The graph fallback on a joint graph: the repetition of the forward's collectives numbers
+    the blocks; a backward re-gather takes the block of the forward all-gather of the same graph
+    input; the backward's own repetition numbers the rest of the backward (from the last block
+    down) when it finds as many blocks as the forward."""
+    fwd = [c for c in colls if phase_of.get(c.name) == "forward"]
+    bwd = [c for c in colls if phase_of.get(c.name) != "forward"]
+    names, unit = _blocks_from_graph(nodes, fwd, block, False)
+    back: dict[str, int | None] = {}
+    back_names, _ = _blocks_from_graph(nodes, bwd, back, True)
+    same_count = len(back_names) == len(names)
+    source_block = {}
+    for c in fwd:
+        src = _upstream(c.args[0]) if _op(c).startswith("all_gather") and c.args else None
+        if getattr(src, "op", None) == "placeholder":
+            source_block[src] = block[c.name]
+    for c in bwd:
+        src = _upstream(c.args[0]) if _op(c).startswith("all_gather") and c.args else None
+        if src in source_block:
+            block[c.name] = source_block[src]
+        else:
+            block[c.name] = back.get(c.name) if same_count else None
+    return names, unit
+
+
 def _block_of_other(node: Any, block_names: list[str]) -> int | None:
     index = {n: b for b, n in enumerate(block_names)}
     for path in reversed(_module_paths(node)):
@@ -620,8 +737,11 @@ def annotate_structure(dag: "nx.DiGraph", gm: "torch.fx.GraphModule") -> Structu
     for n in colls:
         a = dag.nodes[n]
         a["block"] = structure.block.get(n)
+        a["phase"] = structure.phase.get(n)
         a["structure_source"] = structure.source_of.get(n)
         if n in structure.names and not by_name[n].meta.get("fsdp_fqn"):
             a["fqns"] = [structure.names[n]]
+    if structure.graph_kind == "joint":
+        dag.graph["graph_kind"] = "joint"
     dag.graph["structure"] = structure.summary()
     return structure

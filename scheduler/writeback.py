@@ -10,7 +10,9 @@
    the node order of the graph is the execution order.
 2. **Merge.** Every bucket of more than one collective is merged with torch's own functions
    (``torch._inductor.fx_passes.bucketing.merge_all_gather_bucket`` /
-   ``merge_reduce_scatter_bucket``), with the merged collective inserted at the bucket's issue
+   ``merge_reduce_scatter_bucket`` / ``merge_all_reduce_bucket``: a DDP or HSDP gradient
+   all-reduce bucket is a cat, one all-reduce and a split, as a reduce-scatter bucket), with
+   the merged collective inserted at the bucket's issue
    position and the merged wait (plus the copy-out) at its wait position.
 3. **Pin (optional).** Control dependencies
    (``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``) so that
@@ -212,7 +214,7 @@ def _check_merge_preconditions(problem: "Problem", schedule: Schedule, by_name: 
         for m in bucket.members:
             node = by_name[m]
             c = problem.colls[m]
-            if c.coll_type not in ("all_gather", "reduce_scatter"):
+            if c.coll_type not in _MERGE_FUNCTIONS:
                 raise ScheduleError(f"bucket {bucket.members[:3]}: cannot merge {c.coll_type} {m!r}")
             if len(node.users) != 1:
                 raise ScheduleError(
@@ -253,7 +255,7 @@ def _merge_bucket(
         insert_before = insert_before.next
     wait_insertion_point = last_wait.next
     c0 = problem.colls[colls[0].name]
-    merge = bucketing.merge_all_gather_bucket if c0.coll_type == "all_gather" else bucketing.merge_reduce_scatter_bucket
+    merge = getattr(bucketing, _MERGE_FUNCTIONS[c0.coll_type])
     fqns = [f for n in colls for f in problem.colls[n.name].fqns]
     indices = [problem.colls[n.name].param_index for n in colls]
     # torch records each merged node's provenance with a deep copy of every member's own
@@ -284,6 +286,14 @@ def _merge_bucket(
     new_coll.meta["fsdp_role"] = "fsdp"
     new_coll.meta["fsdp_param_index"] = next((i for i in indices if i is not None), None)
     new_coll.meta["fsdp_sched_members"] = [n.name for n in colls]
+
+
+#: torch's merge function (``torch._inductor.fx_passes.bucketing``) of each collective type
+_MERGE_FUNCTIONS = {
+    "all_gather": "merge_all_gather_bucket",
+    "reduce_scatter": "merge_reduce_scatter_bucket",
+    "all_reduce": "merge_all_reduce_bucket",
+}
 
 
 def _is_collective(node: "torch.fx.Node") -> bool:

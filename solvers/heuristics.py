@@ -21,6 +21,13 @@ overlap, smaller buckets) and returns the first that fits, or raises
 
 Buckets are always runs of consecutive members of one chain (:attr:`Problem.chains`) whose
 windows intersect (``max ready <= min needed``); positions are clamped into that window.
+
+Joint graphs (forward, loss and backward in one graph): a chain holds both directions (the
+all-gathers of the forward, then the re-gathers of the backward). Every heuristic plans each
+direction apart (:func:`phase_parts`), as the graph trainer's joint pass buckets per block and
+per direction: no bucket holds a forward gather and a backward re-gather (which would keep the
+re-gathered parameter alive from the forward on), and FSDP2-like prefetch stays inside its
+direction (the first backward bucket is exposed, as in FSDP2 eager).
 """
 
 from __future__ import annotations
@@ -116,6 +123,18 @@ def split_feasible(problem: Problem, members: Sequence[str]) -> list[tuple[str, 
     if cur:
         runs.append(tuple(cur))
     return runs
+
+
+def phase_parts(problem: Problem, members: Sequence[str]) -> list[list[str]]:
+    """``members`` (one chain, in chain order) in maximal runs of one direction
+    (:attr:`Collective.phase`); a chain of a partitioned graph is one run."""
+    parts: list[list[str]] = []
+    for m in members:
+        if parts and problem.colls[parts[-1][-1]].phase == problem.colls[m].phase:
+            parts[-1].append(m)
+        else:
+            parts.append([m])
+    return parts
 
 
 def split_by_bytes(problem: Problem, members: Sequence[str], cap_bytes: int) -> list[tuple[str, ...]]:
@@ -404,7 +423,7 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
     """The FSDP2-like schedule of ``problem`` (see :class:`FSDP2Config`)."""
     blocks = fsdp2_blocks(problem)
     plan = fixed_buckets(problem)
-    for key, chain in problem.chains.items():
+    for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
         if config.block_buckets:
             runs = _runs_by_block(problem, chain, blocks)
             groups = config.gather_groups if key[0] == "all_gather" else config.reduce_groups
@@ -479,7 +498,7 @@ def simplefsdp_schedule(problem: Problem, config: SimpleFSDPConfig = SimpleFSDPC
     member's traced issue (no prefetch beyond it), reduce-scatters after their last gradient;
     every bucket waited before its first use."""
     plan = fixed_buckets(problem)
-    for key, chain in problem.chains.items():
+    for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
         for capped in split_by_bytes(problem, chain, config.bucket_cap_bytes):
             for run in split_feasible(problem, capped):
                 lo, hi = window(problem, run)
@@ -576,7 +595,7 @@ def autoparallel_schedule(problem: Problem, config: AutoParallelConfig = AutoPar
         payload[c.group_name] = payload.get(c.group_name, 0) + c.payload_bytes
     primary = max(sorted(payload), key=lambda g: payload[g]) if payload else None
     plan = fixed_buckets(problem)
-    for key, chain in problem.chains.items():
+    for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
         if config.primary_group_only and key[1] != primary:
             capped = [(m,) for m in chain]
         else:

@@ -23,6 +23,13 @@ The ground truth (which parameter each collective gathers or reduces) is recover
 data flow from the parameters' identities, as an oracle for the tests; it is written on
 ``gm.meta["foreign_truth"]`` (collective node name -> parameter name), a key that structure
 inference never reads.
+
+``capture_joint(style, ...)`` traces the same networks the way torchtitan's graph trainer does
+by default: ONE joint graph of forward, loss and backward, make_fx of a training step with
+``torch.autograd.grad`` inside, never partitioned (styles ``JOINT_STYLES``: all but the MoE's
+data-dependent splits). ``"sac"`` tags the gathers for recompute and runs torch's remat pass,
+so that the backward gathers every parameter again; ``module_fqns=True`` annotates every node
+with ``custom["module_fqn"]`` as the graph trainer does (backward nodes by ``seq_nr``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 STYLES = ("tied", "alternating", "sac", "tp", "fp32", "moe")
+JOINT_STYLES = ("tied", "alternating", "sac", "tp", "fp32")
 TRUTH_KEY = "foreign_truth"
 
 _c10d = torch.ops._c10d_functional
@@ -104,13 +112,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return funcol.all_reduce(g.contiguous(), "sum", ctx.group).wait(), None
+        return funcol.wait_tensor(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return funcol.all_reduce(x.contiguous(), "sum", group).wait()
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
     @staticmethod
     def backward(ctx, g):
@@ -397,3 +405,143 @@ def strip_names(gm: fx.GraphModule) -> fx.GraphModule:
         for key in _NAME_META:
             node.meta.pop(key, None)
     return gm
+
+
+# ---------------------------------------------------------------------------------------------
+# joint graphs (make_fx of a training step)
+
+
+def capture_joint(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | None = None,
+                  wide_every: int = 3, batch: int = 2, seq: int = 8, module_fqns: bool = False) -> Captured:
+    """Trace one training step of ``style`` as one joint graph on a fake group of ``world_size``.
+
+    Returns ``Captured(joint, joint, true_blocks)``: the joint graph in both fields. Its inputs
+    are the parameters' local shards (named ``arg<i>_1`` by make_fx), then tokens and labels;
+    its outputs ``[loss, *grads]`` in parameter order.
+    """
+    from torch._subclasses import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if style not in JOINT_STYLES:
+        raise ValueError(f"unknown joint style {style!r}; choose one of {JOINT_STYLES}")
+    dim = dim or 8 * world_size
+    owned = not dist.is_initialized()
+    if not owned and dist.get_world_size() != world_size:
+        raise RuntimeError("a process group of another size is initialised")
+    if owned:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        net, _, _ = _build("fp32" if style == "fp32" else style, n_layers, world_size, dim, wide_every)
+        net.recompute_gathers = False  # recompute is a graph pass here, as in the graph trainer
+        named = [(_user_name(n), p) for n, p in net.named_parameters()]
+        unwrapped = [p._local_tensor for _, p in named]
+        mode = FakeTensorMode()
+        shards = [mode.from_tensor(t).requires_grad_(True) for t in unwrapped]
+        tokens = mode.from_tensor(torch.zeros((batch, seq), dtype=torch.long, device="meta"))
+        restore = _annotate_modules(net) if module_fqns else []
+
+        def step(*flat):
+            local = list(flat[:len(named)])
+            state = {}
+            for (name, p), t in zip(net.named_parameters(), local):
+                state[name] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                                 shape=p.shape, stride=p.stride())
+            loss = torch.func.functional_call(net, state, (flat[-2], flat[-1]))
+            return [loss, *torch.autograd.grad(loss, local)]
+
+        try:
+            with (mode, preserve_node_meta(), torch.compiler._non_strict_tracing_context(),
+                  torch.compiler._patch_engine_backward()):
+                gm = make_fx(step)(*shards, tokens, tokens)
+        finally:
+            for module in restore:
+                del module.forward
+        if module_fqns:
+            _copy_custom_to_backward(gm)
+        if style == "sac":
+            gm = _recompute_gathers(gm)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    _write_joint_truth(gm, [n for n, _ in named])
+    true_blocks = {}
+    for name, _ in named:
+        parts = name.split(".")
+        true_blocks[name] = int(parts[1]) if parts[0] == "trunk" else None
+    return Captured(gm, gm, true_blocks)
+
+
+def _annotate_modules(net: nn.Module) -> list[nn.Module]:
+    from torch.fx.traceback import annotate_fn
+
+    wrapped = []
+    for name, module in net.named_modules():
+        if name:
+            module.forward = annotate_fn({"module_fqn": name})(module.forward)
+            wrapped.append(module)
+    return wrapped
+
+
+def _copy_custom_to_backward(gm: fx.GraphModule) -> None:
+    first: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        seq = node.meta.get("seq_nr")
+        if node.op != "call_function" or seq is None:
+            continue
+        if seq not in first:
+            first[seq] = node
+        elif node.meta.get("autograd_backward") and "custom" in first[seq].meta:
+            node.meta["custom"] = dict(first[seq].meta["custom"])
+
+
+def _recompute_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """Reshard after forward the graph trainer's way: tag each forward gather (its cast, the
+    collective, the wait and the views of the result) MUST_RECOMPUTE; torch's remat pass copies
+    them in front of their backward readers."""
+    from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass import (
+        remat_using_tags_for_fwd_loss_bwd_graph,
+    )
+
+    views = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default}
+    for ag in gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+        if ag.meta.get("autograd_backward"):
+            continue
+        chain, src = [ag], ag.args[0]
+        while src.op == "call_function" and len(src.users) == 1 and len(src.all_input_nodes) == 1:
+            chain.append(src)
+            src = src.args[0]
+        stack = list(ag.users)
+        while stack:
+            n = stack.pop()
+            if not n.meta.get("autograd_backward") and (n.target is _c10d.wait_tensor.default or n.target in views):
+                chain.append(n)
+                stack.extend(n.users)
+        for n in chain:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return remat_using_tags_for_fwd_loss_bwd_graph(gm)
+
+
+def _write_joint_truth(gm: fx.GraphModule, names: list[str]) -> None:
+    """Oracle of a joint graph: gathers by the shard input they read, reduce-scatters by the
+    gradient output they produce."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    by_input = {p: names[i] for i, p in enumerate(placeholders[:len(names)])}
+    truth = {}
+    for node in gm.graph.find_nodes(op="call_function", target=_c10d.all_gather_into_tensor.default):
+        src = node.args[0]
+        while isinstance(src, fx.Node) and src.op == "call_function" and len(src.all_input_nodes) == 1:
+            src = src.args[0]
+        if src in by_input:
+            truth[node.name] = by_input[src]
+    grads = gm.graph.find_nodes(op="output")[0].args[0][1:]
+    for i, grad in enumerate(grads[:len(names)]):
+        node = grad
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target is not _c10d.wait_tensor.default:
+            node = node.args[0]
+        if isinstance(node, fx.Node) and node.target is _c10d.wait_tensor.default:
+            truth[node.args[0].name] = names[i]
+    gm.meta[TRUTH_KEY] = truth

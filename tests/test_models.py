@@ -272,6 +272,68 @@ def test_2d_mesh_collectives_on_two_groups():
     assert wq.meta["val"].numel() == full_numel("layers.0.attention.wq.weight", c.config) // 2  # tp slice
 
 
+def _groups(gm, target):
+    return [(str(n.args[-1]), n.meta.get("fsdp_fqn")) for n in gm.graph.nodes if n.target is target]
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["partitioned", "joint"])
+def test_hsdp_gathers_and_reduce_scatters_on_the_shard_group_then_all_reduces_on_replicas(joint):
+    """2 x 2 (replicate, shard) mesh: one all-gather per parameter on the shard group (of 2
+    ranks, so the gathered parameter is twice its shard), one reduce-scatter per gradient on
+    the shard group, then one all-reduce of the reduce-scatter's result on the replicate group,
+    all named after their parameter."""
+    opts = dict(world_size=W, n_layers=1, dp_mode="hybrid_shard", replicate_size=2)
+    if joint:
+        j = models.capture_joint_graph(DEBUG, **opts)
+        fw = bw = j.graph
+        fqns = j.param_fqns
+    else:
+        c = capture_fsdp_graphs(DEBUG, **opts)
+        fw, bw, fqns = c.forward, c.backward, c.param_fqns
+    gathers = [(g, f) for g, f in _groups(fw, ALL_GATHER)]
+    reduces, all_reduces = _groups(bw, REDUCE_SCATTER), _groups(bw, ALL_REDUCE)
+    shard_groups = {g for g, _ in gathers} | {g for g, _ in reduces}
+    replicate_groups = {g for g, _ in all_reduces}
+    assert len(shard_groups) == 1 and len(replicate_groups) == 1 and shard_groups != replicate_groups
+    assert sorted(f for _, f in reduces) == sorted(fqns) == sorted(f for _, f in all_reduces)
+    assert set(fqns) <= {f for _, f in gathers}
+    for ar in (n for n in bw.graph.nodes if n.target is ALL_REDUCE):
+        src = ar.args[0]
+        assert src.target is WAIT and src.args[0].target is REDUCE_SCATTER  # reduce-scatter first
+        assert src.args[0].meta["fsdp_fqn"] == ar.meta["fsdp_fqn"] and ar.meta["fsdp_role"] == "fsdp"
+    for ag in (n for n in fw.graph.nodes if n.target is ALL_GATHER):
+        assert ag.meta["val"].numel() == 2 * ag.args[0].meta["val"].numel()
+
+
+@pytest.mark.parametrize("joint", [False, True], ids=["partitioned", "joint"])
+def test_ddp_has_one_all_reduce_per_gradient_and_nothing_else(joint):
+    """DDP (replicate): no all-gather, no reduce-scatter; one all-reduce per gradient over all
+    ranks, of the full parameter's size, named after its parameter."""
+    opts = dict(world_size=W, n_layers=1, dp_mode="replicate")
+    if joint:
+        j = models.capture_joint_graph(DEBUG, **opts)
+        graphs, fqns = [j.graph], j.param_fqns
+    else:
+        c = capture_fsdp_graphs(DEBUG, **opts)
+        graphs, fqns = [c.forward, c.backward], c.param_fqns
+    for gm in graphs:
+        assert collectives(gm, ALL_GATHER) == [] and collectives(gm, REDUCE_SCATTER) == []
+    ars = [n for gm in graphs for n in collectives(gm, ALL_REDUCE)]
+    assert sorted(n.meta["fsdp_fqn"] for n in ars) == sorted(fqns)
+    cfg = get_config(DEBUG, n_layers=1)
+    for n in ars:
+        assert n.meta["val"].numel() == full_numel(n.meta["fsdp_fqn"], cfg)
+
+
+def test_other_data_parallel_modes_refuse_tensor_parallelism_and_bad_meshes():
+    with pytest.raises(ValueError, match="tp_size > 1 needs dp_mode='fully_shard'"):
+        models.FSDPOptions(dp_mode="hybrid_shard", tp_size=2)
+    with pytest.raises(ValueError, match="dp_mode must be"):
+        models.FSDPOptions(dp_mode="zero3")
+    with pytest.raises(ValueError, match="not divisible by replicate_size 3"):
+        capture_fsdp_graphs(DEBUG, world_size=W, n_layers=1, dp_mode="hybrid_shard", replicate_size=3)
+
+
 def test_activation_checkpointing_recomputes_in_backward():
     def mms(gm):
         return sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)

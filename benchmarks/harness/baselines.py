@@ -35,6 +35,12 @@ generation, NVLink); :func:`simulate_torch_baseline` prices the rewritten graph 
 cost model and simulator, so it compares with our schedules on one execution model.
 :func:`torch_memory_peak` is torch's memory estimate of a graph in its traced order, to
 cross-check :func:`solvers.core.simulator.simulate` (``benchmarks/memcheck.py``).
+
+The per-block plan (:func:`torch_manual_schedule`): torch's manual scheduler
+(``overlap_manual_scheduling.manual_overlap_bucketing``, the per-transformer-block bucketing
+that torchtitan applies to partitioned graphs, and, per block *and per direction*, to joint
+graphs) with one plan entry per block and direction, the blocks and directions read by our
+structure inference (:mod:`scheduler.structure`), so that it runs on any graph, ours or not.
 """
 
 from __future__ import annotations
@@ -163,6 +169,94 @@ def simulate_torch_baseline(
     with _process_groups_for(rewritten):
         dag = export_dag(rewritten, cost_model=cost_model, cluster=cluster, name="torch-overlap")
     return simulate(dag)
+
+
+# --------------------------------------------------------------------------------------------
+# torch's manual per-block plan
+# --------------------------------------------------------------------------------------------
+def manual_bucket_plans(gm: "torch.fx.GraphModule") -> tuple[list[str], dict[str, str]]:
+    """The per-block plan of ``gm`` for torch's manual scheduler: (plan entries in execution
+    order, FX node name -> its entry, for every parameter collective and its wait).
+
+    One entry per block and direction (``"forward.block3"``, ``"backward.block3"``); the
+    collectives outside every block (embeddings, final norm, output) form one entry per run
+    of them between blocks (``"forward.root0"``: the embeddings; ``"forward.root1"``: the
+    final norm and output), as torchtitan's plan ``["tok_embeddings", "layers.0", ...,
+    ["norm", "output"]]``. Collectives that are no data-parallel parameter's stay out of the
+    plan (left in place)."""
+    with _process_groups_for(gm):
+        dag = export_dag(gm)
+    entry: dict[str, str] = {}
+    roots: dict[str | None, int] = {}
+    previous: dict[str | None, bool] = {}  # per direction: was the last collective in a block
+    for name in dag.graph["order"]:
+        a = dag.nodes[name]
+        if a["kind"] != "collective" or a.get("role") != "fsdp":
+            continue
+        phase = a.get("phase") or dag.graph.get("graph_kind", "graph")
+        if a.get("block") is not None:
+            key = f"{phase}.block{a['block']}"
+            previous[phase] = True
+        else:
+            if previous.get(phase, True):
+                roots[phase] = roots.get(phase, -1) + 1
+            previous[phase] = False
+            key = f"{phase}.root{roots[phase]}"
+        entry[name] = entry[a["wait"]] = key
+    return list(dict.fromkeys(entry[n] for n in dag.graph["order"] if n in entry)), entry
+
+
+def torch_manual_schedule(
+    gm: "torch.fx.GraphModule",
+    *,
+    cluster: "Cluster | None" = None,
+    bucket_mode: str = "default",
+    inplace: bool = False,
+) -> "torch.fx.GraphModule":
+    """Run torch's ``manual_overlap_bucketing`` on a copy of ``gm`` (or ``gm`` with ``inplace``)
+    with the per-block plan of :func:`manual_bucket_plans` and return the rewritten module.
+
+    What torch's manual scheduler does with it: merges the all-gathers of each entry into one
+    bucket and its reduce-scatters into one (parameter order as its bucketer takes them), then
+    prefetches each all-gather bucket during the compute of the entry before it and waits each
+    reduce-scatter bucket when the next one is issued (FSDP2 eager's pattern). On a joint
+    graph the forward and backward of a block are separate entries, as in the graph trainer's
+    joint pass; unlike it, torch's walk pairs all-gather buckets across the forward / backward
+    boundary (the first backward bucket is prefetched during the last forward one).
+
+    Args:
+        gm: a partitioned or joint graph with FakeTensor ``meta['val']``.
+        cluster: hardware torch's estimators are told about (it schedules from the plan, not
+            from costs; the patches only keep it from asking CUDA).
+        bucket_mode: torch's merge implementation (``"default"``: cat + copy, as our write-back).
+        inplace: rewrite ``gm`` itself.
+
+    Raises:
+        TorchBaselineError: no parameter collective has a block, or torch's pass failed.
+    """
+    from torch import nn
+    from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing
+
+    plans, entry = manual_bucket_plans(gm)
+    if not any(".block" in p for p in plans):
+        raise TorchBaselineError("no parameter collective of this graph is in a block: the per-block plan is empty")
+
+    def module_stack(node: "torch.fx.Node") -> list[tuple[str, type]]:
+        key = entry.get(node.name)
+        return [] if key is None else [(key.split(".")[0], nn.Module), (key, nn.Module)]
+
+    out = gm if inplace else copy.deepcopy(gm)
+    with _process_groups_for(out), _cpu_estimator_patches(cluster or Cluster()):
+        try:
+            out = manual_overlap_bucketing(out, plans, module_stack_fn=module_stack, bucket_mode=bucket_mode)
+            out.graph.lint()
+            out.recompile()
+        except Exception as e:
+            raise TorchBaselineError(
+                f"torch's manual scheduler failed on this graph ({type(e).__name__}: {e}); the per-block "
+                "baseline is unavailable for it") from e
+    logger.info("torch manual per-block plan: %d entries, %d collectives after", len(plans), _collective_count(out))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

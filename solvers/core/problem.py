@@ -60,6 +60,10 @@ class Collective:
     #: as the export inferred it (:mod:`scheduler.structure`); None outside any repeated block
     #: or when the DAG carries no inferred structure
     block: int | None = None
+    #: the direction the collective runs in, ``"forward"`` or ``"backward"`` (the export's
+    #: ``phase``: in a joint graph it tells a forward gather from a backward re-gather of the
+    #: same block); None when the DAG does not say
+    phase: str | None = None
     #: bytes a merged all-gather's copy-in reads for this member: the input of its dtype cast
     #: when torch's merge folds that cast into the copy (see :meth:`Problem.copy_in_ms`), else
     #: the payload
@@ -158,12 +162,13 @@ class Problem:
                 prologue_ms=prologue_ms,
                 epilogue=epilogue,
                 epilogue_ms=sum(float(nodes[e]["runtime_ms"]) for e in epilogue),
-                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter"),
+                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce"),
                 ready=ready,
                 needed=needed,
                 traced_issue=t_issue,
                 traced_wait=t_wait,
                 block=a.get("block"),
+                phase=a.get("phase"),
                 merge_read_bytes=merge_read_bytes,
                 folded_cast=folded_cast,
                 folded_cast_ms=folded_cast_ms,
