@@ -135,7 +135,7 @@ def _joint_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
         _write_back_all_reduce_buckets(gm)
     else:
         budget = liveness_peak(gm) if case.get("budget") == "traced" else None
-        scheduler.optimize_schedule(gm, mem_budget=budget, time_limit_s=SOLVER_TIME_LIMIT_S, seed=0)
+        scheduler.optimize_schedule(gm, mem_budget=budget, solver=scheduler.SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S, seed=0))
     with torch.no_grad():
         rewritten = list(gm(*inputs))
     loss = model(tokens, labels)
@@ -208,7 +208,7 @@ def _compiled_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str
     base = _train(model, torch.compile(model, fullgraph=True, backend=aot_autograd(
         fw_compiler=identity, bw_compiler=identity, partition_fn=min_cut_rematerialization_partition)), cfg, rank)
     torch._dynamo.reset()
-    backend = scheduler.backend(time_limit_s=SOLVER_TIME_LIMIT_S, seed=0)
+    backend = scheduler.backend(solver=scheduler.SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S, seed=0))
     model = models.build_model(MODEL, mesh=mesh, seed=0, **opts)
     sched = _train(model, torch.compile(model, fullgraph=True, backend=backend), cfg, rank)
     reports = {r.graph_name: r for r in backend.reports}

@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import models
 from conftest import FAKE_WORLD as WORLD
 from models.capture import ALL_GATHER, REDUCE_SCATTER, WAIT, fake_process_group
-from scheduler import optimize_schedule
+from scheduler import SolverOptions, optimize_schedule
 from scheduler.api import REPORT_KEY
 from scheduler.dag import export_dag
 from scheduler.judge import liveness_peak
@@ -153,7 +153,7 @@ def test_tiny_joint_graph_with_regathers_schedules_and_keeps_results(group_name)
         validate_schedule(problem, schedule)
         for bucket in schedule.buckets:
             assert len({problem.colls[m].phase for m in bucket.members}) == 1, (name, bucket.members)
-    out = optimize_schedule(copy.deepcopy(gm), time_limit_s=2)
+    out = optimize_schedule(copy.deepcopy(gm), solver=SolverOptions(time_limit_s=2))
     assert out.meta[REPORT_KEY].graph_kind == "joint"
     out.graph.lint()
 
@@ -306,7 +306,7 @@ def test_budget_equal_to_the_traced_peak_is_met(joints, variant):
     budget = liveness_peak(gm)
     assert traced.peak_bytes == budget
     with fake_process_group(WORLD):
-        optimize_schedule(gm, mem_budget=budget, time_limit_s=5)
+        optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(time_limit_s=5))
     report = gm.meta[REPORT_KEY]
     assert report.graph_kind == "joint"
     assert liveness_peak(gm) <= budget
@@ -320,7 +320,7 @@ def test_torch_manual_per_block_plan_buckets_each_block_and_direction(joints):
     norm and output; in backward output and norm), one reduce-scatter bucket per block plus
     the two root runs; the rewritten graph still reads as a joint graph, its merged buckets
     (new nodes, without autograd_backward marks) in the right direction."""
-    from scheduler.baselines import manual_bucket_plans, torch_manual_schedule
+    from harness.baselines import manual_bucket_plans, torch_manual_schedule
 
     gm = joints["reshard"].graph
     plans, _ = manual_bucket_plans(gm)
@@ -366,7 +366,7 @@ def test_foreign_joint_graphs_blocks_directions_and_own_peak(style):
             problem = Problem.from_dag(dag)
             traced = simulate(dag, problem.traced_schedule(), problem=problem)
             budget = None if style == "sac" else liveness_peak(gm)
-            optimize_schedule(gm, mem_budget=budget, time_limit_s=3)
+            optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(time_limit_s=3))
         report = gm.meta[REPORT_KEY]
         assert report.step_ms_after < traced.step_ms
         if budget is not None:
