@@ -1,21 +1,33 @@
-"""Every argument of the entry points is checked before any solve, with an error that names it.
+"""Every argument of the entry points is checked before anything runs, with an error that names it.
 
-The cases are the ones a user tried: each used to end in a fallback with the error only in
-the report's notes, an int-conversion error, an OverflowError, or silence.
+Options are frozen dataclasses checked when they are built (a bad value fails in the caller's
+own line, before any collective); ``optimize_schedule`` itself checks ``gm``, ``mem_budget``,
+``cost_model``, ``cluster`` and that each option is an options object. The cases are the ones
+a user tried: each used to end in a fallback with the error only in the report's notes, an
+int-conversion error, an OverflowError, or silence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from scheduler import InfeasibleBudgetError, optimize_schedule, solve_dag
+from scheduler import (
+    AgreementOptions,
+    InfeasibleBudgetError,
+    SearchConfig,
+    SolverOptions,
+    WriteBackOptions,
+    optimize_schedule,
+    solve_dag,
+)
 from scheduler.api import REPORT_KEY
+from scheduler.choose import graph_digest
 from scheduler.dag import export_dag
-from scheduler.verify import graph_digest
 from test_writeback import COSTS, gloo_group, toy_graph
 
 
@@ -25,37 +37,73 @@ def pg():
         yield name
 
 
-BAD = [
-    ({"payload_order": "foo"}, ValueError, "payload_order"),
-    ({"time_limit_s": 0}, ValueError, "time_limit_s"),
-    ({"time_limit_s": -1}, ValueError, "time_limit_s"),
-    ({"time_limit_s": math.nan}, ValueError, "time_limit_s"),
-    ({"time_limit_s": math.inf}, ValueError, "time_limit_s"),
-    ({"time_limit_s": "5"}, TypeError, "time_limit_s"),
-    ({"time_limit_s": None}, TypeError, "time_limit_s"),
-    ({"seed": "x"}, TypeError, "seed"),
-    ({"seed": -1}, ValueError, "seed"),
-    ({"solver": None}, TypeError, "solver"),
-    ({"solver": 42}, TypeError, "solver"),
-    ({"solver": "cp-sat"}, ValueError, "solver"),
-    ({"num_workers": -1}, ValueError, "num_workers"),
-    ({"num_workers": 1.5}, TypeError, "num_workers"),
-    ({"extra_starts": ["x"]}, TypeError, "extra_starts"),
-    ({"extra_starts": "x"}, TypeError, "extra_starts"),
-    ({"fallback": "yes"}, TypeError, "fallback"),
-    ({"verify": 1}, TypeError, "verify"),
-    ({"robust": True, "verify": False}, ValueError, "verify"),
-    ({"schedule_hook": 3}, TypeError, "schedule_hook"),
+BAD_OPTIONS = [
+    (WriteBackOptions, {"payload_order": "foo"}, ValueError, "payload_order"),
+    (WriteBackOptions, {"control_deps": 1}, TypeError, "control_deps"),
+    (SolverOptions, {"time_limit_s": 0}, ValueError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": -1}, ValueError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": math.nan}, ValueError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": math.inf}, ValueError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": "5"}, TypeError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": None}, TypeError, "time_limit_s"),
+    (SolverOptions, {"time_limit_s": True}, TypeError, "time_limit_s"),
+    (SolverOptions, {"seed": "x"}, TypeError, "seed"),
+    (SolverOptions, {"seed": -1}, ValueError, "seed"),
+    (SolverOptions, {"solver": None}, TypeError, "solver"),
+    (SolverOptions, {"solver": 42}, TypeError, "solver"),
+    (SolverOptions, {"solver": "cp-sat"}, ValueError, "solver"),
+    (SolverOptions, {"num_workers": -1}, ValueError, "num_workers"),
+    (SolverOptions, {"num_workers": 1.5}, TypeError, "num_workers"),
+    (SolverOptions, {"extra_starts": ["x"]}, TypeError, "extra_starts"),
+    (SolverOptions, {"extra_starts": "x"}, TypeError, "extra_starts"),
+    (SolverOptions, {"fallback": "yes"}, TypeError, "fallback"),
+    (SolverOptions, {"schedule_hook": 3}, TypeError, "schedule_hook"),
+    (SolverOptions, {"search": {"window_share": 0.5}}, TypeError, "search"),
+    (SolverOptions, {"bandwidth_scales": (0.7, -1.0)}, ValueError, "bandwidth_scales"),
+    (SolverOptions, {"bandwidth_scales": [0.7]}, ValueError, "bandwidth_scales"),
+    (AgreementOptions, {"enabled": 1}, TypeError, "enabled"),
+    (AgreementOptions, {"broadcast_from": -1}, ValueError, "broadcast_from"),
+    (AgreementOptions, {"broadcast_from": "0"}, TypeError, "broadcast_from"),
+    (SearchConfig, {"window_share": 1.5}, ValueError, "window_share"),
+    (SearchConfig, {"start_sizes": ()}, ValueError, "start_sizes"),
+    (SearchConfig, {"polish_steps": (0,)}, ValueError, "polish_steps"),
+    (SearchConfig, {"evaluated_nodes_per_s": 0.0}, ValueError, "evaluated_nodes_per_s"),
+    (SearchConfig, {"fit_moves": -1}, ValueError, "fit_moves"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, error, named", BAD_OPTIONS,
+                         ids=[f"{c.__name__}-{k}" for c, k, _, _ in BAD_OPTIONS])
+def test_a_bad_option_is_named_when_the_options_are_built(cls, kwargs, error, named):
+    with pytest.raises(error, match=named):
+        cls(**kwargs)
+
+
+def test_options_are_frozen_and_take_keywords_only():
+    options = SolverOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.time_limit_s = 5.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SolverOptions("cpsat")  # type: ignore[misc]
+    # extra starts given as a list are kept as a tuple (hashable, and frozen like the rest)
+    assert SolverOptions(extra_starts=[]).extra_starts == ()
+
+
+BAD_CALL = [
     ({"cost_model": "roofline"}, ValueError, "cost model"),
     ({"cluster": "h100"}, TypeError, "cluster"),
-    ({"broadcast_from": 5}, ValueError, "broadcast_from"),
+    ({"agreement": AgreementOptions(broadcast_from=5)}, ValueError, "broadcast_from"),
+    ({"solver": "cpsat"}, TypeError, "solver"),
+    ({"solver": {"time_limit_s": 2.0}}, TypeError, "solver"),
+    ({"agreement": False}, TypeError, "agreement"),
+    ({"writeback": "registration"}, TypeError, "writeback"),
     ({"mem_budget": 2**63}, ValueError, "2**63"),
     ({"mem_budget": "1e400 GiB"}, ValueError, "1e400"),
     ({"mem_budget": "abc"}, ValueError, "abc"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, error, named", BAD, ids=[str(k) for k, _, _ in BAD])
+@pytest.mark.parametrize("kwargs, error, named", BAD_CALL, ids=[str(k) for k, _, _ in BAD_CALL])
 def test_a_bad_argument_is_named_before_anything_runs(pg, kwargs, error, named):
     """The call raises the named error on this (single) rank, and the graph is untouched."""
     gm = toy_graph(pg, 1)
@@ -66,12 +114,22 @@ def test_a_bad_argument_is_named_before_anything_runs(pg, kwargs, error, named):
     assert graph_digest(gm) == before and REPORT_KEY not in gm.meta
 
 
-@pytest.mark.parametrize("kwargs, error, named", [b for b in BAD if set(b[0]) <= {
-    "time_limit_s", "seed", "solver", "num_workers", "fallback", "mem_budget"}])
+def test_gm_must_be_a_graph_module():
+    with pytest.raises(TypeError, match="GraphModule"):
+        optimize_schedule(torch.nn.Linear(2, 2), None)
+
+
+@pytest.mark.parametrize("kwargs, error, named", [
+    ({"mem_budget": 2**63}, ValueError, "2**63"),
+    ({"mem_budget": "abc"}, ValueError, "abc"),
+    ({"solver": "cpsat"}, TypeError, "solver"),
+], ids=["budget-2**63", "budget-abc", "solver-by-name"])
 def test_solve_dag_checks_the_same_arguments(pg, kwargs, error, named):
     dag = export_dag(toy_graph(pg, 1), cost_model=COSTS)
     with pytest.raises(error, match=named.replace("*", r"\*")):
         solve_dag(dag, **{"mem_budget": None, **kwargs})
+    with pytest.raises(TypeError, match="DiGraph"):
+        solve_dag({"nodes": []})
 
 
 def test_a_graph_without_collectives_holds_its_budget():

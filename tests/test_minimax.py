@@ -159,98 +159,33 @@ def test_regroup_buckets_a_chain_by_blocks_and_issues_ahead(kind):
             assert w == (rows[k + 1][1] if k + 1 < len(rows) else w)
 
 
-def test_regrouped_starts_are_the_best_regular_bucketings():
-    """``regrouped_starts`` returns the ``regroup_starts`` regular bucketings of least
-    worst-case regret that fit (checked by simulating every one of them), best first, the same
-    on every call; none with ``regroup_starts`` 0."""
-    from solvers.minimax import regroup, regrouped_starts, regroupings
+def test_regroupings_and_their_config_are_checked():
+    """Every regular bucketing tried as a start is a valid schedule of the graph; bad sizes are
+    refused when the config or the regrouping is built."""
+    from solvers.minimax import Regrouping, regroup, regroupings
 
-    problems = _with_blocks("forward")
-    p = problems["fast"]
-    traced = p.traced_schedule()
-    budget = int(simulate(p.dag, traced, problem=p).peak_bytes * 1.15)
-    start = solve(p, solver="fsdp2", mem_budget_bytes=budget).schedule
-    reference = reference_times(problems, [start], budget)
-    config = MinimaxConfig(regroup_starts=3, max_simulations=100_000)
-    by_hand = {}
-    for r in regroupings(p, config):
-        s = regroup(p, start, r)
-        sims = [simulate(q.dag, s, problem=q) for q in problems.values()]
-        if max(x.peak_bytes for x in sims) <= budget and s.digest() != start.digest():
-            by_hand.setdefault(s.digest(), _worst(problems, s, reference))
-    assert len(by_hand) > 3
-    out = regrouped_starts(problems, start, reference, budget, config)
-    assert [w for _, _, w in out] == pytest.approx(sorted(by_hand.values())[:3])
-    assert all(by_hand[s.digest()] == pytest.approx(w) for _, s, w in out)
-    again = regrouped_starts(problems, start, reference, budget, config)
-    assert [s.digest() for _, s, _ in again] == [s.digest() for _, s, _ in out]
-    assert regrouped_starts(problems, start, reference, budget, MinimaxConfig()) == []
-    # under a cap on merged payloads, only bucketings within it (the best ones merge past it)
-    def payload(bucket):
-        return sum(p.colls[m].payload_bytes for m in bucket.members)
-
-    cap = max(payload(b) for _, s, _ in out for b in s.buckets) - 1
-    capped = regrouped_starts(problems, start, reference, budget,
-                              MinimaxConfig(regroup_starts=3, max_simulations=100_000, max_bucket_bytes=cap))
-    assert capped and all(len(b.members) == 1 or payload(b) <= cap for _, s, _ in capped for b in s.buckets)
-    for bad in ({"regroup_starts": -1}, {"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
+    p = _with_blocks("forward")["fast"]
+    found = regroupings(p, MinimaxConfig())
+    assert found
+    for r in found:
+        s = regroup(p, p.traced_schedule(), r)
+        if s is not None:
+            validate_schedule(p, s)
+    for bad in ({"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
         with pytest.raises(ValueError):
             MinimaxConfig(**bad)
-    from solvers.minimax import Regrouping
-
     with pytest.raises(ValueError, match="size, head, tail and ahead >= 1"):
         Regrouping(next(iter(p.chains)), size=0, head=1, tail=1, ahead=1)
-
-
-def test_refinements_count_in_collectives_around_the_best_block_bucketing():
-    """On the 6-layer forward (4 collectives per block; the embedding one collective, norm and
-    output one each): a coarse bucketing of 2 blocks per bucket, head 2 units, tail 1, 1 ahead
-    refines to heads of 5, 1 and 9 collectives, middle sizes 6 to 10, tail 1, aheads 1, 2 (and
-    2 again: one more than the coarse's), each a valid schedule whose buckets cut blocks where
-    the size says. ``regrouped_starts`` returns the best refinement after the coarse ones, with
-    its worst regret as simulated; none without ``regroup_refine``."""
-    from solvers.minimax import Regrouping, refinements, regroup, regrouped_starts
-
-    problems = _with_blocks("forward")
-    p = problems["fast"]
-    key = next(iter(p.chains))
-    names = p.chains[key]
-    coarse = Regrouping(key, size=2, head=2, tail=1, ahead=1)
-    fine = refinements(p, coarse, MinimaxConfig(regroup_aheads=(1, 2)))
-    assert {r.unit for r in fine} == {"collective"} and {r.tail for r in fine} == {1}
-    assert [r.head for r in fine][::10] == [5, 1, 9] and sorted({r.size for r in fine}) == [6, 7, 8, 9, 10]
-    assert sorted({r.ahead for r in fine}) == [1, 2] and len(fine) == 3 * 5 * 2
-    r = Regrouping(key, size=7, head=5, tail=1, ahead=1, unit="collective")
-    schedule = regroup(p, p.traced_schedule(), r)
-    validate_schedule(p, schedule)
-    chain = [b.members for b in sorted(schedule.buckets, key=lambda b: names.index(b.members[0]))
-             if b.members[0] in names]
-    assert [len(m) for m in chain] == [5, 7, 7, 7, 1]  # 27 collectives: 5 + 7 * 3 + 1
-    traced = p.traced_schedule()
-    budget = int(simulate(p.dag, traced, problem=p).peak_bytes * 1.15)
-    start = solve(p, solver="fsdp2", mem_budget_bytes=budget).schedule
-    reference = reference_times(problems, [start], budget)
-    config = MinimaxConfig(regroup_starts=2, regroup_refine=1, max_simulations=100_000)
-    out = regrouped_starts(problems, start, reference, budget, config)
-    assert [r.unit for r, _, _ in out] == ["block", "block", "collective"]
-    assert out[2][2] == pytest.approx(_worst(problems, out[2][1], reference))
-    assert [r.unit for r, _, _ in regrouped_starts(problems, start, reference, budget,
-                                                   MinimaxConfig(regroup_starts=2, max_simulations=100_000))] == \
-        ["block", "block"]
     with pytest.raises(ValueError, match="unit"):
-        Regrouping(key, size=1, head=1, tail=1, ahead=1, unit="layer")
-    for bad in ({"regroup_refine": -1}, {"regroup_work": 0.5}):
-        with pytest.raises(ValueError):
-            MinimaxConfig(**bad)
+        Regrouping(next(iter(p.chains)), size=1, head=1, tail=1, ahead=1, unit="layer")
 
 
 def test_tracker_budget_of_its_own_holds_the_start_where_it_is():
     """A start within the budget by the execution model's count and over it by torch's tracker
     rules (the traced forward: each wait's result beside the collective's). Under the budget
     alone the polish must bring both counts under it; with ``tracker_budget_bytes`` at the
-    start's tracker peak (as the driver polishes a solve, whose model holds the first count
-    only) the tracker count may stay where the start has it, never above, and the polish
-    reaches a faster schedule than under both."""
+    start's tracker peak the tracker count may stay where the start has it, never above, and
+    the polish reaches a faster schedule than under both."""
     p = Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind="forward", world_size=64, seed=0, cluster=Cluster()))
     traced = simulate(p.dag, problem=p)
     budget = traced.peak_bytes
