@@ -3,13 +3,15 @@
 Graphs whose budgets bind (parameters outweigh activations, so prefetching costs memory):
 llama3-debug widened to 256 and two foreign styles (tests/foreign_models.py: tied embeddings,
 alternating widths), forward and backward. The budget lies halfway between the traced peak and
-the smallest heuristic peak. For each solver, ``optimize_schedule`` (verifying, the default)
-must return a graph whose peaks by the reference liveness count and by torch's MemoryTracker,
-both taken here on the returned graph, are within the budget; and the solver's own schedule,
-written back, must hold it by the liveness count, its predicted peak being exactly its
-re-exported one. (The export counts a multi-output node's tuple as one storage, freed after the
-last reader of any element; the liveness count frees each element on its own, so the two can
-differ once a schedule moves readers: the model over-counts there, never under.)
+the smallest heuristic peak. For each solver, ``optimize_schedule`` must return a graph whose
+peaks by the three counts (the re-export's simulation, the reference liveness count and torch's
+MemoryTracker), all taken here on the returned graph, are within the budget; and the installed
+schedule's predicted peak is its re-exported one. (The export counts a multi-output node's
+tuple as one storage, freed after the last reader of any element; the liveness count frees each
+element on its own, so the two can differ once a schedule moves readers: the model over-counts
+there, never under.)
+
+llama3-debug runs in the default suite, the foreign styles are marked slow.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ torch = pytest.importorskip("torch")
 
 import foreign_models as fm  # noqa: E402
 from conftest import FAKE_WORLD as WORLD  # noqa: E402
-from scheduler import export_dag, optimize_schedule, simulate  # noqa: E402
+from scheduler import SolverOptions, export_dag, optimize_schedule, simulate  # noqa: E402
 from scheduler.api import REPORT_KEY  # noqa: E402
+from scheduler.choose import judge_graph  # noqa: E402
 from scheduler.judge import liveness_peak, torch_tracker_peak  # noqa: E402
-from solvers import Problem  # noqa: E402
+from solvers import InfeasibleBudgetError, Problem  # noqa: E402
 from solvers.heuristics import HEURISTICS  # noqa: E402
 
 SOLVERS = ("cpsat", "milp", *HEURISTICS)
@@ -33,14 +36,21 @@ SOLVERS = ("cpsat", "milp", *HEURISTICS)
 
 @pytest.fixture(scope="module")
 def graphs(group_name):
+    """Model name -> its captured forward and backward, captured on first use (the default run
+    needs llama3-debug only)."""
     from models import capture_fsdp_graphs
 
-    llama = capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=2, dim=256, ffn_hidden_dim=512,
-                                seq_len=8, batch_size=1)
-    out = {"llama3-debug": llama}
-    for style, n_layers in (("tied", 3), ("alternating", 4)):
-        out[style] = fm.capture(style, world_size=WORLD, n_layers=n_layers, dim=128)
-    return out
+    class Captures(dict):
+        def __missing__(self, model):
+            if model == "llama3-debug":
+                self[model] = capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=2, dim=256,
+                                                  ffn_hidden_dim=512, seq_len=8, batch_size=1)
+            else:
+                self[model] = fm.capture(model, world_size=WORLD, n_layers={"tied": 3, "alternating": 4}[model],
+                                         dim=128)
+            return self[model]
+
+    return Captures()
 
 
 def _binding_budget(gm) -> int:
@@ -51,22 +61,46 @@ def _binding_budget(gm) -> int:
     return (traced + smallest) // 2
 
 
-@pytest.mark.parametrize("kind", ["forward", "backward"])
-@pytest.mark.parametrize("model", ["llama3-debug", "tied", "alternating"])
-def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind):
-    gm0 = getattr(graphs[model], kind)
-    budget = _binding_budget(gm0)
-    for solver in SOLVERS:
-        gm = copy.deepcopy(gm0)
-        optimize_schedule(gm, budget, solver=solver, time_limit_s=1)
-        report = gm.meta[REPORT_KEY]
-        case = f"{model} {kind} {solver} -> {report.chosen_candidate}, budget {budget}"
-        assert liveness_peak(gm) <= budget and torch_tracker_peak(gm) <= budget, case
-        # the solver's schedule (or its fallback), when written back (only while its prediction
-        # could win): predicted = re-exported; the one installed holds the budget by the
-        # liveness count
-        own = report.candidates[0]
-        if own["step_ms"]:
-            assert own["peak_bytes"] == own["predicted_peak_bytes"] <= budget, case
-        chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
-        assert chosen["peak_bytes"] <= budget and chosen["liveness_peak_bytes"] <= budget, case
+#: optimize_schedule(solver=<heuristic>) refuses a budget the traced graph holds when the heuristic
+#: cannot reach it, instead of falling back to the best start that fits
+HEURISTIC_REFUSES = pytest.mark.xfail(strict=True, raises=InfeasibleBudgetError, reason=(
+    "defect: solver='fsdp2' (or 'autoparallel') at a budget above the traced peak (tied backward: budget "
+    "634,160 B, traced 615,680 B, the heuristic's smallest 644,192 B) raises InfeasibleBudgetError from the "
+    "heuristic, although the traced order fits; scheduler.api._solve re-raises every InfeasibleBudgetError "
+    "instead of falling back"))
+
+
+def _cases():
+    for model in ("llama3-debug", "tied", "alternating"):
+        for kind in ("forward", "backward"):
+            for solver in SOLVERS:
+                marks = [pytest.mark.slow] if model != "llama3-debug" else []
+                if kind == "backward" and model != "llama3-debug" and solver in ("fsdp2", "autoparallel"):
+                    marks.append(HEURISTIC_REFUSES)
+                yield pytest.param(model, kind, solver, marks=marks, id=f"{model}-{kind}-{solver}")
+
+
+@pytest.mark.parametrize("model, kind, solver", list(_cases()))
+def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind, solver):
+    gm = copy.deepcopy(getattr(graphs[model], kind))
+    budget = _binding_budget(gm)
+    optimize_schedule(gm, budget, solver=SolverOptions(solver=solver, time_limit_s=1.0))
+    report = gm.meta[REPORT_KEY]
+    assert liveness_peak(gm) <= budget and torch_tracker_peak(gm) <= budget, report.chosen_candidate
+    assert judge_graph(gm).max_peak_bytes <= budget
+    assert report.reexported_peak_bytes == report.peak_bytes_after <= budget
+    chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
+    assert max(chosen["figures"]["peak_bytes"], chosen["figures"]["liveness_peak_bytes"],
+               chosen["figures"]["tracker_peak_bytes"]) <= budget
+
+
+@HEURISTIC_REFUSES
+def test_a_heuristic_that_cannot_fit_falls_back_where_the_traced_graph_fits(graphs):
+    """The tied backward: FSDP2-like's smallest peak is over a budget that the traced graph
+    holds; the default ``fallback`` answers with a schedule that fits."""
+    gm = copy.deepcopy(graphs["tied"].backward)
+    budget = _binding_budget(gm)
+    problem = Problem.from_dag(export_dag(gm))
+    assert simulate(problem.dag, problem=problem).max_peak_bytes <= budget  # the traced graph fits
+    optimize_schedule(gm, budget, solver=SolverOptions(solver="fsdp2", time_limit_s=1.0))
+    assert judge_graph(gm).max_peak_bytes <= budget

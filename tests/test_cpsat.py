@@ -1,22 +1,20 @@
-"""The CP-SAT model: optimum equals brute force on tiny graphs, constraint families, budgets,
-real traced graphs, determinism across processes."""
+"""The CP-SAT model: optimum equals brute force on tiny graphs (the model alone, as one window
+freeing every collective, and the search around it), constraint families, budgets, real traced
+graphs. Determinism across processes: tests/test_search.py."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from scheduler.dag import save_dag
 from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule
-from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, SolveStatus, solve
-from solvers.cpsat import CpSatConfig, solve_cpsat
+from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
+from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat
 from solvers.model import Anchors
+from solvers.search import SearchConfig, search
 from scheduler.synthetic import DagBuilder, make_fsdp_dag
 
 MB = 1 << 20
@@ -115,12 +113,23 @@ def _brute_force(problem: Problem, budget: int | None = None) -> float:
     return min(sim.step_ms for _, sim in _all_schedules(problem) if budget is None or sim.peak_bytes <= budget)
 
 
+def _whole_graph_window(problem: Problem, budget: int | None = None) -> Schedule:
+    """CP-SAT's model with every collective free (one window over the whole graph), from the
+    traced order."""
+    schedule = CpSatBackend().solve_window(problem, budget, problem.traced_schedule(), set(problem.colls), 20.0, 0, 1,
+                                           Anchors(problem))
+    assert schedule is not None
+    return schedule
+
+
 @pytest.mark.parametrize("make", [_forward_chain, _backward_chain], ids=["all-gathers", "reduce-scatters"])
 def test_optimum_equals_brute_force(make):
     problem = make()
     expected = _brute_force(problem)
-    res = solve_cpsat(problem, time_limit_s=20.0)
-    assert res.status == SolveStatus.OPTIMAL
+    window = _whole_graph_window(problem)
+    validate_schedule(problem, window)
+    assert simulate(problem.dag, window, problem=problem).step_ms == pytest.approx(expected, abs=1e-6)
+    res = solve_cpsat(problem, time_limit_s=2.0)
     assert res.objective_ms == pytest.approx(expected, abs=1e-6)
     validate_schedule(problem, res.schedule)
 
@@ -135,41 +144,46 @@ def test_optimum_under_budget_equals_brute_force(make):
     assert any(peak <= budget for _, peak in runs), "some schedule must fit"
     expected = min(step for step, peak in runs if peak <= budget)
     assert expected > free_best + 1e-9, "the budget must cost step time"
-    res = solve_cpsat(problem, mem_budget_bytes=budget, time_limit_s=20.0)
+    window = simulate(problem.dag, _whole_graph_window(problem, budget), problem=problem)
+    assert window.peak_bytes <= budget and window.step_ms == pytest.approx(expected, abs=1e-6)
+    res = solve_cpsat(problem, mem_budget_bytes=budget, time_limit_s=2.0)
     assert res.peak_bytes <= budget
     assert res.objective_ms == pytest.approx(expected, abs=1e-6)
 
 
 def test_memory_family_infeasible_budget_names_min_peak():
     problem = _forward_chain()
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
     with pytest.raises(InfeasibleBudgetError) as err:
-        solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, time_limit_s=5.0)
+        solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, time_limit_s=1.0)
     assert err.value.min_peak_bytes == traced_peak
-    assert "raise mem_budget" in str(err.value)
+    res = solve(problem, solver="cpsat", mem_budget_bytes=err.value.min_peak_bytes, time_limit_s=1.0)
+    assert res.peak_bytes <= err.value.min_peak_bytes
 
 
 def test_memory_family_budget_at_traced_peak_is_feasible():
     problem = _forward_chain()
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=5.0)
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
     assert res.peak_bytes <= traced_peak
 
 
 def test_bucket_family_cap_splits_buckets():
     """With little compute to hide behind, alpha dominates and all-gathers merge; a cap of one
-    payload keeps them apart."""
+    payload keeps them apart in the model."""
     problem = _forward_chain(compute_ms=0.2)
-    merged = solve_cpsat(problem, time_limit_s=10.0)
-    assert max(len(b.members) for b in merged.schedule.buckets) >= 2
-    capped = solve_cpsat(problem, time_limit_s=10.0, config=CpSatConfig(max_bucket_bytes=MB))
-    assert all(len(b.members) == 1 for b in capped.schedule.buckets)
-    assert capped.objective_ms >= merged.objective_ms
+    merged = _whole_graph_window(problem)
+    assert max(len(b.members) for b in merged.buckets) >= 2
+    capped = CpSatBackend(CpSatConfig(max_bucket_bytes=MB)).solve_window(
+        problem, None, problem.traced_schedule(), set(problem.colls), 20.0, 0, 1, Anchors(problem))
+    assert all(len(b.members) == 1 for b in capped.buckets)
+    assert simulate(problem.dag, capped, problem=problem).step_ms >= simulate(problem.dag, merged,
+                                                                              problem=problem).step_ms
 
 
 def test_window_family_no_issue_before_ready_or_wait_after_need():
     problem = _backward_chain()
-    res = solve_cpsat(problem, time_limit_s=10.0)
+    res = solve_cpsat(problem, time_limit_s=2.0)
     issue, wait = res.schedule.positions()
     for b, bucket in enumerate(res.schedule.buckets):
         for m in bucket.members:
@@ -179,51 +193,46 @@ def test_window_family_no_issue_before_ready_or_wait_after_need():
 
 def test_stream_family_one_stream_serialises():
     problem = _forward_chain()
-    res = solve_cpsat(problem, time_limit_s=10.0)
+    res = solve_cpsat(problem, time_limit_s=2.0)
     sim = simulate(problem.dag, res.schedule, problem=problem)
     spans = sorted((s, e) for _, s, e, _ in sim.bucket_times.values())
     for (s0, e0), (s1, _) in zip(spans, spans[1:]):
         assert s1 >= e0 - 1e-9
 
 
-def test_lower_bound_never_exceeds_result():
-    for make in (_forward_chain, _backward_chain):
-        problem = make()
-        res = solve_cpsat(problem, time_limit_s=10.0)
-        assert problem.lower_bound_ms() <= res.objective_ms + 1e-9
-        assert res.best_bound_ms <= res.objective_ms + 1e-9
+def _fsdp_forward_two_params() -> Problem:
+    """One block of two parameters, no embeddings: both all-gathers needed at the first gaps,
+    each behind its own prologue cast."""
+    return Problem.from_dag(make_fsdp_dag(n_layers=1, params_per_layer=2, with_embeddings=False))
+
+
+@pytest.mark.parametrize("make", [
+    _forward_chain,
+    _backward_chain,
+    pytest.param(_fsdp_forward_two_params, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "defect: Problem.lower_bound_ms counts every prologue cast before the first all-gather's exposed "
+        "delay (total compute + alone time: 1.0755 ms), but the second all-gather's cast runs while the first "
+        "is in flight; a schedule issuing both at the top simulates at 1.0702 ms"))),
+], ids=["all-gathers", "reduce-scatters", "fsdp-1x2"])
+def test_lower_bound_never_exceeds_result(make):
+    problem = make()
+    res = solve_cpsat(problem, time_limit_s=2.0)
+    assert problem.lower_bound_ms() <= res.objective_ms + 1e-9
+    assert res.best_bound_ms <= res.objective_ms + 1e-9
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_window_search_on_larger_graph_is_valid_and_not_worse(kind):
-    """A graph above full_model_max_members goes through the rolling windows."""
+def test_windows_on_a_larger_graph_are_valid_and_not_worse(kind):
+    """Windows of 8 collectives over a 6-layer graph: each window's model covers only its
+    range, and the answer is valid and no slower than the heuristics."""
     dag = make_fsdp_dag(n_layers=6, graph_kind=kind, reshard_after_forward=True, seed=3)
     problem = Problem.from_dag(dag)
-    cfg = CpSatConfig(full_model_max_members=4, lns_window_members=8)
-    res = solve_cpsat(problem, time_limit_s=15.0, config=cfg)
+    res = search({"m": problem}, None, backend=CpSatBackend(), time_limit_s=2.0,
+                 config=SearchConfig(window_members=8))
     validate_schedule(problem, res.schedule)
+    assert "windows" in [s.name for s in res.stages]
     best_heuristic = min(solve(problem, solver=h).objective_ms for h in ("traced", "fsdp2"))
     assert res.objective_ms <= best_heuristic + 1e-9
-    assert any("rolling-window" in n or "warm start" in n for n in res.notes)
-
-
-def test_same_schedule_in_two_processes(tmp_path):
-    dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=1)
-    path = tmp_path / "dag.json"
-    save_dag(dag, path)
-    code = textwrap.dedent(
-        f"""
-        from scheduler.dag import load_dag
-        from solvers import Problem, solve
-        p = Problem.from_dag(load_dag({str(path)!r}))
-        print(solve(p, solver="cpsat", time_limit_s=4.0).schedule.digest())
-        """
-    )
-    digests = [
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout.strip()
-        for _ in range(2)
-    ]
-    assert digests[0] == digests[1] and len(digests[0]) == 64
 
 
 @pytest.fixture(scope="module")
@@ -238,10 +247,10 @@ def test_traced_llama_debug_respects_budget(debug_graphs, kind):
     from scheduler import export_dag
 
     problem = Problem.from_dag(export_dag(getattr(debug_graphs, kind)))
-    free = solve(problem, solver="cpsat", time_limit_s=8.0)
+    free = solve(problem, solver="cpsat", time_limit_s=1.0)
     validate_schedule(problem, free.schedule)
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=8.0)
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
     sim = validate_schedule(problem, res.schedule, mem_budget_bytes=traced_peak)
     assert sim.peak_bytes <= traced_peak
     assert json.dumps(res.schedule.to_json())
