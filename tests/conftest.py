@@ -32,10 +32,20 @@ def group_name():
         dist.destroy_process_group()
 
 
-def capture_llama_debug(n_layers: int):
-    """llama3-debug's forward and backward on 4 fake ranks (``models.capture_fsdp_graphs``);
-    skips where a real process group is up (the capture makes its own fake one)."""
-    models = pytest.importorskip("models")
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        pytest.skip("capture needs a process without a real group")
-    return models.capture_fsdp_graphs("llama3-debug", world_size=4, n_layers=n_layers)
+_CAPTURES: dict = {}
+
+
+def capture_llama_debug(n_layers: int | None = None, **options):
+    """llama3-debug's forward and backward on FAKE_WORLD fake ranks
+    (``models.capture_fsdp_graphs``; ``options`` are its options), traced once per session and
+    shared by every module that asks for the same: a test must not change these graphs (it
+    rewrites a ``copy.deepcopy``). Skips where a real process group is up (the capture makes
+    its own fake one)."""
+    key = (n_layers, tuple(sorted(options.items())))
+    if key not in _CAPTURES:
+        models = pytest.importorskip("models")
+        if dist.is_initialized() and dist.get_backend() != "fake":
+            pytest.skip("capture needs a process without a real group")
+        _CAPTURES[key] = models.capture_fsdp_graphs("llama3-debug", world_size=FAKE_WORLD, n_layers=n_layers,
+                                                    **options)
+    return _CAPTURES[key]

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import FAKE_WORLD as WORLD  # noqa: E402
+from conftest import capture_llama_debug  # noqa: E402
 from scheduler import AgreementOptions, SolverOptions, optimize_schedule  # noqa: E402
 from scheduler.api import REPORT_KEY  # noqa: E402
 from scheduler.choose import (  # noqa: E402
@@ -42,9 +42,7 @@ WRITE = dict(cost_model=None, cluster=None, payload_order="registration", contro
 
 @pytest.fixture(scope="module")
 def llama(group_name):
-    from models import capture_fsdp_graphs
-
-    return capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=1)
+    return capture_llama_debug(n_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +174,7 @@ def test_default_judges_under_the_family(llama):
 
 @pytest.fixture(scope="module")
 def two_blocks(group_name):
-    from models import capture_fsdp_graphs
-
-    return capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=2)
+    return capture_llama_debug(n_layers=2)
 
 
 @pytest.mark.parametrize("kind", [

@@ -237,9 +237,9 @@ def test_windows_on_a_larger_graph_are_valid_and_not_worse(kind):
 
 @pytest.fixture(scope="module")
 def debug_graphs():
-    from models import capture_fsdp_graphs
+    from conftest import capture_llama_debug
 
-    return capture_fsdp_graphs("llama3-debug", world_size=4)
+    return capture_llama_debug()
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])

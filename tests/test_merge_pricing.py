@@ -79,9 +79,9 @@ def test_model_copies_equal_the_problems_on_the_cast_pair():
 @pytest.fixture(scope="module")
 def graphs(group_name):
     """llama3-debug (1 layer) and two foreign styles, forward and backward, on one fake group."""
-    from models import capture_fsdp_graphs
+    from conftest import capture_llama_debug
 
-    llama = capture_fsdp_graphs("llama3-debug", world_size=WORLD, n_layers=1)
+    llama = capture_llama_debug(n_layers=1)
     out = {("llama3-debug", "forward"): llama.forward, ("llama3-debug", "backward"): llama.backward}
     for style in ("tied", "fp32"):
         captured = fm.capture(style, world_size=WORLD)

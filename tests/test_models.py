@@ -56,7 +56,9 @@ def nbytes(node) -> int:
 
 @pytest.fixture(scope="module")
 def default_capture():
-    return capture_fsdp_graphs(DEBUG, world_size=W)
+    from conftest import capture_llama_debug
+
+    return capture_llama_debug()  # shared with other modules (W ranks)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +199,7 @@ def test_backward_one_reduce_scatter_per_param(default_capture):
 
 
 def test_fp32_reduce_dtype():
-    c = capture_fsdp_graphs(DEBUG, world_size=W, reduce_dtype=torch.float32)
+    c = capture_fsdp_graphs(DEBUG, world_size=W, n_layers=1, reduce_dtype=torch.float32)
     rss = collectives(c.backward, REDUCE_SCATTER)
     assert len(rss) == len(c.param_fqns)
     assert all(rs.args[0].meta["val"].dtype == torch.float32 for rs in rss)
@@ -205,7 +207,7 @@ def test_fp32_reduce_dtype():
 
 
 def test_fp32_params_move_fp32():
-    c = capture_fsdp_graphs(DEBUG, world_size=2, param_dtype=None)
+    c = capture_fsdp_graphs(DEBUG, world_size=2, n_layers=1, param_dtype=None)
     for ag in collectives(c.forward, ALL_GATHER):
         assert ag.args[1] == 2
         assert nbytes(ag.args[0]) == full_numel(ag.meta["fsdp_fqn"], c.config) // 2 * 4
@@ -334,6 +336,7 @@ def test_other_data_parallel_modes_refuse_tensor_parallelism_and_bad_meshes():
         capture_fsdp_graphs(DEBUG, world_size=W, n_layers=1, dp_mode="hybrid_shard", replicate_size=3)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_recomputes_in_backward():
     def mms(gm):
         return sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)
@@ -348,6 +351,7 @@ def test_activation_checkpointing_recomputes_in_backward():
     assert len(sac.backward.graph.nodes) > len(base.backward.graph.nodes)  # the rest recomputed
 
 
+@pytest.mark.slow
 def test_8b_widths_two_layers():
     c = capture_fsdp_graphs("llama3-8b", world_size=8, n_layers=2, seq_len=1024)
     ags = {n.meta["fsdp_fqn"]: n for n in collectives(c.forward, ALL_GATHER)}
@@ -384,6 +388,7 @@ def _fsdp_gradients(rank: int, world_size: int) -> dict[bool, float]:
     return worst
 
 
+@pytest.mark.slow
 def test_real_fsdp_gradients_match_reference():
     """2 gloo ranks, fp32: each rank's gradient shard equals the unsharded model's gradient chunk."""
     results = run_multiprocess(_fsdp_gradients, 2, timeout_s=300)

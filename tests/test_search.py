@@ -419,12 +419,10 @@ def test_an_unreachable_budget_names_a_peak_that_works_as_a_budget():
 # --------------------------------------------------------------------------------------------
 # determinism
 # --------------------------------------------------------------------------------------------
-def test_same_schedule_twice_and_with_a_clock_running_three_times_fast(binding, monkeypatch):
-    """No decision reads the wall clock: the same graph gives the same schedule again, and on a
-    machine three times slower (a clock running 3x fast) too."""
+def test_same_schedule_again_with_a_clock_running_three_times_fast(binding, monkeypatch):
+    """No decision reads the wall clock: the same graph gives the same schedule again, on a
+    machine three times slower (a clock running 3x fast), with the same work in every stage."""
     p, budget, first = binding
-    again = search({"analytic": p}, budget, backend=CpSatBackend(), time_limit_s=2.0)
-    assert again.schedule.digest() == first.schedule.digest()
     real = time.perf_counter
     t0 = real()
     monkeypatch.setattr(time, "perf_counter", lambda: t0 + 3.0 * (real() - t0))

@@ -7,6 +7,7 @@ oracle there, never from what structure inference reads.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -24,6 +25,16 @@ from scheduler.structure import find_repetition, normalize_path  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402
 
 ops = torch.ops._c10d_functional
+_CAPTURED: dict = {}
+
+
+def _capture(style: str, **kwargs) -> fm.Captured:
+    """``fm.capture(style, world_size=WORLD, **kwargs)``, traced once for the module; each call
+    gets its own copy (tests strip or add metadata in place)."""
+    key = (style, tuple(sorted(kwargs.items())))
+    if key not in _CAPTURED:
+        _CAPTURED[key] = fm.capture(style, world_size=WORLD, **kwargs)
+    return copy.deepcopy(_CAPTURED[key])
 
 
 def _check_blocks(gm, captured, *, source: str | None) -> dict:
@@ -70,7 +81,7 @@ CASES = [
 def test_blocks_from_module_stack_then_from_the_graph_alone(group_name, style, kwargs):
     """Named by the aot graph's nn_module_stack; then, with that metadata stripped, found again
     from the repetition of the graph alone, forward and backward."""
-    captured = fm.capture(style, world_size=WORLD, **kwargs)
+    captured = _capture(style, **kwargs)
     for gm in (captured.forward, captured.backward):
         assert gm.meta[fm.TRUTH_KEY]
         assert not any("fsdp_fqn" in n.meta for n in gm.graph.nodes)
@@ -94,7 +105,7 @@ def test_names_from_module_stack_and_dynamo_sources(group_name):
 
 
 def test_fsdp_fqn_is_the_first_source(group_name):
-    captured = fm.capture("fp32", world_size=WORLD)
+    captured = _capture("fp32")
     gm = captured.forward
     for name, param in gm.meta[fm.TRUTH_KEY].items():
         next(n for n in gm.graph.nodes if n.name == name).meta["fsdp_fqn"] = param.replace("trunk", "layers")
@@ -134,7 +145,7 @@ def test_moe_all_to_all_with_data_dependent_splits_exports_on_its_group(group_na
     """all_to_all_single with .tolist() split sizes (unbacked symbols) on the expert group:
     exported with finite sizes, fixed at their traced places on the expert group's stream;
     the all-gathers stay movable and the traced schedule simulates."""
-    captured = fm.capture("moe", world_size=WORLD)
+    captured = _capture("moe")
     for gm in (captured.forward, captured.backward):
         a2a = [n.name for n in gm.graph.nodes if n.target is ops.all_to_all_single.default]
         assert a2a and any(
@@ -156,7 +167,7 @@ def test_moe_all_to_all_with_data_dependent_splits_exports_on_its_group(group_na
 
 
 def test_tp_all_reduces_are_fixed_on_the_tp_stream(group_name):
-    captured = fm.capture("tp", world_size=WORLD)
+    captured = _capture("tp")
     dag = export_dag(captured.forward)
     ar = [n for n, a in dag.nodes(data=True) if a.get("coll_type") == "all_reduce"]
     assert len(ar) == 3

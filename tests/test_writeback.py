@@ -14,6 +14,7 @@ The toy graph (W = group size; w1, w2, w3 fp32 shards cast to bf16 and all-gathe
 from __future__ import annotations
 
 import contextlib
+import copy
 import socket
 
 import pytest
@@ -328,10 +329,9 @@ def test_reexport_of_merged_buckets_matches_communication(pg):
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_graphs():
-    models = pytest.importorskip("models")
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        pytest.skip("capture needs a process without a real group")
-    return models.capture_fsdp_graphs("llama3-debug", world_size=4)
+    from conftest import capture_llama_debug
+
+    return capture_llama_debug()
 
 
 @pytest.mark.slow
@@ -340,7 +340,7 @@ def test_llama3_debug_fsdp2_buckets_written_back(llama_graphs, kind):
     from models.capture import fake_process_group
     from solvers import solve
 
-    gm = getattr(llama_graphs, kind)
+    gm = copy.deepcopy(getattr(llama_graphs, kind))  # the capture is shared (conftest)
     with fake_process_group(4):
         problem = Problem.from_dag(export_dag(gm))
         result = solve(problem, solver="fsdp2")
