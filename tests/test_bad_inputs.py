@@ -321,17 +321,17 @@ def test_a_malformed_hint_is_refused_clearly(solver):
 # solver faults
 # --------------------------------------------------------------------------------------------
 def test_solver_stopped_by_its_time_limit_returns_a_valid_reported_schedule():
-    """A 144-collective backward graph and a 10 ms limit: CP-SAT cannot prove anything; the
-    answer is still a valid schedule, and the report says the limit was hit."""
+    """A 144-collective backward graph and a 10 ms limit: no CP-SAT window fits in it; the
+    answer is still a valid schedule, and the report's stages show it."""
     dag = make_fsdp_dag(n_layers=16, params_per_layer=9, graph_kind="backward", seed=1)
     problem = Problem.from_dag(dag)
     t0 = time.perf_counter()
     schedule, report = solve_dag(dag, solver=SolverOptions(solver="cpsat", time_limit_s=0.01))
     assert time.perf_counter() - t0 < 30
     validate_schedule(problem, schedule)
-    # the limit leaves work for the starts only: the stages say so
-    assert report.status == SolveStatus.HEURISTIC.value
-    assert [s["name"] for s in report.stages] == ["starts"]
+    # the limit is too small for a window: the stages say so
+    assert report.status in (SolveStatus.HEURISTIC.value, SolveStatus.FEASIBLE.value)
+    assert report.stages[0]["name"] == "starts" and "windows" not in [s["name"] for s in report.stages]
     assert report.step_ms_after <= report.step_ms_before + 1e-9
 
 
@@ -365,9 +365,6 @@ def test_large_graph_is_decomposed_into_rolling_windows():
 # --------------------------------------------------------------------------------------------
 # interrupted sweep
 # --------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="defect: scheduler/cli (sweep, solve, demo) still calls solve_dag / "
-                   "optimize_schedule with time_limit_s= and solver=<name>, which the option objects replaced: "
-                   "every CLI solve exits with status 2")
 def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, capsys):
     dag_path = tmp_path / "g.dag.json"
     save_dag(small_dag(), dag_path)
