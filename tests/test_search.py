@@ -365,8 +365,9 @@ def test_windows_never_take_a_faster_proposal_over_the_budget(binding):
     (None, ScheduleError("the window model is invalid")),
     pytest.param("malformed", None, marks=pytest.mark.xfail(
         strict=True, raises=IndexError,
-        reason="defect: Objective.evaluate (and simulate) raise IndexError on a schedule whose steps name a "
-               "bucket it lacks, where both document None / ScheduleInvalidError; the search then fails")),
+        reason="defect: Objective.evaluate (solvers.core.evaluate.ModelEvaluator; simulate too) raises IndexError "
+               "on a schedule whose steps name a bucket it lacks, where both document None / ScheduleInvalidError; "
+               "the search then fails")),
 ], ids=["raises", "malformed"])
 def test_a_failing_window_is_skipped_not_fatal(binding, proposal, error):
     """A window whose backend raises, or proposes a schedule that is not one of the graph, is
