@@ -56,7 +56,7 @@ from solvers.core import (
     simulate,
     validate_schedule,
 )
-from solvers.registry import solve_problems
+from solvers.registry import BACKENDS, solve_problems
 from solvers.search import search
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ def optimize_schedule(
         answer = _agree(group, src, answer, error, problem)
     assert answer is not None
     _install(gm, problem, answer, writeback, group)
+    answer.report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = answer.report
     gm.meta[SCHEDULE_KEY] = answer.schedule
     logger.info("%s", answer.report.summary_line())
@@ -267,10 +268,9 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
                                 time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
                                 extra_starts=solver.extra_starts, config=solver.search)
         validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
-    except InfeasibleBudgetError:
-        raise
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
-        if not solver.fallback:
+        # the plan's own refusal names the smallest peak of every start: nothing to fall back to
+        if not solver.fallback or (isinstance(e, InfeasibleBudgetError) and solver.solver in BACKENDS):
             raise
         logger.warning("fsdp-sched: %s failed (%s: %s); falling back to the best start", solver.solver_name,
                        type(e).__name__, e)
@@ -474,6 +474,14 @@ def _rank(group: Any) -> int:
     import torch.distributed as dist
 
     return dist.get_rank(group)
+
+
+def _compile_id() -> str | None:
+    """torch's id of the compile in progress ("0/0"), None outside ``torch.compile``."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else str(compile_id)
 
 
 def _world_size() -> int:

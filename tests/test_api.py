@@ -271,10 +271,6 @@ def test_backend_compiles_forward_and_backward(pg):
         assert r.step_ms_after < r.step_ms_before
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "defect: the rewritten optimize_schedule no longer sets ScheduleReport.compile_id (the removed "
-    "api._compile_id read torch's CompileContext); scheduler.compile documents it as shared by the forward and "
-    "backward of one compile"))
 def test_backend_reports_share_the_compile_id(pg):
     import torch.distributed as dist
     from torch.distributed._functional_collectives import all_gather_single_autograd as all_gather

@@ -61,22 +61,11 @@ def _binding_budget(gm) -> int:
     return (traced + smallest) // 2
 
 
-#: optimize_schedule(solver=<heuristic>) refuses a budget the traced graph holds when the heuristic
-#: cannot reach it, instead of falling back to the best start that fits
-HEURISTIC_REFUSES = pytest.mark.xfail(strict=True, raises=InfeasibleBudgetError, reason=(
-    "defect: solver='fsdp2' (or 'autoparallel') at a budget above the traced peak (tied backward: budget "
-    "634,160 B, traced 615,680 B, the heuristic's smallest 644,192 B) raises InfeasibleBudgetError from the "
-    "heuristic, although the traced order fits; scheduler.api._solve re-raises every InfeasibleBudgetError "
-    "instead of falling back"))
-
-
 def _cases():
     for model in ("llama3-debug", "tied", "alternating"):
         for kind in ("forward", "backward"):
             for solver in SOLVERS:
                 marks = [pytest.mark.slow] if model != "llama3-debug" else []
-                if kind == "backward" and model != "llama3-debug" and solver in ("fsdp2", "autoparallel"):
-                    marks.append(HEURISTIC_REFUSES)
                 yield pytest.param(model, kind, solver, marks=marks, id=f"{model}-{kind}-{solver}")
 
 
@@ -94,7 +83,6 @@ def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind,
                chosen["figures"]["tracker_peak_bytes"]) <= budget
 
 
-@HEURISTIC_REFUSES
 def test_a_heuristic_that_cannot_fit_falls_back_where_the_traced_graph_fits(graphs):
     """The tied backward: FSDP2-like's smallest peak is over a budget that the traced graph
     holds; the default ``fallback`` answers with a schedule that fits."""

@@ -363,11 +363,7 @@ def test_windows_never_take_a_faster_proposal_over_the_budget(binding):
 
 @pytest.mark.parametrize("proposal, error", [
     (None, ScheduleError("the window model is invalid")),
-    pytest.param("malformed", None, marks=pytest.mark.xfail(
-        strict=True, raises=IndexError,
-        reason="defect: Objective.evaluate (solvers.core.evaluate.ModelEvaluator; simulate too) raises IndexError "
-               "on a schedule whose steps name a bucket it lacks, where both document None / ScheduleInvalidError; "
-               "the search then fails")),
+    ("malformed", None),
 ], ids=["raises", "malformed"])
 def test_a_failing_window_is_skipped_not_fatal(binding, proposal, error):
     """A window whose backend raises, or proposes a schedule that is not one of the graph, is

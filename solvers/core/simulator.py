@@ -164,7 +164,20 @@ def simulate(dag: nx.DiGraph, schedule: Schedule | None = None, *, problem: Prob
         )
     problem = problem or Problem.from_dag(dag)
     schedule = schedule or problem.traced_schedule()
+    _check_shape(problem, schedule)
     return _Simulator(problem, schedule).run()
+
+
+def _check_shape(problem: Problem, schedule: Schedule) -> None:
+    """The schedule names this graph's buckets: every step a bucket it has, every collective in
+    one bucket (the rest of validity is :func:`~solvers.core.validator.validate_schedule`'s)."""
+    nb = len(schedule.buckets)
+    for s in schedule.steps:
+        if s.kind != "node" and not (isinstance(s.ref, int) and 0 <= s.ref < nb):
+            raise ScheduleInvalidError(f"step {s.kind} names bucket {s.ref!r}; the schedule has {nb} buckets")
+    members = [m for b in schedule.buckets for m in b.members]
+    if len(members) != len(problem.colls) or set(members) != problem.colls.keys():
+        raise ScheduleInvalidError("the schedule's buckets do not hold each collective of the graph once")
 
 
 class ScheduleInvalidError(ValueError):
