@@ -54,7 +54,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from solvers.core.evaluate import Evaluation, ModelEvaluator
+from solvers.core.evaluate import Evaluation, Evaluator, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import (
     InfeasibleBudgetError,
@@ -291,24 +291,26 @@ def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *
     fastest that fits is taken, else the one with the lowest peak; at most ``max_moves`` moves.
     A regular plan a little over the budget so keeps all its prefetches but the ones at the peak.
     """
-    sim = simulate(problem.dag, schedule, problem=problem)
+    evaluator = Evaluator(problem)
+    peak = evaluator.evaluate(schedule).max_peak_bytes
     for _ in range(max_moves):
-        if sim.max_peak_bytes <= mem_budget_bytes:
+        if peak <= mem_budget_bytes:
             return schedule
+        sim = simulate(problem.dag, schedule, problem=problem)  # where the peak is
         at = sim.peak_step if sim.peak_bytes >= sim.tracker_peak_bytes else sim.tracker_peak_step
-        best: tuple[tuple, Schedule, SimResult] | None = None
+        best: tuple[tuple, Schedule, int] | None = None
         for cand in _peak_moves(problem, schedule, at):
-            csim = simulate(problem.dag, cand, problem=problem)
-            if csim.max_peak_bytes >= sim.max_peak_bytes:
+            e = evaluator.evaluate(cand)
+            if e.max_peak_bytes >= peak:
                 continue
-            fits = csim.max_peak_bytes <= mem_budget_bytes
-            key = (not fits, csim.step_ms if fits else csim.max_peak_bytes, csim.step_ms)
+            fits = e.max_peak_bytes <= mem_budget_bytes
+            key = (not fits, e.step_ms if fits else e.max_peak_bytes, e.step_ms)
             if best is None or key < best[0]:
-                best = (key, cand, csim)
+                best = (key, cand, e.max_peak_bytes)
         if best is None:
             return None
-        _, schedule, sim = best
-    return schedule if sim.max_peak_bytes <= mem_budget_bytes else None
+        _, schedule, peak = best
+    return schedule if peak <= mem_budget_bytes else None
 
 
 def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
