@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 
 class ScheduleError(RuntimeError):
@@ -107,6 +109,8 @@ class Schedule:
         buckets: Sequence[Bucket],
         issue_at: Sequence[int],
         wait_at: Sequence[int],
+        *,
+        after: Mapping[int, Iterable[int]] | None = None,
     ) -> "Schedule":
         """Build a schedule from gap positions (see module docstring).
 
@@ -114,24 +118,28 @@ class Schedule:
         the waits of buckets issued in this gap (each in bucket order). Waiting first frees
         reduce-scatter inputs before new buckets allocate; on one FIFO stream it costs no
         communication time, since the waited bucket finishes before a newly issued one could
-        start anyway.
+        start anyway. ``after`` (bucket -> buckets whose result its issue reads, as
+        :meth:`solvers.core.problem.Problem.schedule_at` gives it) overrides that order where
+        they share a gap: the issue follows those waits.
         """
         n = len(seq)
         if not (len(buckets) == len(issue_at) == len(wait_at)):
             raise ValueError("buckets, issue_at and wait_at must have the same length")
-        per_gap_issue: list[list[int]] = [[] for _ in range(n + 1)]
-        per_gap_wait: list[list[int]] = [[] for _ in range(n + 1)]
+        per_gap: list[list[tuple[str, int]]] = [[] for _ in range(n + 1)]
         for b, (i, w) in enumerate(zip(issue_at, wait_at)):
             if not (0 <= i <= w <= n):
                 raise ValueError(f"bucket {b}: need 0 <= issue_at ({i}) <= wait_at ({w}) <= {n}")
-            per_gap_issue[i].append(b)
-            per_gap_wait[w].append(b)
+            per_gap[i].append(("issue", b))
+            per_gap[w].append(("wait", b))
+
+        def priority(event: tuple[str, int]) -> tuple[int, int]:
+            kind, b = event
+            phase = 1 if kind == "issue" else (2 if issue_at[b] == wait_at[b] else 0)
+            return (phase, b)
+
         steps: list[Step] = []
         for p in range(n + 1):
-            issued_here = set(per_gap_issue[p])
-            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b not in issued_here)
-            steps.extend(Step("issue", b) for b in per_gap_issue[p])
-            steps.extend(Step("wait", b) for b in per_gap_wait[p] if b in issued_here)
+            steps.extend(order_gap(per_gap[p], priority, after or {}))
             if p < n:
                 steps.append(Step("node", seq[p]))
         return Schedule(tuple(buckets), tuple(steps))
@@ -177,6 +185,46 @@ class Schedule:
     def bucket_of(self) -> dict[str, int]:
         """Map collective name -> index of its bucket."""
         return {m: i for i, b in enumerate(self.buckets) for m in b.members}
+
+
+def order_gap(
+    events: Sequence[tuple[str, int]],
+    priority: Callable[[tuple[str, int]], Any],
+    after: Mapping[int, Iterable[int]],
+) -> list[Step]:
+    """The issue and wait steps of one gap (events ``(kind, bucket)``) in the order of
+    ``priority`` (smallest first) among the steps whose dependencies ran: a bucket's wait
+    follows its issue, and its issue the waits of the buckets ``after[bucket]`` in this gap.
+
+    Raises:
+        ValueError: the dependencies form a cycle (an inconsistent graph).
+    """
+    present = set(events)
+    preds: dict[tuple[str, int], set[tuple[str, int]]] = {e: set() for e in events}
+    for e in events:
+        kind, b = e
+        if kind == "wait" and ("issue", b) in present:
+            preds[e].add(("issue", b))
+        if kind == "issue":
+            preds[e] |= {("wait", d) for d in after.get(b, ()) if d != b and ("wait", d) in present}
+    succs: dict[tuple[str, int], list[tuple[str, int]]] = {e: [] for e in events}
+    for e, ps in preds.items():
+        for q in ps:
+            succs[q].append(e)
+    indeg = {e: len(ps) for e, ps in preds.items()}
+    heap = [(priority(e), e) for e in events if indeg[e] == 0]
+    heapq.heapify(heap)
+    out: list[Step] = []
+    while heap:
+        _, e = heapq.heappop(heap)
+        out.append(Step(e[0], e[1]))
+        for s in succs[e]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, (priority(s), s))
+    if len(out) != len(events):
+        raise ValueError("collectives of one gap depend on each other in a cycle")
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
