@@ -10,7 +10,10 @@ Vocabulary:
   gap of the first node that reads its result (``n = len(seq)`` when only the graph output
   does). It can be issued in ``[ready, needed]`` and waited in ``[issue, needed]``.
 - a collective's *result* is read by the readers of its wait and by further waits on it (a
-  collective with several ``wait_tensor`` users): all of them only after its wait.
+  collective with several ``wait_tensor`` users): all of them only after its wait. Any other
+  user of the collective node reads no result (the size of an all-to-all's output, a view that
+  autograd keeps of a gathered parameter) and may run before the wait; it pins the collective
+  where traced.
 - a bucket key ``(coll_type, group_name, dtype, reduce_op, alone)``: only collectives with
   equal keys may be merged (``alone`` names a collective torch cannot merge, else None).
   Mergeable collectives of one key form a *chain* ordered by ``needed`` (then by ``ready``):
@@ -74,6 +77,10 @@ class Collective:
     #: collective's only user, so one waited by several ``wait_tensor`` nodes stays alone
     #: (it may still move)
     mergeable: bool = True
+    #: the further ``wait_tensor`` nodes on the collective: they return its result, so they
+    #: run only after its wait. Other users of the collective node (a ``sym_size`` of its
+    #: output, a view of it) read no result; they keep the collective where traced
+    result_readers: tuple[str, ...] = ()
 
     @property
     def key(self) -> tuple[str, str, str | None, str | None, str | None]:
@@ -140,10 +147,15 @@ class Problem:
             epilogue = tuple(a.get("epilogue") or ())
             # readers of the result: those of the wait (or the epilogue's end), and the further
             # waits on the collective itself, which return the result too and so read it only
-            # once the collective is waited
-            extra = tuple(v for v in dag.successors(name) if v != wait)
+            # once the collective is waited. Any other user reads the output before the wait
+            # (its size, a view of it that autograd keeps): it needs no result, but it needs
+            # the collective issued, so the collective keeps its traced place
+            users = tuple(v for v in dag.successors(name) if v != wait)
+            readers = tuple(v for v in users if nodes[v].get("external_wait"))
+            if len(readers) < len(users):
+                movable = False
             needed = n
-            for v in (*dag.successors(epilogue[-1] if epilogue else wait), *extra):
+            for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
                 if v in pos:
                     needed = min(needed, pos[v])
                 elif nodes[v]["kind"] != "output":
@@ -181,7 +193,8 @@ class Problem:
                 merge_read_bytes=merge_read_bytes,
                 folded_cast=folded_cast,
                 folded_cast_ms=folded_cast_ms,
-                mergeable=not extra,
+                mergeable=not users,
+                result_readers=readers,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
                 raise ScheduleError(f"collective {name!r}: traced positions outside its window")

@@ -115,7 +115,7 @@ def _check_order(problem: Problem, schedule: Schedule) -> None:
                     f"dependency violated: {v!r} runs before its input {u!r}"
                 )
             # a further wait on a collective returns its result: it reads it after the wait
-            if u in problem.colls and v != problem.colls[u].wait and run_at[problem.colls[u].wait] >= at_v:
+            if u in problem.colls and v in problem.colls[u].result_readers and run_at[problem.colls[u].wait] >= at_v:
                 raise ScheduleInvalidError(
                     f"dependency violated: {v!r} reads the result of {u!r} before its wait {problem.colls[u].wait!r}"
                 )
