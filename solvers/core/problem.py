@@ -327,6 +327,17 @@ class Problem:
         copy_in = per_byte * q + per_byte * (q + p) / 2 - c.folded_cast_ms
         return copy_in, f + per_byte * c.out_bytes
 
+    def merge_cat_bytes(self, members: Sequence[str]) -> int:
+        """Bytes of the ``cat`` that a merged all-gather copies into its bucket buffer: every
+        member's input (its folded cast's input, :attr:`Collective.merge_read_bytes`) in the
+        widest dtype among them, to which ``torch.cat`` promotes (members share one payload
+        dtype, so the widest is the largest ratio of bytes read to payload)."""
+        cs = [self.colls[m] for m in members]
+        total = sum(c.payload_bytes for c in cs)
+        read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
+                            key=lambda qp: qp[0] / qp[1], default=(1, 1))
+        return total * read // payload
+
     def merge_copy_fixed_ms(self, coll_type: str) -> tuple[float, float]:
         """(copy-in, copy-out) time of a merged bucket that does not grow with its members (ms):
         all-gathers two fixed copy costs at issue (the read and the write into the buffer),
