@@ -288,7 +288,7 @@ def _solve_problem(
         heuristic = best_warm_start(problem, None, mem_budget_bytes, seed=seed)
         if heuristic is None:
             if isinstance(e, InfeasibleBudgetError) or mem_budget_bytes is not None:
-                raise _infeasible(e, problem, mem_budget_bytes) from e
+                raise _infeasible(e, problem, mem_budget_bytes, fallback) from e
             raise
         if not fallback:
             raise
@@ -330,14 +330,19 @@ def _fixed_collective_notes(problem: Problem) -> list[str]:
     return [f"{len(fixed)} collective(s) left in place, not scheduled (unmodelled or pinned): {names}"]
 
 
-def _infeasible(err: Exception, problem: Problem, mem_budget_bytes: int | None) -> Exception:
-    """The error when neither the solver nor any heuristic fits: the smallest peak found."""
+def _infeasible(err: Exception, problem: Problem, mem_budget_bytes: int | None, fallback: bool) -> Exception:
+    """The error when neither the solver nor any heuristic fits: the smallest peak found (by
+    every count the budget holds), among the schedules the pass may answer with (without
+    ``fallback``, the solver's own)."""
     if mem_budget_bytes is None:  # no budget: nothing to relax; the solver failed outright
         return ScheduleError(f"no valid schedule found ({type(err).__name__}: {err})")
-    peaks = [simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes]
-    peaks += [r.peak_bytes for r in fitting_heuristics(problem, None)]
-    if isinstance(err, InfeasibleBudgetError) and err.min_peak_bytes is not None:
-        peaks.append(err.min_peak_bytes)
+    own = err.min_peak_bytes if isinstance(err, InfeasibleBudgetError) else None
+    if not fallback and own is not None:
+        return err
+    peaks = [simulate(problem.dag, s, problem=problem).max_peak_bytes
+             for s in (problem.traced_schedule(), *(r.schedule for r in fitting_heuristics(problem, None)))]
+    if own is not None:
+        peaks.append(own)
     min_peak = min(peaks)
     return InfeasibleBudgetError(
         f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes)} ({mem_budget_bytes} B); the smallest "

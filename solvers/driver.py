@@ -133,6 +133,8 @@ def solve(problem: Problem, backend: Backend, *, mem_budget_bytes: int | None = 
     run = _Run(problem, backend, mem_budget_bytes, time_limit_s, seed, num_workers)
     if not problem.chains:
         sim = simulate(problem.dag, problem.traced_schedule(), problem=problem)
+        if mem_budget_bytes is not None and sim.max_peak_bytes > mem_budget_bytes:  # the only schedule
+            raise run._infeasible("no collective can move", sim)
         return run.result(sim, SolveStatus.OPTIMAL, sim.step_ms, ["no movable collectives: traced order kept"])
     t0 = time.perf_counter()
     starts = warm_starts(problem, hint, mem_budget_bytes, seed=seed,
@@ -321,14 +323,14 @@ class _Run:
     def _min_peak(self, sim: SimResult | None) -> int:
         """Smallest simulated peak of the traced order, the last schedule tried and the
         backend's least-peak model (whole-graph models only)."""
-        peaks = [simulate(self.p.dag, self.p.traced_schedule(), problem=self.p).peak_bytes]
+        peaks = [simulate(self.p.dag, self.p.traced_schedule(), problem=self.p).max_peak_bytes]
         if sim is not None:
-            peaks.append(sim.peak_bytes)
+            peaks.append(sim.max_peak_bytes)
         if not self.decomposed:
             limit = max(1.0, self.time_limit_s / 4)
             least = self.backend.min_peak(self.p, limit, self.seed, self.num_workers)
             if least is not None:
-                peaks.append(simulate(self.p.dag, least, problem=self.p).peak_bytes)
+                peaks.append(simulate(self.p.dag, least, problem=self.p).max_peak_bytes)
         return min(peaks)
 
     def _warm_result(self) -> SolveResult:
