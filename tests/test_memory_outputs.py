@@ -4,9 +4,9 @@ attention's log-sum-exp, batch norm's saved statistics); an op that writes its r
 tensors it is given (``out=``, in-place) allocates nothing; a budget equal to the graph's own
 peak is never refused.
 
-Every count must agree, to the byte, with a peak worked out by hand: the simulator's two counts
-(the execution model's and torch's tracker rules), the reference liveness count and torch's
-``MemoryTracker`` (:mod:`scheduler.judge`).
+The counts compared: the simulator's two (the execution model's and torch's tracker rules), the
+reference liveness count and torch's ``MemoryTracker`` (:mod:`scheduler.judge`); they agree to
+the byte with each other, and with a peak worked out by hand on the small graphs.
 """
 
 from __future__ import annotations

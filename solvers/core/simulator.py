@@ -228,8 +228,8 @@ class _Memory:
 
     def alloc_node(self, name: str, nbytes: int) -> None:
         """``name``'s storage, allocated once whatever the node (several may share it); a
-        single-output node only (a multi-output node allocates its results,
-        :attr:`_Static.results`)."""
+        single-output node only (a multi-output node allocates each of its results,
+        :attr:`_Static.steps`)."""
         self.alloc(self.owner.get(name, name), nbytes)  # type: ignore[arg-type]
 
 
@@ -360,8 +360,8 @@ def _storages(dag: nx.DiGraph) -> tuple[dict[str, Owner], dict[str, tuple[tuple[
 
 def _tracker_owners(p: Problem, root: dict[str, Owner], preds: dict[str, tuple[str, ...]]) -> dict[str, Owner]:
     """Node -> its storage by torch's tracker: a collective's result is ``result:<name>``,
-    freed after its last reader (its wait, a further wait, a read of its size before the wait); a wait's
-    result is a storage of its own, owned by the collective's name (also when the collective
+    freed after its last reader (its wait, a further wait, a read of its size before the
+    wait); a wait's result is a storage of its own, owned by the collective's name (also when the collective
     writes into a buffer, ``all_gather_into_tensor_out`` already in the graph, whose views the
     export roots at the buffer), and so is a wait on anything else (a further wait, a wait on a
     graph input), owned by its own name; views follow the node they view; a multi-output node's
