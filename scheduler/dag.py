@@ -32,6 +32,16 @@ Node attributes (key = FX node name):
         ``getitem``, ``_unsafe_view``, waits, in-place ops such as ``copy_``, and collectives
         that write into a given buffer such as ``all_gather_into_tensor_out``), the node that
         owns that storage; None when the node allocates its output.
+    output_bytes (list[int], compute nodes returning a tuple or list only): bytes of each of
+        its results (top-level elements). Each result is a storage of its own: one that nothing
+        but the node's ``getitem`` nodes reads is freed after them, while its siblings live on
+        (torch's ``MemoryTracker`` counts them so). ``size_bytes`` is their sum.
+    output_alias (list[str | None], optional beside ``output_bytes``): per result, the argument
+        the op writes it into (``Tensor(a!)`` results: ``topk.values``'s ``values=`` and
+        ``indices=``); such a result is that argument's storage and has 0 in ``output_bytes``.
+    output_index (int, on nodes with ``alias_of`` only): the result of the multi-output node
+        ``alias_of`` that this node's storage is (a ``getitem`` and views of it); without it a
+        node holds every result of that node.
     releasable (bool): for inputs, whether the graph may free it after its last use.
     flops (int), bytes_accessed (int): for compute nodes, used by roofline cost models.
     dtype (str | None): dtype of the (first) output tensor.
@@ -275,14 +285,38 @@ def _node_attrs(node: "torch.fx.Node", idx: int, val_of: "_ValOf | None" = None)
         attrs["kind"] = "view"
         base = node.args[0] if node.args else None
         attrs["alias_of"] = getattr(base, "name", None)
+        if node.target is operator.getitem and isinstance(node.args[1], int) and isinstance(
+                val_of(base) if isinstance(base, torch.fx.Node) else None, (list, tuple)):
+            # one result of a multi-output node; _resolve_aliases drops the index where the
+            # base turns out not to count its results one by one (a view's list)
+            attrs["output_index"] = node.args[1] % max(1, len(val_of(base)))
     else:
         attrs["kind"] = "compute"
         attrs["bytes_accessed"] = _bytes_accessed(node, size, written, val_of)
         attrs["flops"] = _count_flops(node, val_of)
         if written is not None:  # in-place op (copy_ into a bucket slot): returns its argument
             attrs["alias_of"] = written.name
+        elif isinstance(val, (list, tuple)):
+            attrs.update(_output_attrs(node, val))
+            attrs["size_bytes"] = sum(attrs["output_bytes"])
     del torch
     return attrs
+
+
+def _output_attrs(node: "torch.fx.Node", val: "list | tuple") -> dict[str, Any]:
+    """``output_bytes`` and ``output_alias`` of a node returning several results (module
+    docstring): each result is a storage of its own, except one the op writes into an argument
+    (``Tensor(a!)``), which is that argument's."""
+    written = written_arguments(node)
+    output_bytes, output_alias = [], []
+    for j, item in enumerate(val):
+        arg = written[j] if j < len(written) and len(written) == len(val) else None
+        output_alias.append(None if arg is None else arg.name)
+        output_bytes.append(0 if arg is not None else _tensor_bytes(item, node.name)[0])
+    out: dict[str, Any] = {"output_bytes": output_bytes}
+    if any(a is not None for a in output_alias):
+        out["output_alias"] = output_alias
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,23 +335,36 @@ def _is_alias_op(node: "torch.fx.Node") -> bool:
 def written_argument(node: "torch.fx.Node") -> "torch.fx.Node | None":
     """The argument an op writes into and returns (schema ``Tensor(a!) -> Tensor(a!)``: the
     ``out`` of ``all_gather_into_tensor_out``, the ``self`` of ``copy_`` and other in-place ops);
-    None when the op returns new storage."""
+    None when the op returns new storage or several results (:func:`written_arguments`)."""
+    written = written_arguments(node)
+    return written[0] if len(written) == 1 else None
+
+
+def written_arguments(node: "torch.fx.Node") -> "list[torch.fx.Node | None]":
+    """Per result of the op's schema, the argument it writes into and returns (``Tensor(a!)``:
+    an in-place op's ``self``, each ``out=`` tensor of ``topk.values`` or ``max.dim_max``), or
+    None where the result is new storage. Empty for a call without a schema (higher-order ops:
+    every result is new)."""
     from torch.fx import Node
 
     schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
-        return None
-    ret = schema.returns[0].alias_info
-    if ret is None or not ret.is_write:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write or not (info.before_set & ret.before_set):
-            continue
-        value = node.kwargs.get(arg.name) if (arg.kwarg_only or i >= len(node.args)) else node.args[i]
-        if isinstance(value, Node):
-            return value
-    return None
+    if node.op != "call_function" or schema is None:
+        return []
+    out: list[Node | None] = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        found = None
+        if info is not None and info.is_write:
+            for i, arg in enumerate(schema.arguments):
+                a_info = arg.alias_info
+                if a_info is None or not a_info.is_write or not (a_info.before_set & info.before_set):
+                    continue
+                value = node.kwargs.get(arg.name) if (arg.kwarg_only or i >= len(node.args)) else node.args[i]
+                if isinstance(value, Node):
+                    found = value
+                    break
+        out.append(found)
+    return out
 
 
 def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.Node | None", val_of: "_ValOf") -> int:
@@ -594,16 +641,27 @@ def _mark_prologues(dag: nx.DiGraph) -> None:
 
 
 def _resolve_aliases(dag: nx.DiGraph) -> None:
-    """Point every view at the node owning its storage (views of views collapse)."""
-    for name in dag.graph["order"]:
-        a = dag.nodes[name]
-        if a["alias_of"] is not None:
-            root = a["alias_of"]
-            seen = {name}
-            while dag.nodes[root]["alias_of"] is not None and root not in seen:
-                seen.add(root)
-                root = dag.nodes[root]["alias_of"]
-            a["alias_of"] = root
+    """Point every view at the node owning its storage (views of views collapse), and at the
+    result it holds of a multi-output node (``output_index``): a result the node wrote into an
+    argument is that argument's storage; a view of one result holds that result."""
+    nodes = dag.nodes
+    for name in dag.graph["order"]:  # a node's base comes before it and is resolved already
+        a = nodes[name]
+        base = a["alias_of"]
+        if base is None:
+            continue
+        index = a.pop("output_index", None)
+        b = nodes[base]
+        if index is not None and b.get("output_bytes") is None:
+            index = None  # a getitem of a view's list: the view's whole storage
+        if index is not None and (b.get("output_alias") or [None] * (index + 1))[index] is not None:
+            base, index = b["output_alias"][index], None  # written into that argument
+            b = nodes[base]
+        if b["alias_of"] is not None:
+            base, index = b["alias_of"], b.get("output_index")
+        a["alias_of"] = base
+        if index is not None:
+            a["output_index"] = index
 
 
 def graph_has_collectives(gm: "torch.fx.GraphModule") -> bool:

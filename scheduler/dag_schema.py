@@ -285,13 +285,21 @@ _UNWAITED = {
 }
 _UNWAITED_ONLY = frozenset(_UNWAITED) - {"unwaited_collective"}
 
+#: a node returning several results, each a storage of its own (:mod:`scheduler.dag`)
+_MULTI_OUTPUT = {
+    "output_bytes": optional(list_of(BYTES)),
+    "output_alias": optional(list_of(nullable(NAME))),
+}
+#: a node holding one result of a multi-output node
+_OUTPUT_INDEX = {"output_index": optional(COUNT)}
+
 NODE_ATTRS: dict[str, dict[str, Attr]] = {
     "input": _COMMON,
     "output": _COMMON,
-    "compute": {**_COMMON, **_UNWAITED},
-    "view": {**_COMMON, "external_wait": optional(one_of(*EXTERNAL_WAITS))},
-    "collective": {**_COMMON, **_COLLECTIVE},
-    "wait": {**_COMMON, "collective": NAME},
+    "compute": {**_COMMON, **_UNWAITED, **_MULTI_OUTPUT, **_OUTPUT_INDEX},
+    "view": {**_COMMON, "external_wait": optional(one_of(*EXTERNAL_WAITS)), **_OUTPUT_INDEX},
+    "collective": {**_COMMON, **_COLLECTIVE, **_OUTPUT_INDEX},
+    "wait": {**_COMMON, "collective": NAME, **_OUTPUT_INDEX},
 }
 
 
@@ -515,9 +523,15 @@ def _owner(name: str, a: Mapping[str, Any]) -> str:
 
 def _check_alias(fail: _Fail, owner: str, name: str, a: Mapping[str, Any], nodes: Mapping[str, dict],
                  pos: Mapping[str, int]) -> None:
-    """``alias_of`` names the node owning the storage: earlier, and owning its own."""
+    """``alias_of`` names the node owning the storage: earlier, and owning its own;
+    ``output_index`` one of that node's results; a multi-output node's results add up to its
+    ``size_bytes`` and the arguments it writes into come before it."""
+    _check_outputs(fail, owner, name, a, nodes, pos)
     alias = a["alias_of"]
     if alias is None:
+        if "output_index" in a:
+            fail(f"{owner}: output_index={a['output_index']!r} without alias_of; expected it only on a node holding "
+                 "one result of the multi-output node alias_of")
         return
     if a["kind"] in ("input", "output"):
         fail(f"{owner}: alias_of={alias!r}; expected null (a graph {a['kind']} shares no node's storage)")
@@ -531,6 +545,46 @@ def _check_alias(fail: _Fail, owner: str, name: str, a: Mapping[str, Any], nodes
     if nodes[alias]["alias_of"] is not None:
         fail(f"{owner}: alias_of={alias!r}, which itself aliases {nodes[alias]['alias_of']!r}; expected the node "
              "owning the storage")
+    index = a.get("output_index")
+    if index is not None:
+        results = nodes[alias].get("output_bytes")
+        if results is None or index >= len(results):
+            fail(f"{owner}: output_index={index!r}, but alias_of={alias!r} has "
+                 f"{'no output_bytes' if results is None else f'{len(results)} results'}; expected the index of "
+                 "one of its results")
+        if (nodes[alias].get("output_alias") or [None] * len(results))[index] is not None:
+            fail(f"{owner}: output_index={index!r} names a result that {alias!r} writes into "
+                 f"{nodes[alias]['output_alias'][index]!r}; expected alias_of to name that argument's storage")
+
+
+def _check_outputs(fail: _Fail, owner: str, name: str, a: Mapping[str, Any], nodes: Mapping[str, dict],
+                   pos: Mapping[str, int]) -> None:
+    results = a.get("output_bytes")
+    written = a.get("output_alias")
+    if results is None:
+        if written is not None:
+            fail(f"{owner}: output_alias={_show(written)} without output_bytes; expected both on a multi-output node")
+        return
+    if a["alias_of"] is not None:
+        fail(f"{owner}: output_bytes={_show(results)} on a node that aliases {a['alias_of']!r}; expected them only on "
+             "a node that allocates its results")
+    if sum(results) != a["size_bytes"]:
+        fail(f"{owner}: output_bytes={_show(results)} add up to {sum(results)}, but size_bytes={a['size_bytes']!r}; "
+             "expected size_bytes to be their sum")
+    if written is None:
+        return
+    if len(written) != len(results):
+        fail(f"{owner}: output_alias={_show(written)} has {len(written)} entries for {len(results)} results; "
+             "expected one per result")
+    for j, arg in enumerate(written):
+        if arg is None:
+            continue
+        if arg not in nodes or pos[arg] >= pos[name]:
+            fail(f"{owner}: output_alias[{j}]={arg!r} is no earlier node; expected the argument result {j} is "
+                 "written into")
+        if results[j] != 0:
+            fail(f"{owner}: output_alias[{j}]={arg!r} (result {j} is written into it) but output_bytes[{j}]="
+                 f"{results[j]!r}; expected 0 (it allocates nothing)")
 
 
 def _check_collective(fail: _Fail, owner: str, name: str, a: Mapping[str, Any], graph: Mapping[str, Any],

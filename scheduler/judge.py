@@ -11,8 +11,10 @@ Reference count (:func:`liveness_profile`), one storage at a time:
   storage), with two corrections where fake tensors do not say what the op does:
   ``wait_tensor`` returns its input (its schema has no alias annotation, so under fake tensors
   it gets a fresh storage), and an op whose schema says a result is a written-to argument
-  (``Tensor(a!)``: ``all_gather_into_tensor_out``'s ``out``, ``copy_``'s ``self``) returns that
-  argument's storage.
+  (``Tensor(a!)``: ``all_gather_into_tensor_out``'s ``out``, ``copy_``'s ``self``, each
+  ``out=`` tensor of ``topk.values``) returns that argument's storage.
+- Each result of a multi-output node is a storage of its own; a ``getitem`` holds its result's,
+  and a node reading the multi-output node itself holds them all.
 - A storage is allocated by the first node whose output holds it and freed after its last
   reader (any node whose input holds it). A collective's input storages stay alive until the
   collective's wait (NCCL reads them until it completes). Storages of graph inputs named
@@ -41,7 +43,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from scheduler.dag import unbacked_hints, written_argument
+from scheduler.dag import unbacked_hints, written_argument, written_arguments
 
 if TYPE_CHECKING:
     import torch.fx
@@ -271,7 +273,12 @@ def _structural_storages(
             shared.add(n)
             continue
         parts = []
-        for j, top in enumerate(_top_level(n.meta.get("val"))):
+        tops = _top_level(n.meta.get("val"))
+        written = written_arguments(n) if alias_written_outputs else []
+        for j, top in enumerate(tops):
+            if len(written) == len(tops) and written[j] is not None:  # a result written into an argument
+                parts.append([kv for e in elems.get(written[j], []) for kv in e])
+                continue
             own: dict[Any, int] = {}
             for t in _tensors(top):
                 st = t.untyped_storage()

@@ -84,6 +84,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.units import fmt_bytes
+from solvers.heuristics import window
 from solvers.periodic import chain_ordered, from_entries
 
 logger = logging.getLogger(__name__)
@@ -350,7 +351,9 @@ def _neighbours(p: Problem, entries: list[Entry], config: MinimaxConfig) -> list
             if _fits_cap(p, members, config):
                 # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
                 issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
-                merges.append(rest + [(Bucket(members), issue, wait)])
+                merged = _placed(p, members, issue, wait)
+                if merged is not None:
+                    merges.append(rest + [merged])
             if config.transfers:
                 transfers.extend(rest + pair for pair in _transfers(p, entries[a], entries[b], gather, config))
     shifts: list[list[Entry]] = []
@@ -366,6 +369,17 @@ def _neighbours(p: Problem, entries: list[Entry], config: MinimaxConfig) -> list
                 if i <= w + d <= hi:
                     shifts.append([*entries[:e], (bk, i, w + d), *entries[e + 1:]])
     return merges + transfers + shifts
+
+
+def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+    """A bucket of ``members`` at these gaps, moved into its window (issued once every member
+    is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
+    is waited by that read); None when the window is empty."""
+    lo, hi = window(p, members)
+    issue = max(issue, lo)
+    if issue > hi:
+        return None
+    return Bucket(members), issue, min(max(wait, issue), hi)
 
 
 def _fits_cap(p: Problem, members: Sequence[str], config: MinimaxConfig) -> bool:
@@ -386,14 +400,14 @@ def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
     are ready (and waited no earlier)."""
     (b1, i1, w1), (b2, i2, w2) = first, second
 
-    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> Entry:
+    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> Entry | None:
         if gather:
             wait = min(wait, min(p.colls[m].needed for m in piece))
-            return Bucket(members), min(issue, wait), wait
+            return _placed(p, members, min(issue, wait), wait)
         issue = max(issue, max(p.colls[m].ready for m in piece))
-        return Bucket(members), issue, max(wait, issue)
+        return _placed(p, members, issue, max(wait, issue))
 
-    out: list[list[Entry]] = []
+    out: list[list[Entry | None]] = []
     if len(b1.members) > 1:  # the first bucket's tail joins the second
         for k in sorted({len(chain_units(p, b1.members)[-1]), 1}):
             if k < len(b1.members):
@@ -404,7 +418,8 @@ def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
             if k < len(b2.members):
                 piece = b2.members[:k]
                 out.append([taking(b1.members + piece, piece, i1, w1), (Bucket(b2.members[k:]), i2, w2)])
-    return [pair for pair in out if all(_fits_cap(p, bk.members, config) for bk, _, _ in pair)]
+    return [pair for pair in out  # type: ignore[misc]
+            if all(e is not None and _fits_cap(p, e[0].members, config) for e in pair)]
 
 
 #: the units a :class:`Regrouping` counts in

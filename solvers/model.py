@@ -505,9 +505,8 @@ class ModelData:
             gi, gw = self.ref_pos[members[0]]
             entries.append((Bucket(tuple(members)), gi, gw))
         order = sorted(range(len(entries)), key=lambda i: (entries[i][1], entries[i][2]))
-        return Schedule.from_positions(
-            p.seq, [entries[i][0] for i in order], [entries[i][1] for i in order], [entries[i][2] for i in order]
-        )
+        return p.schedule_at([entries[i][0] for i in order], [entries[i][1] for i in order],
+                             [entries[i][2] for i in order])
 
     def _close(self, members: list[str], d: Decisions) -> tuple[Bucket, int, int]:
         A, p = self.anchors, self.p

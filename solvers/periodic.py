@@ -335,5 +335,4 @@ def from_entries(problem: Problem, entries: list[tuple[Bucket, int, int]]) -> Sc
         return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
 
     entries = sorted(entries, key=chain_key)
-    return Schedule.from_positions(problem.seq, [e[0] for e in entries], [e[1] for e in entries],
-                                   [e[2] for e in entries])
+    return problem.schedule_at([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])

@@ -249,7 +249,7 @@ def test_traced_llama_debug_respects_budget(debug_graphs, kind):
     problem = Problem.from_dag(export_dag(getattr(debug_graphs, kind)))
     free = solve(problem, solver="cpsat", time_limit_s=1.0)
     validate_schedule(problem, free.schedule)
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
     res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
     sim = validate_schedule(problem, res.schedule, mem_budget_bytes=traced_peak)
     assert sim.peak_bytes <= traced_peak

@@ -483,3 +483,70 @@ def test_random_mutation_loads_and_simulates_or_raises_dag_error(saved, data):
     problem = Problem.from_dag(dag)
     sim = simulate(dag, problem.traced_schedule(), problem=problem)
     assert not math.isnan(sim.step_ms)
+
+
+# --------------------------------------------------------------------------------------------
+# multi-output nodes: a storage per result
+# --------------------------------------------------------------------------------------------
+def _multi_output():
+    """``topk`` written into given tensors (``out=(v, i)``), and a plain ``topk`` whose values
+    nobody reads::
+
+        empty, empty_1 -> topk(x, out=) -> getitem (of empty), getitem_1 (of empty_1)
+        topk_1(x) -> getitem_2 (values, unread), getitem_3 (indices) -> output
+    """
+
+    def f(x):
+        v, i = torch.empty(8, 4), torch.empty(8, 4, dtype=torch.long)
+        torch.topk(x, 4, out=(v, i))
+        return torch.topk(x, 4)[1], v, i
+
+    with FakeTensorMode():
+        args = (torch.randn(8, 16),)
+    return make_fx(f, tracing_mode="fake")(*args)
+
+
+@pytest.fixture(scope="module")
+def multi_output():
+    return json.loads(json.dumps(dag_to_json(export_dag(_multi_output()))))
+
+
+def test_multi_output_nodes_count_each_result(multi_output):
+    """A result is a storage of its own (``output_bytes``, a getitem's ``output_index``); one
+    written into a given tensor is that tensor's storage (``output_alias``, the getitem a view of
+    it)."""
+    dag = dag_from_json(multi_output)
+    assert dag.nodes["topk_1"]["output_bytes"] == [8 * 4 * 4, 8 * 4 * 8]
+    assert dag.nodes["topk_1"]["size_bytes"] == 8 * 4 * 12
+    assert (dag.nodes["getitem_3"]["alias_of"], dag.nodes["getitem_3"]["output_index"]) == ("topk_1", 1)
+    assert dag.nodes["topk"]["output_alias"] == ["empty", "empty_1"]
+    assert dag.nodes["topk"]["output_bytes"] == [0, 0] and dag.nodes["topk"]["size_bytes"] == 0
+    assert dag.nodes["getitem"]["alias_of"] == "empty" and "output_index" not in dag.nodes["getitem"]
+    assert dag.nodes["getitem_1"]["alias_of"] == "empty_1"
+
+
+@pytest.mark.parametrize("corrupt, field", [
+    pytest.param(_set("topk_1", "output_bytes", [128, 1]), "size_bytes", id="results-do-not-add-up"),
+    pytest.param(_set("topk_1", "output_bytes", [128, -1]), "output_bytes", id="negative-result"),
+    pytest.param(_set("getitem_3", "output_index", 2), "output_index", id="index-past-the-results"),
+    pytest.param(_set("x_1", "output_index", 0), "output_index", id="index-on-an-input"),
+    pytest.param(_set("topk_1", "output_index", 0), "output_index", id="index-without-alias"),
+    pytest.param(_set("topk", "output_alias", ["empty"]), "output_alias", id="alias-list-too-short"),
+    pytest.param(_set("topk", "output_alias", ["getitem_3", "empty_1"]), "output_alias", id="alias-to-a-later-node"),
+    pytest.param(_set("topk_1", "output_alias", ["x_1", None]), "output_alias", id="written-result-with-bytes"),
+    pytest.param(_drop("topk_1", "output_bytes"), "output_index", id="index-into-no-results"),
+    pytest.param(_set("getitem", "output_index", 0), "output_index", id="index-of-a-written-result"),
+])
+def test_corrupt_multi_output_field_raises_dag_error_naming_it(multi_output, corrupt, field):
+    data = copy.deepcopy(multi_output)
+    corrupt(data)
+    with pytest.raises(DagError) as err:
+        dag_from_json(data)
+    assert field in str(err.value), str(err.value)
+
+
+def test_multi_output_file_round_trips_unchanged(multi_output, tmp_path):
+    path, again = tmp_path / "g.dag.json", tmp_path / "again.dag.json"
+    path.write_text(json.dumps(multi_output))
+    save_dag(load_dag(path), again)
+    assert json.loads(again.read_text()) == multi_output

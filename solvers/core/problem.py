@@ -9,9 +9,15 @@ Vocabulary:
 - a collective is *ready* at the first gap after all of its inputs exist, and *needed* at the
   gap of the first node that reads its result (``n = len(seq)`` when only the graph output
   does). It can be issued in ``[ready, needed]`` and waited in ``[issue, needed]``.
-- a bucket key ``(coll_type, group_name, dtype, reduce_op)``: only collectives with equal keys
-  may be merged. Mergeable collectives of one key form a *chain* ordered by ``needed`` (then by
-  ``ready``): buckets are runs of consecutive chain members.
+- a collective's *result* is read by the readers of its wait and by further waits on it (a
+  collective with several ``wait_tensor`` users): all of them only after its wait. Any other
+  user of the collective node reads no result (the size of an all-to-all's output, a view that
+  autograd keeps of a gathered parameter) and may run before the wait; it pins the collective
+  where traced.
+- a bucket key ``(coll_type, group_name, dtype, reduce_op, alone)``: only collectives with
+  equal keys may be merged (``alone`` names a collective torch cannot merge, else None).
+  Mergeable collectives of one key form a *chain* ordered by ``needed`` (then by ``ready``):
+  buckets are runs of consecutive chain members.
 """
 
 from __future__ import annotations
@@ -71,10 +77,21 @@ class Collective:
     #: the prologue cast that a merge folds into the copy-in (None: none), and its time
     folded_cast: str | None = None
     folded_cast_ms: float = 0.0
+    #: whether torch's merge functions can take it into a bucket: they need the wait to be the
+    #: collective's only user, so one waited by several ``wait_tensor`` nodes stays alone
+    #: (it may still move)
+    mergeable: bool = True
+    #: the further ``wait_tensor`` nodes on the collective: they return its result, so they
+    #: run only after its wait. Other users of the collective node (a ``sym_size`` of its
+    #: output, a view of it) read no result; they keep the collective where traced
+    result_readers: tuple[str, ...] = ()
 
     @property
-    def key(self) -> tuple[str, str, str | None, str | None]:
-        return (self.coll_type, self.group_name, self.dtype, self.reduce_op)
+    def key(self) -> tuple[str, str, str | None, str | None, str | None]:
+        """Collectives may share a bucket only when their keys are equal: same type, process
+        group, dtype and reduce op, and both mergeable (the last field names a collective
+        that is not, so that it has no partner)."""
+        return (self.coll_type, self.group_name, self.dtype, self.reduce_op, None if self.mergeable else self.name)
 
     @property
     def input_bytes(self) -> int:
@@ -132,8 +149,17 @@ class Problem:
                         movable = False  # depends on another collective: keep it where traced
             wait = a["wait"]
             epilogue = tuple(a.get("epilogue") or ())
+            # readers of the result: those of the wait (or the epilogue's end), and the further
+            # waits on the collective itself, which return the result too and so read it only
+            # once the collective is waited. Any other user reads the output before the wait
+            # (its size, a view of it that autograd keeps): it needs no result, but it needs
+            # the collective issued, so the collective keeps its traced place
+            users = tuple(v for v in dag.successors(name) if v != wait)
+            readers = tuple(v for v in users if nodes[v].get("external_wait"))
+            if len(readers) < len(users):
+                movable = False
             needed = n
-            for v in dag.successors(epilogue[-1] if epilogue else wait):
+            for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
                 if v in pos:
                     needed = min(needed, pos[v])
                 elif nodes[v]["kind"] != "output":
@@ -172,6 +198,8 @@ class Problem:
                 merge_read_bytes=merge_read_bytes,
                 folded_cast=folded_cast,
                 folded_cast_ms=folded_cast_ms,
+                mergeable=not users,
+                result_readers=readers,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
                 raise ScheduleError(f"collective {name!r}: traced positions outside its window")
@@ -188,6 +216,37 @@ class Problem:
         for key, members in chains.items():
             members.sort(key=lambda m: (self.colls[m].needed, self.colls[m].ready, self.colls[m].traced_issue))
         return chains
+
+    @cached_property
+    def result_of(self) -> dict[str, str]:
+        """Node -> the collective whose result it is: the collective's wait and epilogue, and
+        the collective itself where further waits read it. What reads one of these runs after
+        that collective's wait."""
+        out: dict[str, str] = {}
+        for name, c in self.colls.items():
+            for node in (name, c.wait, *c.epilogue):
+                out[node] = name
+        return out
+
+    @cached_property
+    def issue_after(self) -> dict[str, frozenset[str]]:
+        """Collective -> the collectives whose result its issue reads, directly or through its
+        prologue (a chain: an all-reduce of a gathered parameter); it is issued only after
+        they are waited."""
+        out: dict[str, frozenset[str]] = {}
+        for name, c in self.colls.items():
+            read = {self.result_of.get(u) for r in (*c.prologue, name) for u in self.dag.predecessors(r)}
+            out[name] = frozenset(read - {None, name})  # type: ignore[arg-type]
+        return out
+
+    def schedule_at(self, buckets: Sequence[Bucket], issue_at: Sequence[int], wait_at: Sequence[int]) -> Schedule:
+        """The schedule of ``buckets`` issued and waited at these gaps
+        (:meth:`Schedule.from_positions`), where every issue that reads another bucket's result
+        follows that bucket's wait in a gap they share."""
+        bucket_of = {m: b for b, bk in enumerate(buckets) for m in bk.members}
+        after = {b: {bucket_of[d] for m in bk.members for d in self.issue_after.get(m, ()) if d in bucket_of}
+                 for b, bk in enumerate(buckets)}
+        return Schedule.from_positions(self.seq, buckets, issue_at, wait_at, after=after)
 
     @cached_property
     def compute_ms(self) -> list[float]:
@@ -272,6 +331,17 @@ class Problem:
         q, p = c.merge_read_bytes, c.payload_bytes
         copy_in = per_byte * q + per_byte * (q + p) / 2 - c.folded_cast_ms
         return copy_in, f + per_byte * c.out_bytes
+
+    def merge_cat_bytes(self, members: Sequence[str]) -> int:
+        """Bytes of the ``cat`` that a merged all-gather copies into its bucket buffer: every
+        member's input (its folded cast's input, :attr:`Collective.merge_read_bytes`) in the
+        widest dtype among them, to which ``torch.cat`` promotes (members share one payload
+        dtype, so the widest is the largest ratio of bytes read to payload)."""
+        cs = [self.colls[m] for m in members]
+        total = sum(c.payload_bytes for c in cs)
+        read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
+                            key=lambda qp: qp[0] / qp[1], default=(1, 1))
+        return total * read // payload
 
     def merge_copy_fixed_ms(self, coll_type: str) -> tuple[float, float]:
         """(copy-in, copy-out) time of a merged bucket that does not grow with its members (ms):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
+from typing import Any
 
 
 class ScheduleError(RuntimeError):
@@ -107,6 +109,8 @@ class Schedule:
         buckets: Sequence[Bucket],
         issue_at: Sequence[int],
         wait_at: Sequence[int],
+        *,
+        after: Mapping[int, Iterable[int]] | None = None,
     ) -> "Schedule":
         """Build a schedule from gap positions (see module docstring).
 
@@ -114,13 +118,16 @@ class Schedule:
         the waits of buckets issued in this gap (each in bucket order). Waiting first frees
         reduce-scatter inputs before new buckets allocate; on one FIFO stream it costs no
         communication time, since the waited bucket finishes before a newly issued one could
-        start anyway.
+        start anyway. ``after`` (bucket -> buckets whose result its issue reads, as
+        :meth:`solvers.core.problem.Problem.schedule_at` gives it) overrides that order where
+        they share a gap: the issue follows those waits.
         """
         n = len(seq)
         if not (len(buckets) == len(issue_at) == len(wait_at)):
             raise ValueError("buckets, issue_at and wait_at must have the same length")
         # (gap, phase, bucket): in a gap the waits of buckets issued before it, then the issues,
-        # then the waits of buckets issued in it, each in bucket order
+        # then the waits of buckets issued in it, each in bucket order, unless ``after`` orders
+        # an issue after a wait of the same gap
         events: list[tuple[int, int, int]] = []
         for b, (i, w) in enumerate(zip(issue_at, wait_at)):
             if not (0 <= i <= w <= n):
@@ -130,12 +137,22 @@ class Schedule:
         events.sort()
         nodes = _node_steps(seq)
         steps: list[Step] = []
-        at = 0
-        for gap, phase, b in events:
-            if gap > at:
-                steps.extend(nodes[at:gap])
-                at = gap
-            steps.append(Step("issue" if phase == 1 else "wait", b))
+        at, k = 0, 0
+        while k < len(events):
+            gap = events[k][0]
+            end = k
+            while end < len(events) and events[end][0] == gap:
+                end += 1
+            steps.extend(nodes[at:gap])
+            at = gap
+            group = events[k:end]
+            if after:
+                steps.extend(order_gap([("issue" if ph == 1 else "wait", b) for _, ph, b in group],
+                                       lambda e: (1 if e[0] == "issue" else (2 if issue_at[e[1]] == wait_at[e[1]] else 0),
+                                                  e[1]), after))
+            else:
+                steps.extend(Step("issue" if ph == 1 else "wait", b) for _, ph, b in group)
+            k = end
         steps.extend(nodes[at:])
         return Schedule(tuple(buckets), tuple(steps))
 
@@ -199,6 +216,46 @@ def _node_steps(seq: Sequence[str]) -> tuple[Step, ...]:
             _NODE_STEPS.clear()
         cached = _NODE_STEPS[id(seq)] = (seq, tuple(Step("node", name) for name in seq))
     return cached[1]
+
+
+def order_gap(
+    events: Sequence[tuple[str, int]],
+    priority: Callable[[tuple[str, int]], Any],
+    after: Mapping[int, Iterable[int]],
+) -> list[Step]:
+    """The issue and wait steps of one gap (events ``(kind, bucket)``) in the order of
+    ``priority`` (smallest first) among the steps whose dependencies ran: a bucket's wait
+    follows its issue, and its issue the waits of the buckets ``after[bucket]`` in this gap.
+
+    Raises:
+        ValueError: the dependencies form a cycle (an inconsistent graph).
+    """
+    present = set(events)
+    preds: dict[tuple[str, int], set[tuple[str, int]]] = {e: set() for e in events}
+    for e in events:
+        kind, b = e
+        if kind == "wait" and ("issue", b) in present:
+            preds[e].add(("issue", b))
+        if kind == "issue":
+            preds[e] |= {("wait", d) for d in after.get(b, ()) if d != b and ("wait", d) in present}
+    succs: dict[tuple[str, int], list[tuple[str, int]]] = {e: [] for e in events}
+    for e, ps in preds.items():
+        for q in ps:
+            succs[q].append(e)
+    indeg = {e: len(ps) for e, ps in preds.items()}
+    heap = [(priority(e), e) for e in events if indeg[e] == 0]
+    heapq.heapify(heap)
+    out: list[Step] = []
+    while heap:
+        _, e = heapq.heappop(heap)
+        out.append(Step(e[0], e[1]))
+        for s in succs[e]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, (priority(s), s))
+    if len(out) != len(events):
+        raise ValueError("collectives of one gap depend on each other in a cycle")
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

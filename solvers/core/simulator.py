@@ -18,7 +18,12 @@ Execution model:
   a member is folded into that copy and never runs: the cat reads the cast's input) and holds
   the buffer until the wait, where members are copied out one by one; a reduce-scatter's
   ``cat`` of its inputs is its buffer, held until the wait, and the inputs are freed before
-  the outputs are allocated.
+  the output is allocated: one storage whose views the members' results are, freed after the
+  last reader of any of them.
+- A multi-output node's results are storages of their own (``output_bytes``): one that only
+  the node's getitems read is freed after them while its siblings live on; a result the op
+  writes into an argument is that argument's storage. A storage nothing reads is freed right
+  after the node that made it (FX's generated code drops it).
 - Step time is when the compute stream finishes (every collective is waited on).
 
 torch's count (``tracker_peak_bytes``): the same run is also counted by the rules of torch's
@@ -34,7 +39,8 @@ torch's count (``tracker_peak_bytes``): the same run is also counted by the rule
   (torch's meta kernel returns a fresh tensor): both are counted at the collective, then the
   buffer is freed. A collective the graph already writes into a buffer (an
   ``all_gather_into_tensor_out`` of a re-exported graph, which the export gives no bytes of
-  its own) counts its result at the buffer's size.
+  its own) counts its result at the buffer's size;
+- a storage nothing reads is never freed.
 
 Both counts equal the reference liveness count and torch's tracker on the written graph, to
 the byte, on every graph checked (``tests/test_judge.py``).
@@ -184,13 +190,19 @@ class ScheduleInvalidError(ValueError):
     """A schedule violates the execution model or does not match its graph."""
 
 
+#: the storage a node's output is counted as: a name, or the names of a multi-output node's
+#: results (a node that holds them all, such as the node itself, which its getitems read)
+Owner = str | tuple[str, ...]
+
+
 class _Memory:
     """Live storages of one run: allocation at first write, release after the last of the
     counted uses, and the peak. ``owner`` maps a node to the storage its output is counted as
-    (default: its own); ``uses`` (owner -> release events, this run's own copy) and
-    ``never_free`` name storages."""
+    (default: its own; several for a node holding every result of a multi-output node);
+    ``uses`` (storage -> release events, this run's own copy) and ``never_free`` name
+    storages."""
 
-    def __init__(self, uses: dict[str, int], never_free: "set[str] | frozenset[str]", owner: dict[str, str]):
+    def __init__(self, uses: dict[str, int], never_free: "set[str] | frozenset[str]", owner: dict[str, Owner]):
         self.owner = owner
         self.uses = uses
         self.never_free = never_free
@@ -214,14 +226,24 @@ class _Memory:
     def release(self, name: str) -> None:
         """One use of ``name``'s storage is done; free it after the last one."""
         owner = self.owner.get(name, name)
+        if owner.__class__ is tuple:
+            for o in owner:
+                self.drop(o)
+        else:
+            self.drop(owner)  # type: ignore[arg-type]
+
+    def drop(self, owner: str) -> None:
+        """One use of storage ``owner`` is done; free it after the last one."""
         left = self.uses.get(owner, 0) - 1
         self.uses[owner] = left
         if left <= 0:
             self.free(owner)
 
     def alloc_node(self, name: str, nbytes: int) -> None:
-        """``name``'s storage, allocated once whatever the node (several may share it)."""
-        self.alloc(self.owner.get(name, name), nbytes)
+        """``name``'s storage, allocated once whatever the node (several may share it); a
+        single-output node only (a multi-output node allocates each of its results,
+        :attr:`_Static.steps`)."""
+        self.alloc(self.owner.get(name, name), nbytes)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,15 +254,21 @@ class _Static:
 
     preds: dict[str, tuple[str, ...]]
     inputs: tuple[tuple[str, int], ...]
-    mem_owner: dict[str, str]
+    mem_owner: dict[str, Owner]
     mem_uses: dict[str, int]
     mem_never_free: frozenset[str]
-    trk_owner: dict[str, str]
+    trk_owner: dict[str, Owner]
     trk_uses: dict[str, int]
     trk_never_free: frozenset[str]
-    #: torch's tracker: owner -> the nodes it owns (a merged reduce-scatter's members move
-    #: under their bucket's wait result)
-    trk_nodes: dict[str, tuple[str, ...]]
+    #: per count, owner -> the nodes it owns (a merged reduce-scatter's members move under
+    #: their bucket's result)
+    mem_nodes: dict[Owner, tuple[str, ...]]
+    trk_nodes: dict[Owner, tuple[str, ...]]
+    #: node step -> (runtime_ms, the storages it allocates with their bytes by the execution
+    #: model's count (several results of a multi-output node are several storages) and by
+    #: torch's tracker (where a wait on no collective of the graph gets a fresh one), the
+    #: storages the execution model's count frees right after it: those nothing reads)
+    steps: dict[str, tuple[float, tuple[tuple[str, int], ...], tuple[tuple[str, int], ...], tuple[str, ...]]]
 
 
 _STATIC: "weakref.WeakKeyDictionary[Problem, _Static]" = weakref.WeakKeyDictionary()
@@ -274,47 +302,131 @@ def _build_static(p: Problem) -> _Static:
             never_free.add(n)
         if a["kind"] == "output":
             never_free.update(preds[n])
-    root = {n: (a["alias_of"] or n) for n, a in dag.nodes(data=True)}
+    root, results = _storages(dag)
     trk_owner = _tracker_owners(p, root, preds)
 
-    def by_owner(owner: dict[str, str]) -> tuple[dict[str, int], frozenset[str]]:
+    def by_owner(owner: dict[str, Owner]) -> tuple[dict[str, int], frozenset[str]]:
         counts: dict[str, int] = defaultdict(int)
         for name, n in uses.items():
-            counts[owner.get(name, name)] += n
-        return dict(counts), frozenset(owner.get(name, name) for name in never_free)
+            for o in _each(owner.get(name, name)):
+                counts[o] += n
+        return dict(counts), frozenset(o for name in never_free for o in _each(owner.get(name, name)))
 
     mem_uses, mem_never_free = by_owner(root)
     trk_uses, trk_never_free = by_owner(trk_owner)
-    trk_nodes: dict[str, list[str]] = defaultdict(list)
-    for name, o in trk_owner.items():
-        trk_nodes[o].append(name)
+    for m in p.colls:  # the wait reads the collective's result (_Simulator._wait_tracker)
+        trk_uses[f"result:{m}"] = trk_uses.get(f"result:{m}", 0) + 1
+
+    def by_storage(owner: dict[str, Owner]) -> dict[Owner, tuple[str, ...]]:
+        out: dict[Owner, list[str]] = defaultdict(list)
+        for name, o in owner.items():
+            out[o].append(name)
+        return {o: tuple(ns) for o, ns in out.items()}
+
     inputs = tuple((n, int(a["size_bytes"])) for n, a in dag.nodes(data=True) if a["kind"] == "input")
+    steps = {}
+    for name in p.seq:
+        a = dag.nodes[name]
+        allocs = results.get(name) or (((name, int(a["size_bytes"])),) if a["alias_of"] is None else ())
+        # the execution model's count drops what nothing reads at once (FX's code does)
+        unread = tuple(o for o, nbytes in allocs if nbytes and not mem_uses.get(o) and o not in mem_never_free)
+        trk_allocs = ((name, int(a["size_bytes"])),) if trk_owner[name] == name and a["alias_of"] is not None else allocs
+        steps[name] = (float(a["runtime_ms"]), allocs, trk_allocs, unread)
     return _Static(preds=preds, inputs=inputs, mem_owner=root, mem_uses=mem_uses, mem_never_free=mem_never_free,
                    trk_owner=trk_owner, trk_uses=trk_uses, trk_never_free=trk_never_free,
-                   trk_nodes={o: tuple(ns) for o, ns in trk_nodes.items()})
+                   mem_nodes=by_storage(root), trk_nodes=by_storage(trk_owner), steps=steps)
 
 
-def _tracker_owners(p: Problem, root: dict[str, str], preds: dict[str, tuple[str, ...]]) -> dict[str, str]:
-    """Node -> its storage by torch's tracker: a wait's result is a storage of its own, owned
-    by the collective's name (also when the collective writes into a buffer,
-    ``all_gather_into_tensor_out`` already in the graph, whose views the export roots at the
-    buffer); views follow the node they view."""
+def _each(owner: Owner) -> tuple[str, ...]:
+    return owner if isinstance(owner, tuple) else (owner,)
+
+
+def _storages(dag: nx.DiGraph) -> tuple[dict[str, Owner], dict[str, tuple[tuple[str, int], ...]]]:
+    """The storage each node's output is (the node owning it, ``alias_of``; the result
+    ``<node>#<index>`` of a multi-output node that a getitem holds, ``output_index``; every
+    result for a node that holds them all), and per multi-output node the storages it
+    allocates with their bytes. A result written into an argument is that argument's."""
+    nodes = dag.nodes
+    key: dict[str, Owner] = {}
+    results: dict[str, tuple[tuple[str, int], ...]] = {}
+    for n in dag.graph["order"]:
+        a = nodes[n]
+        alias = a["alias_of"]
+        if alias is not None:
+            index = a.get("output_index")
+            key[n] = f"{alias}#{index}" if index is not None else key.get(alias, alias)
+            continue
+        sizes = a.get("output_bytes")
+        if sizes is None:
+            key[n] = n
+            continue
+        written = a.get("output_alias") or [None] * len(sizes)
+        fresh = tuple((f"{n}#{j}", int(b)) for j, (b, w) in enumerate(zip(sizes, written)) if w is None and b)
+        held = [o for o, _ in fresh] + [o for w in written if w is not None for o in _each(key.get(w, w))]
+        held = list(dict.fromkeys(held))
+        key[n] = held[0] if len(held) == 1 else tuple(held)
+        results[n] = fresh
+    for n in dag.nodes:  # nodes outside the order (none expected) own their storage
+        key.setdefault(n, nodes[n]["alias_of"] or n)
+    return key, results
+
+
+def _tracker_owners(p: Problem, root: dict[str, Owner], preds: dict[str, tuple[str, ...]]) -> dict[str, Owner]:
+    """Node -> its storage by torch's tracker: a collective's result is ``result:<name>``,
+    freed after its last reader (its wait, a further wait, a read of its size before the
+    wait); a wait's result is a storage of its own, owned by the collective's name (also when the collective
+    writes into a buffer, ``all_gather_into_tensor_out`` already in the graph, whose views the
+    export roots at the buffer), and so is a wait on anything else (a further wait, a wait on a
+    graph input), owned by its own name; views follow the node they view; a multi-output node's
+    results are storages of their own, as in the execution model's count (``root``)."""
     dag = p.dag
     waits = {c.wait: name for name, c in p.colls.items()}
-    owner: dict[str, str] = {}
+    owner: dict[str, Owner] = {}
     for n in dag.graph["order"]:
         if n in p.colls:
-            owner[n] = n
+            owner[n] = f"result:{n}"
         elif n in waits:
             owner[n] = waits[n]
+        elif dag.nodes[n].get("external_wait"):
+            owner[n] = n  # every wait_tensor's fake result is fresh, a further wait's too
         elif dag.nodes[n]["alias_of"] is None:
-            owner[n] = n
+            owner[n] = root[n]
         else:
             viewed = [owner[u] for u in preds[n] if root.get(u) == root[n] and u in owner]
             owner[n] = viewed[0] if viewed else root[n]
     for n in dag.nodes:  # nodes outside the order (none expected): as the export roots them
         owner.setdefault(n, root[n])
     return owner
+
+
+def _copied_out(p: Problem, members: tuple[str, ...]) -> bool:
+    """Whether a merged bucket's members are copied out of its result at the wait: torch's merge
+    reshapes an all-gather's ``(group_size, -1)`` slices to each member's shape, which copies
+    unless the group has one rank. Otherwise (a reduce-scatter, or an all-gather on one rank)
+    the members are views of the bucket's result."""
+    c0 = p.colls[members[0]]
+    return c0.coll_type == "all_gather" and c0.group_size > 1
+
+
+def _merged_memory(owner: dict[str, Owner], uses: dict[str, int], never_free: frozenset[str],
+                   nodes: dict[Owner, tuple[str, ...]], merged: list[tuple[int, tuple[str, ...]]]) -> _Memory:
+    """One count's memory for a run (``owner``, ``uses``, ``never_free`` and ``nodes`` of
+    :class:`_Static`) where the members of each merged bucket ``(bucket, members)`` that are not
+    copied out (:func:`_copied_out`) are views of one result, ``wait:<bucket>`` (torch's merge
+    splits the bucket's output into views), freed after the last reader of any of them."""
+    if not merged:
+        return _Memory(dict(uses), never_free, owner)
+    owner, uses, never_free = dict(owner), dict(uses), set(never_free)
+    for b, members in merged:
+        result = f"wait:{b}"
+        for m in members:
+            for name in nodes.get(m, ()):
+                owner[name] = result
+            uses[result] = uses.get(result, 0) + uses.pop(m, 0)
+            if m in never_free:
+                never_free.discard(m)
+                never_free.add(result)
+    return _Memory(uses, never_free, owner)
 
 
 class _Simulator:
@@ -329,8 +441,11 @@ class _Simulator:
         self.nodes = dag.nodes
         st = _static(problem)
         self.preds = st.preds
-        self.mem = _Memory(dict(st.mem_uses), st.mem_never_free, st.mem_owner)
-        self.trk = self._tracker_memory(st)
+        self.steps = st.steps
+        merged = [(b, bucket.members) for b, bucket in enumerate(schedule.buckets)
+                  if len(bucket.members) > 1 and not _copied_out(problem, bucket.members)]
+        self.mem = _merged_memory(st.mem_owner, st.mem_uses, st.mem_never_free, st.mem_nodes, merged)
+        self.trk = _merged_memory(st.trk_owner, st.trk_uses, st.trk_never_free, st.trk_nodes, merged)
         for n, size in st.inputs:
             # inputs nobody reads (and not pinned) are dead on arrival; keep them: they were
             # passed in
@@ -351,25 +466,6 @@ class _Simulator:
         self.step_live: list[int] = []
         self.issued: set[int] = set()
         self.waited: set[int] = set()
-
-    def _tracker_memory(self, st: _Static) -> _Memory:
-        """torch's tracker count of this run: a merged reduce-scatter's members are views of
-        one wait result (``wait:<bucket>``), freed after the last reader of any of them."""
-        merged = [(b, bucket.members) for b, bucket in enumerate(self.s.buckets)
-                  if len(bucket.members) > 1 and self.p.colls[bucket.members[0]].coll_type != "all_gather"]
-        if not merged:
-            return _Memory(dict(st.trk_uses), st.trk_never_free, st.trk_owner)
-        owner, uses, never_free = dict(st.trk_owner), dict(st.trk_uses), set(st.trk_never_free)
-        for b, members in merged:
-            wait = f"wait:{b}"
-            for m in members:
-                for name in st.trk_nodes.get(m, ()):
-                    owner[name] = wait
-                uses[wait] = uses.get(wait, 0) + uses.pop(m, 0)
-                if m in never_free:
-                    never_free.discard(m)
-                    never_free.add(wait)
-        return _Memory(uses, never_free, owner)
 
     def _release_inputs(self, name: str, *mems: _Memory) -> None:
         """One use of each input of ``name`` is done, in ``mems`` (default: both counts)."""
@@ -419,16 +515,18 @@ class _Simulator:
     def _run_node(self, k: int, name: str) -> None:
         """A compute or view node: runs for its runtime; its output is allocated, then its
         inputs' uses are released."""
-        a = self.nodes[name]
-        rt = float(a["runtime_ms"])
+        rt, allocs, trk_allocs, unread = self.steps[name]
         self.node_times[name] = (self.t, self.t + rt)
         self.t += rt
         self.busy += rt
-        if a["alias_of"] is None:
-            self.mem.alloc(name, int(a["size_bytes"]))
-            self.trk.alloc_node(name, int(a["size_bytes"]))
+        for owner, nbytes in allocs:
+            self.mem.alloc(owner, nbytes)
+        for owner, nbytes in trk_allocs:
+            self.trk.alloc(owner, nbytes)
         self._record(k, self.mem.total)
         self.trk.record()
+        for owner in unread:
+            self.mem.free(owner)
         self._release_inputs(name)
 
     def _issue(self, k: int, b: int) -> None:
@@ -494,14 +592,15 @@ class _Simulator:
     def _merge_all_gather(self, b: int, members: tuple[str, ...]) -> int:
         """The bucket buffer (the members' outputs) is allocated, then a ``cat`` of the
         members' inputs is copied into it and dropped: folded dtype casts never run, the cat
-        reads their inputs (``merge_read_bytes``). torch's tracker then counts the ``out=``
+        reads their inputs (``Problem.merge_cat_bytes``). torch's tracker then counts the ``out=``
         result beside the buffer, and frees the buffer."""
         p, mem, trk = self.p, self.mem, self.trk
         folded = frozenset(p.colls[m].folded_cast for m in members) - {None}
         live = self._run_prologue(members, skip=folded)
         size = sum(p.colls[m].out_bytes for m in members)
-        read = sum(p.colls[m].merge_read_bytes for m in members)
-        mem.alloc(f"bucket:{b}", size)
+        read = p.merge_cat_bytes(members)
+        # the buffer is the members' storage when they are views of it
+        mem.alloc(f"bucket:{b}" if _copied_out(p, members) else f"wait:{b}", size)
         trk.alloc(f"bucket:{b}", size)
         live = max(live, mem.total + read)
         trk.peak = max(trk.peak, trk.total + read)
@@ -525,7 +624,7 @@ class _Simulator:
         trk.record()
         for m in members:
             self._release_inputs(m)
-            mem.alloc(m, p.colls[m].out_bytes)
+        mem.alloc(f"wait:{b}", sum(p.colls[m].out_bytes for m in members))
         trk.alloc(f"result:{b}", sum(p.colls[m].out_bytes for m in members))
         trk.record()
         trk.free(f"bucket:{b}")
@@ -547,7 +646,8 @@ class _Simulator:
         cout = p.copy_out_ms(members)
         self.t += cout
         self.busy += cout
-        if merged and c0.coll_type == "all_gather":
+        copied = merged and _copied_out(p, members)
+        if copied:
             for m in members:
                 mem.alloc(m, p.colls[m].out_bytes)
         epilogue = [e for m in members for e in p.colls[m].epilogue]
@@ -559,28 +659,28 @@ class _Simulator:
             mem.free(f"bucket:{b}")
         else:
             self._release_inputs(members[0], mem)
-        self._wait_tracker(b, members, epilogue)
+        self._wait_tracker(b, members, epilogue, copied)
         for e in epilogue:
             self._release_inputs(e)
         i0, s0, e0, _ = self.bucket_times[b]
         self.bucket_times[b] = (i0, s0, e0, self.t)
         self.waited.add(b)
 
-    def _wait_tracker(self, b: int, members: tuple[str, ...], epilogue: list[str]) -> None:
+    def _wait_tracker(self, b: int, members: tuple[str, ...], epilogue: list[str], copied: bool) -> None:
         """The wait by torch's tracker: the wait's fresh result beside the collective's, which
-        is then freed; a merged all-gather's members copied out of it, after which it is freed;
-        then the epilogues."""
+        is then freed; a merged all-gather's members copied out of it (``copied``), after which
+        it is freed; then the epilogues."""
         p, nodes, trk = self.p, self.nodes, self.trk
         if len(members) == 1:
             m = members[0]
             trk.alloc(m, self._tracker_out_bytes(m))
             trk.record()
-            trk.free(f"result:{m}")
+            trk.drop(f"result:{m}")
         else:
             trk.alloc(f"wait:{b}", sum(p.colls[m].out_bytes for m in members))
             trk.record()
             trk.free(f"result:{b}")
-            if p.colls[members[0]].coll_type == "all_gather":
+            if copied:
                 for m in members:
                     trk.alloc(m, p.colls[m].out_bytes)
                 trk.record()

@@ -6,7 +6,8 @@ Checks, in order (the first failure raises :class:`ScheduleInvalidError` naming 
 2. homogeneity: a bucket's members share type, process group, dtype and reduce op.
 3. order: every schedulable node appears once; data dependencies hold (a node runs after its
    producers, a bucket is issued after its members' inputs exist and waited before any reader
-   of its results); every bucket is issued once and waited once after its issue.
+   of its results, further waits on a member included); every bucket is issued once and
+   waited once after its issue.
 4. memory: simulated peak memory <= budget (when a budget is given).
 Returns the simulation, so callers get the predicted numbers for free.
 """
@@ -112,6 +113,11 @@ def _check_order(problem: Problem, schedule: Schedule) -> None:
             if u in run_at and run_at[u] > at_v:
                 raise ScheduleInvalidError(
                     f"dependency violated: {v!r} runs before its input {u!r}"
+                )
+            # a further wait on a collective returns its result: it reads it after the wait
+            if u in problem.colls and v in problem.colls[u].result_readers and run_at[problem.colls[u].wait] >= at_v:
+                raise ScheduleInvalidError(
+                    f"dependency violated: {v!r} reads the result of {u!r} before its wait {problem.colls[u].wait!r}"
                 )
             if u in run_at and run_at[u] == at_v and dag.nodes[v]["kind"] == "wait" and u != dag.nodes[v]["collective"]:
                 raise ScheduleInvalidError(f"dependency violated: {v!r} in the same step as {u!r}")
