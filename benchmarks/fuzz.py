@@ -10,7 +10,7 @@ Each case is drawn from one seed (its reproducer: ``--start SEED --cases 1``):
 - a solver or heuristic run on its DAG directly (``solvers.solve``, with or without a budget);
 - an argument combination for :func:`scheduler.optimize_schedule`: a budget (none, a fraction
   of the program's own peak from 0.3 to 1.3, as bytes or a string), a solver, a time limit, a
-  payload order, control deps, fallback, verify, a seed; about one case in five replaces one
+  payload order, control deps, fallback, a seed; about one case in five replaces one
   argument by a bad value (the ones users tried: ``payload_order="foo"``, ``time_limit_s`` of
   0, -1, NaN, inf, ``"5"`` or None, ``seed="x"``, a budget of ``2**63``, ``"1e400 GiB"``,
   ``"abc"`` or 0, ...).
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 import random_programs as rp  # noqa: E402
-from scheduler import export_dag, optimize_schedule, validate_schedule  # noqa: E402
+from scheduler import SolverOptions, WriteBackOptions, export_dag, optimize_schedule, validate_schedule  # noqa: E402
 from scheduler.judge import liveness_peak, torch_tracker_peak  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem, ScheduleError, solve  # noqa: E402
 
@@ -73,7 +73,6 @@ BAD = {
     "extra_starts": [["x"], "abc"],
     "mem_budget": [2**63, "1e400 GiB", "abc", 0, -5, "40 gigs", math.nan, True],
     "fallback": [1, "yes"],
-    "verify": [None, 0],
     "control_deps": ["yes", 2],
 }
 
@@ -93,7 +92,6 @@ def draw_arguments(rnd: random.Random, own_peak: int) -> tuple[dict[str, Any], s
         "payload_order": rnd.choice(("registration", "execution")),
         "control_deps": rnd.random() < 0.2,
         "fallback": rnd.random() < 0.85,
-        "verify": rnd.random() < 0.8,
         "seed": rnd.randrange(2**31),
     }
     bad = None
@@ -101,6 +99,16 @@ def draw_arguments(rnd: random.Random, own_peak: int) -> tuple[dict[str, Any], s
         bad = rnd.choice(sorted(BAD))
         kwargs[bad] = rnd.choice(BAD[bad])
     return kwargs, bad, budget
+
+
+def optimize(gm: torch.fx.GraphModule, kwargs: dict[str, Any]) -> torch.fx.GraphModule:
+    """optimize_schedule with the drawn arguments, the options objects built from them (a bad
+    value raises when its object is built, before the graph is touched)."""
+    solver = {k: kwargs[k] for k in ("solver", "time_limit_s", "seed", "num_workers", "fallback", "extra_starts")
+              if k in kwargs}
+    writeback = {k: kwargs[k] for k in ("payload_order", "control_deps") if k in kwargs}
+    return optimize_schedule(gm, kwargs["mem_budget"], solver=SolverOptions(**solver),
+                             writeback=WriteBackOptions(**writeback))
 
 
 def run_case(seed: int, group_name: str) -> str:
@@ -117,7 +125,7 @@ def run_case(seed: int, group_name: str) -> str:
     gm = copy.deepcopy(gm0)
     code = gm.code
     try:
-        out = optimize_schedule(gm, **kwargs)
+        out = optimize(gm, kwargs)
     except (TypeError, ValueError) as e:
         if bad is None or isinstance(e, ScheduleError):
             raise Crash(f"good arguments {kwargs} raised {type(e).__name__}: {e}") from e
@@ -134,8 +142,8 @@ def run_case(seed: int, group_name: str) -> str:
             raise Crash(f"advised {advised} B above the graph's own peak {own_peak} B: {e}") from e
         again = copy.deepcopy(gm0)
         try:
-            check_result(optimize_schedule(again, **{**kwargs, "mem_budget": advised, "control_deps": False}), advised,
-                         args, ref)
+            check_result(optimize(again, {**kwargs, "mem_budget": advised, "control_deps": False}), advised, args,
+                         ref)
         except InfeasibleBudgetError as e2:
             raise Crash(f"advised {advised} B, refused there: {e2}") from e2
         return "infeasible, advice holds"
@@ -149,7 +157,7 @@ def run_case(seed: int, group_name: str) -> str:
         # the memory counts do not read through control_deps wrappers (docs/RELIABILITY.md):
         # the budget is checked on the same choice written without them, the results on both
         check_result(out, None, args, ref)
-        out = optimize_schedule(copy.deepcopy(gm0), **{**kwargs, "control_deps": False})
+        out = optimize(copy.deepcopy(gm0), {**kwargs, "control_deps": False})
     check_result(out, budget, args, ref)
     return "rewritten within budget, results equal"
 

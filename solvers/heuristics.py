@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from solvers.core.problem import Problem
-from solvers.core.evaluate import evaluate as evaluate_schedule
+from solvers.core.evaluate import Evaluation, evaluate as evaluate_schedule
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step, order_gap
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def evaluate(
     status: SolveStatus,
     t0: float,
     notes: Sequence[str] = (),
+    sim: Evaluation | None = None,
 ) -> SolveResult:
     """Evaluate ``schedule`` (:func:`solvers.core.evaluate.evaluate`: the simulator's numbers)
     and wrap it as a :class:`SolveResult`.
@@ -86,8 +87,9 @@ def evaluate(
     Args:
         t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
         notes: remarks stored on the result.
+        sim: the schedule's evaluation when the caller has it already.
     """
-    sim = evaluate_schedule(problem, schedule)
+    sim = sim or evaluate_schedule(problem, schedule)
     return SolveResult(
         schedule=schedule,
         status=status,
@@ -95,7 +97,7 @@ def evaluate(
         objective_ms=sim.step_ms,
         best_bound_ms=problem.lower_bound_ms(),
         solve_time_s=time.perf_counter() - t0,
-        peak_bytes=sim.max_peak_bytes,
+        peak_bytes=sim.peak_bytes,
         notes=tuple(notes),
     )
 
@@ -237,11 +239,13 @@ def _with_budget(
     first = True
     for cfg in configs:
         sched = build(problem, cfg)
-        res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",))
+        sim = evaluate_schedule(problem, sched)
+        res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
+                       sim=sim)
         # the budget holds on the written graph by both counts (the model's and torch's
         # tracker rules): a schedule over it by either is no answer, and the smallest peak
         # stated is a budget that the schedule then holds
-        peak = res.peak_bytes
+        peak = sim.max_peak_bytes
         if mem_budget_bytes is None or peak <= mem_budget_bytes:
             if not first:
                 logger.info("%s: fits %d B with %s (peak %d B)", name, mem_budget_bytes, cfg, peak)

@@ -339,11 +339,17 @@ def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
     return out
 
 
+#: the least reference step time (ms)
+_TINY_MS = 1e-12
+
+
 def _set_reference(objective: Objective, evaluated: Sequence[Evaluated]) -> None:
     """Each model's reference: the fastest of ``evaluated`` that fits under it (or of all, when
     none fits)."""
     pool = [e for e in evaluated if objective.fits(e)] or list(evaluated)
-    objective.reference_ms = {label: min(e.step_ms(label) for e in pool) for label in objective.labels}
+    # a graph with nothing to time (no compute, empty collectives) runs in 0 ms: any positive
+    # reference then orders schedules by step time alike
+    objective.reference_ms = {label: max(_TINY_MS, min(e.step_ms(label) for e in pool)) for label in objective.labels}
 
 
 # --------------------------------------------------------------------------------------------

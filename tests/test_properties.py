@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from random_programs import random_program, real_program_inputs, trace_program
-from scheduler import export_dag, optimize_schedule, validate_schedule
+from scheduler import SolverOptions, export_dag, optimize_schedule, validate_schedule
 from scheduler.judge import liveness_peak, torch_tracker_peak
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
@@ -283,10 +283,10 @@ def test_the_smallest_peak_an_infeasible_budget_advises_holds(program_group, see
     gm0 = trace_program(random_program(seed), program_group)
     own = max(liveness_peak(gm0), torch_tracker_peak(gm0))
     try:
-        optimize_schedule(copy.deepcopy(gm0), mem_budget=max(1, int(own * frac)), time_limit_s=1)
+        optimize_schedule(copy.deepcopy(gm0), mem_budget=max(1, int(own * frac)), solver=SolverOptions(time_limit_s=1))
         return
     except InfeasibleBudgetError as e:
         advised = e.min_peak_bytes
     assert advised <= own
-    out = optimize_schedule(copy.deepcopy(gm0), mem_budget=advised, time_limit_s=1)
+    out = optimize_schedule(copy.deepcopy(gm0), mem_budget=advised, solver=SolverOptions(time_limit_s=1))
     assert max(liveness_peak(out), torch_tracker_peak(out)) <= advised
