@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler import cache, consensus
-from scheduler.choose import Candidate, choose, cost_model_label, cost_models, export_problems
+from scheduler.choose import choose, cost_models, export_problems
 from scheduler.costs import Cluster, resolve_cost_model
 from scheduler.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
@@ -47,7 +47,6 @@ from solvers.core import (
     Problem,
     Schedule,
     ScheduleError,
-    ScheduleInvalidError,
     SolveResult,
     SolveStatus,
     StageRecord,
@@ -114,8 +113,8 @@ def optimize_schedule(
             aot_autograd or make_fx with fake tensors produce); merging buckets needs an
             initialised process group in which its groups resolve (a fake one is enough).
         mem_budget: peak-memory budget, bytes or a string like ``"40GiB"``; None: no limit.
-            The written graph holds it by three counts (the execution model's, a liveness
-            count, torch's MemoryTracker).
+            The written graph holds it by the execution model's count and a liveness count
+            (torch's MemoryTracker rules are reported: :mod:`scheduler.choose`).
         cost_model: a cost model or its name (``"analytic"``, ``"torch"``, ...); that model
             alone decides. None (default): the schedule with the least worst-case regret over
             the family of plausible models (:func:`scheduler.choose.cost_models`).
@@ -297,7 +296,7 @@ def _criterion(problems: dict[str, Problem]) -> str:
 
 def _check_traced_fits(problem: Problem, budget: int | None) -> None:
     """A graph without collectives has one schedule: it must fit the budget too."""
-    peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     if budget is not None and peak > budget:
         raise InfeasibleBudgetError(
             f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} ({peak} B), over mem_budget "

@@ -2,12 +2,19 @@
 
 What is written back is what counts. :func:`write_and_judge` writes a schedule back on a copy
 of the graph and judges the copy as written (:func:`judge_graph`): re-exported with the cost
-model and simulated in its node order, its peak memory taken by three counts (the re-export's
-simulation, the reference liveness count :func:`scheduler.judge.liveness_peak`, and torch's
-``MemoryTracker``, :func:`scheduler.judge.torch_tracker_peak`). :func:`choose` takes the
+model and simulated in its node order, its peak memory taken by the re-export's simulation and
+by the reference liveness count (:func:`scheduler.judge.liveness_peak`): the memory the written
+graph holds, and what the budget bounds. torch's ``MemoryTracker`` rules (a collective's input
+freed at the collective, every wait's result a fresh storage) are counted too and reported, not
+held: a wait returns its input, so the fresh storage is the estimator's, not the GPU's; and
+torch's own ``MemoryTracker`` tells storages apart by their FakeTensors, so it takes a
+recomputed copy (to which torch's remat passes give the forward original's FakeTensor) for an
+alias of the original and keeps the original alive through the backward: held, it refused
+every budget on joint graphs with selective checkpointing, their own peak included.
+:func:`choose` takes the
 search's schedule, then its next best starts, then the graph as traced, and keeps the first
-whose written graph holds the budget by all three counts. The search evaluates schedules on the
-simulator, whose step time and both memory counts equal those of the written graph; a written
+whose written graph holds the budget by both counts. The search evaluates schedules on the
+simulator, whose step time and memory counts equal those of the written graph; a written
 graph over the budget is therefore rare, and the next candidate (never a slower one than the
 traced order) is the answer, with the reason in the report.
 
@@ -30,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.costs import Cluster, CostModel, annotate_costs, resolve_cost_model
 from scheduler.dag import export_dag
-from scheduler.judge import liveness_peak, torch_tracker_peak
+from scheduler.judge import liveness_peak
 from scheduler.writeback import apply_schedule
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, simulate
 
@@ -148,15 +155,21 @@ class Figures:
     peak_bytes: int
     #: reference liveness count of the rewritten graph
     liveness_peak_bytes: int
-    #: torch's MemoryTracker on the rewritten graph
+    #: torch's MemoryTracker rules on the rewritten graph, read from its structure (the
+    #: re-export simulated): reported, not held (module docstring)
     tracker_peak_bytes: int
     n_collectives: int
     exposed_comm_ms: float
 
     @property
     def max_peak_bytes(self) -> int:
-        """The largest of the three peaks: what a budget must hold."""
-        return max(self.peak_bytes, self.liveness_peak_bytes, self.tracker_peak_bytes)
+        """The larger of the re-export's and the liveness count's peaks: what a budget holds."""
+        return max(self.peak_bytes, self.liveness_peak_bytes)
+
+    @property
+    def decided_by(self) -> str:
+        """Which count the budget is held by (the larger)."""
+        return "liveness" if self.liveness_peak_bytes > self.peak_bytes else "re-export"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,11 +177,12 @@ class Figures:
 
 def judge_graph(gm: "torch.fx.GraphModule", cost_model: Any = None, cluster: Any = None) -> Figures:
     """Judge ``gm`` as written: re-export it with ``cost_model`` on ``cluster`` and simulate it
-    in its node order; take its liveness and torch tracker peaks."""
+    in its node order (step time, its peak by the execution model and by torch's tracker rules);
+    take its liveness peak."""
     problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
     sim = simulate(problem.dag, problem=problem)
     return Figures(step_ms=sim.step_ms, peak_bytes=sim.peak_bytes, liveness_peak_bytes=liveness_peak(gm),
-                   tracker_peak_bytes=torch_tracker_peak(gm), n_collectives=sim.n_collectives,
+                   tracker_peak_bytes=sim.tracker_peak_bytes, n_collectives=sim.n_collectives,
                    exposed_comm_ms=sim.exposed_comm_ms)
 
 
@@ -207,7 +221,8 @@ class Candidate:
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.schedule.digest(),
-                "figures": self.figures.to_json() if self.figures else None, "dropped": self.dropped}
+                "figures": self.figures.to_json() if self.figures else None,
+                "peak_decided_by": self.figures.decided_by if self.figures else None, "dropped": self.dropped}
 
 
 def write_and_judge(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, *, cost_model: Any,
@@ -224,7 +239,8 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
            mem_budget_bytes: int | None, *, cost_model: Any, cluster: Any, payload_order: str,
            control_deps: bool) -> tuple[Candidate, list[Candidate]]:
     """The first of ``ranked`` (name, schedule), then the graph as traced, whose written graph
-    holds ``mem_budget_bytes`` by all three counts. Returns it and every candidate judged.
+    holds ``mem_budget_bytes`` (:attr:`Figures.max_peak_bytes`). Returns it and every candidate
+    judged.
 
     Raises:
         InfeasibleBudgetError: no written graph holds the budget (the smallest peak found).
@@ -248,7 +264,7 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
             continue
         if mem_budget_bytes is not None and c.figures.max_peak_bytes > mem_budget_bytes:
             c.dropped = (f"its written graph peaks at {fmt_bytes(c.figures.max_peak_bytes)} by "
-                         f"{_counts(c.figures)}, over the budget")
+                         f"{c.figures.decided_by} ({_counts(c.figures)}), over the budget")
             logger.warning("fsdp-sched: candidate %s dropped: %s", name, c.dropped)
             continue
         return c, judged
@@ -260,10 +276,10 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
     peak = least.figures.max_peak_bytes
     raise InfeasibleBudgetError(
         f"no rewritten graph keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B) by "
-        f"the re-export, the liveness count and torch's MemoryTracker; the smallest is {fmt_bytes(peak)} ({peak} B, "
+        f"the re-export and the liveness count; the smallest is {fmt_bytes(peak)} ({peak} B, "
         f"{least.name}): raise mem_budget to at least that", budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
 
 
 def _counts(f: Figures) -> str:
     return (f"re-export {fmt_bytes(f.peak_bytes)}, liveness {fmt_bytes(f.liveness_peak_bytes)}, "
-            f"tracker {fmt_bytes(f.tracker_peak_bytes)}")
+            f"torch's tracker rules {fmt_bytes(f.tracker_peak_bytes)}")

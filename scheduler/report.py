@@ -184,13 +184,13 @@ class ScheduleReport:
             f"  written graph ({self.chosen_candidate}, {self.verify_time_s:.2f} s to verify): step "
             f"{fmt_ms(self.reexported_step_ms)} re-exported (model {fmt_ms(self.step_ms_after)}); peak "
             f"{_fmt_opt_bytes(self.reexported_peak_bytes)} re-exported, {_fmt_opt_bytes(self.liveness_peak_bytes)} "
-            f"liveness, {_fmt_opt_bytes(self.tracker_peak_bytes)} torch tracker"
+            f"liveness, {_fmt_opt_bytes(self.tracker_peak_bytes)} by torch's tracker rules"
         ]
         if self.criterion:
             lines.append(f"  chosen by: {self.criterion}")
         for c in self.candidates:
             f = c.get("figures") or {}
-            written = "-" if not f else f"{fmt_ms(f['step_ms'])}, peak {fmt_bytes(max(f['peak_bytes'], f['liveness_peak_bytes'], f['tracker_peak_bytes']))}"
+            written = "-" if not f else f"{fmt_ms(f['step_ms'])}, peak {fmt_bytes(max(f['peak_bytes'], f['liveness_peak_bytes']))}"
             outcome = "chosen" if c.get("dropped") is None else f"dropped: {c['dropped']}"
             lines.append(f"    candidate {c['name']:<40} written {written}: {outcome}")
         return lines

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -29,7 +28,7 @@ from solvers import search
 from solvers.config import SolverConfig
 from solvers.search import DEFAULT_TIME_LIMIT_S
 from solvers.core.problem import Problem
-from solvers.core.schedule import Schedule, ScheduleError, SolveResult
+from solvers.core.schedule import Schedule, SolveResult
 from solvers.core.units import US_PER_MS
 from solvers.model import Anchors, Decisions, ModelData, Solution
 

@@ -229,11 +229,10 @@ def _with_budget(
     mem_budget_bytes: int | None,
     t0: float,
 ) -> SolveResult:
-    """Return the first config's result whose simulated peaks (both counts) fit the budget.
+    """Return the first config's result whose simulated peak fits the budget.
 
     Raises:
-        InfeasibleBudgetError: no config fits; ``min_peak_bytes`` is the smallest peak seen
-            (the larger of the two counts).
+        InfeasibleBudgetError: no config fits; ``min_peak_bytes`` is the smallest peak seen.
     """
     best_peak: int | None = None
     first = True
@@ -242,10 +241,7 @@ def _with_budget(
         sim = evaluate_schedule(problem, sched)
         res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
                        sim=sim)
-        # the budget holds on the written graph by both counts (the model's and torch's
-        # tracker rules): a schedule over it by either is no answer, and the smallest peak
-        # stated is a budget that the schedule then holds
-        peak = sim.max_peak_bytes
+        peak = sim.peak_bytes
         if mem_budget_bytes is None or peak <= mem_budget_bytes:
             if not first:
                 logger.info("%s: fits %d B with %s (peak %d B)", name, mem_budget_bytes, cfg, peak)

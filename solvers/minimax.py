@@ -177,8 +177,7 @@ class MinimaxResult:
 
 
 def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
-           mem_budget_bytes: int | None = None, config: MinimaxConfig = MinimaxConfig(), *,
-           tracker_budget_bytes: int | None = None) -> MinimaxResult:
+           mem_budget_bytes: int | None = None, config: MinimaxConfig = MinimaxConfig()) -> MinimaxResult:
     """Lower the worst-case regret of ``start`` across the models of ``problems`` (module
     docstring).
 
@@ -189,12 +188,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             (moves that lower the excess are taken before any other).
         reference_ms: model label -> the best step time known under that model (ms, > 0), e.g.
             the best candidate's; the regret under ``m`` is ``t_m / reference_ms[m] - 1``.
-        mem_budget_bytes: peak-memory budget (bytes); None: no limit. Both counts of the
-            simulator hold it (``SimResult.max_peak_bytes``).
-        tracker_budget_bytes: a budget for torch's tracker count of its own (bytes; default
-            ``mem_budget_bytes``): a solve whose model guarantees the budget by the execution
-            model's count alone polishes under ``max(budget, its start's tracker peak)``, so the
-            polish never makes torch's count worse than its start did nor breaks the budget.
+        mem_budget_bytes: peak-memory budget (bytes) by the execution model's count (the
+            memory the written graph holds); None: no limit.
 
     Raises:
         ValueError: no problem, problems of different graphs, a reference missing or not > 0,
@@ -203,7 +198,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, tracker_budget_bytes)
+    search = _Search(problems, reference_ms, mem_budget_bytes)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -227,7 +222,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
-    peak = max(s.max_peak_bytes for s in sims.values())
+    peak = max(s.peak_bytes for s in sims.values())
     if score[0] > 0:
         raise InfeasibleBudgetError(
             f"the minimax polish could not bring its start under the budget of {fmt_bytes(mem_budget_bytes or 0)}: "
@@ -247,7 +242,7 @@ class _Search:
     """The models, the references and the simulation count of one :func:`polish`."""
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
-                 mem_budget_bytes: int | None, tracker_budget_bytes: int | None = None):
+                 mem_budget_bytes: int | None):
         if not problems:
             raise ValueError("polish needs at least one cost model's problem")
         self.labels = list(problems)
@@ -262,7 +257,6 @@ class _Search:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
         self.reference = {label: float(reference_ms[label]) for label in self.labels}
         self.mem_budget_bytes = mem_budget_bytes
-        self.tracker_budget_bytes = mem_budget_bytes if tracker_budget_bytes is None else tracker_budget_bytes
         self.simulations = 0
         #: model labels, the one of largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
@@ -308,8 +302,7 @@ class _Search:
             finally:
                 self.simulations += 1
             if self.mem_budget_bytes is not None:
-                excess = max(excess, sim.peak_bytes - self.mem_budget_bytes,
-                             sim.tracker_peak_bytes - self.tracker_budget_bytes, 0)
+                excess = max(excess, sim.peak_bytes - self.mem_budget_bytes, 0)
             r = sim.step_ms / self.reference[label] - 1
             if bar is not None and (excess > bar[0] or (excess == bar[0] and r > bar[1] + _EPS)):
                 return None
@@ -637,7 +630,7 @@ def reference_times(problems: Mapping[str, Problem], schedules: Sequence[Schedul
     best: dict[str, float] = {}
     for schedule in schedules:
         sims = {label: simulate(p.dag, schedule, problem=p) for label, p in problems.items()}
-        if mem_budget_bytes is not None and max(s.max_peak_bytes for s in sims.values()) > mem_budget_bytes:
+        if mem_budget_bytes is not None and max(s.peak_bytes for s in sims.values()) > mem_budget_bytes:
             continue
         for label, sim in sims.items():
             best[label] = min(best.get(label, float("inf")), sim.step_ms)

@@ -3,8 +3,8 @@
 :func:`search` finds a schedule of one graph priced by one cost model or by several (a
 *family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
 Every schedule it compares is evaluated exactly on the execution model
-(:mod:`solvers.core.evaluate`: the simulator's step time, and peak memory by its own count and
-by torch's ``MemoryTracker`` rules).
+(:mod:`solvers.core.evaluate`: the simulator's step time and peak memory, the memory the
+written graph holds).
 
 =========  ====================================================  =====================  ========================================
 stage      what it does                                          work                   why it exists
@@ -64,7 +64,7 @@ from solvers.core.schedule import (
     SolveStatus,
     StageRecord,
 )
-from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
+from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
 from solvers import minimax
@@ -154,8 +154,9 @@ class Evaluated:
 
     @property
     def peak_bytes(self) -> int:
-        """The larger of the two memory counts (the same under every model)."""
-        return max(s.max_peak_bytes for s in self.sims.values())
+        """Peak memory by the execution model's count (the same under every model): what the
+        written graph holds, and what the budget bounds."""
+        return max(s.peak_bytes for s in self.sims.values())
 
     def step_ms(self, label: str) -> float:
         return self.sims[label].step_ms
@@ -281,10 +282,9 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
 
 def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *, max_moves: int = 8
                   ) -> Schedule | None:
-    """``schedule`` moved under ``mem_budget_bytes`` (both memory counts) by a few local moves
-    at its peak, or None.
+    """``schedule`` moved under ``mem_budget_bytes`` by a few local moves at its peak, or None.
 
-    Each move takes one movable bucket alive at the step where a count peaks over the budget and
+    Each move takes one movable bucket alive at the step where memory peaks over the budget and
     shortens its life across it: an all-gather issued before the peak is issued after the next
     compute node instead (its buffer no longer overlaps the peak), a reduce-scatter in flight is
     waited at the peak's step (its input freed sooner). Of the moves that lower the peak, the
@@ -292,21 +292,20 @@ def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *
     A regular plan a little over the budget so keeps all its prefetches but the ones at the peak.
     """
     evaluator = Evaluator(problem)
-    peak = evaluator.evaluate(schedule).max_peak_bytes
+    peak = evaluator.evaluate(schedule).peak_bytes
     for _ in range(max_moves):
         if peak <= mem_budget_bytes:
             return schedule
-        sim = simulate(problem.dag, schedule, problem=problem)  # where the peak is
-        at = sim.peak_step if sim.peak_bytes >= sim.tracker_peak_bytes else sim.tracker_peak_step
+        at = simulate(problem.dag, schedule, problem=problem).peak_step  # where the peak is
         best: tuple[tuple, Schedule, int] | None = None
         for cand in _peak_moves(problem, schedule, at):
             e = evaluator.evaluate(cand)
-            if e.max_peak_bytes >= peak:
+            if e.peak_bytes >= peak:
                 continue
-            fits = e.max_peak_bytes <= mem_budget_bytes
-            key = (not fits, e.step_ms if fits else e.max_peak_bytes, e.step_ms)
+            fits = e.peak_bytes <= mem_budget_bytes
+            key = (not fits, e.step_ms if fits else e.peak_bytes, e.step_ms)
             if best is None or key < best[0]:
-                best = (key, cand, e.max_peak_bytes)
+                best = (key, cand, e.peak_bytes)
         if best is None:
             return None
         _, schedule, peak = best

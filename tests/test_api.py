@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import scheduler
+from scheduler.choose import cost_model_label
 from scheduler import (
     AgreementOptions,
     InfeasibleBudgetError,
@@ -100,7 +101,7 @@ def test_optimize_schedule_rewrites_and_reports(pg):
     assert report.peak_bytes_after <= 2**30 and report.mem_budget_bytes == 2**30
     assert len(report.ag_prefetch) == report.bucket_types.count("all_gather")
     assert len(report.digest) == 64 and report.digest == gm.meta[api.SCHEDULE_KEY].digest()
-    assert report.verified and report.cost_models == [api.cost_model_label(COSTS)]
+    assert report.verified and report.cost_models == [cost_model_label(COSTS)]
     chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
     assert chosen["dropped"] is None and chosen["digest"] == report.digest
     assert chosen["figures"]["step_ms"] == report.reexported_step_ms

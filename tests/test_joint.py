@@ -287,14 +287,7 @@ def test_fsdp2_plan_is_per_block_and_per_direction(joints):
 # --------------------------------------------------------------------------------------------
 # the graph's own peak as the budget
 # --------------------------------------------------------------------------------------------
-_TRACKER = pytest.mark.xfail(
-    strict=True, reason="torch's MemoryTracker takes each recomputed copy (sharing its FakeTensor) for an alias "
-                        "of its forward original, and the choice requires its count to fit; counting recomputed "
-                        "copies as storages of their own is a change of its own")
-
-
-@pytest.mark.parametrize("variant", [
-    "keep", pytest.param("reshard", marks=_TRACKER), pytest.param("sac", marks=_TRACKER)])
+@pytest.mark.parametrize("variant", ["keep", "reshard", "sac"])
 def test_budget_equal_to_the_traced_peak_is_met(joints, variant):
     """optimize_schedule with the traced joint graph's own peak (the reference liveness count,
     which the simulator reproduces) as budget: never refused, and the written graph peaks
