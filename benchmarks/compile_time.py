@@ -4,7 +4,7 @@ For each graph (forward and backward of a preset, ``models.capture_fsdp_graphs``
 factor f:
 
 * budget: f x the traced graph's own peak by all counts
-  (``scheduler.choose.judge_graph(gm).max_peak_bytes``: re-export, liveness and torch tracker);
+  (``scheduler.check.written.judge_graph(gm).max_peak_bytes``: re-export, liveness and torch tracker);
 * export: wall time of ``scheduler.export_dag(gm)`` alone;
 * torch: wall time of torch's ``schedule_overlap_bucketing`` on a deep copy, called as this repo
   calls it (``harness.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run
@@ -159,7 +159,7 @@ def rows_of(spec: str, kind: str, gm: Any, budget_factors: list[float], use_cach
     """The rows of one graph: one per budget factor."""
     from harness.baselines import torch_overlap_schedule
     from scheduler import export_dag, optimize_schedule
-    from scheduler.choose import judge_graph
+    from scheduler.check.written import judge_graph
 
     label = f"{spec} {kind}"
     traced = judge_graph(gm)

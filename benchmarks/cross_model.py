@@ -5,7 +5,7 @@ No cost model is the machine. For every graph (forward / backward of each model)
 1. budget = the FSDP2-like peak: the largest of the re-export, liveness and torch-tracker
    peaks of the FSDP2-like schedule written back (``--budget none``: no limit);
 2. candidates, each written back on a copy and judged on the written graph under every model of
-   the family (:func:`scheduler.choose.cost_model_family`: analytic and torch, each with
+   the family (:func:`scheduler.costs.family.cost_model_family`: analytic and torch, each with
    bandwidths x0.7 and x1.3): fsdp-sched solved under analytic alone and under torch alone
    (``optimize_schedule(cost_model=...)``), fsdp-sched with its default (no cost model: the
    least worst-case regret over the family), and the baselines (FSDP2-, SimpleFSDP-,
@@ -53,7 +53,7 @@ ROBUST = "fsdp-sched (robust default)"
 def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2") -> dict[str, Any]:
     """Every candidate of one graph judged under the family (module docstring)."""
     from harness.judged import judge_baseline, judge_product
-    from scheduler.choose import cost_model_family
+    from scheduler.costs.family import cost_model_family
     from scheduler.options import SolverOptions
 
     family = cost_model_family(cluster)
@@ -79,7 +79,7 @@ def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "
 
 def run(models: list[str], time_limit_s: float, budget_of: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
     from models.capture import fake_process_group
-    from scheduler.costs import Cluster
+    from scheduler.costs.models import Cluster
 
     out = []
     for spec in models:

@@ -5,7 +5,7 @@ group: no GPU and no data move), then for each graph and each baseline B (FSDP2-
 overlap scheduler, SimpleFSDP-like) writes B back on a copy of the graph and runs
 ``scheduler.optimize_schedule`` with its defaults (no cost model given: the schedule with the
 least worst-case regret over the family of plausible cost models) at B's peak memory. Every
-graph is judged as written (:func:`scheduler.choose.judge_graph`): step time re-exported under
+graph is judged as written (:func:`scheduler.check.written.judge_graph`): step time re-exported under
 the analytic cost model and under torch's own estimators, peak memory by the largest of three
 counts. Prints, per graph, each baseline and fsdp-sched at its peak: step ms under both models
 (with fsdp-sched's speedup), peak GiB, and the compile seconds of torch's pass and of
@@ -123,7 +123,7 @@ def quiet_loggers() -> None:
     (torch's FSDP pass sets its logger to INFO on import, so import it first)."""
     import torch._inductor.fx_passes.fsdp  # noqa: F401
 
-    for noisy in ("torch._inductor.fx_passes.fsdp", "scheduler.structure", "scheduler.dag",
+    for noisy in ("torch._inductor.fx_passes.fsdp", "scheduler.export.structure", "scheduler.export.dag",
                   "torch._inductor.fx_passes.overlap_scheduling"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"demo.py: error: unknown model {args.model!r}; choose one of {', '.join(list_presets())}")
     quiet_loggers()
     from models.capture import fake_process_group
-    from scheduler.costs import Cluster
+    from scheduler.costs.models import Cluster
     from scheduler.options import SolverOptions
 
     t0 = time.perf_counter()

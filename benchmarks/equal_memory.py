@@ -47,7 +47,7 @@ def run(models: list[str], time_limit_s: float, solve_under: str) -> tuple[list[
     """All rows, and the JSON of every comparison."""
     from harness import equal_memory
     from models.capture import fake_process_group
-    from scheduler.costs import Cluster
+    from scheduler.costs.models import Cluster
     from scheduler.options import SolverOptions
 
     rows, data = [], []

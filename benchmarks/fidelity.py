@@ -1,7 +1,7 @@
 """Fidelity of the execution model: predicted vs measured step time on a real gloo group.
 
 Each rank of a local gloo group builds the same FSDP model (:func:`models.build_model`, fp32),
-fits a :class:`scheduler.measure.MeasuredCostModel` on the live group (collective alpha-beta
+fits a :class:`scheduler.costs.measure.MeasuredCostModel` on the live group (collective alpha-beta
 lines, compute ops timed on this CPU), compiles the model with the fsdp-sched backend
 (:func:`scheduler.backend`) once per solver, runs training steps, and compares the wall time of
 forward and backward with what the simulator predicted for the rewritten graphs
@@ -14,10 +14,10 @@ dynamo guards, Python between ops) shows up as measured > predicted.
 
 With ``--profile`` each solver's compiled step is also predicted from a profile of the same
 run: the collectives are timed on the same group by ``fsdp-sched measure`` (its CSV, read back
-as a :class:`scheduler.costs.TableCostModel`), a training step is recorded with
+as a :class:`scheduler.costs.models.TableCostModel`), a training step is recorded with
 ``torch.profiler`` on every rank after each timed step (CPU activity, ``record_shapes=True``;
 the profiled steps are not timed), and the rewritten forward and backward graphs that ran are priced by
-:class:`scheduler.costs.ProfileCostModel` (each node's op on its input shapes as the profile
+:class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input shapes as the profile
 timed it; unmatched nodes timed on this CPU by the measured model) with collectives from that
 table, then simulated in their order, once per profiled step; the median over the steps of the
 slowest rank's prediction is compared with the median of the measured steps (each step's
@@ -108,8 +108,8 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
     import scheduler
     from models.fsdp import make_mesh
     from models.llama import get_config
-    from scheduler.costs import Cluster
-    from scheduler.measure import MeasuredCostModel
+    from scheduler.costs.models import Cluster
+    from scheduler.costs.measure import MeasuredCostModel
 
     if rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -217,7 +217,7 @@ def _measured_table(cfg: FidelityConfig, group: Any, cluster: Any) -> Any:
     import torch.distributed as dist
 
     from scheduler.cli import main as cli_main
-    from scheduler.costs import TableCostModel
+    from scheduler.costs.models import TableCostModel
 
     out = Path(cfg.profile_dir)
     if dist.get_rank() == 0:
@@ -258,7 +258,7 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any
     import torch.distributed as dist
 
     from scheduler import export_dag, simulate
-    from scheduler.costs import ProfileCostModel, TableCostModel
+    from scheduler.costs.models import ProfileCostModel, TableCostModel
 
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
     per_step = []

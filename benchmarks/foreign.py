@@ -18,7 +18,7 @@ and simulated in its own order; torch's scheduler rewrites its own copy, judged 
 - torch: ``harness.baselines.torch_overlap_schedule`` without and with
   ``pre_bucketing_fsdp_collectives`` ("unavailable" when it raises TorchBaselineError);
 - fsdp-sched: what a user runs, ``scheduler.optimize_schedule(gm, mem_budget=..., cost_model=...)``
-  with its other defaults (the search, then :func:`scheduler.choose.choose`: its schedule, its
+  with its other defaults (the search, then :func:`scheduler.check.written.choose`: its schedule, its
   next best starts and the traced order are written back in turn and the first whose written
   graph fits is installed), judged on the graph it returns. ``--solve-under each`` (default)
   gives it the row's cost model; ``--solve-under robust`` gives it none (the robust default:
@@ -86,7 +86,7 @@ def _judge(gm: Any, cost_model: str) -> tuple[float, int]:
     """(step ms, peak bytes) of ``gm`` as written: re-exported and simulated in its order; the
     peak is the largest of the re-export's, the reference liveness count's and torch's
     MemoryTracker's (the three counts a budget must hold by, for every column alike)."""
-    from scheduler.choose import judge_graph
+    from scheduler.check.written import judge_graph
 
     figures = judge_graph(gm, cost_model)
     return figures.step_ms, figures.max_peak_bytes

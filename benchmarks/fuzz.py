@@ -59,7 +59,7 @@ import torch  # noqa: E402
 
 import random_programs as rp  # noqa: E402
 from scheduler import SolverOptions, WriteBackOptions, export_dag, optimize_schedule, validate_schedule  # noqa: E402
-from scheduler.judge import liveness_peak, torch_tracker_peak  # noqa: E402
+from scheduler.check.judge import liveness_peak, torch_tracker_peak  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem, ScheduleError, solve  # noqa: E402
 
 HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")

@@ -8,8 +8,8 @@ For every model, graph (forward / backward), heuristic schedule and cost model:
 3. write the schedule back (``scheduler.apply_schedule``: torch's merge functions), re-export
    the rewritten graph with the same cost model and simulate it in its traced order;
 4. judge the rewritten graph on torch's side: the reference liveness count
-   (``scheduler.judge.liveness_peak``) and torch's ``MemoryTracker``
-   (``scheduler.judge.torch_tracker_peak``, every device counted).
+   (``scheduler.check.judge.liveness_peak``) and torch's ``MemoryTracker``
+   (``scheduler.check.judge.torch_tracker_peak``, every device counted).
 
 Prints one row per case: predicted and re-exported step time (ms) and their difference, the
 predicted, re-exported, reference and torch peaks (MiB). Re-exported and reference peaks must
@@ -50,7 +50,7 @@ MiB = 1 << 20
 
 def _cost_model(name: str, cluster: Any) -> Any:
     # objects rather than names, so that the script also runs on versions before the resolver
-    from scheduler.costs import AnalyticCostModel, TorchCostModel
+    from scheduler.costs.models import AnalyticCostModel, TorchCostModel
 
     return {"analytic": AnalyticCostModel, "torch": TorchCostModel}[name](cluster)
 
@@ -59,8 +59,8 @@ def agreement_row(gm: Any, *, world_size: int, schedule: str, cost_model: str, c
     """One case (see the module docstring); ``gm`` is not modified."""
     from models.capture import fake_process_group
     from scheduler import apply_schedule, export_dag, simulate
-    from scheduler.costs import Cluster
-    from scheduler.judge import liveness_peak, torch_tracker_peak
+    from scheduler.costs.models import Cluster
+    from scheduler.check.judge import liveness_peak, torch_tracker_peak
     from solvers import Problem, solve
 
     cluster = cluster or Cluster()

@@ -1,7 +1,7 @@
 """fsdp-sched: solver-based scheduling of FSDP collectives.
 
-Pipeline (one module per step): ``models`` (capture) -> :mod:`scheduler.dag` (export) ->
-:mod:`scheduler.costs` (costs) -> ``solvers`` (solve) -> :mod:`solvers.core.simulator` /
+Pipeline (one module per step): ``models`` (capture) -> :mod:`scheduler.export.dag` (export) ->
+:mod:`scheduler.costs.models` (costs) -> ``solvers`` (solve) -> :mod:`solvers.core.simulator` /
 :mod:`solvers.core.validator` (check) -> :mod:`scheduler.writeback` (write back);
 :mod:`scheduler.api` ties them together as ``optimize_schedule``.
 
@@ -16,20 +16,20 @@ import importlib.util
 from typing import Any
 
 _EXPORTS = {
-    "export_dag": "scheduler.dag",
-    "save_dag": "scheduler.dag",
-    "load_dag": "scheduler.dag",
-    "DagError": "scheduler.dag",
-    "Cluster": "scheduler.costs",
-    "GPUSpec": "scheduler.costs",
-    "GPU_PRESETS": "scheduler.costs",
-    "AnalyticCostModel": "scheduler.costs",
-    "TorchCostModel": "scheduler.costs",
-    "TableCostModel": "scheduler.costs",
-    "ProfileCostModel": "scheduler.costs",
-    "CollectiveTable": "scheduler.cost_tables",
-    "annotate_costs": "scheduler.costs",
-    "MeasuredCostModel": "scheduler.measure",
+    "export_dag": "scheduler.export.dag",
+    "save_dag": "scheduler.export.dag",
+    "load_dag": "scheduler.export.dag",
+    "DagError": "scheduler.export.dag",
+    "Cluster": "scheduler.costs.models",
+    "GPUSpec": "scheduler.costs.models",
+    "GPU_PRESETS": "scheduler.costs.models",
+    "AnalyticCostModel": "scheduler.costs.models",
+    "TorchCostModel": "scheduler.costs.models",
+    "TableCostModel": "scheduler.costs.models",
+    "ProfileCostModel": "scheduler.costs.models",
+    "CollectiveTable": "scheduler.costs.tables",
+    "annotate_costs": "scheduler.costs.models",
+    "MeasuredCostModel": "scheduler.costs.measure",
     "simulate": "solvers.core.simulator",
     "SimResult": "solvers.core.simulator",
     "ScheduleInvalidError": "solvers.core.simulator",
@@ -38,10 +38,10 @@ _EXPORTS = {
     "solve_dag": "scheduler.api",
     "ScheduleReport": "scheduler.report",
     "parse_bytes": "solvers.core.units",
-    "backend": "scheduler.compile",
-    "inductor_post_grad_pass": "scheduler.compile",
+    "backend": "scheduler.integrate.compile",
+    "inductor_post_grad_pass": "scheduler.integrate.compile",
     "apply_schedule": "scheduler.writeback",
-    "cost_model_family": "scheduler.choose",
+    "cost_model_family": "scheduler.costs.family",
     "SolverOptions": "scheduler.options",
     "AgreementOptions": "scheduler.options",
     "WriteBackOptions": "scheduler.options",
@@ -58,7 +58,7 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, or a submodule (``scheduler.compile.backend`` works after a bare
+    """A public name, or a submodule (``scheduler.integrate.compile.backend`` works after a bare
     ``import scheduler``, as an eager package would allow), loaded on first use."""
     module = _EXPORTS.get(name)
     if module is not None:

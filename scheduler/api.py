@@ -4,15 +4,15 @@ One :func:`optimize_schedule` call is a straight line:
 
 1. **check** every argument (options are checked when built), alike on every rank;
 2. **export** the graph once and price it under the cost model, or, when none is given, under
-   the family of plausible models (:func:`scheduler.choose.cost_models`);
+   the family of plausible models (:func:`scheduler.costs.family.cost_models`);
 3. **solve** (:mod:`solvers.search`: starts, CP-SAT windows, polish), or take the answer from
-   the schedule cache (:mod:`scheduler.cache`) when the identical graph, budget and options
+   the schedule cache (:mod:`scheduler.integrate.cache`) when the identical graph, budget and options
    were solved before;
 4. **choose**: write the best schedule back on a copy and judge the written graph by three
    memory counts; the next best start if it does not hold the budget
-   (:func:`scheduler.choose.choose`);
+   (:func:`scheduler.check.written.choose`);
 5. **agree** with the other ranks on the schedule, or on the failure of any of them
-   (:mod:`scheduler.consensus`);
+   (:mod:`scheduler.integrate.consensus`);
 6. **install** it into ``gm`` (the ranks agree that every rank did, or all restore their graph).
 
 The report (:class:`scheduler.report.ScheduleReport`) is stored at ``gm.meta[REPORT_KEY]``:
@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler import cache, consensus
-from scheduler.choose import choose, cost_models, export_problems
-from scheduler.costs import Cluster, resolve_cost_model
-from scheduler.dag import DagError, graph_has_collectives
+from scheduler.integrate import cache, consensus
+from scheduler.check.written import choose
+from scheduler.costs.family import cost_models
+from scheduler.export.dag import export_problems
+from scheduler.costs.models import Cluster, resolve_cost_model
+from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report
 from scheduler.writeback import apply_schedule
@@ -114,10 +116,10 @@ def optimize_schedule(
             initialised process group in which its groups resolve (a fake one is enough).
         mem_budget: peak-memory budget, bytes or a string like ``"40GiB"``; None: no limit.
             The written graph holds it by the execution model's count and a liveness count
-            (torch's MemoryTracker rules are reported: :mod:`scheduler.choose`).
+            (torch's MemoryTracker rules are reported: :mod:`scheduler.check.written`).
         cost_model: a cost model or its name (``"analytic"``, ``"torch"``, ...); that model
             alone decides. None (default): the schedule with the least worst-case regret over
-            the family of plausible models (:func:`scheduler.choose.cost_models`).
+            the family of plausible models (:func:`scheduler.costs.family.cost_models`).
         cluster: the topology (:class:`scheduler.Cluster`; default 64 H100, 8 per node).
         solver: how to solve (:class:`scheduler.options.SolverOptions`).
         agreement: how ranks agree (:class:`scheduler.options.AgreementOptions`).
@@ -333,7 +335,7 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
 
 
 def _cache_key(graph_key: str | None, budget: int | None) -> str | None:
-    """The schedule cache's key of this solve (:mod:`scheduler.cache`), None when caching is off
+    """The schedule cache's key of this solve (:mod:`scheduler.integrate.cache`), None when caching is off
     or the solve is not a function of data alone."""
     if cache.cache_dir() is None or graph_key is None:
         return None
@@ -372,7 +374,7 @@ def _cached(problem: Problem, key: str | None, budget: int | None) -> _Answer | 
 # --------------------------------------------------------------------------------------------
 def _agree(group: Any, src: int, answer: _Answer | None, error: BaseException | None,
            problem: Problem | None) -> _Answer:
-    """One answer on every rank of ``group`` (:func:`scheduler.consensus.agree_on_schedule`):
+    """One answer on every rank of ``group`` (:func:`scheduler.integrate.consensus.agree_on_schedule`):
     this rank's, the source rank's, or the graph left as traced when any rank failed."""
     agreed = consensus.agree_on_schedule(answer, answer.report.to_json() if answer else None, error, group=group,
                                          src=src, decode=_Answer.from_json)

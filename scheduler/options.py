@@ -39,7 +39,7 @@ class SolverOptions:
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models judged when no cost model is given
-    #: (:func:`scheduler.choose.cost_model_family`); empty: analytic and torch as given only
+    #: (:func:`scheduler.costs.family.cost_model_family`); empty: analytic and torch as given only
     bandwidth_scales: tuple[float, ...] = (0.7, 1.3)
     #: ``hook(problem, schedule) -> Schedule | None`` called on the solved schedule before the
     #: ranks agree: a returned schedule replaces it (validated); it may raise. For edits of a
@@ -83,7 +83,7 @@ class SolverOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgreementOptions:
-    """How the ranks of a process group agree on one schedule (:mod:`scheduler.consensus`)."""
+    """How the ranks of a process group agree on one schedule (:mod:`scheduler.integrate.consensus`)."""
 
     #: with an initialised process group of more than one rank, the ranks agree before writing
     #: back: one all-gather of schedule digests; on a mismatch every rank takes the source

@@ -98,10 +98,10 @@ class ScheduleReport:
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: labels of the cost models the schedule was judged under (the first is the report's)
     cost_models: list[str] = dataclasses.field(default_factory=list)
-    #: the answer came from the schedule cache (:mod:`scheduler.cache`), not from a solve
+    #: the answer came from the schedule cache (:mod:`scheduler.integrate.cache`), not from a solve
     cache_hit: bool = False
     #: what the cost model priced from its own data (a profile, a measured table) and what
-    #: it left to its fallback (:func:`scheduler.costs.annotate_costs`): ``compute_ms``,
+    #: it left to its fallback (:func:`scheduler.costs.models.annotate_costs`): ``compute_ms``,
     #: ``compute_matched_ms``, ``compute_matched_share``, ``fallback_groups`` (group_name,
     #: coll_type, group_size, nodes per group priced by the fallback); empty for a model that
     #: does not say (analytic, torch)

@@ -29,7 +29,7 @@ copy by torch.
 
 Consistency with the simulator: re-exporting a rewritten graph and simulating it as traced
 reproduces the schedule's simulation exactly when nothing is merged, and its peak equals the
-reference liveness count of the rewritten graph (:mod:`scheduler.judge`; the export knows that
+reference liveness count of the rewritten graph (:mod:`scheduler.check.judge`; the export knows that
 ``copy_``, ``all_gather_into_tensor_out`` and ``wait_tensor`` return their buffer). With merged
 buckets the communication agrees exactly; step time differs by what torch's merge emits that
 the simulator prices as one copy-in and one copy-out per bucket: a ``cat`` and a ``copy_``

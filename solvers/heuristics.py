@@ -346,7 +346,7 @@ class FSDP2Config:
 
 def fsdp2_blocks(problem: Problem) -> dict[str, str]:
     """Block id of every collective, FSDP2's module groups: ``"block:N"`` for the parameters of
-    repeated block N as the export inferred it (:mod:`scheduler.structure`) and ``"root"`` for
+    repeated block N as the export inferred it (:mod:`scheduler.export.structure`) and ``"root"`` for
     the others (embeddings, final norm, output: FSDP2's root group). A DAG without inferred
     blocks (an old file) falls back to its FQNs: ``"layers.N"``, ``"root"`` for other module
     parameters, ``"coll:<name>"`` (its own block) when only a placeholder name is known."""

@@ -79,7 +79,7 @@ class Periodicity:
 
 def _roles_by_block(problem: Problem) -> dict[int, dict[tuple, str]] | None:
     """block -> role -> collective, for the movable collectives. The block is the export's
-    inferred ``block`` (:mod:`scheduler.structure`); the role is the collective's bucket key and
+    inferred ``block`` (:mod:`scheduler.export.structure`); the role is the collective's bucket key and
     its rank among its block's members of that chain. Without inferred blocks (an old DAG), the
     block and role come from the FQNs (``layers.N.<name>``). None when one block has two
     collectives of one role (not a plain repetition)."""

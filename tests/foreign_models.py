@@ -277,7 +277,7 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
         partitioner: ``"min_cut"`` (inductor's) or ``"default"``.
         wide_every: ``"alternating"`` only: every this-many-th block is 2x wider.
         dynamo_names: let the backend record the dynamo graph's parameter names on the graphs
-            (``scheduler.structure.attach_input_names``), as a backend that sees the dynamo
+            (``scheduler.export.structure.attach_input_names``), as a backend that sees the dynamo
             graph can.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -300,7 +300,7 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
             input_names = [named.get(id(x)) for x in example_inputs]
             names = None
             if dynamo_names:
-                from scheduler.structure import dynamo_input_names
+                from scheduler.export.structure import dynamo_input_names
 
                 names = dynamo_input_names(gm)
 
@@ -308,7 +308,7 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
                 graphs["forward"] = fw_gm
                 graphs["primal_names"] = _primal_names(fw_gm, input_names)
                 if names is not None:
-                    from scheduler.structure import attach_input_names, forward_input_names
+                    from scheduler.export.structure import attach_input_names, forward_input_names
 
                     graphs["input_names"] = forward_input_names(fw_gm, names)
                     attach_input_names(fw_gm, graphs["input_names"])
@@ -317,7 +317,7 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
             def bw(bw_gm, _inputs):
                 graphs["backward"] = bw_gm
                 if names is not None:
-                    from scheduler.structure import attach_input_names
+                    from scheduler.export.structure import attach_input_names
 
                     attach_input_names(bw_gm, graphs["input_names"])
                 return bw_gm

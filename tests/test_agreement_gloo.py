@@ -41,7 +41,7 @@ def _case(rank: int, world_size: int, case: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from scheduler import SolverOptions, api, optimize_schedule
-    from scheduler.choose import graph_digest
+    from scheduler.check.written import graph_digest
     from test_writeback import COSTS, toy_graph
 
     where, who = CASES[case]

@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import scheduler
-from scheduler.choose import cost_model_label
+from scheduler.costs.family import cost_model_label
 from scheduler import (
     AgreementOptions,
     InfeasibleBudgetError,
@@ -28,9 +28,9 @@ from scheduler import (
     solve_dag,
 )
 from scheduler import api
-from scheduler import compile as compile_
-from scheduler.choose import graph_digest
-from scheduler.dag import dag_from_json, dag_to_json, export_dag
+from scheduler.integrate import compile as compile_
+from scheduler.check.written import graph_digest
+from scheduler.export.dag import dag_from_json, dag_to_json, export_dag
 from solvers import Problem, Schedule, SolveStatus
 from test_writeback import COSTS, gloo_group, n_collectives, real_inputs, toy_graph
 
@@ -156,7 +156,7 @@ def test_graph_without_collectives_comes_back_unchanged():
 
 def test_infeasible_budget_states_a_smallest_peak_that_works_as_a_budget(pg):
     gm = toy_graph(pg, 1)
-    traced_peak = api.simulate(export_dag(gm, cost_model=COSTS)).max_peak_bytes
+    traced_peak = api.simulate(export_dag(gm, cost_model=COSTS)).peak_bytes
     before = graph_digest(gm)
     with pytest.raises(InfeasibleBudgetError, match="at least") as info:
         optimize_schedule(gm, 1000, cost_model=COSTS, solver=QUICK)
@@ -350,7 +350,7 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     for entry in tmp_path.glob("*.json"):
         entry.write_text("{ not json")
     again = toy_graph(pg, 1)
-    with caplog.at_level(logging.WARNING, logger="scheduler.cache"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
         optimize_schedule(again, None, cost_model=COSTS, solver=QUICK)
     assert not again.meta[api.REPORT_KEY].cache_hit and caplog.records
     assert graph_digest(again) == graph_digest(first)
@@ -359,7 +359,7 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
 def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monkeypatch, caplog):
     """An entry under the right key whose schedule names collectives this graph lacks (a key
     collision, or a hand-edited file) is a miss with a warning: the graph is solved."""
-    from scheduler import cache
+    from scheduler.integrate import cache
 
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
     gm = toy_graph(pg, 1)

@@ -26,8 +26,8 @@ from scheduler import (
     solve_dag,
 )
 from scheduler.api import REPORT_KEY
-from scheduler.choose import graph_digest
-from scheduler.dag import export_dag
+from scheduler.check.written import graph_digest
+from scheduler.export.dag import export_dag
 from test_writeback import COSTS, gloo_group, toy_graph
 
 

@@ -2,7 +2,7 @@
 
 One test per row of docs/RELIABILITY.md. Traced graphs are small make_fx graphs on a real
 single-process gloo group (``test_writeback.gloo_group``); DAGs come from
-``scheduler.synthetic.make_fsdp_dag``.
+``scheduler.whatif.synthetic.make_fsdp_dag``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from scheduler import (
 )
 from scheduler import cli
 from scheduler.cli import sweep
-from scheduler.costs import AnalyticCostModel, TableCostModel
-from scheduler.dag import dag_to_json, load_dag, save_dag
+from scheduler.costs.models import AnalyticCostModel, TableCostModel
+from scheduler.export.dag import dag_to_json, load_dag, save_dag
 from solvers.core.simulator import ScheduleInvalidError
 from solvers import Bucket, Problem, Schedule, SolveStatus, Step, solve
-from scheduler.synthetic import make_fsdp_dag
+from scheduler.whatif.synthetic import make_fsdp_dag
 from test_writeback import COSTS, gloo_group, toy_graph
 
 ops = torch.ops._c10d_functional
@@ -69,7 +69,7 @@ def test_symbolic_shapes_are_priced_at_the_sizes_traced():
     gm = make_fx(lambda x: torch.relu(x) @ x, tracing_mode="symbolic")(torch.randn(8, 8))
     dag = export_dag(gm)
     assert max(dag.nodes[n]["size_bytes"] for n in dag.nodes) == 8 * 8 * 4
-    from scheduler.dag import _tensor_bytes
+    from scheduler.export.dag import _tensor_bytes
 
     with pytest.raises(DagError, match="symbolic shape .*static shapes: compile with dynamic=False"):
         _tensor_bytes(next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"], "x")

@@ -18,7 +18,7 @@ from harness.baselines import (  # noqa: E402
     torch_memory_profile,
     torch_overlap_schedule,
 )
-from scheduler.dag import export_dag  # noqa: E402
+from scheduler.export.dag import export_dag  # noqa: E402
 from solvers.core.simulator import simulate  # noqa: E402
 from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402

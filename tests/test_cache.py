@@ -15,9 +15,9 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from scheduler import cache
-from scheduler.dag import load_dag, save_dag
-from scheduler.synthetic import DagBuilder
+from scheduler.integrate import cache
+from scheduler.export.dag import load_dag, save_dag
+from scheduler.whatif.synthetic import DagBuilder
 
 _TESTS = Path(__file__).parent
 
@@ -117,8 +117,8 @@ def test_fingerprint_equal_in_processes_with_other_hash_seeds(tmp_path):
         import json, sys
         sys.path.insert(0, {str(_TESTS)!r})
         from test_cache import _small_dag
-        from scheduler.cache import dag_fingerprint
-        from scheduler.dag import load_dag
+        from scheduler.integrate.cache import dag_fingerprint
+        from scheduler.export.dag import load_dag
         with_set = _small_dag()
         with_set.nodes["mm"]["tags"] = {{f"tag{{i}}" for i in range(20)}}
         print(json.dumps([dag_fingerprint(load_dag({str(tmp_path / "dag.json")!r})), dag_fingerprint(with_set)]))
@@ -211,7 +211,7 @@ def _wrong_key(key):
 def test_corrupt_entry_is_a_miss_with_a_warning(tmp_path, caplog, content, why):
     key = _key()
     (tmp_path / f"{key}.json").write_bytes(content(key))
-    with caplog.at_level(logging.WARNING, logger="scheduler.cache"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
         assert cache.load(key, tmp_path) is None
     messages = [r.getMessage() for r in caplog.records]
     assert any(f"{key}.json" in m and why in m for m in messages), messages
@@ -222,7 +222,7 @@ def test_corrupt_entry_is_a_miss_with_a_warning(tmp_path, caplog, content, why):
 def test_unwritable_directory_is_a_warning(tmp_path, caplog):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with caplog.at_level(logging.WARNING, logger="scheduler.cache"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
         assert cache.store(_key(), {"a": 1}, blocker) is None
     assert any("cannot write" in r.getMessage() for r in caplog.records)
 
@@ -251,7 +251,7 @@ def test_cache_dir_created(tmp_path, monkeypatch):
 def test_uncreatable_cache_dir_is_off_with_a_warning(tmp_path, monkeypatch, caplog):
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a_file" / "sub"))
-    with caplog.at_level(logging.WARNING, logger="scheduler.cache"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
         assert cache.cache_dir() is None
     assert any(cache.CACHE_ENV in r.getMessage() and "off" in r.getMessage() for r in caplog.records)
 
@@ -260,7 +260,7 @@ def test_uncreatable_cache_dir_is_off_with_a_warning(tmp_path, monkeypatch, capl
 _WRITER = """
 import sys
 from pathlib import Path
-from scheduler import cache
+from scheduler.integrate import cache
 directory, key, writer, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 bad = 0
 for i in range(n):

@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import scheduler.compile as compile_
+import scheduler.integrate.compile as compile_
 from scheduler import SolverOptions
 from test_writeback import gloo_group
 

@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 
 import scheduler  # noqa: E402
 from scheduler import SolverOptions, optimize_schedule, simulate  # noqa: E402
-from scheduler import compile as compile_  # noqa: E402
+from scheduler.integrate import compile as compile_  # noqa: E402
 from scheduler.api import REPORT_KEY  # noqa: E402
-from scheduler.dag import export_dag  # noqa: E402
+from scheduler.export.dag import export_dag  # noqa: E402
 from test_writeback import gloo_group, toy_graph  # noqa: E402
 
 NAMES = ("analytic", "torch")

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from scheduler.cost_tables import CollectiveTable, CostTableError, interpolate_ms, read_nccl_tests
-from scheduler.costs import AnalyticCostModel, Cluster, GroupInfo, TableCostModel, annotate_costs, resolve_cost_model
-from scheduler.synthetic import DagBuilder
+from scheduler.costs.tables import CollectiveTable, CostTableError, interpolate_ms, read_nccl_tests
+from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TableCostModel, annotate_costs, resolve_cost_model
+from scheduler.whatif.synthetic import DagBuilder
 
 MiB = 1 << 20
 H100 = Cluster()  # 8 GPUs per node
@@ -323,7 +323,7 @@ def test_inductor_pass_cache_key_follows_the_table_file(csv_path):
     """The inductor pass's uuid (the key of inductor's FX graph cache) changes when the table
     a "table:PATH" name reads changes, so a cached graph scheduled with old times is not
     reused."""
-    from scheduler.compile import inductor_post_grad_pass
+    from scheduler.integrate.compile import inductor_post_grad_pass
 
     name = f"table:{csv_path}"
     before = inductor_post_grad_pass(cost_model=name).uuid()

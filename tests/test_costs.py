@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scheduler.costs import (
+from scheduler.costs.models import (
     AnalyticCostModel,
     Cluster,
     GroupInfo,
@@ -15,7 +15,7 @@ from scheduler.costs import (
     annotate_costs,
     ring_collective_ms,
 )
-from scheduler.synthetic import DagBuilder
+from scheduler.whatif.synthetic import DagBuilder
 
 MiB = 1 << 20
 H100 = Cluster()  # 8 GPUs per node, NVLink 450 GB/s, IB 50 GB/s, latencies 8.4 / 3.4 / 14 us
@@ -107,7 +107,7 @@ def _node(dag, target):
 
 def test_analytic_matmul_flops_exact():
     """Exported mm of (256 x 512) @ (512 x 1024): flops = 2 m n k, bytes = inputs + output."""
-    from scheduler.dag import export_dag
+    from scheduler.export.dag import export_dag
 
     m, k, n = 256, 512, 1024
     dag = export_dag(_mm_graph(m, k, n))
@@ -122,8 +122,8 @@ def test_analytic_matmul_flops_exact():
 def test_torch_cost_model_without_gpu(group_name):
     """torch's roofline and NCCL estimators run on CPU (peaks patched to the cluster's GPU) and
     give positive finite times; a bigger matmul costs more."""
-    from scheduler.costs import TorchCostModel
-    from scheduler.dag import export_dag
+    from scheduler.costs.models import TorchCostModel
+    from scheduler.export.dag import export_dag
 
     model = TorchCostModel(H100)
     small = export_dag(_mm_graph(256, 512, 1024, group_name), cost_model=model)
@@ -192,7 +192,7 @@ def test_annotate_costs_rejects_bad_times(bad):
 
 # --- naming a cost model ----------------------------------------------------------------------
 def test_resolve_cost_model_by_name_object_or_none():
-    from scheduler.costs import COST_MODELS, TorchCostModel, resolve_cost_model
+    from scheduler.costs.models import COST_MODELS, TorchCostModel, resolve_cost_model
 
     small = Cluster(n_gpus=8)
     assert sorted(COST_MODELS) == ["analytic", "torch"]
@@ -206,15 +206,15 @@ def test_resolve_cost_model_by_name_object_or_none():
 
 @pytest.mark.parametrize("bad", ["roofline", "", 3, object()])
 def test_resolve_cost_model_rejects_what_is_not_one(bad):
-    from scheduler.costs import resolve_cost_model
+    from scheduler.costs.models import resolve_cost_model
 
     with pytest.raises(ValueError, match=r"\['analytic', 'torch'\]"):
         resolve_cost_model(bad)
 
 
 def test_export_dag_takes_a_cost_model_name(group_name):
-    from scheduler.costs import TorchCostModel
-    from scheduler.dag import export_dag
+    from scheduler.costs.models import TorchCostModel
+    from scheduler.export.dag import export_dag
 
     gm = _mm_graph(256, 512, 1024, group_name)
     by_name = export_dag(gm, cost_model="torch")
@@ -255,7 +255,7 @@ def test_torch_cost_model_charges_nothing_for_getitem_views_and_empty():
     import torch.utils._runtime_estimation as rte
     from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
-    from scheduler.costs import TorchCostModel, moves_no_data
+    from scheduler.costs.models import TorchCostModel, moves_no_data
 
     gm = _bucket_split_graph()
     model = TorchCostModel(H100)
@@ -299,7 +299,7 @@ def test_all_to_all_is_priced_on_its_group_by_both_models(group_name):
     pytest.importorskip("torch")
     import foreign_models as fm
     from conftest import FAKE_WORLD
-    from scheduler.dag import export_dag
+    from scheduler.export.dag import export_dag
 
     captured = fm.capture("moe", world_size=FAKE_WORLD)
     for cost_model in ("analytic", "torch"):
@@ -311,7 +311,7 @@ def test_all_to_all_is_priced_on_its_group_by_both_models(group_name):
 
 
 def test_blend_cost_model_is_the_mean_of_its_models():
-    from scheduler.costs import AnalyticCostModel, BlendCostModel, Cluster, GroupInfo
+    from scheduler.costs.models import AnalyticCostModel, BlendCostModel, Cluster, GroupInfo
 
     slow, fast = AnalyticCostModel(Cluster(intra_node_gbps=100)), AnalyticCostModel(Cluster(intra_node_gbps=400))
     blend = BlendCostModel([slow, fast])

@@ -15,7 +15,7 @@ from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
 from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat
 from solvers.model import Anchors
 from solvers.search import SearchConfig, search
-from scheduler.synthetic import DagBuilder, make_fsdp_dag
+from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
 
 MB = 1 << 20
 
@@ -153,7 +153,7 @@ def test_optimum_under_budget_equals_brute_force(make):
 
 def test_memory_family_infeasible_budget_names_min_peak():
     problem = _forward_chain()
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     with pytest.raises(InfeasibleBudgetError) as err:
         solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, time_limit_s=1.0)
     assert err.value.min_peak_bytes == traced_peak
@@ -163,7 +163,7 @@ def test_memory_family_infeasible_budget_names_min_peak():
 
 def test_memory_family_budget_at_traced_peak_is_feasible():
     problem = _forward_chain()
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
     assert res.peak_bytes <= traced_peak
 
@@ -249,7 +249,7 @@ def test_traced_llama_debug_respects_budget(debug_graphs, kind):
     problem = Problem.from_dag(export_dag(getattr(debug_graphs, kind)))
     free = solve(problem, solver="cpsat", time_limit_s=1.0)
     validate_schedule(problem, free.schedule)
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
     sim = validate_schedule(problem, res.schedule, mem_budget_bytes=traced_peak)
     assert sim.peak_bytes <= traced_peak

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from scheduler.dag import DagError, dag_from_json, dag_to_json, export_dag, load_dag, save_dag  # noqa: E402
-from scheduler.synthetic import make_fsdp_dag  # noqa: E402
+from scheduler.export.dag import DagError, dag_from_json, dag_to_json, export_dag, load_dag, save_dag  # noqa: E402
+from scheduler.whatif.synthetic import make_fsdp_dag  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402
 from solvers.core.simulator import simulate  # noqa: E402
 
@@ -166,7 +166,7 @@ def test_symbolic_shapes_are_priced_at_the_sizes_traced(group_name):
 
 
 # --------------------------------------------------------------------------------------------
-# the loader's schema check (scheduler.dag_schema)
+# the loader's schema check (scheduler.export.schema)
 # --------------------------------------------------------------------------------------------
 def _every_kind(gname: str):
     """A node of every kind, a prologue cast on each collective, an epilogue view::

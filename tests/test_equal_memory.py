@@ -112,7 +112,7 @@ def test_headline_and_table_have_a_line_per_row(comparison):
 
 
 def test_pareto_marks_the_equal_memory_points(comparison, tmp_path, monkeypatch):
-    from scheduler import plots
+    from scheduler.whatif import plots
 
     _, c = comparison
     seen = {}

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.synthetic import DagBuilder, make_fsdp_dag
+from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
 from solvers import solve
 from solvers.core import simulator
 from solvers.core.evaluate import Evaluator, ModelEvaluator
@@ -298,7 +298,7 @@ def test_two_cost_models_share_one_memory_count():
 
 
 def _cluster(inter_node_gbps: float):
-    from scheduler.costs import Cluster
+    from scheduler.costs.models import Cluster
 
     return Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps)
 

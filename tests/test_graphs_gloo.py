@@ -118,7 +118,7 @@ def _joint_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
     from models.fsdp import FSDPOptions, dp_group_names, mesh_for
     from models.joint import joint_graph_of
     from models.llama import get_config
-    from scheduler.judge import liveness_peak
+    from scheduler.check.judge import liveness_peak
 
     opts = _options(case)
     fsdp = FSDPOptions(**{k: v for k, v in opts.items()})

@@ -20,7 +20,7 @@ from solvers.heuristics import (
     fsdp2_schedule,
     simplefsdp_schedule,
 )
-from scheduler.synthetic import DagBuilder, make_fsdp_dag
+from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
 
 HEURISTICS = ["traced", "fsdp2", "simplefsdp", "autoparallel"]
 MiB = 1 << 20

@@ -141,7 +141,7 @@ def _inductor_case(rank: int, world_size: int) -> dict[str, Any]:
     from models.fsdp import make_mesh
     from models.llama import get_config
     from scheduler import SolverOptions
-    from scheduler import compile as compile_
+    from scheduler.integrate import compile as compile_
 
     mesh = make_mesh(world_size)
     batches = _batches(get_config(MODEL, **OVERRIDES), rank)

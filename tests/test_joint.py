@@ -20,8 +20,8 @@ from conftest import FAKE_WORLD as WORLD
 from models.capture import ALL_GATHER, REDUCE_SCATTER, WAIT, fake_process_group
 from scheduler import SolverOptions, optimize_schedule
 from scheduler.api import REPORT_KEY
-from scheduler.dag import export_dag
-from scheduler.judge import liveness_peak
+from scheduler.export.dag import export_dag
+from scheduler.check.judge import liveness_peak
 from solvers.core.problem import Problem
 from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule

@@ -1,4 +1,4 @@
-"""The reference liveness count of scheduler.judge, by hand on tiny graphs, and the export +
+"""The reference liveness count of scheduler.check.judge, by hand on tiny graphs, and the export +
 simulation of rewritten graphs held to it exactly.
 
 Toy graphs (fp32, W = 4 fake ranks; inputs are releasable, so they die after their last read)::
@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from scheduler import apply_schedule, export_dag, simulate
-from scheduler.judge import liveness_peak, liveness_profile, torch_tracker_peak
+from scheduler.check.judge import liveness_peak, liveness_profile, torch_tracker_peak
 from solvers import Problem, solve
 
 KiB = 1024
@@ -186,7 +186,7 @@ def test_simulator_counts_torch_tracker_rules(llama_graphs, kind, schedule_name)
 
 def test_torch_tracker_is_the_reference_without_its_rules(llama_graphs):
     """torch's MemoryTracker = the reference on fake storages with the three rules off: every
-    difference from the reference is one of them (module docstring of scheduler.judge)."""
+    difference from the reference is one of them (module docstring of scheduler.check.judge)."""
     gm, *_ = _rewrite(llama_graphs.backward, "fsdp2")
     torch_rules = liveness_peak(
         gm, storages="fake", alias_written_outputs=False, inputs_live_until_wait=False, free_unread=False
@@ -225,7 +225,7 @@ def test_data_dependent_sizes_counted_at_the_exports_estimates(moe, kind):
     problem = Problem.from_dag(dag)
     traced = simulate(dag, problem.traced_schedule(), problem=problem)
     assert (traced.peak_bytes, traced.tracker_peak_bytes) == (liveness_peak(gm), torch_tracker_peak(gm))
-    budget = traced.max_peak_bytes
+    budget = traced.peak_bytes
     out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=1.0))
     report = out.meta[REPORT_KEY]
     assert report.verified and not report.fell_back

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module 
 
 from gloo_harness import ChildProcessFailed, MultiprocessTimeout, free_port, run_multiprocess  # noqa: E402
 
-from scheduler.costs import AnalyticCostModel, GroupInfo  # noqa: E402
-from scheduler.measure import MeasuredCostModel, fit_collectives  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel, GroupInfo  # noqa: E402
+from scheduler.costs.measure import MeasuredCostModel, fit_collectives  # noqa: E402
 
 COMPUTE_ATTRS = {"kind": "compute", "flops": 10**9, "bytes_accessed": 10**6, "dtype": "float32"}
 
@@ -207,7 +207,7 @@ def _measure_body(rank: int, world_size: int, out: str) -> int:
 
 
 def _check_measured_table(path: Path, world_size: int) -> None:
-    from scheduler.costs import TableCostModel
+    from scheduler.costs.models import TableCostModel
 
     model = TableCostModel.from_file(path)
     colls = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")

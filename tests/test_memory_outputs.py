@@ -5,7 +5,7 @@ tensors it is given (``out=``, in-place) allocates nothing; a budget equal to th
 peak is never refused.
 
 The counts compared: the simulator's two (the execution model's and torch's tracker rules), the
-reference liveness count and torch's ``MemoryTracker`` (:mod:`scheduler.judge`); they agree to
+reference liveness count and torch's ``MemoryTracker`` (:mod:`scheduler.check.judge`); they agree to
 the byte with each other, and with a peak worked out by hand on the small graphs.
 """
 
@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from conftest import FAKE_WORLD
 from scheduler import SolverOptions, export_dag, optimize_schedule
 from scheduler.api import REPORT_KEY
-from scheduler.judge import liveness_peak, torch_tracker_peak
+from scheduler.check.judge import liveness_peak, torch_tracker_peak
 from solvers import Problem
 from solvers.core.simulator import simulate
 

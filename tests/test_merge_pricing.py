@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 import foreign_models as fm  # noqa: E402
 from conftest import FAKE_WORLD as WORLD  # noqa: E402
 from scheduler import apply_schedule, export_dag, simulate  # noqa: E402
-from scheduler.judge import liveness_peak  # noqa: E402
-from scheduler.synthetic import DagBuilder  # noqa: E402
+from scheduler.check.judge import liveness_peak  # noqa: E402
+from scheduler.whatif.synthetic import DagBuilder  # noqa: E402
 from solvers import Problem, solve  # noqa: E402
 from solvers.config import ModelConfig  # noqa: E402
 from solvers.core.schedule import Bucket, Schedule  # noqa: E402
@@ -130,7 +130,7 @@ def test_merged_collective_priced_at_the_cost_models_time():
     """torch's NCCL estimate is concave in the payload: a merged bucket is priced at the cost
     model's own time for its total payload (the export's table, interpolated), not on the line
     through the smallest and the summed payload, which under-prices block-sized buckets."""
-    from scheduler.costs import Cluster, group_info, resolve_cost_model
+    from scheduler.costs.models import Cluster, group_info, resolve_cost_model
 
     captured = fm.capture("tied", n_layers=2, world_size=WORLD, dim=512)
     for name in ("torch", "analytic"):

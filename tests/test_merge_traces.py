@@ -17,8 +17,8 @@ import pytest
 
 import scheduler
 from scheduler import writeback
-from scheduler.choose import graph_digest
-from scheduler.judge import torch_tracker_peak
+from scheduler.check.written import graph_digest
+from scheduler.check.judge import torch_tracker_peak
 from solvers.core import Problem, simulate
 from solvers.heuristics import fsdp2_schedule
 

@@ -19,7 +19,7 @@ from solvers import milp  # noqa: E402
 from solvers.cpsat import CpSatConfig, CpSatModel, make_solver  # noqa: E402
 from solvers.model import Anchors, ModelData  # noqa: E402
 from solvers.search import SearchConfig, _bucket_free, _window_order, search  # noqa: E402
-from scheduler.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
+from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
 
 _LIMIT_S = 20.0
 
@@ -147,7 +147,7 @@ def test_milp_schedules_validate_and_match_cpsat(graph):
 
 def test_milp_schedule_under_budget_validates():
     problem = GRAPHS["bwd-reshard-1x2"]()
-    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).max_peak_bytes
+    traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     budget = int(traced_peak * 1.25)
     result = solve(problem, solver="milp", mem_budget_bytes=budget, time_limit_s=2.0)
     validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
@@ -214,7 +214,7 @@ def test_large_graph_milp_uses_the_shared_windows():
     """The MILP backend in the search's windows on a 20-layer graph: the windows stage runs, the
     answer fits and is no slower than the heuristics."""
     p = _fsdp(n_layers=20, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
-    budget = simulate(p.dag, p.traced_schedule(), problem=p).max_peak_bytes
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
     res = solve(p, solver="milp", mem_budget_bytes=budget, time_limit_s=4)
     assert "windows" in [s.name for s in res.stages]
     validate_schedule(p, res.schedule, mem_budget_bytes=budget)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.costs import Cluster
-from scheduler.synthetic import make_fsdp_dag
+from scheduler.costs.models import Cluster
+from scheduler.whatif.synthetic import make_fsdp_dag
 from solvers.core import InfeasibleBudgetError, Problem, simulate, validate_schedule
 from solvers.minimax import MinimaxConfig, polish, reference_times
 from solvers.registry import solve

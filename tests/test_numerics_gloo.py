@@ -188,7 +188,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     from models.fsdp import make_mesh
     from models.llama import get_config
     from scheduler.api import REPORT_KEY
-    from scheduler.dag import dag_to_json
+    from scheduler.export.dag import dag_to_json
     from solvers import Problem
     from solvers.core.simulator import simulate
     from solvers.heuristics import HEURISTICS
@@ -217,7 +217,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
             dags[kind] = dag_to_json(dag)
             _, unconstrained[kind] = scheduler.solve_dag(dag, None, solver=options)
             problem = Problem.from_dag(dag)
-            overlapping = [simulate(dag, fn(problem).schedule, problem=problem).max_peak_bytes
+            overlapping = [simulate(dag, fn(problem).schedule, problem=problem).peak_bytes
                            for fn in HEURISTICS.values()]
             peaks[kind] = (simulate(dag, problem=problem).max_peak_bytes,
                            max(overlapping + [unconstrained[kind].peak_bytes_after]))

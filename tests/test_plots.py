@@ -1,14 +1,14 @@
-"""scheduler.plots writes non-empty PNGs for synthetic schedules (no torch tracing needed)."""
+"""scheduler.whatif.plots writes non-empty PNGs for synthetic schedules (no torch tracing needed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler import plots
+from scheduler.whatif import plots
 from solvers.core.simulator import simulate
 from solvers.registry import solve
 from solvers.core.problem import Problem
-from scheduler.synthetic import make_fsdp_dag
+from scheduler.whatif.synthetic import make_fsdp_dag
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -19,9 +19,9 @@ torch = pytest.importorskip("torch")
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from scheduler.costs import AnalyticCostModel, Cluster, ProfileCostModel, resolve_cost_model  # noqa: E402
-from scheduler.dag import export_dag  # noqa: E402
-from scheduler.profile_trace import ProfileTrace, ProfileTraceError  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel, Cluster, ProfileCostModel, resolve_cost_model  # noqa: E402
+from scheduler.export.dag import export_dag  # noqa: E402
+from scheduler.costs.profiles import ProfileTrace, ProfileTraceError  # noqa: E402
 
 D, H, B = 64, 256, 32
 
@@ -133,7 +133,7 @@ def test_profile_by_name_with_a_table(recorded, tmp_path):
     csv.write_text("collective,group_size,nodes,input_bytes,ms\nall_gather,4,1,1024,0.5\n")
     both = resolve_cost_model(f"profile:{path}+table:{csv}")
     alone = resolve_cost_model(f" profile:{path} ")
-    from scheduler.costs import GroupInfo
+    from scheduler.costs.models import GroupInfo
 
     g4 = GroupInfo("0", 4, (0, 1, 2, 3))
     assert both.collective_ms("all_gather", 1024, g4) == pytest.approx(0.5)

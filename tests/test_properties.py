@@ -30,11 +30,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from random_programs import random_program, real_program_inputs, trace_program
 from scheduler import SolverOptions, export_dag, optimize_schedule, validate_schedule
-from scheduler.judge import liveness_peak, torch_tracker_peak
+from scheduler.check.judge import liveness_peak, torch_tracker_peak
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
 from solvers.heuristics import split_feasible, window
-from scheduler.synthetic import make_fsdp_dag
+from scheduler.whatif.synthetic import make_fsdp_dag
 from test_writeback import gloo_group
 
 HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")

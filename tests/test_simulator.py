@@ -14,7 +14,7 @@ import pytest
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule
-from scheduler.synthetic import DagBuilder
+from scheduler.whatif.synthetic import DagBuilder
 
 
 def _sim(dag, schedule=None):
@@ -223,7 +223,7 @@ def test_chrome_trace_is_valid_json(tmp_path):
 def test_bucket_exposure_adds_up_to_exposed_comm():
     """Per-bucket waiting time (used to order the solver's windows) accounts for all of it."""
     from solvers import solve
-    from scheduler.synthetic import make_fsdp_dag
+    from scheduler.whatif.synthetic import make_fsdp_dag
 
     dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=2)
     problem = Problem.from_dag(dag)

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from scheduler.costs import AnalyticCostModel, Cluster, GroupInfo, TorchCostModel, torch_nccl_topology  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TorchCostModel, torch_nccl_topology  # noqa: E402
 
 MiB = 1 << 20
 H100 = Cluster()  # 8 GPUs per node
@@ -126,7 +126,7 @@ def test_exported_mesh_groups_are_priced_by_the_nodes_their_ranks_span(mesh_grap
     """Every dp collective is priced as 8 ranks over 8 nodes and every tp all-reduce as 2 ranks
     in one node, from the ranks the process group reports at export; the dp group priced by its
     size alone (8 ranks, one 16-GPU node) would be cheaper."""
-    from scheduler.dag import export_dag
+    from scheduler.export.dag import export_dag
 
     model = model_cls(TWO_PER_NODE)
     one_node = model_cls(Cluster(n_gpus=WORLD, gpus_per_node=WORLD))

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from scheduler import export_dag, simulate, validate_schedule
-from scheduler.costs import TableCostModel
+from scheduler.costs.models import TableCostModel
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, Problem, Schedule, ScheduleError
 

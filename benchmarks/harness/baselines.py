@@ -30,7 +30,7 @@ of :func:`scheduler.optimize_schedule`, so it lives with the harness. What it do
    tune which collectives are bucketed).
 
 :func:`torch_overlap_schedule` runs it on a copy of the graph with every GPU query answered
-from a :class:`scheduler.costs.Cluster` (roofline peak numbers, NCCL bandwidths, GPU
+from a :class:`scheduler.costs.models.Cluster` (roofline peak numbers, NCCL bandwidths, GPU
 generation, NVLink); :func:`simulate_torch_baseline` prices the rewritten graph with *our*
 cost model and simulator, so it compares with our schedules on one execution model.
 :func:`torch_memory_peak` is torch's memory estimate of a graph in its traced order, to
@@ -40,7 +40,7 @@ The per-block plan (:func:`torch_manual_schedule`): torch's manual scheduler
 (``overlap_manual_scheduling.manual_overlap_bucketing``, the per-transformer-block bucketing
 that torchtitan applies to partitioned graphs, and, per block *and per direction*, to joint
 graphs) with one plan entry per block and direction, the blocks and directions read by our
-structure inference (:mod:`scheduler.structure`), so that it runs on any graph, ours or not.
+structure inference (:mod:`scheduler.export.structure`), so that it runs on any graph, ours or not.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler.costs import Cluster, CostModel
-from scheduler.dag import export_dag
+from scheduler.costs.models import Cluster, CostModel
+from scheduler.export.dag import export_dag
 from solvers.core.simulator import SimResult, simulate
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: GPU presets of scheduler.costs -> the generation torch's NCCL model keys its tables on
+#: GPU presets of scheduler.costs.models -> the generation torch's NCCL model keys its tables on
 _GPU_GENERATION = {"h100-sxm": "HOPPER", "h200": "HOPPER", "a100-sxm": "AMPERE", "b200": "BLACKWELL"}
 
 
@@ -85,7 +85,7 @@ def torch_overlap_schedule(
     with ``inplace``) and return the rewritten module.
 
     Runs with ``collective_bucketing=True`` and analytical compute and collective estimators
-    (no GPU needed), priced for ``cluster`` (default :class:`scheduler.costs.Cluster`): the
+    (no GPU needed), priced for ``cluster`` (default :class:`scheduler.costs.models.Cluster`): the
     roofline uses the cluster GPU's peak FLOP/s and HBM bandwidth, the NCCL model its
     intra / inter-node bandwidths and GPU generation. ``gm`` itself is not modified.
 
@@ -157,7 +157,7 @@ def simulate_torch_baseline(
     """torch's schedule of ``gm``, simulated with our cost model and execution model.
 
     Rewrites ``gm`` with :func:`torch_overlap_schedule` (``kw`` passed on), exports the result
-    (:func:`scheduler.dag.export_dag`, so merged buckets are single collectives there) and
+    (:func:`scheduler.export.dag.export_dag`, so merged buckets are single collectives there) and
     simulates it in its graph order. Result times are in ms, memory in bytes.
 
     Raises:

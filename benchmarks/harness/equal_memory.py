@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.judged import PRODUCT, TORCH, Judged, display, judge_baseline, judge_product
-from scheduler.dag import export_dag
+from scheduler.export.dag import export_dag
 from scheduler.options import SolverOptions
 from solvers.core import Problem, fmt_bytes
 
@@ -260,7 +260,7 @@ def _ms(v: float | None) -> str:
 def plot(comparison: Comparison, cost_model: str, path: str | Path) -> Path:
     """Pareto picture of one graph under ``cost_model``: each baseline at (peak, step), and
     fsdp-sched at the same budget, an arrow from each baseline to it."""
-    from scheduler import plots
+    from scheduler.whatif import plots
 
     rows = [r for r in comparison.rows if r.cost_model == cost_model]
     base = {display(n): (j.max_peak_bytes, j.step_ms(cost_model)) for n, j in comparison.baselines.items()}

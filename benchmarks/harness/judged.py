@@ -1,7 +1,7 @@
 """Baselines and fsdp-sched written back on copies of a graph, judged on the written graphs.
 
 What is written back is what counts. Each schedule compared here is written into a copy of the
-FX graph and the copy is judged as written by :func:`scheduler.choose.judge_graph` (re-exported
+FX graph and the copy is judged as written by :func:`scheduler.check.written.judge_graph` (re-exported
 and simulated in its node order; peak memory by the re-export, the reference liveness count and
 torch's ``MemoryTracker``), once per cost model of the comparison:
 
@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from harness.baselines import TorchBaselineError, torch_overlap_schedule
 from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule
-from scheduler.choose import Figures, cost_model_label, judge_graph
-from scheduler.dag import export_dag
+from scheduler.check.written import Figures, judge_graph
+from scheduler.costs.family import cost_model_label
+from scheduler.export.dag import export_dag
 from scheduler.options import AgreementOptions, SolverOptions
 from scheduler.report import ScheduleReport
 from scheduler.writeback import apply_schedule
@@ -99,12 +100,12 @@ class Judged:
 
 
 #: the cost models of a comparison: names (``"analytic"``, ``"torch"``), or label -> a cost model
-#: or its name (such as :func:`scheduler.choose.cost_model_family`)
+#: or its name (such as :func:`scheduler.costs.family.cost_model_family`)
 CostModels = Sequence[str] | Mapping[str, Any]
 
 
 def judge_under(gm: "torch.fx.GraphModule", cost_models: CostModels, cluster: Any = None) -> dict[str, Figures]:
-    """``gm`` as written, judged under each of ``cost_models`` (:func:`scheduler.choose.judge_graph`),
+    """``gm`` as written, judged under each of ``cost_models`` (:func:`scheduler.check.written.judge_graph`),
     by label."""
     models = cost_models if isinstance(cost_models, Mapping) else {m: m for m in cost_models}
     return {label: judge_graph(gm, model, cluster) for label, model in models.items()}

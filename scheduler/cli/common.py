@@ -14,9 +14,9 @@ from typing import Any
 
 import networkx as nx
 
-from scheduler import plots
-from scheduler.costs import Cluster
-from scheduler.dag import DagError, dag_to_json, export_dag, load_dag
+from scheduler.whatif import plots
+from scheduler.costs.models import Cluster
+from scheduler.export.dag import DagError, dag_to_json, export_dag, load_dag
 from solvers.core import parse_bytes, simulate, units
 from solvers.registry import solve
 
@@ -57,7 +57,7 @@ def cost_model_arg(text: str) -> str:
     """``--cost-model``: a name (analytic, torch) or a file-backed model (table:PATH,
     profile:PATH, profile:TRACE+table:PATH), checked now (files read) so that a bad name or
     file fails before any model is traced."""
-    from scheduler.costs import resolve_cost_model
+    from scheduler.costs.models import resolve_cost_model
 
     try:
         resolve_cost_model(text)

@@ -8,7 +8,7 @@ Run it on every rank of the job, as the training job itself is launched::
 
 Without an initialised process group it initialises one from the launcher's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL where CUDA is available,
-else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.cost_tables`).
+else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.costs.tables`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from scheduler.cli.common import CliError
-from scheduler.cost_tables import CollectiveTable
+from scheduler.costs.tables import CollectiveTable
 from solvers.core import parse_bytes
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from scheduler.measure import measure_collective_table
+    from scheduler.costs.measure import measure_collective_table
 
     owned = False
     if not dist.is_initialized():

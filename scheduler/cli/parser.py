@@ -17,8 +17,8 @@ from scheduler.cli.common import (
 from scheduler.cli.measure import cmd_measure, mesh_arg, out_file_arg, sizes_arg
 from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import cmd_sweep
-from scheduler.cost_tables import COLLECTIVES as MEASURED_COLLECTIVES
-from scheduler.cost_tables import DEFAULT_TABLE_SIZES
+from scheduler.costs.tables import COLLECTIVES as MEASURED_COLLECTIVES
+from scheduler.costs.tables import DEFAULT_TABLE_SIZES
 from solvers.search import DEFAULT_TIME_LIMIT_S
 
 

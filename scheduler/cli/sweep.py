@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scheduler import plots
+from scheduler.whatif import plots
 from scheduler.api import solve_dag
 from scheduler.cli.common import (
     CliError,
@@ -30,7 +30,7 @@ from scheduler.cli.common import (
     input_dag,
     resolve_budget,
 )
-from scheduler.dag import dag_from_json, dag_to_json
+from scheduler.export.dag import dag_from_json, dag_to_json
 from scheduler.options import SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS

@@ -63,7 +63,7 @@ class Collective:
     traced_issue: int
     traced_wait: int
     #: the repeated block (layer) the parameter belongs to, numbered in forward execution order,
-    #: as the export inferred it (:mod:`scheduler.structure`); None outside any repeated block
+    #: as the export inferred it (:mod:`scheduler.export.structure`); None outside any repeated block
     #: or when the DAG carries no inferred structure
     block: int | None = None
     #: the direction the collective runs in, ``"forward"`` or ``"backward"`` (the export's

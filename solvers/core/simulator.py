@@ -28,7 +28,7 @@ Execution model:
 
 torch's count (``tracker_peak_bytes``): the same run is also counted by the rules of torch's
 ``memory_estimator.MemoryTracker`` on the graph the schedule writes back
-(:func:`scheduler.judge.torch_tracker_peak`), so that a search can hold both counts:
+(:func:`scheduler.check.judge.torch_tracker_peak`), so that a search can hold both counts:
 
 - a collective's input is freed at the collective (issue), not at its wait;
 - a collective's result and its wait's result are two storages (the wait's fake tensor is

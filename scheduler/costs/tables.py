@@ -2,7 +2,7 @@
 
 A :class:`CollectiveTable` holds times in ms keyed by (collective, group size, nodes spanned)
 and indexed by the per-rank input bytes of the collective; :meth:`CollectiveTable.lookup_ms`
-interpolates between its rows. :class:`scheduler.costs.TableCostModel` prices collectives
+interpolates between its rows. :class:`scheduler.costs.models.TableCostModel` prices collectives
 with it (``cost_model="table:PATH"``); ``fsdp-sched measure`` writes one.
 
 The CSV format (``#`` starts a comment line; blank lines are skipped)::
@@ -15,7 +15,7 @@ The CSV format (``#`` starts a comment line; blank lines are skipped)::
 - ``nodes``: how many nodes the group's ranks span (a dp group strided across the nodes of a
   dp x tp mesh spans as many nodes as it has ranks);
 - ``input_bytes``: the per-rank input tensor of the collective (the convention of
-  ``payload_bytes`` in :mod:`scheduler.costs`): an all-gather's shard, a reduce-scatter's full
+  ``payload_bytes`` in :mod:`scheduler.costs.models`): an all-gather's shard, a reduce-scatter's full
   input, an all-reduce's tensor, an all-to-all's whole send buffer;
 - ``ms``: the measured time of one call.
 
@@ -139,7 +139,7 @@ class CollectiveTable:
 
     @classmethod
     def read(cls, path: str | Path, **nccl_tests_kw) -> "CollectiveTable":
-        """The table in ``path``: a CSV (:mod:`this module's format <scheduler.cost_tables>`),
+        """The table in ``path``: a CSV (:mod:`this module's format <scheduler.costs.tables>`),
         the stdout of an nccl-tests program (``nccl_tests_kw`` go to :func:`read_nccl_tests`),
         or a directory of such files (every regular file in it, in name order).
 

@@ -1,7 +1,7 @@
 """The saved DAG file: its schema, and the check that a file meets it before anything is built.
 
-A file (:func:`scheduler.dag.save_dag`) is ``{"graph": {...}, "nodes": [...], "edges": [...]}``;
-what each attribute means is documented in :mod:`scheduler.dag`. :func:`check_dag_json` reads it
+A file (:func:`scheduler.export.dag.save_dag`) is ``{"graph": {...}, "nodes": [...], "edges": [...]}``;
+what each attribute means is documented in :mod:`scheduler.export.dag`. :func:`check_dag_json` reads it
 in three passes; the first violation raises :class:`DagError` naming the field (graph attribute,
 or node and attribute), the bad value and what is accepted:
 
@@ -17,7 +17,7 @@ or node and attribute), the bad value and what is accepted:
    ``moves_with`` names exactly the collective that lists a node; group names are listed in
    ``process_groups``.
 
-Attributes that older files or :class:`scheduler.synthetic.DagBuilder` leave out are optional
+Attributes that older files or :class:`scheduler.whatif.synthetic.DagBuilder` leave out are optional
 (``required=False``); an attribute the schema does not know is an error, so that a misspelt
 optional attribute is not silently ignored.
 """
@@ -31,13 +31,13 @@ from typing import Any
 
 import networkx as nx
 
-from scheduler.costs import GPU_PRESETS, Cluster, GPUSpec
-from scheduler.structure import PHASES, SOURCES
+from scheduler.costs.models import GPU_PRESETS, Cluster, GPUSpec
+from scheduler.export.structure import PHASES, SOURCES
 
 SCHEMA = "fsdp-sched/dag"
 SCHEMA_VERSION = 1
 
-#: node kinds (see :mod:`scheduler.dag`)
+#: node kinds (see :mod:`scheduler.export.dag`)
 KINDS = ("input", "output", "compute", "view", "collective", "wait")
 #: ops that are collectives but not modelled (left in place, reported): their ``coll_type`` is
 #: the op name (``torch.ops._c10d_functional.<name>``)
@@ -208,7 +208,7 @@ STRUCTURE = {
     "error": optional(STR),
 }
 
-#: what a cost model priced from its own data (:func:`scheduler.costs.annotate_costs`)
+#: what a cost model priced from its own data (:func:`scheduler.costs.models.annotate_costs`)
 FALLBACK_GROUP = {"group_name": STR, "coll_type": STR, "group_size": COUNT, "nodes": COUNT}
 COST_COVERAGE = {
     "compute_ms": TIME_MS,
@@ -228,15 +228,15 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "graph_kind": STR,
     "order": list_of(NAME),
     "process_groups": record("a JSON object: group name -> {size, ranks}", PROCESS_GROUP, keyed=STR),
-    "cluster": record("a cluster record (scheduler.costs.Cluster.to_json())", _dataclass_table(Cluster),
+    "cluster": record("a cluster record (scheduler.costs.models.Cluster.to_json())", _dataclass_table(Cluster),
                       then=_cluster_problem),
     "cost_model": STR,
     "comm_model": record("a JSON object: '<coll_type>|<group_name>' -> {alpha_ms, beta_ms_per_byte, table}",
                          COMM_ENTRY, keyed=_COMM_KEY),
     "copy_ms_per_byte": MS_PER_BYTE,
     "copy_ms_fixed": TIME_MS,
-    "structure": optional(record("a structure summary (scheduler.structure)", STRUCTURE)),
-    "cost_coverage": optional(record("a cost coverage record (scheduler.costs.annotate_costs)", COST_COVERAGE)),
+    "structure": optional(record("a structure summary (scheduler.export.structure)", STRUCTURE)),
+    "cost_coverage": optional(record("a cost coverage record (scheduler.costs.models.annotate_costs)", COST_COVERAGE)),
 }
 
 
@@ -285,7 +285,7 @@ _UNWAITED = {
 }
 _UNWAITED_ONLY = frozenset(_UNWAITED) - {"unwaited_collective"}
 
-#: a node returning several results, each a storage of its own (:mod:`scheduler.dag`)
+#: a node returning several results, each a storage of its own (:mod:`scheduler.export.dag`)
 _MULTI_OUTPUT = {
     "output_bytes": optional(list_of(BYTES)),
     "output_alias": optional(list_of(nullable(NAME))),

@@ -1,4 +1,4 @@
-"""Costs measured on the current device: a :class:`~scheduler.costs.CostModel` that times ops.
+"""Costs measured on the current device: a :class:`~scheduler.costs.models.CostModel` that times ops.
 
 :class:`MeasuredCostModel` times each compute node's op on the current device (CUDA when
 available, else CPU) with random inputs of the node's traced shapes, dtypes and strides, and
@@ -11,11 +11,11 @@ fidelity check of the execution model (does the simulator predict what the same 
 when it really runs?), not a statement about GPU performance.
 
 Ops that cannot be timed in isolation fall back to another model (default:
-:class:`~scheduler.costs.AnalyticCostModel`): random ops, collectives, views, ops on opaque
+:class:`~scheduler.costs.models.AnalyticCostModel`): random ops, collectives, views, ops on opaque
 script objects or symbolic shapes, ops larger than ``max_op_bytes``, and ops that raise.
 
 :func:`measure_collective_table` times every collective at a range of sizes on a live group
-and returns a :class:`~scheduler.cost_tables.CollectiveTable` (``fsdp-sched measure`` writes it
+and returns a :class:`~scheduler.costs.tables.CollectiveTable` (``fsdp-sched measure`` writes it
 as CSV, ``cost_model="table:PATH"`` reads it back).
 
 Multi-rank use: the collective fit is identical on every rank (broadcast from rank 0), but
@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from scheduler.cost_tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
-from scheduler.costs import AnalyticCostModel, Cluster, CostModel, GroupInfo
+from scheduler.costs.tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
+from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo
 from solvers.core.units import fit_line
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class MeasuredCostModel:
             beta_ms_per_byte * payload_bytes``. Others fall back.
         fallback: model for everything not measured (default: ``AnalyticCostModel(cluster)``).
         cluster: counts the nodes a priced group spans (default: the fallback's cluster, else
-            :class:`~scheduler.costs.Cluster`).
+            :class:`~scheduler.costs.models.Cluster`).
     """
 
     name = "measured"
@@ -413,9 +413,9 @@ def measure_collective_table(
     Every rank of ``group`` (default: the world) must call it together; every rank returns
     the identical table (rank 0's, broadcast). One row per collective and per size of
     ``sizes`` (bytes of the per-rank input, the ``input_bytes`` of
-    :mod:`scheduler.cost_tables`), timed by :func:`time_collectives`; ``nodes`` is the number
+    :mod:`scheduler.costs.tables`), timed by :func:`time_collectives`; ``nodes`` is the number
     of distinct host names among the group's ranks. Write it with
-    :meth:`~scheduler.cost_tables.CollectiveTable.to_csv` and use it as
+    :meth:`~scheduler.costs.tables.CollectiveTable.to_csv` and use it as
     ``cost_model="table:PATH"``.
 
     Raises:

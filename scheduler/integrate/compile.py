@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import REPORT_KEY, optimize_schedule
-from scheduler.costs import cost_model_files
+from scheduler.costs.models import cost_model_files
 from scheduler.options import WriteBackOptions
 from scheduler.report import ScheduleReport
 from solvers.core import parse_bytes
@@ -70,7 +70,7 @@ def inductor_post_grad_pass(**options: Any):
     Usage::
 
         import torch._inductor.config as inductor_config
-        inductor_config.post_grad_custom_post_pass = scheduler.compile.inductor_post_grad_pass(
+        inductor_config.post_grad_custom_post_pass = scheduler.integrate.compile.inductor_post_grad_pass(
             mem_budget="40GiB")
         compiled = torch.compile(model)   # the default inductor backend
 

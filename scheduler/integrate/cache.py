@@ -39,7 +39,7 @@ from typing import Any
 
 import networkx as nx
 
-from scheduler.dag import dag_to_json
+from scheduler.export.dag import dag_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def cache_dir() -> Path | None:
 
 def dag_fingerprint(dag: nx.DiGraph) -> str:
     """sha256 hex digest of every node in graph order with all its attributes, every edge and
-    ``dag.graph``, in the form :func:`scheduler.dag.save_dag` writes (tuples as lists, floats
+    ``dag.graph``, in the form :func:`scheduler.export.dag.save_dag` writes (tuples as lists, floats
     by ``repr``), so a DAG and its saved-and-loaded copy agree. Sets and edges are sorted (edge
     insertion order means nothing), so every process gets the same digest whatever its hash
     seed."""

@@ -1,9 +1,9 @@
-"""Choose: the cost models a schedule is judged under, and the written graph that is installed.
+"""Check: a schedule written back, judged on the graph it gives, and the one installed.
 
 What is written back is what counts. :func:`write_and_judge` writes a schedule back on a copy
 of the graph and judges the copy as written (:func:`judge_graph`): re-exported with the cost
 model and simulated in its node order, its peak memory taken by the re-export's simulation and
-by the reference liveness count (:func:`scheduler.judge.liveness_peak`): the memory the written
+by the reference liveness count (:func:`scheduler.check.judge.liveness_peak`): the memory the written
 graph holds, and what the budget bounds. torch's ``MemoryTracker`` rules (a collective's input
 freed at the collective, every wait's result a fresh storage) are counted too and reported, not
 held: a wait returns its input, so the fresh storage is the estimator's, not the GPU's; and
@@ -17,13 +17,6 @@ whose written graph holds the budget by both counts. The search evaluates schedu
 simulator, whose step time and memory counts equal those of the written graph; a written
 graph over the budget is therefore rare, and the next candidate (never a slower one than the
 traced order) is the answer, with the reason in the report.
-
-The cost models (:func:`cost_models`): with a cost model given, that model alone decides. With
-none, no single model is the machine: the analytic model and torch's estimators disagree by
-1.2x to 1.8x on the same graphs and prefer other bucket sizes, and bandwidths differ from one
-cluster to the next. The search then judges every schedule under a family (analytic and torch,
-intra- and inter-node bandwidths as given and scaled by each of ``bandwidth_scales``) and
-minimises the worst-case regret over it (:mod:`solvers.search`).
 """
 
 from __future__ import annotations
@@ -32,114 +25,18 @@ import copy
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.costs import Cluster, CostModel, annotate_costs, resolve_cost_model
-from scheduler.dag import export_dag
-from scheduler.judge import liveness_peak
+from scheduler.check.judge import liveness_peak
+from scheduler.export.dag import export_dag
 from scheduler.writeback import apply_schedule
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, simulate
 
 if TYPE_CHECKING:
-    import networkx as nx
     import torch.fx
 
 logger = logging.getLogger(__name__)
-
-#: the cost models every family starts from (names of :func:`scheduler.costs.resolve_cost_model`)
-BASE_COST_MODELS = ("analytic", "torch")
-
-
-# --------------------------------------------------------------------------------------------
-# the cost models
-# --------------------------------------------------------------------------------------------
-def scale_bandwidth(cluster: Cluster, factor: float) -> Cluster:
-    """``cluster`` with its intra- and inter-node bus bandwidths multiplied by ``factor``."""
-    return dataclasses.replace(cluster, intra_node_gbps=cluster.intra_node_gbps * factor,
-                               inter_node_gbps=cluster.inter_node_gbps * factor)
-
-
-def family_label(base: str, factor: float = 1.0) -> str:
-    """``"analytic"`` for the cluster as given, ``"analytic bw-30%"`` for bandwidths x 0.7."""
-    return base if factor == 1.0 else f"{base} bw{factor - 1:+.0%}"
-
-
-def cost_model_family(cluster: Cluster | None = None, *, bandwidth_scales: Sequence[float] = (0.7, 1.3)
-                      ) -> dict[str, CostModel]:
-    """Label -> cost model: each of :data:`BASE_COST_MODELS` on ``cluster`` (default
-    :class:`scheduler.costs.Cluster`), then on the cluster with bandwidths scaled by each factor
-    of ``bandwidth_scales`` (labels by :func:`family_label`)."""
-    cluster = cluster or Cluster()
-    family: dict[str, CostModel] = {}
-    for name in BASE_COST_MODELS:
-        family[family_label(name)] = resolve_cost_model(name, cluster)
-        for factor in bandwidth_scales:
-            if not factor > 0:
-                raise ValueError(f"bandwidth scale factors must be > 0, got {factor!r}")
-            family[family_label(name, factor)] = resolve_cost_model(name, scale_bandwidth(cluster, factor))
-    return family
-
-
-def cost_model_label(cost_model: Any) -> str:
-    """``"analytic"`` for None, the name for a name, else the model's ``name`` or class name."""
-    if cost_model is None:
-        return "analytic"
-    if isinstance(cost_model, str):
-        return cost_model.strip().lower()
-    return str(getattr(cost_model, "name", type(cost_model).__name__))
-
-
-def cost_models(cost_model: Any, cluster: Cluster | None, bandwidth_scales: Sequence[float]) -> dict[str, Any]:
-    """The models the search judges under: ``cost_model`` alone when given, else the family
-    (module docstring). The first is the primary one (the report's figures, CP-SAT's model)."""
-    if cost_model is not None:
-        return {cost_model_label(cost_model): cost_model}
-    return cost_model_family(cluster, bandwidth_scales=bandwidth_scales)
-
-
-def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None
-                    ) -> dict[str, Problem]:
-    """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order)."""
-    labels = list(models)
-    dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster)
-    out = {labels[0]: Problem.from_dag(dag)}
-    priced = {_compute_key(labels[0]): dag}
-    fx_nodes = {n.name: n for n in gm.graph.nodes}
-    for label in labels[1:]:
-        other: nx.DiGraph = dag.copy()
-        other.graph = copy.deepcopy(dag.graph)
-        model = resolve_cost_model(models[label], cluster)
-        base = priced.get(_compute_key(label))
-        annotate_costs(other, model if base is None else _ComputeFrom(model, base), cluster or Cluster(),
-                       fx_nodes=fx_nodes)
-        priced.setdefault(_compute_key(label), other)
-        out[label] = Problem.from_dag(other)
-    return out
-
-
-def _compute_key(label: str) -> str:
-    """Models of one family label prefix price compute alike: a bandwidth factor scales the
-    network, not the GPU."""
-    return label.split(" bw", 1)[0]
-
-
-class _ComputeFrom:
-    """``model`` with its compute times taken from a DAG it already priced (the same model on
-    the cluster with other network bandwidths)."""
-
-    def __init__(self, model: Any, dag: "nx.DiGraph"):
-        self.model, self.dag = model, dag
-        self.name = getattr(model, "name", type(model).__name__)
-
-    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
-        return float(self.dag.nodes[attrs["name"]]["runtime_ms"])
-
-    def collective_ms(self, coll_type: str, payload_bytes: int, group: Any) -> float:
-        return self.model.collective_ms(coll_type, payload_bytes, group)
-
-    def copy_ms(self, nbytes: int) -> float:
-        return self.model.copy_ms(nbytes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Export: FX graph -> cost-annotated networkx DAG, and its versioned JSON round-trip.
 
 The DAG is the only thing solvers see. Its schema (``SCHEMA_VERSION``; the loader checks a file
-against it field by field, :mod:`scheduler.dag_schema`):
+against it field by field, :mod:`scheduler.export.schema`):
 
 Graph attributes (``dag.graph``):
     schema (str): always ``"fsdp-sched/dag"``; version (int): ``SCHEMA_VERSION``.
@@ -9,7 +9,7 @@ Graph attributes (``dag.graph``):
         and backward in one graph: make_fx of a training step) or ``"unknown"``.
     order (list[str]): node names in graph (execution) order.
     process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
-    cluster (dict): the :class:`scheduler.costs.Cluster` the costs were computed for.
+    cluster (dict): the :class:`scheduler.costs.models.Cluster` the costs were computed for.
     cost_model (str): name of the cost model.
     comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
         "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
@@ -76,18 +76,22 @@ Edges: ``u -> v`` when ``v`` reads the output of ``u`` (data dependencies).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import types
 import operator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.costs import Cluster, CostModel, annotate_costs, resolve_cost_model
-from scheduler.dag_schema import KINDS, SCHEMA, SCHEMA_VERSION, UNMODELLED_COLLECTIVES, DagError, check_dag_json
+from scheduler.costs.family import ComputeFrom, compute_key
+from scheduler.costs.models import Cluster, CostModel, annotate_costs, resolve_cost_model
+from solvers.core.problem import Problem
+from scheduler.export.schema import KINDS, SCHEMA, SCHEMA_VERSION, UNMODELLED_COLLECTIVES, DagError, check_dag_json
 
 if TYPE_CHECKING:
     import torch.fx
@@ -123,9 +127,9 @@ def export_dag(
         gm: a partitioned forward or backward graph whose nodes carry ``meta['val']``
             (FakeTensors or real tensors) with static shapes.
         cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
-            ``"torch"``; see :func:`scheduler.costs.resolve_cost_model`); default the analytic
+            ``"torch"``; see :func:`scheduler.costs.models.resolve_cost_model`); default the analytic
             model on ``cluster``.
-        cluster: topology; default :class:`scheduler.costs.Cluster` (64 H100, 8 per node).
+        cluster: topology; default :class:`scheduler.costs.models.Cluster` (64 H100, 8 per node).
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
 
     Raises:
@@ -219,7 +223,7 @@ def _tensor_bytes(val: Any, node_name: str) -> tuple[int, str | None]:
 
 
 #: node attributes every exported node carries, at their value for a node that does nothing
-#: (the export and :class:`scheduler.synthetic.DagBuilder` start from these)
+#: (the export and :class:`scheduler.whatif.synthetic.DagBuilder` start from these)
 NODE_DEFAULTS: dict[str, Any] = {
     "runtime_ms": 0.0,
     "size_bytes": 0,
@@ -371,7 +375,7 @@ def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.No
     """Bytes a compute op reads and writes: its output plus its tensor inputs, except that an
     allocation (``empty``) touches nothing and the destination of ``copy_`` / an ``out=``
     argument is written (counted once, as the output), not read."""
-    from scheduler.costs import ALLOC_ONLY_OPS
+    from scheduler.costs.models import ALLOC_ONLY_OPS
 
     if _packet_name(node.target) in ALLOC_ONLY_OPS:
         return 0
@@ -675,9 +679,9 @@ def graph_has_collectives(gm: "torch.fx.GraphModule") -> bool:
 
 
 def _annotate_structure(dag: nx.DiGraph, gm: "torch.fx.GraphModule") -> None:
-    """Blocks of the collectives (:mod:`scheduler.structure`). A failure to infer them never
+    """Blocks of the collectives (:mod:`scheduler.export.structure`). A failure to infer them never
     fails the export: every collective then gets ``block`` None and the summary says why."""
-    from scheduler.structure import annotate_structure
+    from scheduler.export.structure import annotate_structure
 
     try:
         annotate_structure(dag, gm)
@@ -757,7 +761,7 @@ def _substitute(val: Any, hints: dict) -> Any:
 def unbacked_hints(gm: "torch.fx.GraphModule | torch.fx.Graph") -> dict:
     """The export's estimate of every data-dependent (unbacked) size symbol of ``gm``
     (symbol -> int; empty when sizes are static): what byte counts of such graphs use, so
-    that every memory count of one graph agrees (:mod:`scheduler.judge`)."""
+    that every memory count of one graph agrees (:mod:`scheduler.check.judge`)."""
     graph = getattr(gm, "graph", gm)
     return _static_vals(types.SimpleNamespace(graph=graph)).hints
 
@@ -857,7 +861,7 @@ def dag_to_json(dag: nx.DiGraph) -> dict:
 
 def dag_from_json(data: Any, *, source: str = "<data>") -> nx.DiGraph:
     """The DAG of decoded JSON written by :func:`dag_to_json`, once every field of it passed
-    :func:`scheduler.dag_schema.check_dag_json` (``source`` names the data in errors).
+    :func:`scheduler.export.schema.check_dag_json` (``source`` names the data in errors).
 
     Raises:
         DagError: not an fsdp-sched DAG, another schema version, or a field that violates the
@@ -908,7 +912,7 @@ _REQUIRED_NODE_ATTRS = ("kind", "index", "runtime_ms", "size_bytes")
 
 def validate_dag(dag: nx.DiGraph, *, source: str = "DAG") -> None:
     """Check a DAG built in memory is self-consistent and its costs are usable (the lighter
-    check :class:`scheduler.synthetic.DagBuilder` runs; a file gets the full schema,
+    check :class:`scheduler.whatif.synthetic.DagBuilder` runs; a file gets the full schema,
     :func:`dag_from_json`).
 
     Raises:
@@ -947,3 +951,21 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
+def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None
+                    ) -> dict[str, Problem]:
+    """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order)."""
+    labels = list(models)
+    dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster)
+    out = {labels[0]: Problem.from_dag(dag)}
+    priced = {compute_key(labels[0]): dag}
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
+    for label in labels[1:]:
+        other: nx.DiGraph = dag.copy()
+        other.graph = copy.deepcopy(dag.graph)
+        model = resolve_cost_model(models[label], cluster)
+        base = priced.get(compute_key(label))
+        annotate_costs(other, model if base is None else ComputeFrom(model, base), cluster or Cluster(),
+                       fx_nodes=fx_nodes)
+        priced.setdefault(compute_key(label), other)
+        out[label] = Problem.from_dag(other)
+    return out

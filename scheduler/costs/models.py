@@ -18,10 +18,10 @@ Models here:
 - :class:`TorchCostModel`: torch's own estimators (inductor roofline, comm_analysis), made to
   work without a GPU.
 - :class:`TableCostModel`: measured collective times (a CSV or nccl-tests output,
-  :mod:`scheduler.cost_tables`), a user table or callable, falling back to another model.
+  :mod:`scheduler.costs.tables`), a user table or callable, falling back to another model.
 - :class:`ProfileCostModel`: compute times from a torch.profiler trace of one step
-  (:mod:`scheduler.profile_trace`), falling back to another model.
-- :class:`scheduler.measure.MeasuredCostModel`: timed on the current device (see that module).
+  (:mod:`scheduler.costs.profiles`), falling back to another model.
+- :class:`scheduler.costs.measure.MeasuredCostModel`: timed on the current device (see that module).
 
 :func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`,
 ``"table:PATH"`` / ``"profile:PATH"``, or an object) into a model.
@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import networkx as nx
 
-from scheduler.cost_tables import CollectiveTable, CostTableError
-from scheduler.profile_trace import ProfileTrace, ProfileTraceError
+from scheduler.costs.tables import CollectiveTable, CostTableError
+from scheduler.costs.profiles import ProfileTrace, ProfileTraceError
 
 if TYPE_CHECKING:
     import torch.fx
@@ -453,11 +453,11 @@ def torch_nccl_topology(cluster: Cluster, group: GroupInfo) -> Any:
 class TableCostModel:
     """User-supplied costs: measured collective times, a compute table and/or callables.
 
-    - ``collectives``: a :class:`~scheduler.cost_tables.CollectiveTable` of measured times
+    - ``collectives``: a :class:`~scheduler.costs.tables.CollectiveTable` of measured times
       (:meth:`from_file` reads one from a CSV or nccl-tests output), looked up by collective,
       group size, the nodes the group's ranks span (:meth:`GroupInfo.n_nodes` on ``cluster``)
       and the per-rank input bytes; log-log interpolation between rows, bandwidth scaling
-      outside them (see :class:`~scheduler.cost_tables.CollectiveTable`). A group without a
+      outside them (see :class:`~scheduler.costs.tables.CollectiveTable`). A group without a
       row falls back, and :func:`annotate_costs` records it in the DAG's ``cost_coverage``
       (``ScheduleReport.cost_coverage["fallback_groups"]``).
     - ``compute``: ``{node name or target: ms}``, looked up by node name first, then by
@@ -503,7 +503,7 @@ class TableCostModel:
         (``all_gather_perf``, ``reduce_scatter_perf``, ``all_reduce_perf``,
         ``alltoall_perf``: its ``size`` column is the gathered output for an all-gather, so
         ``input_bytes = size / group_size``, and the per-rank input for the others; see
-        :func:`scheduler.cost_tables.read_nccl_tests`, which ``nccl_tests_kw`` ``collective``
+        :func:`scheduler.costs.tables.read_nccl_tests`, which ``nccl_tests_kw`` ``collective``
         / ``group_size`` / ``nodes`` go to), or a directory of such files. Everything else
         (compute, copies, uncovered groups) from ``fallback`` (default: analytic on
         ``cluster``).
@@ -568,9 +568,9 @@ class ProfileCostModel:
     """Compute times from a torch.profiler trace of one training step.
 
     Each compute node is priced by the profiled calls of its aten op on its input shapes
-    (:meth:`scheduler.profile_trace.ProfileTrace.lookup_ms`: the kernels' time in a GPU trace;
+    (:meth:`scheduler.costs.profiles.ProfileTrace.lookup_ms`: the kernels' time in a GPU trace;
     in a CPU trace the op's own time and the host's time up to the next op, see
-    :mod:`scheduler.profile_trace`); nodes without a matching call, collectives and bucket
+    :mod:`scheduler.costs.profiles`); nodes without a matching call, collectives and bucket
     copies are priced by ``fallback`` (default: the analytic model on ``cluster``; give a
     :class:`TableCostModel` of measured collective times to price collectives from
     measurements too). :func:`annotate_costs` records the share of compute time that was
@@ -581,7 +581,7 @@ class ProfileCostModel:
     rank gets the identical schedule.
 
     Args:
-        trace: a :class:`~scheduler.profile_trace.ProfileTrace` or the path of the Chrome trace
+        trace: a :class:`~scheduler.costs.profiles.ProfileTrace` or the path of the Chrome trace
             JSON (``prof.export_chrome_trace(path)`` of a step profiled with
             ``record_shapes=True``).
     """
@@ -729,8 +729,8 @@ def cost_model_from_files(spec: str, cluster: Cluster | None = None) -> CostMode
 
     Raises:
         ValueError: a part that names no file, the same kind twice, or a file that cannot be
-            read (:class:`~scheduler.cost_tables.CostTableError`,
-            :class:`~scheduler.profile_trace.ProfileTraceError`).
+            read (:class:`~scheduler.costs.tables.CostTableError`,
+            :class:`~scheduler.costs.profiles.ProfileTraceError`).
     """
     cluster = cluster or Cluster()
     text = spec.strip()

@@ -4,7 +4,7 @@
 (``prof.export_chrome_trace(path)``, recorded with ``record_shapes=True``) of one training
 step, and answers :meth:`ProfileTrace.lookup_ms` for an FX node: the mean time of the profiled
 calls of the node's op with the node's input shapes, or None when the trace has no such call.
-:class:`scheduler.costs.ProfileCostModel` prices compute nodes with it
+:class:`scheduler.costs.models.ProfileCostModel` prices compute nodes with it
 (``cost_model="profile:PATH"``).
 
 It builds on torch's profile-guided estimation
@@ -28,7 +28,7 @@ It builds on torch's profile-guided estimation
   tensor lists, and eager code may run an op on other strides than the traced graph does.
 
 Collective kernels are not priced from the trace here (the measured collective table is the
-supported source, :mod:`scheduler.cost_tables`).
+supported source, :mod:`scheduler.costs.tables`).
 """
 
 from __future__ import annotations
