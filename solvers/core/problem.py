@@ -337,11 +337,7 @@ class Problem:
         member's input (its folded cast's input, :attr:`Collective.merge_read_bytes`) in the
         widest dtype among them, to which ``torch.cat`` promotes (members share one payload
         dtype, so the widest is the largest ratio of bytes read to payload)."""
-        cs = [self.colls[m] for m in members]
-        total = sum(c.payload_bytes for c in cs)
-        read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
-                            key=lambda qp: qp[0] / qp[1], default=(1, 1))
-        return total * read // payload
+        return merge_cat_bytes([self.colls[m] for m in members])
 
     def merge_copy_fixed_ms(self, coll_type: str) -> tuple[float, float]:
         """(copy-in, copy-out) time of a merged bucket that does not grow with its members (ms):
@@ -432,6 +428,15 @@ class Problem:
         if m is None or not c.movable:
             return c.runtime_ms
         return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+
+
+def merge_cat_bytes(cs: Sequence[Collective]) -> int:
+    """:meth:`Problem.merge_cat_bytes` of the members ``cs`` (for a caller holding the collectives
+    without their problem: the simulator's static data)."""
+    total = sum(c.payload_bytes for c in cs)
+    read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
+                        key=lambda qp: qp[0] / qp[1], default=(1, 1))
+    return total * read // payload
 
 
 def _interpolate(table: Sequence[Sequence[float]], x: float) -> float:
