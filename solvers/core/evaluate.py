@@ -171,6 +171,8 @@ class _MemoryModel:
         #: movable collectives whose merged buckets' members are views of one result
         #: (``simulator._merged_memory``): the releases of such a member's storage go to it
         self.viewed = frozenset(m for m, c in p.colls.items() if c.movable and not _copied_out(p.colls, (m,)))
+        #: (single member, merged) -> :meth:`ops`, read by the analysis and the templates
+        self.resolved: dict[tuple[tuple[str, ...], bool], tuple[list, list]] = {}
         try:
             self._build(p)
         except _Unsupported as e:
@@ -274,6 +276,14 @@ class _MemoryModel:
         as ``(anchor, sub, code, key, amount, member)``: releases resolved to the storages they
         use (several for a node holding several results), a member's storage under the bucket's
         result ``(_WAITB, member)`` where merged members are views of it."""
+        if len(members) > 1:  # a bucket's: read once, for its template
+            return self._resolve(members, merged)
+        out = self.resolved.get((members, merged))
+        if out is None:
+            out = self.resolved[(members, merged)] = self._resolve(members, merged)
+        return out
+
+    def _resolve(self, members: tuple[str, ...], merged: bool) -> tuple[list, list]:
         st = self.st
         viewed = merged and members[0] in self.viewed
         out: tuple[list, list] = ([], [])
