@@ -9,10 +9,12 @@ process group) exported with the analytic cost model, and each schedule:
   the schedule built from entries (``solvers.periodic.from_entries``) and simulated, against
   ``Evaluator.plan_entries`` + ``evaluate`` (what the polish does now);
 * with ``--family`` (default on): the same graph exported under the robust option's six cost
-  models (``scheduler.robust.cost_model_family``), one schedule judged under all six:
+  models (``scheduler.costs.family.cost_model_family``), one schedule judged under all six:
   six simulations against ``ModelEvaluator.evaluate`` (memory counted once, six timelines).
 
-Every evaluation is checked equal to its simulation (step time, both peaks) before it is timed.
+Every evaluation is checked equal to its simulation (step time, both peaks) before it is timed;
+the table says whether the evaluator takes its fast path on the graph (``Evaluator.fast``) and
+how many of the checked evaluations it handed to the simulator instead.
 Times are CPU seconds of this process (``time.process_time``), the median of ``--repeats``
 runs, so that other processes on a shared machine disturb them less; the evaluator's one-time
 build per problem is printed beside them.
@@ -82,39 +84,47 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
     build_s = time.process_time() - t0
     if not ev.fast:
         logger.warning("%s %s: the evaluator falls back to the simulator: %s", graph, kind, ev.reason)
-    base = {"graph": graph, "kind": kind, "nodes": dag.number_of_nodes(), "seq": p.n, "build_s": build_s}
+    base = {"graph": graph, "kind": kind, "nodes": dag.number_of_nodes(), "seq": p.n, "build_s": build_s,
+            "fast": ev.fast}
     rows = []
     schedules = {h: solve(p, solver=h).schedule for h in HEURISTICS}
     for name, s in schedules.items():
+        before = ev.fallbacks
         if not same(simulate(dag, s, problem=p), ev.evaluate(s)):
             raise AssertionError(f"{graph} {kind} {name}: the evaluator differs from the simulator")
-        rows.append({**base, "schedule": name, "buckets": len(s.buckets),
+        rows.append({**base, "schedule": name, "buckets": len(s.buckets), "fell_back": f"{ev.fallbacks - before}/1",
                      "simulate_ms": cpu_ms(lambda: simulate(dag, s, problem=p), repeats),
                      "evaluate_ms": cpu_ms(lambda: ev.evaluate(s), max(repeats, 20))})
     moves = _neighbours(p, _entries(schedules["fsdp2"]), MinimaxConfig())
     random.Random(0).shuffle(moves)
     picked = [o for o in (chain_ordered(p, e) for e in moves) if o is not None][:neighbours]
+    before = ev.fallbacks
     for o in picked:
         if not same(simulate(dag, from_entries(p, o), problem=p), ev.evaluate(ev.plan_entries(o))):
             raise AssertionError(f"{graph} {kind}: the evaluator differs from the simulator on a neighbour")
     if picked:
+        fell_back = f"{ev.fallbacks - before}/{len(picked)}"
         sim_ms = cpu_ms(lambda: [simulate(dag, from_entries(p, o), problem=p) for o in picked], repeats) / len(picked)
         ev_ms = cpu_ms(lambda: [ev.evaluate(ev.plan_entries(o)) for o in picked], repeats) / len(picked)
         rows.append({**base, "schedule": f"{len(picked)} polish neighbours (build + judge)",
-                     "buckets": len(schedules["fsdp2"].buckets), "simulate_ms": sim_ms, "evaluate_ms": ev_ms})
+                     "buckets": len(schedules["fsdp2"].buckets), "fell_back": fell_back, "simulate_ms": sim_ms,
+                     "evaluate_ms": ev_ms})
     if family:
-        from scheduler.robust import cost_model_family
+        from scheduler.costs.family import cost_model_family
 
         problems = {label: Problem.from_dag(scheduler.export_dag(gm, cost_model=m, cluster=cluster))
                     for label, m in cost_model_family(cluster).items()}
         models = ModelEvaluator(problems)
         for name in ("traced", "fsdp2"):
             s = schedules[name]
+            before = sum(e.fallbacks for e in models.evaluators.values())
             evals = models.evaluate(s)
+            fell_back = f"{sum(e.fallbacks for e in models.evaluators.values()) - before}/{len(problems)}"
             for label, q in problems.items():
                 if not same(simulate(q.dag, s, problem=q), evals[label]):
                     raise AssertionError(f"{graph} {kind} {name} under {label}: the evaluator differs")
             rows.append({**base, "schedule": f"{name} x {len(problems)} cost models", "buckets": len(s.buckets),
+                         "fell_back": fell_back,
                          "simulate_ms": cpu_ms(lambda: [simulate(q.dag, s, problem=q) for q in problems.values()],
                                                repeats),
                          "evaluate_ms": cpu_ms(lambda: models.evaluate(s), max(repeats, 20))})
@@ -122,12 +132,12 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| graph | kind | nodes (schedulable) | schedule | buckets | simulate (ms) | evaluate (ms) | speedup | "
-             "evaluator build (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| graph | kind | nodes (schedulable) | fast | schedule | buckets | simulated instead | simulate (ms) | "
+             "evaluate (ms) | speedup | evaluator build (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['graph']} | {r['kind']} | {r['nodes']} ({r['seq']}) | {r['schedule']} | {r['buckets']} | "
-                     f"{r['simulate_ms']:.2f} | {r['evaluate_ms']:.3f} | {r['simulate_ms'] / r['evaluate_ms']:.0f}x | "
-                     f"{r['build_s']:.2f} |")
+        lines.append(f"| {r['graph']} | {r['kind']} | {r['nodes']} ({r['seq']}) | {'yes' if r['fast'] else 'no'} | "
+                     f"{r['schedule']} | {r['buckets']} | {r['fell_back']} | {r['simulate_ms']:.2f} | "
+                     f"{r['evaluate_ms']:.3f} | {r['simulate_ms'] / r['evaluate_ms']:.0f}x | {r['build_s']:.2f} |")
     return "\n".join(lines)
 
 

@@ -27,19 +27,22 @@ same numbers from work that grows with the number of buckets, not of nodes:
 
 One source of the rules. The storages, their owners, their uses and those never freed are the
 simulator's own static analysis (``simulator._static``: ``mem_owner`` / ``trk_owner``,
-``mem_uses`` / ``trk_uses``, ``*_never_free``, ``preds``, ``inputs``); the Problem gives the
-collectives' prologues, epilogues, folded casts and bytes. What each step does with them
-(:func:`_node_ops`, :func:`_bucket_ops`) follows the simulator's ``_Simulator._run_node`` /
-``_issue`` / ``_wait`` line by line, as lists of allocations, releases, frees and record points;
-``tests/test_evaluate.py`` holds the two equal on many graphs. Two guards keep a change of the
-simulator from making the evaluator silently wrong: the build checks that the releases these
-lists make of every storage are exactly its uses in the static data, and the first evaluator of
-a graph compares its peaks with the simulator's on the traced schedule and on one with merged
-buckets. Where either fails, or where a storage cannot be placed (one made by several
-collectives, by a node and a collective, made inside the window of a collective that frees it,
-or a merged reduce-scatter's result read by another collective), the evaluator does not guess:
-:attr:`Evaluator.fast` is False and every evaluation is :func:`simulate`'s (the reason is
-logged and kept in :attr:`Evaluator.reason`).
+``mem_uses`` / ``trk_uses``, ``*_never_free``, ``preds``, ``inputs``), and so is what each step
+does with them: a compute node's storages (``steps``: the results it allocates by each count, those
+nothing reads, which the execution model's count drops at once) and a bucket's issue and wait as
+the micro-operations the simulator itself runs (``_Static.bucket_ops``: allocations, records,
+releases, frees). Where a merged bucket's members are views of one result (a reduce-scatter, an
+all-gather on one rank: ``simulator._copied_out``), the releases of a member's storage go to
+that result, as ``simulator._merged_memory`` makes them. Two guards keep a change of the
+simulator from making the evaluator silently wrong: the build checks that the releases the
+operations make of every storage are exactly its uses in the static data (and that a collective
+releases alone what it releases in a bucket), and the first evaluator of a graph compares its
+peaks with the simulator's on the traced schedule and on one with merged buckets. Where either
+fails, where an operation is one the templates do not know, or where a storage cannot be placed
+(one made by several collectives, by a node and a collective, made inside the window of a
+collective that frees it, or the result of a merged bucket whose members are views of it read by
+another collective), the evaluator does not guess: :attr:`Evaluator.fast` is False and every
+evaluation is :func:`simulate`'s (the reason is logged and kept in :attr:`Evaluator.reason`).
 
 Assumption: the schedule is valid (:func:`~solvers.core.validator.validate_schedule` accepts
 it) and its compute nodes run in ``problem.seq`` order, as every schedule builder here makes
@@ -47,7 +50,8 @@ them. All of that but the order of the compute nodes is checked on every call, c
 collective in one bucket, every bucket issued once and waited once after its issue, a merged
 bucket of one kind of movable collectives, each bucket issued and waited inside its window
 ``[max ready, min needed]``, a collective that reads another's result issued after that one's
-wait. A schedule that fails is simulated instead, so the numbers stay the simulator's.
+wait (:attr:`Problem.issue_after`). A schedule that fails is simulated instead, so the numbers
+stay the simulator's.
 """
 
 from __future__ import annotations
@@ -62,18 +66,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from solvers.core.problem import Problem
-from solvers.core.schedule import Bucket, Schedule, Step
-from solvers.core.simulator import SimResult, _Static, _static, simulate
+from solvers.core.schedule import Bucket, Schedule, Step, order_gap
+from solvers.core.simulator import (ALLOC, DROP, FREE, REC, REL, WAIT, SimResult, _copied_out, _each, _Static,
+                                    _static, simulate)
 
 logger = logging.getLogger(__name__)
 
-# micro-operations of one step, in the simulator's order; ``sub`` numbers the points inside a step
-_ALLOC, _REC, _REL, _FREE = range(4)
+# the simulator's micro-operations (``simulator.ALLOC`` ...) as the evaluator reads them: a
+# release by node name (REL) and by storage (DROP) both become _USE, one use of a storage
+_ALLOC, _REC, _FREE, _USE = ALLOC, REC, FREE, max(ALLOC, REC, REL, DROP, FREE) + 1
 _ISSUE, _WAIT = 0, 1
 _MEM, _TRK = 0, 1
-#: bucket-level storages of the simulator (``bucket:<b>``, ``result:<m>`` / ``result:<b>``,
-#: ``wait:<b>``): keys private to one bucket's template
-_BUCKET, _RESULT, _WAITB = ("bucket",), ("result",), ("wait",)
+#: the storage a merged bucket's result becomes for the releases of member ``m``'s storage, where
+#: the members are views of that result (``simulator._merged_memory``): ``(_WAITB, m)``
+_WAITB = ("wait",)
 _ALONE, _MERGED = 0, 1
 #: never: a storage that is not freed
 _NEVER = None
@@ -159,12 +165,14 @@ class _MemoryModel:
 
     def __init__(self, p: Problem):
         # cached per problem: hold its parts, never the problem itself (the cache is weak)
-        self.colls, self.nodes, self.n = p.colls, p.dag.nodes, p.n
+        self.colls, self.n = p.colls, p.n
         self.st = _static(p)
         self.reason: str | None = None
-        self.trk_out = {m: _tracker_out_bytes(p, m) for m in p.colls}
-        # RS collectives whose tracker storage moves under the bucket's wait result when merged
-        self.redirect = {m for m, c in p.colls.items() if c.movable and c.coll_type != "all_gather"}
+        #: movable collectives whose merged buckets' members are views of one result
+        #: (``simulator._merged_memory``): the releases of such a member's storage go to it
+        self.viewed = frozenset(m for m, c in p.colls.items() if c.movable and not _copied_out(p.colls, (m,)))
+        #: (single member, merged) -> :meth:`ops`, read by the analysis and the templates
+        self.resolved: dict[tuple[tuple[str, ...], bool], tuple[list, list]] = {}
         try:
             self._build(p)
         except _Unsupported as e:
@@ -174,34 +182,33 @@ class _MemoryModel:
         self.checked = False
 
     # -- static analysis ---------------------------------------------------------------------
-    def _owner(self, count: int, name: str) -> Any:
-        st = self.st
-        return st.mem_owner.get(name, name) if count == _MEM else st.trk_owner.get(name, name)
-
     def _build(self, p: Problem) -> None:
         st = self.st
-        n = p.n
         counts = (_MEM, _TRK)
-        # static sites: key -> (alloc node (-1: the inputs), bytes); key -> release nodes
+        owners = (st.mem_owner, st.trk_owner)
+        # static sites: key -> (alloc node (-1: the inputs), bytes); key -> release nodes; key ->
+        # the node that frees it right after its record (a result nothing reads)
         s_alloc: list[dict[Any, tuple[int, int]]] = [{}, {}]
         s_rel: list[dict[Any, list[int]]] = [defaultdict(list), defaultdict(list)]
+        s_free: list[dict[Any, int]] = [{}, {}]
         for name, size in st.inputs:
             for c in counts:
-                key = self._owner(c, name)
+                key = owners[c].get(name, name)
+                if isinstance(key, tuple):
+                    raise _Unsupported(f"graph input {name!r} holds several storages")
                 if size and key not in s_alloc[c]:
                     s_alloc[c][key] = (-1, size)
-        node_ops = [_node_ops(p, st, g) for g in range(n)]
-        for g, ops in enumerate(node_ops):
-            for c in counts:
-                for _, code, key, amount, _m in ops[c]:
+        for g, name in enumerate(p.seq):
+            for c, ops in enumerate(_node_ops(st, name)):
+                for _, code, key, amount in ops:
                     if code == _ALLOC:
                         if key in s_alloc[c]:
                             raise _Unsupported(f"storage {key!r} is allocated twice")
                         s_alloc[c][key] = (g, amount)
-                    elif code == _REL:
-                        s_rel[c][self._owner(c, key)].append(g)
+                    elif code == _USE:
+                        s_rel[c][key].append(g)
                     elif code == _FREE:
-                        raise _Unsupported(f"node {p.seq[g]!r} frees a storage directly")
+                        s_free[c][key] = g
         # collective sites, per variant: (coll, variant) -> key -> [(anchor, sub), bytes] / [sites]
         c_alloc: list[dict[tuple[str, int], dict[Any, tuple[tuple[int, int], int]]]] = [{}, {}]
         c_rel: list[dict[tuple[str, int], dict[Any, list[tuple[int, int]]]]] = [{}, {}]
@@ -209,7 +216,7 @@ class _MemoryModel:
         for m, coll in p.colls.items():
             variants = (_ALONE, _MERGED) if coll.movable else (_ALONE,)
             for v in variants:
-                ops = _bucket_ops(p.colls, p.dag.nodes, st, self.trk_out, (m,), v == _MERGED)
+                ops = self.ops((m,), v == _MERGED)
                 for c in counts:
                     alloc: dict[Any, tuple[tuple[int, int], int]] = {}
                     rel: dict[Any, list[tuple[int, int]]] = defaultdict(list)
@@ -221,21 +228,32 @@ class _MemoryModel:
                                 raise _Unsupported(f"storage {key!r} is allocated twice by {m!r}")
                             alloc[key] = ((anchor, sub), amount)
                             touching[c][key].add(m)
-                        elif code == _REL:
-                            owner = self._owner(c, key)
-                            if c == _TRK and v == _MERGED and owner == m and m in self.redirect:
-                                owner = (_WAITB, m)  # the bucket's wait result holds it
-                            rel[owner].append((anchor, sub))
-                            touching[c][owner].add(m)
+                        elif code == _USE:
+                            rel[key].append((anchor, sub))
+                            touching[c][key].add(m)
                         elif code == _FREE:
                             raise _Unsupported(f"collective {m!r} frees a storage of its own directly")
+                        elif code != _REC:
+                            raise _Unsupported(f"collective {m!r} makes a micro-operation the evaluator does not "
+                                               f"know ({code!r})")
                     c_alloc[c][(m, v)] = alloc
                     c_rel[c][(m, v)] = dict(rel)
-        # a collective releases as many uses alone as in a bucket (only where differs)
+        # in a bucket a collective releases what it releases alone, as often: every storage that
+        # may be live there (made by a node, by another collective, by it in a bucket; its own
+        # storage, under the bucket's result where the members are views of it)
         for c in counts:
+            made_by: dict[Any, set[str]] = defaultdict(set)
+            for (m, _v), alloc in c_alloc[c].items():
+                for key in alloc:
+                    made_by[key].add(m)
             for m, coll in p.colls.items():
-                if coll.movable and sum(map(len, c_rel[c][(m, _ALONE)].values())) != sum(
-                        map(len, c_rel[c][(m, _MERGED)].values())):
+                if not coll.movable:
+                    continue
+                merged = {(k[1] if isinstance(k, tuple) else k): len(v) for k, v in c_rel[c][(m, _MERGED)].items()}
+                alone = {k: len(v) for k, v in c_rel[c][(m, _ALONE)].items()}
+                live = [k for k in set(alone) | set(merged)
+                        if k in s_alloc[c] or made_by[k] - {m} or k in c_alloc[c][(m, _MERGED)] or k == m]
+                if any(alone.get(k, 0) != merged.get(k, 0) for k in live):
                     raise _Unsupported(f"collective {m!r} releases other uses alone than in a bucket")
         # the releases of every storage must be its uses in the simulator's static data
         for c, uses in ((_MEM, st.mem_uses), (_TRK, st.trk_uses)):
@@ -251,9 +269,41 @@ class _MemoryModel:
             if diff:
                 raise _Unsupported(f"the releases of {sorted(map(str, diff))[:3]} differ from the simulator's uses "
                                    "(its rules changed: the evaluator follows the static data only)")
-        self._classify(s_alloc, s_rel, c_alloc, c_rel, touching)
+        self._classify(s_alloc, s_rel, s_free, c_alloc, c_rel, touching)
 
-    def _classify(self, s_alloc, s_rel, c_alloc, c_rel, touching) -> None:
+    def ops(self, members: tuple[str, ...], merged: bool) -> tuple[list, list]:
+        """The simulator's micro-operations of a bucket (:meth:`_Static.bucket_ops`), per count
+        as ``(anchor, sub, code, key, amount, member)``: releases resolved to the storages they
+        use (several for a node holding several results), a member's storage under the bucket's
+        result ``(_WAITB, member)`` where merged members are views of it."""
+        if len(members) > 1:  # a bucket's: read once, for its template
+            return self._resolve(members, merged)
+        out = self.resolved.get((members, merged))
+        if out is None:
+            out = self.resolved[(members, merged)] = self._resolve(members, merged)
+        return out
+
+    def _resolve(self, members: tuple[str, ...], merged: bool) -> tuple[list, list]:
+        st = self.st
+        viewed = merged and members[0] in self.viewed
+        out: tuple[list, list] = ([], [])
+        for c, (owner, count_ops) in enumerate(zip((st.mem_owner, st.trk_owner), st.bucket_ops(members, merged))):
+            ops = out[c]
+            for anchor, step_ops in enumerate(count_ops):
+                for sub, code, key, amount, member in step_ops:
+                    if code == REL:
+                        o = owner.get(key, key)
+                        if viewed and o in members:
+                            ops.append((anchor, sub, _USE, (_WAITB, o), 0, member))
+                        else:
+                            ops.extend((anchor, sub, _USE, k, 0, member) for k in _each(o))
+                    elif code == DROP:
+                        ops.append((anchor, sub, _USE, key, 0, member))
+                    else:
+                        ops.append((anchor, sub, code, key, amount, member))
+        return out
+
+    def _classify(self, s_alloc, s_rel, s_free, c_alloc, c_rel, touching) -> None:
         """Each storage of each count: static (into the profile), or one collective's (into its
         contributions per variant), or a reason the evaluator cannot place it."""
         st, n = self.st, self.n
@@ -266,19 +316,30 @@ class _MemoryModel:
         #: (count, bytes, last compute reader or None, ((collective, last release point per
         #: variant or None), ...))
         self.floating: list[tuple[int, int, int | None, tuple]] = []
-        #: RS collectives' tracker storages under a merged bucket's wait result: release info
-        self.wait_info: dict[str, tuple[list[int], list[tuple[int, int]], bool, int]] = {}
+        #: (count, member) -> how the releases of a member's storage free its merged bucket's
+        #: result: (release nodes, release points in a bucket, never freed, uses)
+        self.wait_info: dict[tuple[int, str], tuple[list[int], list[tuple[int, int]], bool, int]] = {}
         for c, never_free, uses in ((_MEM, st.mem_never_free, st.mem_uses), (_TRK, st.trk_never_free, st.trk_uses)):
-            keys = set(s_alloc[c]) | set(s_rel[c]) | set(touching[c])
+            keys = set(s_alloc[c]) | set(s_rel[c]) | set(touching[c]) | set(s_free[c])
             for key in keys:
-                if isinstance(key, tuple):  # a merged RS's storage under its wait result
+                if isinstance(key, tuple):  # a member's storage under its merged bucket's result
                     continue
+                touch = touching[c].get(key, set())
+                if key in s_free[c]:  # made and dropped by one node: nothing else may touch it
+                    g = s_free[c][key]
+                    if touch or s_rel[c].get(key) or s_alloc[c].get(key, (None,))[0] != g:
+                        raise _Unsupported(f"storage {key!r} is freed at node {g} by another rule than its uses")
+                    self._profile(c, g, s_alloc[c][key][1], g)
+                    continue
+                if key in self.viewed and touch - {key}:
+                    raise _Unsupported(f"the result of {key!r} is read by other collectives and moves under its "
+                                       "bucket's result when merged")
                 never = key in never_free or not uses.get(key, 0)
-                self._classify_key(c, key, never, s_alloc[c].get(key), s_rel[c].get(key, []),
-                                   touching[c].get(key, set()), c_alloc[c], c_rel[c])
-                if c == _TRK and key in self.redirect:
-                    self.wait_info[key] = (list(s_rel[c].get(key, [])), list(c_rel[c].get((key, _MERGED), {}).get(
-                        (_WAITB, key), [])), key in never_free, uses.get(key, 0))
+                self._classify_key(c, key, never, s_alloc[c].get(key), s_rel[c].get(key, []), touch, c_alloc[c],
+                                   c_rel[c])
+            for m in self.viewed:
+                self.wait_info[(c, m)] = (list(s_rel[c].get(m, [])), list(c_rel[c][(m, _MERGED)].get((_WAITB, m), [])),
+                                          m in never_free, uses.get(m, 0))
 
     def _classify_key(self, c: int, key: Any, never: bool, s_alloc, s_rel: list[int], touch: set[str],
                       c_alloc, c_rel) -> None:
@@ -300,9 +361,6 @@ class _MemoryModel:
                 self._profile(c, a, size, _NEVER if never else max(s_rel))
                 return
             if s_alloc is None:
-                if c == _TRK and key in self.redirect:
-                    raise _Unsupported(f"the result of {key!r} is read by other collectives and moves under its "
-                                       "bucket's wait result when merged")
                 return self._made_by_one(c, key, never, s_rel, touch, c_alloc, c_rel)
             return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
         (m,) = touch
@@ -322,7 +380,9 @@ class _MemoryModel:
                     last = ("node", q)
                 elif q < lo:
                     last = ("site", max(sites))
-                else:  # a compute node inside the window: whichever runs later, placed per plan
+                elif s_alloc is None:  # a compute node inside the window: whichever runs later
+                    return self._made_by_one(c, key, never, s_rel, touch, c_alloc, c_rel)
+                else:
                     return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
             elif s_rel:
                 last = ("node", max(s_rel))
@@ -469,7 +529,7 @@ class _MemoryModel:
         if merged and (len({colls[m].key for m in members}) > 1 or not all(colls[m].movable for m in members)):
             return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
         v = _MERGED if merged else _ALONE
-        ops = _bucket_ops(colls, self.nodes, self.st, self.trk_out, members, merged)
+        ops = self.ops(members, merged)
         per_count, raw = [], []
         node: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for c in (_MEM, _TRK):
@@ -488,13 +548,19 @@ class _MemoryModel:
                 if code == _REC:
                     recs[anchor].append((sub, amount))
                 elif member is None and code == _ALLOC:
+                    if key in allocs:
+                        return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
                     allocs[key] = (anchor, sub, amount)
                     deltas[anchor][sub] += amount
-                elif member is None and code == _FREE and key in allocs:  # one of 0 bytes is never live
-                    deltas[anchor][sub] -= allocs[key][2]
-            if c == _TRK and merged and _WAITB in allocs and colls[members[0]].coll_type != "all_gather":
-                # the wait result of a merged RS: freed after the last release of any member's
-                self._merged_wait_free(members, allocs[_WAITB][2], deltas, node)
+                elif member is None and code == _FREE:
+                    if key in allocs:  # one of 0 bytes, or one never made, is never live
+                        deltas[anchor][sub] -= allocs.pop(key)[2]
+                elif member is None:  # a rule the templates do not know: the simulator judges
+                    return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
+            if merged and members[0] in self.viewed and WAIT in allocs:
+                # the result whose views the members are: freed after the last release of any
+                # member's storage
+                self._merged_wait_free(c, members, allocs[WAIT], deltas, node)
             per_count.append([_step_effect(deltas[a], recs[a]) for a in (_ISSUE, _WAIT)])
             raw.append(tuple((dict(deltas[a]), tuple(recs[a])) for a in (_ISSUE, _WAIT)))
         issue = (*per_count[_MEM][_ISSUE], *per_count[_TRK][_ISSUE])
@@ -502,10 +568,10 @@ class _MemoryModel:
         events = tuple(sorted((g, d[0], d[1]) for g, d in node.items() if d[0] or d[1]))
         return _Template(issue, wait, events, lo, hi, True, tuple(raw))
 
-    def _merged_wait_free(self, members, size: int, deltas, node) -> None:
+    def _merged_wait_free(self, c: int, members, alloc: tuple[int, int, int], deltas, node) -> None:
         rels, sites, never, uses = [], [], False, 0
         for m in members:
-            r, s, nf, u = self.wait_info.get(m, ([], [], False, 0))
+            r, s, nf, u = self.wait_info.get((c, m), ([], [], False, 0))
             rels += r
             sites += s
             never |= nf
@@ -513,10 +579,12 @@ class _MemoryModel:
         if never or not uses or not (rels or sites):
             return
         if rels:  # compute nodes that read a member's result run after the bucket's wait
-            node[max(rels)][_TRK] -= size
+            node[max(rels)][c] -= alloc[2]
         else:
             anchor, sub = max(sites)
-            deltas[anchor][sub] -= size
+            if (anchor, sub) <= alloc[:2]:
+                return  # released before it is made: it lives on
+            deltas[anchor][sub] -= alloc[2]
 
     def peaks(self, plan: Plan, templates: Sequence[_Template]) -> tuple[int, int]:
         """(peak_bytes, tracker_peak_bytes) of a plan whose checks passed."""
@@ -676,143 +744,20 @@ def _sparse_table(values: list[int]) -> list[list[int]]:
     return table
 
 
-def _tracker_out_bytes(p: Problem, m: str) -> int:
-    """As ``_Simulator._tracker_out_bytes``: a collective's result by torch's tracker, at its
-    buffer's size when it writes into a buffer of the graph."""
-    alias = p.dag.nodes[m]["alias_of"]
-    return p.colls[m].out_bytes if alias is None else int(p.dag.nodes[alias]["size_bytes"])
-
-
-# -- the simulator's steps as micro-operations ---------------------------------------------
-# Each op: (sub, code, key, amount, member) for nodes and (anchor, sub, code, key, amount,
-# member) for buckets; ``key`` is the storage (the owner) of an allocation or a free, the node
-# name whose storage loses a use for a release; ``amount`` the bytes, or a record's transient
-# bytes; ``member`` the collective that makes the op, None for the bucket's own storages.
-
-
-def _node_ops(p: Problem, st: _Static, g: int) -> tuple[list, list]:
-    """``_Simulator._run_node``: the output allocated, a record, the inputs' uses released."""
-    name = p.seq[g]
-    a = p.dag.nodes[name]
-    mem: list = []
-    trk: list = []
-    if a["alias_of"] is None and int(a["size_bytes"]):
-        mem.append((0, _ALLOC, name, int(a["size_bytes"]), None))
-        trk.append((0, _ALLOC, st.trk_owner.get(name, name), int(a["size_bytes"]), None))
-    mem.append((1, _REC, None, 0, None))
-    trk.append((1, _REC, None, 0, None))
-    for u in st.preds[name]:
-        mem.append((2, _REL, u, 0, None))
-        trk.append((2, _REL, u, 0, None))
-    return mem, trk
-
-
-def _bucket_ops(colls: Mapping[str, Any], nodes: Any, st: _Static, trk_out: Mapping[str, int],
-                members: tuple[str, ...], merged: bool) -> tuple[list, list]:
-    """A bucket's issue and wait steps (``_Simulator._issue`` with ``_run_prologue``,
-    ``_alloc_alone`` / ``_merge_all_gather`` / ``_merge_reduce_scatter``, and ``_wait`` with
-    ``_wait_tracker``), per count. ``merged``: as a bucket of several collectives (the
-    members' own ops of one collective are those it makes in any merged bucket)."""
-    mem: list = []
-    trk: list = []
-    preds = st.preds
-    c0 = colls[members[0]]
-    gather = c0.coll_type == "all_gather"
-
-    def owner(name: str) -> str:
-        return st.trk_owner.get(name, name)
-
-    def rel(anchor: int, sub: int, name: str, member: str | None, counts=(0, 1)) -> None:
-        for u in preds[name]:
-            for c in counts:
-                (mem, trk)[c].append((anchor, sub, _REL, u, 0, member))
-
-    def alloc(ops: list, anchor: int, sub: int, key: Any, nbytes: int, member: str | None) -> None:
-        if nbytes:
-            ops.append((anchor, sub, _ALLOC, key, nbytes, member))
-
-    I, W = _ISSUE, _WAIT
-    # issue: the prologue casts (a merged all-gather skips the casts it folds into its copy)
-    folded = {colls[m].folded_cast: m for m in members if colls[m].folded_cast} if merged and gather else {}
-    prologue = [(pn, m) for m in members for pn in colls[m].prologue if pn not in folded]
-    for pn, m in prologue:
-        nbytes = int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0
-        alloc(mem, I, 0, pn, nbytes, m)
-        alloc(trk, I, 0, owner(pn), nbytes, m)
-    mem.append((I, 1, _REC, None, 0, None))
-    trk.append((I, 1, _REC, None, 0, None))
-    for pn, m in prologue:
-        rel(I, 2, pn, m)
-    if not merged:
-        (m,) = members
-        alloc(mem, I, 3, m, colls[m].out_bytes, m)
-        alloc(trk, I, 3, _RESULT, trk_out[m], None)
-        trk.append((I, 4, _REC, None, 0, None))
-        rel(I, 5, m, m, (_TRK,))
-        mem.append((I, 4, _REC, None, 0, None))
-    elif gather:
-        size = sum(colls[m].out_bytes for m in members)
-        read = sum(colls[m].merge_read_bytes for m in members)
-        alloc(mem, I, 3, _BUCKET, size, None)
-        alloc(trk, I, 3, _BUCKET, size, None)
-        mem.append((I, 4, _REC, None, read, None))
-        trk.append((I, 4, _REC, None, read, None))
-        for m in members:
-            rel(I, 5, m, m)
-        for f, m in folded.items():
-            rel(I, 5, f, m)
-        alloc(trk, I, 5, _RESULT, size, None)
-        trk.append((I, 6, _REC, None, 0, None))
-        trk.append((I, 7, _FREE, _BUCKET, 0, None))
-    else:
-        payload = sum(colls[m].payload_bytes for m in members)
-        alloc(mem, I, 3, _BUCKET, payload, None)
-        alloc(trk, I, 3, _BUCKET, payload, None)
-        mem.append((I, 4, _REC, None, 0, None))
-        trk.append((I, 4, _REC, None, 0, None))
-        for m in members:
-            rel(I, 5, m, m)
-            alloc(mem, I, 5, m, colls[m].out_bytes, m)
-        alloc(trk, I, 5, _RESULT, sum(colls[m].out_bytes for m in members), None)
-        trk.append((I, 6, _REC, None, 0, None))
-        trk.append((I, 7, _FREE, _BUCKET, 0, None))
-        mem.append((I, 6, _REC, None, 0, None))
-    # wait: the execution model's count
-    if merged and gather:
-        for m in members:
-            alloc(mem, W, 0, m, colls[m].out_bytes, m)
-    epilogue = [(e, m) for m in members for e in colls[m].epilogue]
-    for e, m in epilogue:
-        if nodes[e]["alias_of"] is None:
-            alloc(mem, W, 0, e, int(nodes[e]["size_bytes"]), m)
-    mem.append((W, 1, _REC, None, 0, None))
-    if merged:
-        mem.append((W, 2, _FREE, _BUCKET, 0, None))
-    else:
-        rel(W, 2, members[0], members[0], (_MEM,))
-    # wait: torch's tracker
-    if not merged:
-        (m,) = members
-        alloc(trk, W, 0, m, trk_out[m], m)
-        trk.append((W, 1, _REC, None, 0, None))
-        trk.append((W, 2, _FREE, _RESULT, 0, None))
-    else:
-        size = sum(colls[m].out_bytes for m in members)
-        alloc(trk, W, 0, _WAITB, size, None)
-        trk.append((W, 1, _REC, None, 0, None))
-        trk.append((W, 2, _FREE, _RESULT, 0, None))
-        if gather:
-            for m in members:
-                alloc(trk, W, 2, m, colls[m].out_bytes, m)
-            trk.append((W, 3, _REC, None, 0, None))
-            trk.append((W, 4, _FREE, _WAITB, 0, None))
-    for e, m in epilogue:
-        if nodes[e]["alias_of"] is None:
-            alloc(trk, W, 4, owner(e), int(nodes[e]["size_bytes"]), m)
-    trk.append((W, 5, _REC, None, 0, None))
-    for e, m in epilogue:
-        rel(W, 6, e, m)
-    return mem, trk
+def _node_ops(st: _Static, name: str) -> tuple[list, list]:
+    """``_Simulator._run_node`` on ``st.steps``, per count as ``(sub, code, key, amount)``: its
+    storages allocated, a record, those nothing reads freed (the execution model's count), its
+    inputs' storages used."""
+    _, allocs, trk_allocs, unread = st.steps[name]
+    out: tuple[list, list] = ([], [])
+    for c, (made, owner) in enumerate(((allocs, st.mem_owner), (trk_allocs, st.trk_owner))):
+        ops = out[c]
+        ops.extend((0, _ALLOC, key, nbytes) for key, nbytes in made if nbytes)
+        ops.append((1, _REC, None, 0))
+        if c == _MEM:
+            ops.extend((2, _FREE, key, 0) for key in unread)
+        ops.extend((3, _USE, key, 0) for u in st.preds[name] for key in _each(owner.get(u, u)))
+    return out
 
 
 # -- the timeline ----------------------------------------------------------------------------
@@ -915,8 +860,9 @@ def _fingerprint(p: Problem) -> tuple:
     # in the export's order: exports of one graph list it alike (another order only costs a share)
     return (p.seq, tuple((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
                          for n, a in p.dag.nodes(data=True)),
-            tuple((m, c.key, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue, c.folded_cast,
-                   c.ready, c.needed, c.movable) for m, c in p.colls.items()),
+            tuple((m, c.key, c.group_size, c.payload_bytes, c.out_bytes, c.merge_read_bytes, c.prologue, c.epilogue,
+                   c.folded_cast, c.ready, c.needed, c.movable) for m, c in p.colls.items()),
+            tuple((name, allocs, trk_allocs, unread) for name, (_, allocs, trk_allocs, unread) in st.steps.items()),
             tuple(st.mem_owner.items()), tuple(st.trk_owner.items()), tuple(st.mem_uses.items()),
             tuple(st.trk_uses.items()), st.mem_never_free, st.trk_never_free, st.inputs)
 
@@ -983,7 +929,8 @@ class Evaluator:
         ``(bucket, issue gap, wait gap)`` entries, without building it: buckets sorted by
         (issue gap, need, ready, traced issue, members) of their first member; in a gap, the
         waits of buckets issued earlier, then the issues, then the waits of buckets issued
-        there (:meth:`Schedule.from_positions`).
+        there, but an issue that reads the result of a bucket waited in its gap after that
+        wait (:meth:`Problem.schedule_at`, :meth:`Schedule.from_positions`).
 
         Raises:
             ValueError: a bucket's gaps are not ``0 <= issue <= wait <= n``.
@@ -1003,11 +950,42 @@ class Evaluator:
             keys.append((i, 1, b, True))
             keys.append((w, 0 if i < w else 2, b, False))
         keys.sort()
+        if self.after:
+            keys = self._after_waits(ordered, keys)
         ops = tuple((is_issue, b, gap) for gap, _, b, is_issue in keys)
         members = tuple(e[0].members for e in ordered)
         templates = self._check(members, ops)
         return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
                     model=self.memory)
+
+    def _after_waits(self, ordered, keys: list) -> list:
+        """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
+        reading the result of a bucket waited there in :func:`order_gap`'s order, as
+        :meth:`Problem.schedule_at` builds it."""
+        issue_after = self.problem.issue_after
+        bucket_of = {m: b for b, e in enumerate(ordered) for m in e[0].members}
+        after = {}
+        for b, e in enumerate(ordered):
+            ds = {bucket_of[d] for m in e[0].members for d in issue_after.get(m, ()) if d in bucket_of}
+            if ds:
+                after[b] = ds
+        if not after:
+            return keys
+        out: list = []
+        k = 0
+        while k < len(keys):
+            end = k
+            while end < len(keys) and keys[end][0] == keys[k][0]:
+                end += 1
+            group = keys[k:end]
+            if any(is_issue and b in after for _, _, b, is_issue in group):
+                phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
+                steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
+                                  lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)
+                group = [(keys[k][0], 0, st.ref, st.kind == "issue") for st in steps]
+            out.extend(group)
+            k = end
+        return out
 
     def _check(self, members: tuple[tuple[str, ...], ...], ops) -> tuple[_Template, ...] | None:
         """The cheap part of validity (module docstring): the buckets' templates, or None when
@@ -1095,22 +1073,10 @@ class Evaluator:
 
 
 def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
-    """``(c, anchor, d)``: collective ``c``'s issue (its prologue, itself) or wait reads the
-    result of collective ``d`` (its wait or an epilogue), so runs after ``d``'s wait. The
-    windows do not say it (they count compute nodes only)."""
-    result_of = {}
-    for name, c in p.colls.items():
-        for node in (c.wait, *c.epilogue):
-            result_of[node] = name
-    out = []
-    for name, c in p.colls.items():
-        for anchor, readers in ((_ISSUE, (*c.prologue, name)), (_WAIT, (c.wait,))):
-            for r in readers:
-                for u in p.dag.predecessors(r):
-                    d = result_of.get(u)
-                    if d is not None and d != name:
-                        out.append((name, anchor, d))
-    return tuple(out)
+    """``(c, _ISSUE, d)``: collective ``c``'s issue (its prologue, itself) reads the result of
+    collective ``d`` (:attr:`Problem.issue_after`), so runs after ``d``'s wait. The windows do
+    not say it (they count compute nodes only)."""
+    return tuple((name, _ISSUE, d) for name in p.colls for d in sorted(p.issue_after[name]))
 
 
 def _merged_schedule(p: Problem) -> Schedule | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -337,11 +338,7 @@ class Problem:
         member's input (its folded cast's input, :attr:`Collective.merge_read_bytes`) in the
         widest dtype among them, to which ``torch.cat`` promotes (members share one payload
         dtype, so the widest is the largest ratio of bytes read to payload)."""
-        cs = [self.colls[m] for m in members]
-        total = sum(c.payload_bytes for c in cs)
-        read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
-                            key=lambda qp: qp[0] / qp[1], default=(1, 1))
-        return total * read // payload
+        return merge_cat_bytes([self.colls[m] for m in members])
 
     def merge_copy_fixed_ms(self, coll_type: str) -> tuple[float, float]:
         """(copy-in, copy-out) time of a merged bucket that does not grow with its members (ms):
@@ -374,64 +371,173 @@ class Problem:
         return Schedule(tuple(Bucket((c,)) for c in names), tuple(steps_nodes))
 
     def lower_bound_ms(self) -> float:
-        """Analytic lower bound on the simulated step time of *any* schedule (ms).
+        """Analytic lower bound on the simulated step time of *any* valid schedule (ms).
 
-        The largest of:
-        - compute: all compute-stream work (nodes and prologues; merge copies only add);
-        - per stream: its communication at the cheapest (each movable collective costs at least
-          ``beta * payload``, plus one ``alpha`` per stream), started no earlier than the first
-          collective is ready, plus the compute after the last all-gather of the stream is needed;
-        - per all-gather chain: the first-needed all-gather, alone at best, must finish before
-          the compute from its first use onward can start (the exposed first all-gather).
+        ``P[g]`` is the compute of the nodes before gap ``g``; a collective adds at least its
+        least copy-in (:meth:`_least_copy_in_ms`) to the compute stream at its bucket's issue
+        and its epilogue at the wait. The largest of:
+
+        - compute: ``P[n]`` plus every collective's least work (waits only add);
+        - per collective ``c``: its bucket is issued no earlier than the compute stream reaches
+          gap ``ready_c`` (the earliest start, below), takes its copy-in and at least
+          :meth:`_least_comm_ms`; the compute stream then runs ``c``'s epilogue, the nodes from
+          ``needed_c`` on and the work of every collective that cannot be issued before ``c``'s
+          wait (``ready > needed_c``);
+        - per stream (process group) and ``k``: its ``k`` collectives needed first are all
+          waited before the node at the latest of their ``needed``; their transfers run one
+          after another, each at least its share (:meth:`_least_stream_ms`), from the earliest
+          start of any of them; then a wait's epilogue, the nodes from that ``needed`` on and
+          the work of the collectives issued only after it.
+
+        The earliest start: the compute stream reaches gap ``g`` no earlier than ``P[g]``, nor
+        than the end of a collective (or of a stream's first ``k``, as above) needed before
+        ``g`` plus its epilogue and the nodes from that ``needed`` to ``g``. Work that may run
+        while a collective is in flight (the prologue casts of other all-gathers) is counted
+        after it only where it must follow its wait.
         """
+        n = self.n
         prefix = [0.0]
         for v in self.compute_ms:
             prefix.append(prefix[-1] + v)
-        total = self.total_compute_ms
-        bounds = [total]
-        per_stream: dict[str, list[Collective]] = {}
-        for c in self.colls.values():
-            per_stream.setdefault(c.group_name, []).append(c)
-        for group, cs in per_stream.items():
-            busy = 0.0
-            alpha_min = None
-            for c in cs:
-                m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
-                if m and c.movable:
-                    busy += min(c.runtime_ms, m["beta_ms_per_byte"] * c.payload_bytes)
-                    alpha_min = m["alpha_ms"] if alpha_min is None else min(alpha_min, m["alpha_ms"])
+        colls = list(self.colls.values())
+        if not colls:
+            return prefix[n]
+        least_in = {c.name: self._least_copy_in_ms(c) for c in colls}
+        work = {c.name: self._least_work_ms(c) for c in colls}
+        # the work of the collectives issued only after gap g: suffix sums over their ready gaps
+        by_ready = sorted(colls, key=lambda c: (c.ready, c.needed, c.traced_issue))
+        readies = [c.ready for c in by_ready]
+        suffix = [0.0] * (len(by_ready) + 1)
+        for k in range(len(by_ready) - 1, -1, -1):
+            suffix[k] = suffix[k + 1] + work[by_ready[k].name]
+
+        def forced(gap: int) -> float:
+            return suffix[bisect.bisect_right(readies, gap)]
+
+        # per stream, its collectives in the order they are needed, and the least transfer
+        # time of the first k of them
+        streams: dict[str, list[Collective]] = {}
+        for c in sorted(colls, key=lambda c: (c.needed, c.ready, c.traced_issue)):
+            streams.setdefault(c.group_name, []).append(c)
+        busy = {g: list(itertools.accumulate(self._least_stream_ms(c) for c in cs)) for g, cs in streams.items()}
+        # what ends before a node: (needed, collective or (stream, k)), activated in needed order
+        events = sorted([(c.needed, 0, c.name) for c in colls]
+                        + [(cs[k].needed, 1, (g, k)) for g, cs in streams.items() for k in range(len(cs))],
+                        key=lambda e: (e[0], e[1], str(e[2])))
+        start: dict[str, float] = {}  # collective -> least start of its transfer
+
+        def first_k(g: str, k: int) -> tuple[float, float]:
+            """(least end of the transfers of stream g's first k + 1, least epilogue among them)."""
+            cs = streams[g][:k + 1]
+            return min(start[c.name] for c in cs) + busy[g][k], min(c.epilogue_ms for c in cs)
+
+        bounds = [prefix[n] + sum(work.values())]
+        delay, e = 0.0, 0
+        for c in by_ready:
+            while e < len(events) and events[e][0] < c.ready:
+                needed, kind, ref = events[e]
+                if kind == 0:  # its copy-in and copy-out together at least its work
+                    d = self.colls[ref]
+                    end, epi = start[ref] - least_in[ref] + self._least_comm_ms(d), work[ref]
                 else:
-                    busy += c.runtime_ms
-            busy += alpha_min or 0.0
-            start = prefix[min(c.ready for c in cs)]
-            # after the stream's last transfer, at least the compute after the latest need of
-            # any all-gather on it remains (reduce-scatters are needed only at the end)
-            tail = min(prefix[self.n] - prefix[c.needed] for c in cs)
-            bounds.append(start + busy + tail)
-        # exposed first all-gather: nothing from its first use on can start before it is done;
-        # that delay D also postpones every later gradient, so each reduce-scatter ends at least
-        # at (its gradient's time + D + its own transfer)
-        delay, first_need = 0.0, self.n
-        ags = [c for c in self.colls.values() if c.coll_type == "all_gather"]
-        if ags:
-            c = min(ags, key=lambda c: (c.needed, c.ready))
-            first_need = c.needed
-            delay = max(0.0, prefix[c.ready] + self._alone_ms(c) - prefix[c.needed])
-            bounds.append(total + delay)
-        for c in self.colls.values():
-            if c.coll_type != "reduce_scatter":
-                continue
-            shift = delay if c.ready >= first_need else 0.0
-            bounds.append(prefix[c.ready] + shift + self._alone_ms(c) + c.epilogue_ms + (prefix[self.n] - prefix[c.needed]))
+                    end, epi = first_k(*ref)
+                delay = max(delay, end + epi - prefix[needed])
+                e += 1
+            start[c.name] = prefix[c.ready] + delay + least_in[c.name]
+            end = prefix[c.ready] + delay + self._least_comm_ms(c) + work[c.name]
+            bounds.append(end + prefix[n] - prefix[c.needed] + forced(c.needed))
+        for g, cs in streams.items():
+            for k, c in enumerate(cs):
+                end, epi = first_k(g, k)
+                bounds.append(end + epi + prefix[n] - prefix[c.needed] + forced(c.needed))
         return max(bounds)
 
-    def _alone_ms(self, c: Collective) -> float:
-        """Least time collective ``c`` can take: alone, or its share ``beta * payload`` plus one
-        ``alpha`` of a bucket (a bucket finishes no earlier than that)."""
-        m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
-        if m is None or not c.movable:
+    def _mergeable(self, c: Collective) -> bool:
+        """Whether ``c`` may share a bucket: movable, with another collective of its key."""
+        return c.movable and len(self.chains.get(c.key, ())) > 1
+
+    def _least_work_ms(self, c: Collective) -> float:
+        """The least compute-stream time ``c`` adds at its issue and wait together (ms): its
+        prologue and epilogue, and when it may be merged its shares of the copy-in and copy-out
+        where they add up to less than nothing (folded casts taken back)."""
+        t = c.prologue_ms + c.epilogue_ms
+        if self._mergeable(c):
+            t += min(0.0, sum(self.merge_copy_ms(c)))
+        return t
+
+    def _least_copy_in_ms(self, c: Collective) -> float:
+        """The least compute-stream time ``c`` adds at its bucket's issue (ms): its prologue,
+        and when it may be merged its share of the copy-in where that is negative (a folded
+        cast taken back); a bucket's fixed part is never negative."""
+        t = c.prologue_ms
+        if self._mergeable(c):
+            t += min(0.0, self.merge_copy_ms(c)[0])
+        return t
+
+    def _chain_payloads(self, c: Collective) -> tuple[int, int]:
+        """(smallest positive payload, total payload) of ``c``'s chain: the range of a merged
+        bucket's payload (one of all-zero payloads aside)."""
+        pays = [self.colls[m].payload_bytes for m in self.chains[c.key]]
+        return min((x for x in pays if x > 0), default=0), sum(pays)
+
+    def _least_comm_ms(self, c: Collective) -> float:
+        """The least communication time of a bucket holding ``c`` (ms): its own time alone, or
+        the least time of a merged bucket whose payload lies between ``c``'s and its chain's
+        (:meth:`bucket_comm_ms`)."""
+        if not self._mergeable(c):
             return c.runtime_ms
-        return min(c.runtime_ms, m["alpha_ms"] + m["beta_ms_per_byte"] * c.payload_bytes)
+        m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
+        if m is None:  # merged buckets cost the sum of their members' times
+            return c.runtime_ms
+        return min(c.runtime_ms, _merged_inf(m, c.payload_bytes, self._chain_payloads(c)[1], per_byte=False))
+
+    def _least_stream_ms(self, c: Collective) -> float:
+        """``c``'s least share of its stream's busy time (ms): its own time alone, or its
+        payload at the least per-byte time of a merged bucket of its chain. Any bucketing's
+        transfers take at least the sum of these shares."""
+        if not self._mergeable(c):
+            return c.runtime_ms
+        m = self.comm_model.get(f"{c.coll_type}|{c.group_name}")
+        if m is None or c.payload_bytes == 0:
+            return c.runtime_ms if m is None else 0.0
+        lo, hi = self._chain_payloads(c)
+        return min(c.runtime_ms, _merged_inf(m, lo, hi, per_byte=True) * c.payload_bytes)
+
+
+def _merged_inf(model: dict, lo: float, hi: float, *, per_byte: bool) -> float:
+    """The least time (``per_byte``: time per byte) of a merged bucket of payload in
+    ``[lo, hi]`` under ``model`` (a ``comm_model`` entry, priced as
+    :meth:`Problem.bucket_comm_ms` prices more than one member: the table within its range, the
+    line outside it). Both are piecewise linear (per byte: monotone on each piece), so the least
+    is at a range end, a table point inside the range, or a one-sided limit at a table end."""
+    alpha, beta = float(model["alpha_ms"]), float(model["beta_ms_per_byte"])
+    table = model.get("table") or []
+    values: list[tuple[float, float]] = []  # (payload, ms)
+    line = lambda x: alpha + beta * x  # noqa: E731
+    if table:
+        x0, x1 = table[0][0], table[-1][0]
+        if lo < x0:
+            values += [(lo, line(lo)), (min(hi, x0), line(min(hi, x0)))]
+        if hi > x1:
+            values += [(max(lo, x1), line(max(lo, x1))), (hi, line(hi))]
+        a, b = max(lo, x0), min(hi, x1)
+        if a <= b:
+            values += [(a, _interpolate(table, a)), (b, _interpolate(table, b))]
+            values += [(float(x), float(y)) for x, y in table if a < x < b]
+    else:
+        values += [(lo, line(lo)), (hi, line(hi))]
+    if per_byte:
+        return max(0.0, min(ms / x for x, ms in values if x > 0)) if any(x > 0 for x, _ in values) else 0.0
+    return max(0.0, min(ms for _, ms in values))
+
+
+def merge_cat_bytes(cs: Sequence[Collective]) -> int:
+    """:meth:`Problem.merge_cat_bytes` of the members ``cs`` (for a caller holding the collectives
+    without their problem: the simulator's static data)."""
+    total = sum(c.payload_bytes for c in cs)
+    read, payload = max(((c.merge_read_bytes, c.payload_bytes) for c in cs if c.payload_bytes),
+                        key=lambda qp: qp[0] / qp[1], default=(1, 1))
+    return total * read // payload
 
 
 def _interpolate(table: Sequence[Sequence[float]], x: float) -> float:

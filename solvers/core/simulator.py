@@ -44,6 +44,11 @@ torch's count (``tracker_peak_bytes``): the same run is also counted by the rule
 
 Both counts equal the reference liveness count and torch's tracker on the written graph, to
 the byte, on every graph checked (``tests/test_judge.py``).
+
+What each step does to memory is data built once per problem (:func:`_static`): a node's
+storages (``_Static.steps``) and a bucket's issue and wait as micro-operations
+(:meth:`_Static.bucket_ops`), which the simulator runs and the fast evaluator
+(:mod:`solvers.core.evaluate`) reads, so that the rules live in one place.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from typing import Any
 
 import networkx as nx
 
-from solvers.core.problem import Problem
+from solvers.core.problem import Collective, Problem, merge_cat_bytes
 from solvers.core.schedule import Schedule
 
 logger = logging.getLogger(__name__)
@@ -246,11 +251,31 @@ class _Memory:
         self.alloc(self.owner.get(name, name), nbytes)  # type: ignore[arg-type]
 
 
+#: codes of a micro-operation of a bucket's step (:meth:`_Static.bucket_ops`)
+ALLOC, REC, REL, DROP, FREE = range(5)
+#: the bucket's own storages, named per run after the bucket's index (``bucket:<b>``: the
+#: buffer of a merged bucket's copy-in; ``result:<b>``: torch's tracker's ``out=`` result of a
+#: merged collective; ``wait:<b>``: a merged bucket's result)
+BUCKET, RESULT, WAIT = "bucket", "result", "wait"
+#: one micro-operation: ``(sub, code, key, amount, member)``. ``sub`` numbers its point in the
+#: step (operations of one point are simultaneous for what a record sees; a record at ``sub``
+#: sees every change at a smaller one); ``code`` one of ALLOC (storage ``key`` of ``amount``
+#: bytes, none when it is live), REC (the live bytes plus ``amount`` transient bytes count
+#: towards the peak), REL (one use of node ``key``'s storage is done), DROP (one use of storage
+#: ``key`` is done), FREE (storage ``key`` is freed); ``member`` the collective whose operation
+#: it is, None for the bucket's own (``key`` then BUCKET, RESULT or WAIT)
+Op = tuple[int, int, Any, int, "str | None"]
+#: a bucket's steps: ``ops[count][anchor]``, count 0 the execution model's and 1 torch's
+#: tracker's, anchor 0 the issue and 1 the wait
+BucketOps = tuple[tuple[tuple[Op, ...], tuple[Op, ...]], tuple[tuple[Op, ...], tuple[Op, ...]]]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """What every run over one problem shares (built once per problem, :func:`_static`): each
     node's inputs, and for each count the owner of every node's storage, the release events
-    per owner and the owners never freed."""
+    per owner and the owners never freed; what each step does to memory (node steps:
+    ``steps``; a bucket's issue and wait: :meth:`bucket_ops`)."""
 
     preds: dict[str, tuple[str, ...]]
     inputs: tuple[tuple[str, int], ...]
@@ -269,7 +294,42 @@ class _Static:
     #: torch's tracker (where a wait on no collective of the graph gets a fresh one), the
     #: storages the execution model's count frees right after it: those nothing reads)
     steps: dict[str, tuple[float, tuple[tuple[str, int], ...], tuple[tuple[str, int], ...], tuple[str, ...]]]
+    #: the problem's collectives and the DAG's node attributes (what :meth:`bucket_ops` reads)
+    colls: dict[str, Collective] = dataclasses.field(repr=False, default_factory=dict)
+    nodes: Any = dataclasses.field(repr=False, default=None)
+    #: (members, merged) -> :meth:`bucket_ops`, filled as buckets are met
+    ops: dict = dataclasses.field(repr=False, compare=False, default_factory=dict)
 
+    def bucket_ops(self, members: tuple[str, ...], merged: bool | None = None) -> BucketOps:
+        """What the issue and the wait of a bucket of ``members`` do to memory, by each count,
+        as micro-operations (:data:`Op`) in the order the simulator runs them. ``merged``
+        (default: more than one member): as a merged bucket; the operations a collective makes
+        as a member (``member`` set) are the same in every merged bucket it joins.
+
+        The issue: the prologue casts run (allocated, a record, their inputs released; a merged
+        all-gather skips the casts it folds into its copy-in). Alone: the output, a record;
+        torch's tracker counts the result ``result:<collective>`` and frees the input here.
+        A merged all-gather: its bucket buffer (the members' storage where they are views of
+        it, :func:`_copied_out`), a record with the ``cat`` of the inputs as transient bytes
+        (:func:`~solvers.core.problem.merge_cat_bytes`), the inputs and folded casts
+        released; torch's tracker counts the ``out=`` result beside the buffer, then frees the
+        buffer. A merged reduce-scatter: its ``cat`` (the bucket buffer), a record, the inputs
+        released, then the result whose views the members are; torch's tracker frees the
+        buffer after the result.
+
+        The wait: a merged all-gather's members copied out of its buffer (when they are not
+        views), the epilogue casts, a record; the buffer freed (merged) or the input released
+        (alone). torch's tracker: the wait's fresh result beside the collective's, whose use
+        is then done (merged: the ``out=`` result freed, and the members copied out of the
+        wait's result, which is freed after them), the epilogue casts, a record. Then the
+        epilogues' inputs released.
+        """
+        merged = len(members) > 1 if merged is None else merged
+        key = (members, merged)
+        ops = self.ops.get(key)
+        if ops is None:
+            ops = self.ops[key] = _bucket_ops(self, members, merged)
+        return ops
 
 _STATIC: "weakref.WeakKeyDictionary[Problem, _Static]" = weakref.WeakKeyDictionary()
 
@@ -314,7 +374,7 @@ def _build_static(p: Problem) -> _Static:
 
     mem_uses, mem_never_free = by_owner(root)
     trk_uses, trk_never_free = by_owner(trk_owner)
-    for m in p.colls:  # the wait reads the collective's result (_Simulator._wait_tracker)
+    for m in p.colls:  # the wait reads the collective's result (its DROP in _bucket_ops)
         trk_uses[f"result:{m}"] = trk_uses.get(f"result:{m}", 0) + 1
 
     def by_storage(owner: dict[str, Owner]) -> dict[Owner, tuple[str, ...]]:
@@ -334,7 +394,115 @@ def _build_static(p: Problem) -> _Static:
         steps[name] = (float(a["runtime_ms"]), allocs, trk_allocs, unread)
     return _Static(preds=preds, inputs=inputs, mem_owner=root, mem_uses=mem_uses, mem_never_free=mem_never_free,
                    trk_owner=trk_owner, trk_uses=trk_uses, trk_never_free=trk_never_free,
-                   mem_nodes=by_storage(root), trk_nodes=by_storage(trk_owner), steps=steps)
+                   mem_nodes=by_storage(root), trk_nodes=by_storage(trk_owner), steps=steps, colls=p.colls,
+                   nodes=dag.nodes)
+
+
+def _bucket_ops(st: _Static, members: tuple[str, ...], merged: bool) -> BucketOps:
+    """:meth:`_Static.bucket_ops`, built."""
+    colls, nodes, preds, trk_owner = st.colls, st.nodes, st.preds, st.trk_owner
+    gather = colls[members[0]].coll_type == "all_gather"
+    copied = merged and _copied_out(colls, members)
+    mem_i: list[Op] = []
+    trk_i: list[Op] = []
+    mem_w: list[Op] = []
+    trk_w: list[Op] = []
+
+    def alloc(ops: list[Op], sub: int, key: str, nbytes: int, member: str | None) -> None:
+        if nbytes:
+            ops.append((sub, ALLOC, key, nbytes, member))
+
+    def release(ops: list[Op], sub: int, name: str, member: str) -> None:
+        ops.extend((sub, REL, u, 0, member) for u in preds[name])
+
+    def own_bytes(name: str) -> int:
+        return int(nodes[name]["size_bytes"]) if nodes[name]["alias_of"] is None else 0
+
+    def tracker_out_bytes(m: str) -> int:
+        # a collective writing into a buffer of the graph (the export gives it no bytes of its
+        # own) counts its result at the buffer's size
+        alias = nodes[m]["alias_of"]
+        return colls[m].out_bytes if alias is None else int(nodes[alias]["size_bytes"])
+
+    # the issue: prologue casts (a merged all-gather folds its single-use casts into the copy)
+    folded = {colls[m].folded_cast: m for m in members if colls[m].folded_cast} if merged and gather else {}
+    prologue = [(pn, m) for m in members for pn in colls[m].prologue if pn not in folded]
+    for pn, m in prologue:
+        alloc(mem_i, 0, pn, own_bytes(pn), m)
+        alloc(trk_i, 0, trk_owner.get(pn, pn), own_bytes(pn), m)  # type: ignore[arg-type]
+    for ops in (mem_i, trk_i):
+        ops.append((1, REC, None, 0, None))
+    for pn, m in prologue:
+        release(mem_i, 2, pn, m)
+        release(trk_i, 2, pn, m)
+    size = sum(colls[m].out_bytes for m in members)
+    if not merged:
+        (m,) = members
+        alloc(mem_i, 3, m, colls[m].out_bytes, m)
+        mem_i.append((4, REC, None, 0, None))
+        alloc(trk_i, 3, f"result:{m}", tracker_out_bytes(m), m)
+        trk_i.append((4, REC, None, 0, None))
+        release(trk_i, 5, m, m)  # torch's tracker frees the input at the collective
+    elif gather:
+        read = merge_cat_bytes([colls[m] for m in members])
+        alloc(mem_i, 3, BUCKET if copied else WAIT, size, None)
+        alloc(trk_i, 3, BUCKET, size, None)
+        for ops in (mem_i, trk_i):
+            ops.append((4, REC, None, read, None))
+        for name, m in (*((m, m) for m in members), *folded.items()):
+            release(mem_i, 5, name, m)
+            release(trk_i, 5, name, m)
+        alloc(trk_i, 5, RESULT, size, None)
+        trk_i.append((6, REC, None, 0, None))
+        trk_i.append((7, FREE, BUCKET, 0, None))
+    else:
+        payload = sum(colls[m].payload_bytes for m in members)
+        alloc(mem_i, 3, BUCKET, payload, None)
+        alloc(trk_i, 3, BUCKET, payload, None)
+        for ops in (mem_i, trk_i):
+            ops.append((4, REC, None, 0, None))
+        for m in members:
+            release(mem_i, 5, m, m)
+            release(trk_i, 5, m, m)
+        alloc(mem_i, 5, WAIT, size, None)
+        mem_i.append((6, REC, None, 0, None))
+        alloc(trk_i, 5, RESULT, size, None)
+        trk_i.append((6, REC, None, 0, None))
+        trk_i.append((7, FREE, BUCKET, 0, None))
+    # the wait, the execution model's count
+    if copied:
+        for m in members:
+            alloc(mem_w, 0, m, colls[m].out_bytes, m)
+    epilogue = [(e, m) for m in members for e in colls[m].epilogue]
+    for e, m in epilogue:
+        alloc(mem_w, 0, e, own_bytes(e), m)
+    mem_w.append((1, REC, None, 0, None))
+    if merged:
+        mem_w.append((2, FREE, BUCKET, 0, None))
+    else:
+        release(mem_w, 2, members[0], members[0])  # the input lives until the wait
+    # the wait, torch's tracker
+    if not merged:
+        (m,) = members
+        alloc(trk_w, 0, m, tracker_out_bytes(m), m)
+        trk_w.append((1, REC, None, 0, None))
+        trk_w.append((2, DROP, f"result:{m}", 0, m))
+    else:
+        alloc(trk_w, 0, WAIT, size, None)
+        trk_w.append((1, REC, None, 0, None))
+        trk_w.append((2, FREE, RESULT, 0, None))
+        if copied:
+            for m in members:
+                alloc(trk_w, 2, m, colls[m].out_bytes, m)
+            trk_w.append((3, REC, None, 0, None))
+            trk_w.append((4, FREE, WAIT, 0, None))
+    for e, m in epilogue:
+        alloc(trk_w, 4, trk_owner.get(e, e), own_bytes(e), m)  # type: ignore[arg-type]
+    trk_w.append((5, REC, None, 0, None))
+    for e, m in epilogue:
+        release(mem_w, 6, e, m)
+        release(trk_w, 6, e, m)
+    return (tuple(mem_i), tuple(mem_w)), (tuple(trk_i), tuple(trk_w))
 
 
 def _each(owner: Owner) -> tuple[str, ...]:
@@ -399,12 +567,12 @@ def _tracker_owners(p: Problem, root: dict[str, Owner], preds: dict[str, tuple[s
     return owner
 
 
-def _copied_out(p: Problem, members: tuple[str, ...]) -> bool:
+def _copied_out(colls: dict[str, Collective], members: tuple[str, ...]) -> bool:
     """Whether a merged bucket's members are copied out of its result at the wait: torch's merge
     reshapes an all-gather's ``(group_size, -1)`` slices to each member's shape, which copies
     unless the group has one rank. Otherwise (a reduce-scatter, or an all-gather on one rank)
     the members are views of the bucket's result."""
-    c0 = p.colls[members[0]]
+    c0 = colls[members[0]]
     return c0.coll_type == "all_gather" and c0.group_size > 1
 
 
@@ -436,14 +604,12 @@ class _Simulator:
     def __init__(self, problem: Problem, schedule: Schedule):
         self.p = problem
         self.s = schedule
-        dag = problem.dag
-        self.dag = dag
-        self.nodes = dag.nodes
         st = _static(problem)
+        self.st = st
         self.preds = st.preds
         self.steps = st.steps
         merged = [(b, bucket.members) for b, bucket in enumerate(schedule.buckets)
-                  if len(bucket.members) > 1 and not _copied_out(problem, bucket.members)]
+                  if len(bucket.members) > 1 and not _copied_out(problem.colls, bucket.members)]
         self.mem = _merged_memory(st.mem_owner, st.mem_uses, st.mem_never_free, st.mem_nodes, merged)
         self.trk = _merged_memory(st.trk_owner, st.trk_uses, st.trk_never_free, st.trk_nodes, merged)
         for n, size in st.inputs:
@@ -531,15 +697,16 @@ class _Simulator:
 
     def _issue(self, k: int, b: int) -> None:
         """Issue bucket ``b``: copy-in (and prologue casts) on the compute stream, outputs and
-        the bucket buffer allocated, then the collective queued on its group's stream."""
+        the bucket buffer allocated (:meth:`_Static.bucket_ops`), then the collective queued on
+        its group's stream."""
         p = self.p
         members = self.s.buckets[b].members
         cin = p.copy_in_ms(members)
         t_issue = self.t
         self.t += cin
         self.busy += cin
-        live = self._merge_inputs(b) if len(members) > 1 else self._alloc_alone(members[0])
-        self._record(k, live)
+        (mem_issue, _), (trk_issue, _) = self.st.bucket_ops(members)
+        self._record(k, self._apply(b, mem_issue, trk_issue))
         c0 = p.colls[members[0]]
         dur = p.bucket_comm_ms(members)
         start = max(self.t, self.stream_free[c0.group_name])
@@ -550,95 +717,36 @@ class _Simulator:
         self.bucket_times[b] = (t_issue, start, end, float("nan"))
         self.issued.add(b)
 
-    def _run_prologue(self, members: tuple[str, ...], *, skip: frozenset[str] = frozenset()) -> int:
-        """Prologue casts run before the collective: allocated, then their inputs released
-        (as torch's memory_estimator counts it). Returns the live bytes in between."""
-        nodes = self.nodes
-        prologue = [pn for m in members for pn in self.p.colls[m].prologue if pn not in skip]
-        for pn in prologue:
-            nbytes = int(nodes[pn]["size_bytes"]) if nodes[pn]["alias_of"] is None else 0
-            self.mem.alloc(pn, nbytes)
-            self.trk.alloc_node(pn, nbytes)
-        live = self.mem.total
-        self.trk.record()
-        for pn in prologue:
-            self._release_inputs(pn)
+    def _apply(self, b: int, mem_ops: tuple[Op, ...], trk_ops: tuple[Op, ...]) -> int:
+        """Run one step's micro-operations of bucket ``b`` on both counts; returns the highest
+        live bytes the execution model's count records in the step."""
+        live = 0
+        for mem, ops, own in ((self.mem, mem_ops, True), (self.trk, trk_ops, False)):
+            for _, code, key, amount, member in ops:
+                if member is None and key is not None:
+                    key = f"{key}:{b}"
+                if code == ALLOC:
+                    mem.alloc(key, amount)
+                elif code == REC:
+                    if own:
+                        live = max(live, mem.total + amount)
+                    else:
+                        mem.peak = max(mem.peak, mem.total + amount)
+                elif code == REL:
+                    mem.release(key)
+                elif code == DROP:
+                    mem.drop(key)
+                else:
+                    mem.free(key)
         return live
-
-    def _alloc_alone(self, m: str) -> int:
-        """A collective alone: prologue, then its output. Returns the step's peak live bytes;
-        its input stays alive until the wait (torch's tracker: freed here)."""
-        live = self._run_prologue((m,))
-        self.mem.alloc(m, self.p.colls[m].out_bytes)
-        self.trk.alloc(f"result:{m}", self._tracker_out_bytes(m))
-        self.trk.record()
-        self._release_inputs(m, self.trk)
-        return max(live, self.mem.total)
-
-    def _tracker_out_bytes(self, m: str) -> int:
-        """Bytes of collective ``m``'s result by torch's tracker: its output, or, when it writes
-        into a buffer of the graph (the export gives it no bytes of its own), the buffer's."""
-        alias = self.nodes[m]["alias_of"]
-        return self.p.colls[m].out_bytes if alias is None else int(self.nodes[alias]["size_bytes"])
-
-    def _merge_inputs(self, b: int) -> int:
-        """A merged bucket's copy-in, as torch's merge functions emit it; the bucket buffer
-        lives until the wait. Returns the step's peak live bytes."""
-        members = self.s.buckets[b].members
-        if self.p.colls[members[0]].coll_type == "all_gather":
-            return self._merge_all_gather(b, members)
-        return self._merge_reduce_scatter(b, members)
-
-    def _merge_all_gather(self, b: int, members: tuple[str, ...]) -> int:
-        """The bucket buffer (the members' outputs) is allocated, then a ``cat`` of the
-        members' inputs is copied into it and dropped: folded dtype casts never run, the cat
-        reads their inputs (``Problem.merge_cat_bytes``). torch's tracker then counts the ``out=``
-        result beside the buffer, and frees the buffer."""
-        p, mem, trk = self.p, self.mem, self.trk
-        folded = frozenset(p.colls[m].folded_cast for m in members) - {None}
-        live = self._run_prologue(members, skip=folded)
-        size = sum(p.colls[m].out_bytes for m in members)
-        read = p.merge_cat_bytes(members)
-        # the buffer is the members' storage when they are views of it
-        mem.alloc(f"bucket:{b}" if _copied_out(p, members) else f"wait:{b}", size)
-        trk.alloc(f"bucket:{b}", size)
-        live = max(live, mem.total + read)
-        trk.peak = max(trk.peak, trk.total + read)
-        for name in (*members, *folded):
-            self._release_inputs(name)
-        trk.alloc(f"result:{b}", size)
-        trk.record()
-        trk.free(f"bucket:{b}")
-        return live
-
-    def _merge_reduce_scatter(self, b: int, members: tuple[str, ...]) -> int:
-        """The ``cat`` of the members' inputs is the bucket buffer; the inputs are released
-        after it, then the outputs allocated. torch's tracker frees the buffer here, after
-        the collective's result."""
-        p, mem, trk = self.p, self.mem, self.trk
-        live = self._run_prologue(members)
-        payload = sum(p.colls[m].payload_bytes for m in members)
-        mem.alloc(f"bucket:{b}", payload)
-        trk.alloc(f"bucket:{b}", payload)
-        live = max(live, mem.total)
-        trk.record()
-        for m in members:
-            self._release_inputs(m)
-        mem.alloc(f"wait:{b}", sum(p.colls[m].out_bytes for m in members))
-        trk.alloc(f"result:{b}", sum(p.colls[m].out_bytes for m in members))
-        trk.record()
-        trk.free(f"bucket:{b}")
-        return max(live, mem.total)
 
     def _wait(self, k: int, b: int) -> None:
         """Wait on bucket ``b``: the compute stream blocks until it completes, then copies out
-        (merged all-gathers) and runs the epilogues; inputs are released."""
-        p, nodes, mem = self.p, self.nodes, self.mem
+        (merged all-gathers) and runs the epilogues; memory as :meth:`_Static.bucket_ops` says."""
+        p = self.p
         if b not in self.issued:
             raise ScheduleInvalidError(f"bucket {b} is waited before it is issued")
         members = self.s.buckets[b].members
-        merged = len(members) > 1
-        c0 = p.colls[members[0]]
         if self.bucket_end[b] > self.t:
             self.exposed += self.bucket_end[b] - self.t
             self.bucket_exposed[b] = self.bucket_end[b] - self.t
@@ -646,46 +754,8 @@ class _Simulator:
         cout = p.copy_out_ms(members)
         self.t += cout
         self.busy += cout
-        copied = merged and _copied_out(p, members)
-        if copied:
-            for m in members:
-                mem.alloc(m, p.colls[m].out_bytes)
-        epilogue = [e for m in members for e in p.colls[m].epilogue]
-        for e in epilogue:
-            if nodes[e]["alias_of"] is None:
-                mem.alloc(e, int(nodes[e]["size_bytes"]))
-        self._record(k, mem.total)
-        if merged:
-            mem.free(f"bucket:{b}")
-        else:
-            self._release_inputs(members[0], mem)
-        self._wait_tracker(b, members, epilogue, copied)
-        for e in epilogue:
-            self._release_inputs(e)
+        (_, mem_wait), (_, trk_wait) = self.st.bucket_ops(members)
+        self._record(k, self._apply(b, mem_wait, trk_wait))
         i0, s0, e0, _ = self.bucket_times[b]
         self.bucket_times[b] = (i0, s0, e0, self.t)
         self.waited.add(b)
-
-    def _wait_tracker(self, b: int, members: tuple[str, ...], epilogue: list[str], copied: bool) -> None:
-        """The wait by torch's tracker: the wait's fresh result beside the collective's, which
-        is then freed; a merged all-gather's members copied out of it (``copied``), after which
-        it is freed; then the epilogues."""
-        p, nodes, trk = self.p, self.nodes, self.trk
-        if len(members) == 1:
-            m = members[0]
-            trk.alloc(m, self._tracker_out_bytes(m))
-            trk.record()
-            trk.drop(f"result:{m}")
-        else:
-            trk.alloc(f"wait:{b}", sum(p.colls[m].out_bytes for m in members))
-            trk.record()
-            trk.free(f"result:{b}")
-            if copied:
-                for m in members:
-                    trk.alloc(m, p.colls[m].out_bytes)
-                trk.record()
-                trk.free(f"wait:{b}")
-        for e in epilogue:
-            if nodes[e]["alias_of"] is None:
-                trk.alloc_node(e, int(nodes[e]["size_bytes"]))
-        trk.record()
