@@ -5,8 +5,8 @@ process group) exported with the analytic cost model, and each schedule:
 
 * the heuristics' schedules (traced, FSDP2-like, SimpleFSDP-like, AutoParallel-like): one
   ``simulate(dag, schedule, problem=p)`` against one ``Evaluator(p).evaluate(schedule)``;
-* neighbours of the minimax polish (``solvers.minimax._neighbours`` of the FSDP2-like schedule):
-  the schedule built from entries (``solvers.periodic.from_entries``) and simulated, against
+* neighbours of the minimax polish (``solvers.polish._neighbours`` of the FSDP2-like schedule):
+  the schedule built from entries (``solvers.entries.from_entries``) and simulated, against
   ``Evaluator.plan_entries`` + ``evaluate`` (what the polish does now);
 * with ``--family`` (default on): the same graph exported under the robust option's six cost
   models (``scheduler.costs.family.cost_model_family``), one schedule judged under all six:
@@ -74,8 +74,8 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
     from solvers.core.evaluate import Evaluator, ModelEvaluator
     from solvers.core.problem import Problem
     from solvers.core.simulator import simulate
-    from solvers.minimax import MinimaxConfig, _entries, _neighbours
-    from solvers.periodic import chain_ordered, from_entries
+    from solvers.entries import chain_ordered, from_entries
+    from solvers.polish import PolishConfig, _entries, _neighbours
 
     dag = scheduler.export_dag(gm, cost_model="analytic", cluster=cluster)
     p = Problem.from_dag(dag)
@@ -95,7 +95,7 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
         rows.append({**base, "schedule": name, "buckets": len(s.buckets), "fell_back": f"{ev.fallbacks - before}/1",
                      "simulate_ms": cpu_ms(lambda: simulate(dag, s, problem=p), repeats),
                      "evaluate_ms": cpu_ms(lambda: ev.evaluate(s), max(repeats, 20))})
-    moves = _neighbours(p, _entries(schedules["fsdp2"]), MinimaxConfig())
+    moves = _neighbours(p, _entries(schedules["fsdp2"]), PolishConfig())
     random.Random(0).shuffle(moves)
     picked = [o for o in (chain_ordered(p, e) for e in moves) if o is not None][:neighbours]
     before = ev.fallbacks

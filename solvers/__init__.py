@@ -2,17 +2,14 @@
 
 Layers, bottom up (each imports only the ones above it in this list):
 
-- :mod:`solvers.core`: units, problem and schedule types, the simulator (execution model),
-  the validator;
+- :mod:`solvers.core`: units, the problem and schedule types, the execution model (the
+  simulator, its fast exact twin :mod:`solvers.core.evaluate`, the validator);
 - :mod:`solvers.heuristics`: today's FSDP schedules (traced, FSDP2, SimpleFSDP, AutoParallel);
-  :mod:`solvers.warmstart`: the one place that makes warm starts from them;
-- :mod:`solvers.config`, :mod:`solvers.model`: the solver-neutral model (formulation, data,
-  extraction, hints); :mod:`solvers.periodic`: repeating layers; :mod:`solvers.minimax`: the
-  local search on the simulator (worst-case regret across cost models; with one model, the
-  solve loop's final polish);
-- :mod:`solvers.decompose`: per-layer templates and rolling windows over a window solver;
-  :mod:`solvers.driver`: the one solve loop;
-- :mod:`solvers.cpsat`, :mod:`solvers.milp`: the two backends of the model;
+  :mod:`solvers.entries`: schedules as (bucket, issue gap, wait gap) entries;
+- the plan's stages: :mod:`solvers.starts` (starts), :mod:`solvers.config` /
+  :mod:`solvers.model` / :mod:`solvers.cpsat` / :mod:`solvers.milp` (the window model and its
+  two backends), :mod:`solvers.polish` (the local search);
+- :mod:`solvers.search`: the plan (starts, windows, polish);
 - :mod:`solvers.registry`: names -> solvers, ``solve()``.
 """
 

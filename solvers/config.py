@@ -10,13 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-#: calibration of work limits given in seconds for the polish on the simulator
-#: (:mod:`solvers.minimax`): DAG nodes per second that one core of the CI machine simulates, or
-#: builds a schedule over (llama3-8b backward at 8 layers, 2357 nodes: a simulation 7.6 ms, a
-#: build 9.6 ms; at 16 layers, 4437 nodes: 23.7 and 13.9 ms); a limit of ``work_s`` seconds is
-#: ``work_s * SIMULATED_NODES_PER_S / nodes`` of them, a number of the graph and the limit only,
-#: so every rank polishes alike (:meth:`solvers.minimax.MinimaxConfig.for_work`)
-SIMULATED_NODES_PER_S = 2e5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

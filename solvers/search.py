@@ -16,7 +16,7 @@ starts     each chain of mergeable collectives bucketed          a fixed set: ab
            AutoParallel-like), as they are and shrunk to the     few under the budget   valid answer before any solver
            budget; the caller's starts; the best few over the
            budget moved under it at their peak
-           (:func:`fit_by_delays`); the best that fits is the
+           (:func:`solvers.starts.fit_by_delays`); the best that fits is the
            incumbent
 windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`` of    where memory binds, issues, waits and
            rolling windows of the incumbent's collectives        ``time_limit_s``, in   merges around the peak move together,
@@ -25,7 +25,7 @@ windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`
            window's schedule is kept only when it evaluates
            better and fits
 polish     first-improvement local search                        the rest of the        the evaluator prices merges and both
-           (:func:`solvers.minimax.polish`): merge two           limit, in              memory counts exactly where a model
+           (:func:`solvers.polish.polish`): merge two           limit, in              memory counts exactly where a model
            neighbouring buckets of a chain, move a boundary      evaluations, shared    approximates them; a local search ends
            between them, move one issue or wait; from the        by its starts          where its start leads
            incumbent and, with several models, from the
@@ -54,7 +54,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from solvers.core.evaluate import Evaluation, Evaluator, ModelEvaluator
+from solvers.core.evaluate import Evaluation, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import (
     InfeasibleBudgetError,
@@ -66,13 +66,13 @@ from solvers.core.schedule import (
 )
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.units import fmt_bytes
-from solvers.heuristics import HEURISTICS, fsdp2_schedule
-from solvers import minimax
+from solvers import polish as polishing
+from solvers.starts import starts
 
 logger = logging.getLogger(__name__)
 
 #: default work limit of a solve (s of deterministic work)
-DEFAULT_TIME_LIMIT_S = 2.0
+DEFAULT_TIME_LIMIT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,144 +211,8 @@ class Objective:
 
     def simulations_for(self, work_s: float, config: SearchConfig) -> int:
         """The polish's simulations (one model's evaluation of one neighbour, as
-        :func:`solvers.minimax.polish` counts them) in ``work_s`` seconds of work on this graph."""
+        :func:`solvers.polish.polish` counts them) in ``work_s`` seconds of work on this graph."""
         return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
-
-
-# --------------------------------------------------------------------------------------------
-# stage 1: starts
-# --------------------------------------------------------------------------------------------
-def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str, Schedule]] = ()
-           ) -> tuple[list[Evaluated], int | None]:
-    """Every start that fits the budget, best first (:meth:`Objective.key`; ties keep the order
-    tried), and the smallest peak of all starts, fitting or not (bytes; None when none was
-    valid). Sets ``objective.reference_ms``.
-
-    The starts are evaluated as they are first; then the :attr:`SearchConfig.fit_starts` best
-    of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
-    bytes over the budget keeps almost all its overlap."""
-    p = objective.primary
-    seen: set[str] = set()
-    tried: list[Evaluated] = []
-
-    def consider(name: str, schedule: Schedule | None) -> Evaluated | None:
-        if schedule is None or schedule.digest() in seen:
-            return None
-        seen.add(schedule.digest())
-        e = objective.evaluate(schedule, name)
-        if e is not None:
-            tried.append(e)
-        return e
-
-    consider("traced", p.traced_schedule())
-    for name, schedule in extra:
-        consider(name, schedule)
-    for name, fn in HEURISTICS.items():
-        if name == "traced":
-            continue
-        consider(name, fn(p, mem_budget_bytes=None).schedule)
-        if objective.mem_budget_bytes is not None:  # the heuristic's own ladder down to the budget
-            try:
-                consider(f"{name}, shrunk to the budget", fn(p, mem_budget_bytes=objective.mem_budget_bytes).schedule)
-            except InfeasibleBudgetError:
-                pass
-    # regular bucketings, chain after chain, each on top of the best of the chain before
-    rconfig = minimax.MinimaxConfig(regroup_sizes=config.start_sizes, regroup_aheads=config.start_aheads)
-    base = fsdp2_schedule(p)
-    for chain in sorted(p.chains, key=repr):
-        found = [e for r in minimax.regroupings(p, rconfig) if r.chain == chain
-                 if (e := consider(f"regular {r.describe()}", minimax.regroup(p, base, r))) is not None]
-        if found:
-            _set_reference(objective, tried)
-            base = min(found, key=lambda e: (not objective.fits(e), objective.key(e))).schedule
-    _set_reference(objective, tried)
-    if objective.mem_budget_bytes is not None and config.fit_moves:
-        # near misses first: delays fix a prefetch too many at the peak, not a bucket too large
-        near = objective.mem_budget_bytes * (1 + config.near_miss_share)
-        over = sorted((e for e in tried if not objective.fits(e)), key=lambda e: (e.peak_bytes > near, objective.key(e)))
-        fitted = 0
-        for e in over[:config.fit_starts * 4]:
-            moved = fit_by_delays(p, e.schedule, objective.mem_budget_bytes, max_moves=config.fit_moves)
-            objective.evaluations += config.fit_moves * 4  # the moves tried at each peak
-            fitted += consider(f"{e.name}, moved under the budget", moved) is not None
-            if fitted == config.fit_starts:
-                break
-    smallest = min((e.peak_bytes for e in tried), default=None)
-    fitting = sorted((e for e in tried if objective.fits(e)), key=objective.key)
-    _set_reference(objective, fitting or tried)
-    fitting.sort(key=objective.key)
-    return fitting, smallest
-
-
-def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *, max_moves: int = 8
-                  ) -> Schedule | None:
-    """``schedule`` moved under ``mem_budget_bytes`` by a few local moves at its peak, or None.
-
-    Each move takes one movable bucket alive at the step where memory peaks over the budget and
-    shortens its life across it: an all-gather issued before the peak is issued after the next
-    compute node instead (its buffer no longer overlaps the peak), a reduce-scatter in flight is
-    waited at the peak's step (its input freed sooner). Of the moves that lower the peak, the
-    fastest that fits is taken, else the one with the lowest peak; at most ``max_moves`` moves.
-    A regular plan a little over the budget so keeps all its prefetches but the ones at the peak.
-    """
-    evaluator = Evaluator(problem)
-    peak = evaluator.evaluate(schedule).peak_bytes
-    for _ in range(max_moves):
-        if peak <= mem_budget_bytes:
-            return schedule
-        at = simulate(problem.dag, schedule, problem=problem).peak_step  # where the peak is
-        best: tuple[tuple, Schedule, int] | None = None
-        for cand in _peak_moves(problem, schedule, at):
-            e = evaluator.evaluate(cand)
-            if e.peak_bytes >= peak:
-                continue
-            fits = e.peak_bytes <= mem_budget_bytes
-            key = (not fits, e.step_ms if fits else e.peak_bytes, e.step_ms)
-            if best is None or key < best[0]:
-                best = (key, cand, e.peak_bytes)
-        if best is None:
-            return None
-        _, schedule, peak = best
-    return schedule if peak <= mem_budget_bytes else None
-
-
-def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
-    """Schedules one move away from ``schedule`` (see :func:`fit_by_delays`) at step ``k``."""
-    steps = list(schedule.steps)
-    where = {(s.kind, s.ref): i for i, s in enumerate(steps) if s.kind != "node"}
-    out = []
-    for b, bucket in enumerate(schedule.buckets):
-        c = problem.colls[bucket.members[0]]
-        i, w = where[("issue", b)], where[("wait", b)]
-        if not c.movable or not i <= k < w:
-            continue
-        moved = list(steps)
-        if c.coll_type == "all_gather":
-            nxt = next((j for j in range(max(i, k) + 1, w) if steps[j].kind == "node"), None)
-            if nxt is None:
-                continue
-            step = moved.pop(i)
-            moved.insert(nxt, step)  # after the node: ``nxt`` shifted down by the pop
-        elif i < k:
-            step = moved.pop(w)
-            moved.insert(k, step)
-        else:
-            continue
-        out.append(Schedule(schedule.buckets, tuple(moved)))
-    return out
-
-
-#: the least reference step time (ms)
-_TINY_MS = 1e-12
-
-
-def _set_reference(objective: Objective, evaluated: Sequence[Evaluated]) -> None:
-    """Each model's reference: the fastest of ``evaluated`` that fits under it (or of all, when
-    none fits)."""
-    pool = [e for e in evaluated if objective.fits(e)] or list(evaluated)
-    # a graph with nothing to time (no compute, empty collectives) runs in 0 ms: any positive
-    # reference then orders schedules by step time alike
-    objective.reference_ms = {label: max(_TINY_MS, min(e.step_ms(label) for e in pool)) for label in objective.labels}
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,9 +345,9 @@ def search(
             share = (n_polish - used) // (len(froms) - k)
             if share < 2 * len(objective.labels):
                 continue
-            result = minimax.polish(objective.problems, start.schedule, _polish_reference(objective),
-                                    mem_budget_bytes, minimax.MinimaxConfig(max_simulations=share,
-                                                                            steps=config.polish_steps))
+            result = polishing.polish(objective.problems, start.schedule, _polish_reference(objective),
+                                      mem_budget_bytes, polishing.PolishConfig(max_simulations=share,
+                                                                               steps=config.polish_steps))
             used += result.simulations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):

@@ -13,7 +13,7 @@ peak counts to the byte, on
   collectives waited several times and chains of collectives (``tests/test_wait_chains.py``),
   random programs of ``tests/random_programs.py`` (waits on graph inputs among them) and joint
   graphs (``models/joint.py``, the foreign styles' joint captures);
-- the neighbours the minimax polish generates, read from entries without building them;
+- the neighbours the polish generates, read from entries without building them;
 - one schedule under two cost models of one graph (memory counted once).
 
 The fast path must be the one taken on those graphs (``Evaluator.fast``, ``Plan.fast``): a
@@ -46,8 +46,9 @@ from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.validator import validate_schedule
 from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, window
-from solvers.minimax import MinimaxConfig, _entries, _neighbours, polish, reference_times, regrouped_starts
-from solvers.periodic import chain_ordered, from_entries
+from solvers.entries import chain_ordered, from_entries
+from solvers.polish import PolishConfig, _entries, _neighbours, polish
+from solvers.starts import regroup, regroupings
 from test_writeback import gloo_group
 
 HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
@@ -171,7 +172,7 @@ def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.
     """The polish's neighbours of ``start``, read from entries: the same plan as the schedule
     ``from_entries`` builds, and its simulation's numbers. Returns how many were checked."""
     ev = Evaluator(problem)
-    moves = _neighbours(problem, _entries(start), MinimaxConfig())
+    moves = _neighbours(problem, _entries(start), PolishConfig())
     rng.shuffle(moves)
     checked = 0
     for entries in moves[:limit]:
@@ -268,7 +269,7 @@ def test_random_programs(seed):
     schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(8)]
     for schedule in schedules:
         assert_same(validate_schedule(problem, schedule), ev.evaluate(schedule))
-    for entries in _neighbours(problem, _entries(schedules[-1]), MinimaxConfig())[:15]:
+    for entries in _neighbours(problem, _entries(schedules[-1]), PolishConfig())[:15]:
         ordered = chain_ordered(problem, entries)
         if ordered is not None:
             built = from_entries(problem, ordered)
@@ -281,7 +282,7 @@ def test_random_programs_take_the_fast_path():
     assert fast == 40
 
 
-def test_minimax_neighbours_read_from_entries():
+def test_polish_neighbours_read_from_entries():
     rng = random.Random(1)
     for kw in SYNTHETIC:
         problem = Problem.from_dag(make_fsdp_dag(n_layers=3, **kw))
@@ -707,7 +708,7 @@ def test_llama3_8b(kind):
 
 
 # --------------------------------------------------------------------------------------------
-# the minimax polish: the same result as with every evaluation simulated
+# the polish: the same result as with every evaluation simulated
 # --------------------------------------------------------------------------------------------
 def _simulated_only(monkeypatch):
     """Every evaluation of every evaluator goes to the simulator."""
@@ -715,23 +716,24 @@ def _simulated_only(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_polish_and_regrouped_starts_as_with_the_simulator(llama_debug, kind, monkeypatch):
+def test_polish_and_regular_starts_as_with_the_simulator(llama_debug, kind, monkeypatch):
     gm = getattr(llama_debug, kind)
     problems = {cm: Problem.from_dag(_export(gm, cost_model=cm)) for cm in ("analytic", "torch")}
     p0 = problems["analytic"]
     traced = simulate(p0.dag, p0.traced_schedule(), problem=p0)
-    budget = int(traced.max_peak_bytes * 1.3)
+    budget = int(traced.peak_bytes * 1.3)
     starts = [p0.traced_schedule(), solve(p0, solver="fsdp2").schedule]
-    reference = reference_times(problems, starts, budget)
-    config = MinimaxConfig(max_simulations=400, regroup_starts=2, regroup_refine=1)
+    reference = {label: min(simulate(p.dag, s, problem=p).step_ms for s in starts) for label, p in problems.items()}
+    config = PolishConfig(max_simulations=400)
 
     def run():
         out = []
         for start in starts:
             r = polish(problems, start, reference, budget, config)
             out.append((r.schedule.digest(), r.simulations, r.moves, r.stopped, r.regret))
-        regrouped = regrouped_starts(problems, starts[1], reference, budget, config)
-        out.append([(r, s.digest(), regret) for r, s, regret in regrouped])
+        regular = [regroup(p0, starts[1], r) for r in regroupings(p0, (1, 2, 3), (1, 2))]
+        out.append([(s.digest(), {label: ModelEvaluator(problems).evaluate(s)[label].step_ms for label in problems})
+                    for s in regular if s is not None])
         return out
 
     fast = run()

@@ -145,7 +145,7 @@ def _one_all_gather_bucket(problem):
     """The traced order with every all-gather of the graph in one bucket, issued at the first
     gap and waited where its first member is needed."""
     from solvers.core.schedule import Bucket
-    from solvers.periodic import chain_ordered, from_entries
+    from solvers.entries import chain_ordered, from_entries
 
     traced = problem.traced_schedule()
     issue, wait = traced.positions()

@@ -31,7 +31,8 @@ from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule
 from solvers.cpsat import CpSatBackend
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
-from solvers.search import Objective, SearchConfig, fit_by_delays, search, starts
+from solvers.search import Objective, SearchConfig, search
+from solvers.starts import fit_by_delays, starts
 
 #: one window frees every collective of these graphs: one backend call, whatever the work left
 ONE_WINDOW = SearchConfig(window_members=1000, window_sweeps=1, window_share=1.0)

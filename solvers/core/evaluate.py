@@ -925,7 +925,7 @@ class Evaluator:
                     model=self.memory)
 
     def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]]) -> Plan:
-        """The :class:`Plan` of the schedule :func:`solvers.periodic.from_entries` builds from
+        """The :class:`Plan` of the schedule :func:`solvers.entries.from_entries` builds from
         ``(bucket, issue gap, wait gap)`` entries, without building it: buckets sorted by
         (issue gap, need, ready, traced issue, members) of their first member; in a gap, the
         waits of buckets issued earlier, then the issues, then the waits of buckets issued
@@ -1103,10 +1103,22 @@ def _merged_schedule(p: Problem) -> Schedule | None:
     return Schedule.from_positions(p.seq, buckets, issue, wait)
 
 
+#: the evaluator of each problem (problems are not changed once built)
+_EVALUATORS: "weakref.WeakKeyDictionary[Problem, Evaluator]" = weakref.WeakKeyDictionary()
+
+
+def evaluator_of(problem: Problem) -> "Evaluator":
+    """The :class:`Evaluator` of ``problem``, built once."""
+    e = _EVALUATORS.get(problem)
+    if e is None:
+        e = _EVALUATORS[problem] = Evaluator(problem)
+    return e
+
+
 def evaluate(problem: Problem, schedule: Schedule) -> Evaluation:
-    """``simulate(problem.dag, schedule, problem=problem)``'s numbers, fast (:class:`Evaluator`;
-    build one per problem to evaluate many schedules)."""
-    return Evaluator(problem).evaluate(schedule)
+    """``simulate(problem.dag, schedule, problem=problem)``'s numbers, fast (the problem's
+    :class:`Evaluator`, built once)."""
+    return evaluator_of(problem).evaluate(schedule)
 
 
 class ModelEvaluator:
@@ -1123,7 +1135,7 @@ class ModelEvaluator:
         if not problems:
             raise ValueError("ModelEvaluator needs at least one cost model's problem")
         self.labels = list(problems)
-        self.evaluators = {label: Evaluator(p) for label, p in problems.items()}
+        self.evaluators = {label: evaluator_of(p) for label, p in problems.items()}
         first = self.evaluators[self.labels[0]]
         self.first = first
         shape = _shape(first.problem)

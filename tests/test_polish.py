@@ -1,4 +1,4 @@
-"""The minimax polish (solvers/minimax.py): a local search on the worst-case regret across cost
+"""The polish (solvers/polish.py): a local search on the worst-case regret across cost
 models, on synthetic FSDP graphs priced by two clusters (fast and slow inter-node links).
 
     fast: 400 GB/s between nodes: collectives hide behind compute, small buckets are fine;
@@ -15,8 +15,25 @@ import pytest
 from scheduler.costs.models import Cluster
 from scheduler.whatif.synthetic import make_fsdp_dag
 from solvers.core import InfeasibleBudgetError, Problem, simulate, validate_schedule
-from solvers.minimax import MinimaxConfig, polish, reference_times
+from solvers.polish import PolishConfig, polish
 from solvers.registry import solve
+from solvers.search import SearchConfig
+from solvers.starts import Regrouping, regroup, regroupings
+from solvers.entries import chain_units
+
+
+def reference_times(problems, schedules, budget):
+    """Model label -> the least step time under that model among ``schedules`` that fit."""
+    best = {}
+    for schedule in schedules:
+        sims = {label: simulate(p.dag, schedule, problem=p) for label, p in problems.items()}
+        if max(sim.peak_bytes for sim in sims.values()) > budget:
+            continue
+        for label, sim in sims.items():
+            best[label] = min(best.get(label, float("inf")), sim.step_ms)
+    if len(best) != len(problems):
+        raise ValueError("no schedule fits the budget")
+    return best
 
 
 def _problems(kind: str, seed: int = 0) -> dict[str, Problem]:
@@ -53,13 +70,13 @@ def test_polish_lowers_the_worst_case_below_every_single_model_solve(forward_cas
     for p in problems.values():  # a valid schedule of the graph, within the budget under every model
         sim = validate_schedule(p, result.schedule, mem_budget_bytes=budget)
         assert sim.peak_bytes <= budget
-    assert result.simulations <= MinimaxConfig().max_simulations
+    assert result.simulations <= PolishConfig().max_simulations
 
 
 def test_polish_is_deterministic_and_counts_work_in_simulations(forward_case):
     problems, budget, solved, reference = forward_case
-    a = polish(problems, solved["fast"], reference, budget, MinimaxConfig(max_simulations=60))
-    b = polish(problems, solved["fast"], reference, budget, MinimaxConfig(max_simulations=60))
+    a = polish(problems, solved["fast"], reference, budget, PolishConfig(max_simulations=60))
+    b = polish(problems, solved["fast"], reference, budget, PolishConfig(max_simulations=60))
     assert a.schedule.digest() == b.schedule.digest() and a.regret == b.regret
     assert a.stopped.startswith("work limit") and a.simulations <= 60 + len(problems)
     longer = polish(problems, solved["fast"], reference, budget)
@@ -90,11 +107,9 @@ def test_polish_refuses_bad_input(forward_case):
                {"fast": 1.0, "other": 1.0}, budget)
     with pytest.raises(ValueError, match="at least one"):
         polish({}, solved["fast"], reference, budget)
-    with pytest.raises(ValueError, match="no schedule fits"):
-        reference_times(problems, [solved["fast"]], 1)
     for bad in ({"max_simulations": 0}, {"steps": ()}, {"steps": (0,)}, {"max_bucket_bytes": 0}):
         with pytest.raises(ValueError):
-            MinimaxConfig(**bad)
+            PolishConfig(**bad)
 
 
 def test_polish_keeps_merged_buckets_under_the_cap(forward_case):
@@ -105,14 +120,14 @@ def test_polish_keeps_merged_buckets_under_the_cap(forward_case):
         return sum(p.colls[m].payload_bytes for m in bucket.members)
 
     cap = max(payload(b) for b in solved["fast"].buckets)  # the start is within the cap
-    result = polish(problems, solved["fast"], reference, budget, MinimaxConfig(max_bucket_bytes=cap))
+    result = polish(problems, solved["fast"], reference, budget, PolishConfig(max_bucket_bytes=cap))
     free = polish(problems, solved["fast"], reference, budget)
     assert all(payload(b) <= cap for b in result.schedule.buckets)
     assert max(payload(b) for b in free.schedule.buckets) > cap  # without the cap the polish merges past it
 
 
 # --------------------------------------------------------------------------------------------
-# regrouped starts: regular bucketings of a chain (solvers/minimax.py, regrouped_starts)
+# regular bucketings of a chain, the plan's starts (solvers/starts.py)
 # --------------------------------------------------------------------------------------------
 def _with_blocks(kind: str, n_layers: int = 6) -> dict[str, Problem]:
     """The two-cluster problems with each collective's ``block`` set from its FQN, as the export
@@ -135,7 +150,6 @@ def test_regroup_buckets_a_chain_by_blocks_and_issues_ahead(kind):
     reverse): head 2 units, 2 per bucket, tail 1, 1 ahead. Forward: all-gathers waited where
     their first member is needed, issued at the previous bucket's wait. Backward:
     reduce-scatters issued when their last gradient is ready, waited at the next one's issue."""
-    from solvers.minimax import Regrouping, chain_units, regroup
 
     p = _with_blocks(kind)["fast"]
     (key, names), = p.chains.items()
@@ -162,22 +176,19 @@ def test_regroup_buckets_a_chain_by_blocks_and_issues_ahead(kind):
 def test_regroupings_and_their_config_are_checked():
     """Every regular bucketing tried as a start is a valid schedule of the graph; bad sizes are
     refused when the config or the regrouping is built."""
-    from solvers.minimax import Regrouping, regroup, regroupings
 
     p = _with_blocks("forward")["fast"]
-    found = regroupings(p, MinimaxConfig())
+    found = regroupings(p, SearchConfig().start_sizes, SearchConfig().start_aheads)
     assert found
     for r in found:
         s = regroup(p, p.traced_schedule(), r)
         if s is not None:
             validate_schedule(p, s)
-    for bad in ({"regroup_sizes": ()}, {"regroup_sizes": (0,)}, {"regroup_aheads": (0,)}):
+    for bad in ({"start_sizes": ()}, {"start_sizes": (0,)}, {"start_aheads": (0,)}):
         with pytest.raises(ValueError):
-            MinimaxConfig(**bad)
+            SearchConfig(**bad)
     with pytest.raises(ValueError, match="size, head, tail and ahead >= 1"):
         Regrouping(next(iter(p.chains)), size=0, head=1, tail=1, ahead=1)
-    with pytest.raises(ValueError, match="unit"):
-        Regrouping(next(iter(p.chains)), size=1, head=1, tail=1, ahead=1, unit="layer")
 
 
 def test_the_budget_bounds_the_memory_the_graph_holds_not_torchs_tracker_rules():
@@ -189,49 +200,7 @@ def test_the_budget_bounds_the_memory_the_graph_holds_not_torchs_tracker_rules()
     traced = simulate(p.dag, problem=p)
     budget = traced.peak_bytes
     assert traced.tracker_peak_bytes > budget
-    result = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, MinimaxConfig(max_simulations=2000))
+    result = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, PolishConfig(max_simulations=2000))
     sim = simulate(p.dag, result.schedule, problem=p)
     assert sim.peak_bytes <= budget
     assert result.step_ms["m"] < traced.step_ms
-
-
-# --------------------------------------------------------------------------------------------
-# where each model's step time goes (solvers/minimax.py, anatomy and block_bucket_ms)
-# --------------------------------------------------------------------------------------------
-def test_anatomy_splits_each_step_into_compute_and_exposed_waits():
-    """The traced order and FSDP2-like on 6 layers under both clusters: every step is the
-    compute stream's busy time plus its waits, the same as a plain simulation; the slow links
-    expose more of the same schedule than the fast ones, and never less than the first bucket
-    that exposes anything."""
-    from solvers.minimax import anatomy
-
-    problems = _problems("forward")
-    p = problems["fast"]
-    schedules = {"traced": p.traced_schedule(), "fsdp2": solve(p, solver="fsdp2").schedule}
-    table = anatomy(problems, schedules)
-    assert set(table) == set(schedules) and all(set(row) == set(problems) for row in table.values())
-    for name, schedule in schedules.items():
-        for label, q in problems.items():
-            a, sim = table[name][label], simulate(q.dag, schedule, problem=q)
-            assert a.step_ms == sim.step_ms and a.buckets == len(schedule.buckets)
-            assert a.compute_ms + a.exposed_ms == pytest.approx(a.step_ms, rel=1e-9)
-            assert 0 < a.first_exposed_ms <= a.exposed_ms and a.comm_busy_ms <= a.step_ms
-        assert table[name]["slow"].exposed_ms > table[name]["fast"].exposed_ms
-        assert table[name]["slow"].compute_ms == pytest.approx(table[name]["fast"].compute_ms)
-
-
-def test_block_bucket_ms_prices_buckets_of_whole_blocks():
-    """A bucket of the first k blocks costs what the problem charges those members together,
-    more for every block added, more on the slow links; no blocks, no prices."""
-    from solvers.minimax import block_bucket_ms, chain_units
-
-    problems = _with_blocks("forward")
-    prices = block_bucket_ms(problems, max_blocks=4)
-    for label, p in problems.items():
-        blocks = [u for u in chain_units(p, max(p.chains.values(), key=len)) if p.colls[u[0]].block is not None]
-        assert len(prices[label]) == 4
-        assert prices[label][1] == p.bucket_comm_ms(blocks[0] + blocks[1])
-        assert all(a < b for a, b in zip(prices[label], prices[label][1:]))
-    assert all(s > f for s, f in zip(prices["slow"], prices["fast"]))
-    assert len(block_bucket_ms(problems, max_blocks=50)["fast"]) == 6
-    assert block_bucket_ms(_problems("forward")) == {"fast": [], "slow": []}

@@ -1,0 +1,336 @@
+"""Polish: a local search on the evaluator, the plan's last stage (:mod:`solvers.search`).
+
+Formulation. One graph priced by each cost model ``m`` of a set ``M`` (a
+:class:`~solvers.core.problem.Problem` ``P_m`` each: same nodes, collectives and bytes, other
+times), a reference step time ``R_m > 0`` per model, a budget ``B``:
+
+    minimise    max_m  t_m(s) / R_m - 1          the worst-case regret (one model: the step time)
+    then        sum_m  t_m(s) / R_m              ties: the total
+    subject to  (1) ``s`` is a valid schedule of the graph: members of a bucket share a
+                    chain and are consecutive in it, every chain issues in order, issue and
+                    wait within each bucket's window (:func:`_neighbours`, :func:`chain_ordered`)
+                (2) peak(s) <= B by the execution model's count (the memory the written graph
+                    holds; it is the same under every model)
+                (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
+
+where ``t_m(s)`` is the step time of ``s`` under ``P_m``, evaluated exactly
+(:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
+timeline per model). A start over the budget is first moved under it: the score is (bytes
+over ``B``, worst-case regret, total), compared in that order, and the result is refused when
+the excess stays.
+
+Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
+buckets of a chain (all-gathers keep the earlier issue and wait, reduce-scatters the later);
+move the boundary between two consecutive buckets of a chain by one unit (a run of one
+block's collectives) or one collective (:func:`_transfers`); or move one bucket's issue or
+wait by ``k`` gaps for ``k`` in :attr:`PolishConfig.steps`. Moves are scanned cyclically from
+the one after the last accepted; a neighbour is evaluated under the model of largest regret
+first and rejected as soon as one model's regret exceeds the current worst, so most rejected
+moves cost one evaluation. The search stops after a full scan without gain or when
+:attr:`PolishConfig.max_simulations` are spent: work is counted in evaluations, not seconds,
+so every rank gets the same schedule from the same graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from solvers.core.evaluate import ModelEvaluator, Plan
+from solvers.core.problem import Problem
+from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
+from solvers.core.simulator import ScheduleInvalidError
+from solvers.core.units import fmt_bytes
+from solvers.heuristics import window
+from solvers.entries import Entry, chain_ordered, chain_units, from_entries
+
+logger = logging.getLogger(__name__)
+
+#: a regret counts as lower only below the current one by more than this (float noise)
+_EPS = 1e-12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolishConfig:
+    """Limits and moves of :func:`polish`."""
+
+    #: deterministic work limit, in simulations: one per model and neighbour evaluated (fewer
+    #: when a neighbour is rejected early), and one more per neighbour built
+    max_simulations: int = 4000
+    #: gap distances a bucket's issue or wait is moved by, largest first
+    steps: tuple[int, ...] = (8, 2, 1)
+    #: move the boundary between consecutive buckets by one unit or collective (:func:`_transfers`)
+    transfers: bool = True
+    #: largest payload of a merged bucket in bytes (None: no cap)
+    max_bucket_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_simulations < 1:
+            raise ValueError(f"max_simulations must be >= 1, got {self.max_simulations}")
+        if not self.steps or any(k < 1 for k in self.steps):
+            raise ValueError(f"steps must be positive gap distances, got {self.steps}")
+        if self.max_bucket_bytes is not None and self.max_bucket_bytes < 1:
+            raise ValueError(f"max_bucket_bytes must be >= 1 or None, got {self.max_bucket_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolishResult:
+    """What :func:`polish` found (the start itself when no move gained)."""
+
+    schedule: Schedule
+    #: model label -> simulated step time of ``schedule`` (ms)
+    step_ms: dict[str, float]
+    #: model label -> ``step_ms / reference - 1``
+    regret: dict[str, float]
+    peak_bytes: int
+    #: moves accepted
+    moves: int
+    simulations: int
+    solve_time_s: float
+    #: why the search stopped
+    stopped: str
+
+    @property
+    def worst_regret(self) -> float:
+        return max(self.regret.values())
+
+
+def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
+           mem_budget_bytes: int | None = None, config: PolishConfig = PolishConfig()) -> PolishResult:
+    """Lower the worst-case regret of ``start`` across the models of ``problems`` (module
+    docstring).
+
+    Args:
+        problems: model label -> the graph priced by that model (same collectives, same
+            nodes in the same order; the first problem's chains and windows define the moves).
+        start: a schedule of that graph; one over ``mem_budget_bytes`` is first moved under it
+            (moves that lower the excess are taken before any other).
+        reference_ms: model label -> the best step time known under that model (ms, > 0), e.g.
+            the best candidate's; the regret under ``m`` is ``t_m / reference_ms[m] - 1``.
+        mem_budget_bytes: peak-memory budget (bytes) by the execution model's count (the
+            memory the written graph holds); None: no limit.
+
+    Raises:
+        ValueError: no problem, problems of different graphs, a reference missing or not > 0,
+            or a start that is not a valid schedule of them.
+        InfeasibleBudgetError: the moves could not bring the start under the budget (states
+            the smallest peak reached).
+    """
+    t0 = time.perf_counter()
+    search = _Search(problems, reference_ms, mem_budget_bytes)
+    current = search.evaluate(start, None)
+    if current is None:
+        raise ValueError("the start schedule is not a valid schedule of the problems' graph")
+    schedule, score, sims = current
+    moves, k, unchanged = 0, 0, 0
+    stopped = "converged: no move lowers the worst-case regret"
+    neighbours = _neighbours(search.p0, _entries(schedule), config)
+    while neighbours and unchanged < len(neighbours):
+        if search.simulations >= config.max_simulations:
+            stopped = f"work limit: {config.max_simulations} simulations"
+            break
+        k %= len(neighbours)
+        found = search.evaluate_entries(neighbours[k], score)
+        if found is not None:
+            schedule, score, sims = found
+            moves += 1
+            unchanged = 0
+            neighbours = _neighbours(search.p0, _entries(schedule), config)
+            logger.debug("polish move %d: excess %d B, worst regret %.4f (%d simulations)", moves, score[0],
+                         score[1], search.simulations)
+        else:
+            unchanged += 1
+        k += 1  # the scan goes on from the next move, not from the first
+    peak = max(s.peak_bytes for s in sims.values())
+    if score[0] > 0:
+        raise InfeasibleBudgetError(
+            f"the polish could not bring its start under the budget of {fmt_bytes(mem_budget_bytes or 0)}: "
+            f"the smallest peak it reached is {fmt_bytes(peak)} ({peak} B); start from a schedule that fits",
+            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+    regret = {label: sims[label].step_ms / search.reference[label] - 1 for label in search.labels}
+    result = PolishResult(schedule=search.schedule_of(schedule),
+                           step_ms={label: sims[label].step_ms for label in search.labels}, regret=regret,
+                           peak_bytes=peak, moves=moves, simulations=search.simulations,
+                           solve_time_s=time.perf_counter() - t0, stopped=stopped)
+    logger.info("polish: worst-case regret %.2f %% after %d moves, %d simulations, %.1f s (%s)",
+                100 * result.worst_regret, moves, search.simulations, result.solve_time_s, stopped)
+    return result
+
+
+class _Search:
+    """The models, the references and the simulation count of one :func:`polish`."""
+
+    def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
+                 mem_budget_bytes: int | None):
+        if not problems:
+            raise ValueError("polish needs at least one cost model's problem")
+        self.labels = list(problems)
+        self.problems = dict(problems)
+        self.p0 = self.problems[self.labels[0]]
+        for label, p in self.problems.items():
+            if p.seq != self.p0.seq or p.colls.keys() != self.p0.colls.keys():
+                raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: "
+                                 "every model must price the same export")
+        missing = [label for label in self.labels if not reference_ms.get(label, 0) > 0]
+        if missing:
+            raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
+        self.reference = {label: float(reference_ms[label]) for label in self.labels}
+        self.mem_budget_bytes = mem_budget_bytes
+        self.simulations = 0
+        #: model labels, the one of largest regret first (rejects most neighbours at once)
+        self.order = list(self.labels)
+        self.evaluator = ModelEvaluator(self.problems)
+
+    def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float]):
+        """:meth:`evaluate` of the schedule of ``entries`` (:func:`solvers.entries.from_entries`)
+        without building it: an accepted one is returned as its :class:`~solvers.core.evaluate.Plan`
+        (:func:`_entries` reads it, :meth:`schedule_of` builds the schedule)."""
+        ordered = chain_ordered(self.p0, entries)
+        if ordered is None:
+            return None
+        # counted as one simulation, the cost of building the schedule before the evaluator read
+        # entries directly, so that work limits keep their meaning
+        self.simulations += 1
+        try:
+            plan = self.evaluator.plan_entries(ordered)
+        except ValueError:
+            return None
+        return self.evaluate(plan, bar)
+
+    def schedule_of(self, schedule: Schedule | Plan) -> Schedule:
+        """The schedule of an accepted plan (:meth:`evaluate_entries`), as ``from_entries`` builds it."""
+        if isinstance(schedule, Plan):
+            return schedule.schedule or from_entries(self.p0, list(schedule.entries))
+        return schedule
+
+    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float] | None):
+        """(schedule, (excess bytes over the budget, worst regret, total), evaluations by label)
+        when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
+        None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
+        the simulator's numbers, memory counted once) and stops at the first that rules it out;
+        each model evaluated counts as one simulation."""
+        plan = schedule if isinstance(schedule, Plan) else self.evaluator.plan(schedule)
+        evaluation = self.evaluator.lazy(plan)
+        sims = {}
+        excess, worst, total = 0, -float("inf"), 0.0
+        for label in self.order:
+            try:
+                sim = evaluation(label)
+            except ScheduleInvalidError:
+                return None
+            finally:
+                self.simulations += 1
+            if self.mem_budget_bytes is not None:
+                excess = max(excess, sim.peak_bytes - self.mem_budget_bytes, 0)
+            r = sim.step_ms / self.reference[label] - 1
+            if bar is not None and (excess > bar[0] or (excess == bar[0] and r > bar[1] + _EPS)):
+                return None
+            sims[label] = sim
+            worst, total = max(worst, r), total + r
+        if bar is not None and excess == bar[0] and not (
+                worst < bar[1] - _EPS or (worst <= bar[1] + _EPS and total < bar[2] - _EPS)):
+            return None
+        ratio = {label: sims[label].step_ms / self.reference[label] for label in self.labels}
+        self.order = sorted(self.labels, key=lambda label: -ratio[label])
+        return schedule, (excess, worst, total), sims
+
+
+def _entries(schedule: Schedule | Plan) -> list[Entry]:
+    if isinstance(schedule, Plan) and schedule.entries is not None:
+        return list(schedule.entries)  # the buckets and gaps of the schedule they build, in its order
+    issue, wait = schedule.positions()
+    return [(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
+
+
+def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[list[Entry]]:
+    """Every schedule one move from ``entries`` (module docstring), merges first, then
+    transfers, then shifts, as entry lists (:func:`solvers.entries.chain_ordered` keeps each
+    chain's issue order)."""
+    index = {m: (key, i) for key, names in p.chains.items() for i, m in enumerate(names)}
+    by_chain: dict[tuple, list[int]] = {}
+    for e, (bk, _, _) in enumerate(entries):
+        if bk.members[0] in index:
+            by_chain.setdefault(index[bk.members[0]][0], []).append(e)
+    merges: list[list[Entry]] = []
+    transfers: list[list[Entry]] = []
+    for key, es in by_chain.items():
+        es.sort(key=lambda e: index[entries[e][0].members[0]][1])
+        gather = p.colls[entries[es[0]][0].members[0]].coll_type == "all_gather"
+        for a, b in zip(es, es[1:]):
+            rest = [x for e, x in enumerate(entries) if e not in (a, b)]
+            (b1, i1, w1), (b2, i2, w2) = entries[a], entries[b]
+            members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
+            if _fits_cap(p, members, config):
+                # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
+                issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
+                merged = _placed(p, members, issue, wait)
+                if merged is not None:
+                    merges.append(rest + [merged])
+            if config.transfers:
+                transfers.extend(rest + pair for pair in _transfers(p, entries[a], entries[b], gather, config))
+    shifts: list[list[Entry]] = []
+    for e, (bk, i, w) in enumerate(entries):
+        if bk.members[0] not in index:
+            continue  # fixed collectives stay where they are
+        lo = max(p.colls[m].ready for m in bk.members)
+        hi = min(p.colls[m].needed for m in bk.members)
+        for k in config.steps:
+            for d in (-k, k):
+                if lo <= i + d <= w:
+                    shifts.append([*entries[:e], (bk, i + d, w), *entries[e + 1:]])
+                if i <= w + d <= hi:
+                    shifts.append([*entries[:e], (bk, i, w + d), *entries[e + 1:]])
+    return merges + transfers + shifts
+
+
+def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+    """A bucket of ``members`` at these gaps, moved into its window (issued once every member
+    is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
+    is waited by that read); None when the window is empty."""
+    lo, hi = window(p, members)
+    issue = max(issue, lo)
+    if issue > hi:
+        return None
+    return Bucket(members), issue, min(max(wait, issue), hi)
+
+
+def _fits_cap(p: Problem, members: Sequence[str], config: PolishConfig) -> bool:
+    """A bucket of ``members`` is within :attr:`PolishConfig.max_bucket_bytes` (one alone
+    always is: it is no merge)."""
+    return config.max_bucket_bytes is None or len(members) < 2 or \
+        sum(p.colls[m].payload_bytes for m in members) <= config.max_bucket_bytes
+
+
+def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
+               config: PolishConfig) -> list[list[Entry]]:
+    """The moves of the boundary between consecutive buckets of one chain: the first bucket's
+    last unit (:func:`chain_units`) or last collective to the second, the second's first unit
+    or first collective to the first (a unit of one collective is one move). The bucket that
+    gives keeps its issue and wait (still valid for fewer members). The one that takes keeps
+    them where the piece allows: an all-gather is waited no later than the piece's need (and
+    issued no later than that), a reduce-scatter issued no earlier than the piece's gradients
+    are ready (and waited no earlier)."""
+    (b1, i1, w1), (b2, i2, w2) = first, second
+
+    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+        if gather:
+            wait = min(wait, min(p.colls[m].needed for m in piece))
+            return _placed(p, members, min(issue, wait), wait)
+        issue = max(issue, max(p.colls[m].ready for m in piece))
+        return _placed(p, members, issue, max(wait, issue))
+
+    out: list[list[Entry | None]] = []
+    if len(b1.members) > 1:  # the first bucket's tail joins the second
+        for k in sorted({len(chain_units(p, b1.members)[-1]), 1}):
+            if k < len(b1.members):
+                piece = b1.members[-k:]
+                out.append([(Bucket(b1.members[:-k]), i1, w1), taking(piece + b2.members, piece, i2, w2)])
+    if len(b2.members) > 1:  # the second bucket's head joins the first
+        for k in sorted({len(chain_units(p, b2.members)[0]), 1}):
+            if k < len(b2.members):
+                piece = b2.members[:k]
+                out.append([taking(b1.members + piece, piece, i1, w1), (Bucket(b2.members[k:]), i2, w2)])
+    return [pair for pair in out  # type: ignore[misc]
+            if all(e is not None and _fits_cap(p, e[0].members, config) for e in pair)]
