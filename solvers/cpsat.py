@@ -47,25 +47,17 @@ STATUS_NAMES = {
 class CpSatConfig(SolverConfig):
     """Knobs of the CP-SAT backend (the shared ones: :class:`solvers.config.SolverConfig`)."""
 
-    #: run the second phase (peak memory, then fewer collectives, at the optimal step time)
-    secondary_objective: bool = True
-    #: fraction of the time limit given to the first phase
-    primary_share: float = 0.75
-    #: CP-SAT deterministic time units per wall-clock second of the time limit. Its deterministic
-    #: clock runs about 4x slower than wall time on the 2-core CI machine (measured: 6 units took
-    #: 24 s on llama-like graphs), so a limit of T s becomes 0.25 T units: about T s here, and
-    #: the same amount of search (hence the same schedule) on every rank and machine
+    #: CP-SAT deterministic time units per second of a limit (a completion solve's): its
+    #: deterministic clock runs slower than wall time on the CI machine, so a limit of T s
+    #: becomes about T s there, and the same amount of search (hence the same schedule) on
+    #: every rank and machine
     deterministic_units_per_second: float = 0.25
-    #: the same for the windows of the decomposition (and the template windows), which run
-    #: without probing and SAT inprocessing (:meth:`CpSatBackend.solve_window`): their clock
-    #: runs slower against the wall clock (measured on this machine: 0.06 units in about 0.3 s
-    #: on 16-layer llama3-8b windows, 0.2 units in about 1 s on their template window)
+    #: the same for the windows, which run without probing and SAT inprocessing
+    #: (:meth:`CpSatBackend.solve_window`): their clock runs slower against the wall clock
     window_units_per_second: float = 0.2
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.1 <= self.primary_share <= 1.0:
-            raise ValueError("primary_share must be in [0.1, 1]")
         if self.deterministic_units_per_second <= 0:
             raise ValueError("deterministic_units_per_second must be > 0")
 

@@ -88,8 +88,6 @@ class MilpConfig(SolverConfig):
     max_nodes: int | None = None
     #: fraction of the time limit for completing the warm start (times for its decisions)
     warm_start_share: float = 0.1
-    #: solve the LP relaxation too and report its bound in the notes
-    lp_bound: bool = True
     #: the whole-graph MILP is solved in stages, each twice as long as the last and started from
     #: the last one's incumbent; it stops when a stage finds nothing better (CBC rarely closes
     #: its gap on these models, so the limit alone would always be spent). First stage (s):

@@ -63,8 +63,7 @@ Variables
     P      bytes     peak memory
     Z      us        a window's exit state
 
-Objective: minimise U_hi (the step time; for a window, its exit state Z). CP-SAT then runs a
-second phase: peak P, then the number of buckets, with the step time held at its optimum.
+Objective: minimise U_hi (the step time; for a window, its exit state Z).
 
 Constraints (family: CP-SAT function / MILP function, the same name in both modules)
     (1) timeline   T_lo = 0 (a window: T_lo = t_in); T_{a+1} = U_a + seg_a; U_a >= T_a;
