@@ -411,7 +411,7 @@ def _pin_order(graph: "torch.fx.Graph") -> int:
     Only extern nodes are pinned, because inductor realises every dependency of a
     control_deps node: a pointwise node that it would otherwise inline into its consumer
     then becomes a buffer of the node's dtype, and a bf16 product that a fused reduction
-    used to sum in fp32 gets rounded to bf16 first (issue 14). An extern kernel's inputs and
+    used to sum in fp32 gets rounded to bf16 first. An extern kernel's inputs and
     output are buffers anyway.
     """
     from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering

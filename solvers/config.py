@@ -30,9 +30,7 @@ class ModelConfig:
     #: (and a reduce-scatter waited) at most this many anchors from the incumbent's position,
     #: or as far as the neighbour in its chain it could merge with (None: anywhere in its issue
     #: window). Sweeps compound the moves. The small model searches far better for the same
-    #: deterministic time: on 16-layer graphs (64 ranks) with 1 s windows it found 422.2 ms
-    #: against 451.9 ms on the llama3-8b backward at its traced peak and 23.1 against 25.7 ms
-    #: on an alternating-width forward (``benchmarks/solve_time.py``, BENCHMARKS.md section 12)
+    #: deterministic time than a window free to move anything anywhere
     lns_radius_anchors: int | None = 12
 
     def __post_init__(self) -> None:

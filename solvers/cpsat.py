@@ -438,8 +438,8 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
     prm.random_seed = int(seed)
     prm.num_workers = int(num_workers)
     prm.log_search_progress = False
-    # the root LP costs more than it helps on these models (measured: 84.8 vs 90.9 ms found on
-    # a 32-layer graph for the same deterministic time)
+    # the root LP costs more than it helps on these models: the big-M timeline relaxes to
+    # almost nothing, and its time is taken from the search
     prm.linearization_level = 0
     return solver
 
@@ -495,15 +495,10 @@ class CpSatBackend:
         solver = make_solver(limit_s, seed, num_workers, cfg)
         prm = solver.parameters
         prm.max_deterministic_time = float(limit_s) * cfg.window_units_per_second
-        # presolve rewrites the model and loses the hint (measured: no solution in 5 s with
-        # presolve, the hint improved to 194.5 ms without, on an 8b backward window)
+        # presolve rewrites the model and loses the hint, which is most of what a window
+        # knows; probing and SAT inprocessing spend most of a window's small deterministic
+        # budget before the search starts, and the search finds better windows without them
         prm.cp_model_presolve = False
-        # probing spent 0.23 of a window's 0.25 units before the search started (0.4 s of
-        # 0.54 s wall), and SAT inprocessing most of what the search would use. Without both,
-        # on the 24 windows of a 16-layer llama3-8b backward solve, 0.04 units (5.6 s wall in
-        # all) found a better window solution than 0.25 units with them (14.2 s) on 15 windows
-        # and a worse one on 8; 0.06 units (7.8 s) on 17 and 7; the tied template window
-        # reached 321.3 ms in 0.9 s where it stopped at 339.0 ms in 1.2 s with them
         prm.cp_model_probing_level = 0
         prm.use_sat_inprocessing = False
         status = self._run(solver, built.model)

@@ -105,7 +105,7 @@ def test_optimize_schedule_rewrites_and_reports(pg):
     chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
     assert chosen["dropped"] is None and chosen["digest"] == report.digest
     assert chosen["figures"]["step_ms"] == report.reexported_step_ms
-    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes, report.tracker_peak_bytes) <= 2**30
+    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes) <= 2**30
     # the written graph, re-exported, is faster than the traced one too
     assert report.reexported_step_ms < report.step_ms_before
     assert [s["name"] for s in report.stages] == ["starts", "windows", "polish", "judge"]
@@ -165,8 +165,7 @@ def test_infeasible_budget_states_a_smallest_peak_that_works_as_a_budget(pg):
     assert graph_digest(gm) == before
     optimize_schedule(gm, info.value.min_peak_bytes, cost_model=COSTS, solver=QUICK)
     report = gm.meta[api.REPORT_KEY]
-    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes,
-               report.tracker_peak_bytes) <= info.value.min_peak_bytes
+    assert max(report.reexported_peak_bytes, report.liveness_peak_bytes) <= info.value.min_peak_bytes
 
 
 def test_bad_budget_string_raises_before_touching_the_graph(pg):

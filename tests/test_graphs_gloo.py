@@ -278,15 +278,9 @@ def test_rewritten_graph_is_bitwise_equal_to_the_traced_graph(world_size, case):
     assert multiprocessing.active_children() == []
 
 
-_CHAINS = pytest.mark.xfail(
-    strict=True, reason="HSDP's all-reduce reads its reduce-scatter's wait: the solvers keep such collective "
-                        "chains in place and the search fails on them (a change of its own in solvers/core)")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size,case", [
-    pytest.param(*p.values, id=p.id, marks=_CHAINS if p.id == "w4-hsdp-joint" else ())
-    for p in PARAMS if "ddp" not in p.id or "writeback" in p.id])
+    p for p in PARAMS if "ddp" not in p.id or "writeback" in p.id])
 def test_rewrite_merges_buckets(world_size, case):
     """The graph written back on every rank is not the traced graph: it has fewer collectives
     (buckets merged). optimize_schedule leaves DDP's all-reduces in place today, so DDP is

@@ -347,7 +347,7 @@ def test_budget_forces_bucketing_and_prefetch(world_size, case):
         lo, hi, _ = res["unconstrained"][kind]
         budget = res["budgets"][kind]
         if budget is not None:
-            written = max(rep["reexported_peak_bytes"], rep["liveness_peak_bytes"], rep["tracker_peak_bytes"])
+            written = max(rep["reexported_peak_bytes"], rep["liveness_peak_bytes"])
             assert rep["peak_bytes_after"] <= budget < hi and written <= budget, (kind, rep, res["budgets"])
     merged = [b for rep in reports.values() for b in rep["buckets"] if len(b) > 1]
     prefetched = [p for rep in reports.values() for p in rep["ag_prefetch"] if p > 0]

@@ -5,7 +5,7 @@
   the shared :class:`SolveResult`.
 - :mod:`solvers.core.problem`: the :class:`Problem`, plain data extracted once from a
   cost-annotated DAG.
-- :mod:`solvers.core.simulator`: the execution model of ``shared/DESIGN.md``, by which every
+- :mod:`solvers.core.simulator`: the execution model of the repository's ``DESIGN.md``, by which every
   schedule is judged.
 - :mod:`solvers.core.validator`: checks any schedule against the problem and a budget.
 """
