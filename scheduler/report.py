@@ -69,7 +69,7 @@ class ScheduleReport:
     #: torch's compile id of the graph (``"0/0"``: frame 0, first compile; the forward and the
     #: backward of one compile share it), None outside ``torch.compile``
     compile_id: str | None = None
-    #: the candidates were judged on their written-back graphs (:mod:`scheduler.verify`); the
+    #: the candidates were judged on their written-back graphs (:mod:`scheduler.check.written`); the
     #: fields below are set only then
     verified: bool = False
     #: the candidate written back ("cpsat", a heuristic, "traced", "torch-overlap", ...)
@@ -88,11 +88,11 @@ class ScheduleReport:
     #: wall time of the verification (included in solve_time_s), s
     verify_time_s: float = 0.0
     #: what chose among the candidates that fit ("fastest re-exported under analytic", or the
-    #: robust criterion of ``optimize_schedule(robust=True)``); rows of ``candidates`` then
+    #: worst-case regret over the family, the default without a cost model); rows of ``candidates`` then
     #: carry ``worst_regret`` over the cost models that judged them (None: not compared)
     criterion: str = ""
     #: the stages of the plan that ran, in order: the solve's (:attr:`SolveResult.stages`),
-    #: then the choice's (:mod:`scheduler.verify`); each a
+    #: then the choice's (:mod:`scheduler.check.written`); each a
     #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work_s,
     #: simulations, step_ms, gained_ms)
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)

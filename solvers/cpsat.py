@@ -6,13 +6,14 @@ Specific to CP-SAT: the issue and wait anchors are integer variables with order 
 y / z, stream exclusivity is ``AddNoOverlap`` over optional intervals, and a solved model gets
 a second phase (peak memory, then fewer buckets, at the optimal step time).
 
-:class:`CpSatBackend` is what :mod:`solvers.driver` runs (warm start, budget repair,
-infeasibility, never worse than the best heuristic, decomposition of large graphs).
+:class:`CpSatBackend` is the window solver that :mod:`solvers.search` runs between the starts
+and the polish.
 Determinism: one worker, fixed seed and a deterministic time limit for every solve (phases of
 the whole-graph model and windows alike get fixed shares of the solve's deterministic budget,
 never what the wall clock leaves), so every rank does the same work; a wall-clock cap far above
 it only guards against a stuck process, and a solve it stops is counted in
-``CpSatBackend.wall_cap_hits`` and reported by the driver.
+``CpSatBackend.wall_cap_hits`` and logged (the rank agreement then catches a schedule that
+differs).
 """
 
 from __future__ import annotations

@@ -334,7 +334,7 @@ class FSDP2Config:
     block_buckets: bool = True
     """One bucket per block; False: every collective alone (smallest buffers)."""
     gather_groups: BlockGroups = BlockGroups()
-    """Several blocks per all-gather bucket (not FSDP2's own setting: :func:`solvers.warmstart.grouped_fsdp2`
+    """Several blocks per all-gather bucket (not FSDP2's own setting: :mod:`solvers.starts`
     searches it); the default, one block per bucket, is FSDP2's."""
     reduce_groups: BlockGroups = BlockGroups()
     """Several blocks per reduce-scatter bucket, as ``gather_groups``."""

@@ -41,8 +41,8 @@ equally fast schedules the MILP returns whichever the solver finds). The warm st
 completed to a full solution by CP-SAT (:func:`solvers.cpsat.complete_solution`, decisions
 fixed, times minimised) and handed to the MILP solver as its start.
 
-The solve loop (warm start, budget repair, infeasibility, never worse than the best
-heuristic) and the decomposition of large graphs are shared with CP-SAT (:mod:`solvers.driver`).
+The plan around the windows (starts, polish, never worse than the best start) is shared with
+CP-SAT (:mod:`solvers.search`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.
 """

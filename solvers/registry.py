@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 #: a solver: ``fn(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers) -> SolveResult``
 SolverFn = Callable[..., SolveResult]
 
-#: the exact solvers (model backends through :mod:`solvers.driver`)
+#: the exact solvers (the plan of :mod:`solvers.search` with that model backend for its windows)
 EXACT_SOLVERS: dict[str, SolverFn] = {"cpsat": solve_cpsat, "milp": solve_milp}
 #: every solver and heuristic by name
 SOLVERS: dict[str, SolverFn] = {**EXACT_SOLVERS, **HEURISTICS}

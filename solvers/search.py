@@ -168,7 +168,7 @@ class Objective:
     Args:
         problems: model label -> the graph priced by that model; the first is the primary one
             (its chains and windows define the moves; CP-SAT models it).
-        mem_budget_bytes: peak-memory budget by both counts; None: no limit.
+        mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
     """
 
     def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None):
@@ -293,7 +293,7 @@ def search(
 
     Args:
         problems: model label -> the graph priced by that model; the first is the primary one.
-        mem_budget_bytes: peak-memory budget by both counts of the simulator; None: no limit.
+        mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
         backend: the window solver (None: no windows).
         time_limit_s: deterministic work (s; module docstring).
         seed, num_workers: the backend's.

@@ -113,7 +113,7 @@ def test_no_written_graph_that_fits_raises_with_a_peak_that_works_as_a_budget(ba
 
 def test_returned_graph_is_the_judged_one(llama):
     """The report's written-graph figures are those of the graph returned, which holds the
-    budget (FSDP2-like's written peak) by all three counts."""
+    budget (FSDP2-like's written peak) by the counts it bounds, and reports torch's tracker count."""
     gm0 = llama.backward
     problem = Problem.from_dag(export_dag(gm0))
     budget = write_and_judge(gm0, problem, fsdp2_schedule(problem), **WRITE).max_peak_bytes

@@ -308,25 +308,3 @@ def test_all_to_all_is_priced_on_its_group_by_both_models(group_name):
         assert a2a and all(dag.nodes[n]["runtime_ms"] > 0 for n in a2a)
         dp = {a["group_name"] for _, a in dag.nodes(data=True) if a.get("role") == "fsdp"}
         assert {dag.nodes[n]["group_name"] for n in a2a}.isdisjoint(dp)
-
-
-def test_blend_cost_model_is_the_mean_of_its_models():
-    from scheduler.costs.models import AnalyticCostModel, BlendCostModel, Cluster, GroupInfo
-
-    slow, fast = AnalyticCostModel(Cluster(intra_node_gbps=100)), AnalyticCostModel(Cluster(intra_node_gbps=400))
-    blend = BlendCostModel([slow, fast])
-    group = GroupInfo(name="0", size=8, ranks=tuple(range(8)))
-    for b in (1 << 20, 1 << 26):
-        expect = (slow.collective_ms("all_gather", b, group) + fast.collective_ms("all_gather", b, group)) / 2
-        assert blend.collective_ms("all_gather", b, group) == pytest.approx(expect)
-        assert fast.collective_ms("all_gather", b, group) < expect < slow.collective_ms("all_gather", b, group)
-    attrs = {"flops": 1e12, "bytes_accessed": 1e9, "dtype": "bfloat16"}
-    assert blend.compute_ms(attrs) == pytest.approx(slow.compute_ms(attrs))  # same GPU: same compute
-    leaning = BlendCostModel([slow, fast], (3, 1))
-    big = 1 << 26
-    expect = 0.75 * slow.collective_ms("all_gather", big, group) + 0.25 * fast.collective_ms("all_gather", big, group)
-    assert leaning.collective_ms("all_gather", 1 << 26, group) == pytest.approx(expect)
-    with pytest.raises(ValueError, match="at least one"):
-        BlendCostModel([])
-    with pytest.raises(ValueError, match="one non-negative weight per model"):
-        BlendCostModel([slow, fast], (1.0,))

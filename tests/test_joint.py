@@ -336,8 +336,7 @@ def test_foreign_joint_graphs_blocks_directions_and_own_peak(style):
     without models/): blocks from the graph trainer's module_fqn annotations and, without
     them, from the graph alone, equal the data-flow truth; directions follow the marks; and
     optimize_schedule with the graph's own traced peak as budget is not refused, writes a graph
-    within it and is faster (the "sac" style recomputes its gathers: no budget, see the xfail
-    above)."""
+    within it and is faster (the "sac" style recomputes its gathers in backward)."""
     import foreign_models as fm
 
     for annotated, source in ((True, "module_stack"), (False, "graph")):
@@ -358,7 +357,7 @@ def test_foreign_joint_graphs_blocks_directions_and_own_peak(style):
                 continue
             problem = Problem.from_dag(dag)
             traced = simulate(dag, problem.traced_schedule(), problem=problem)
-            budget = None if style == "sac" else liveness_peak(gm)
+            budget = liveness_peak(gm)
             optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(time_limit_s=3))
         report = gm.meta[REPORT_KEY]
         assert report.step_ms_after < traced.step_ms

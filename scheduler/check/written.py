@@ -13,7 +13,8 @@ alias of the original and keeps the original alive through the backward: held, i
 every budget on joint graphs with selective checkpointing, their own peak included.
 :func:`choose` takes the
 search's schedule, then its next best starts, then the graph as traced, and keeps the first
-whose written graph holds the budget by both counts. The search evaluates schedules on the
+whose written graph holds the budget by both counts it holds (the re-export's and the
+liveness count). The search evaluates schedules on the
 simulator, whose step time and memory counts equal those of the written graph; a written
 graph over the budget is therefore rare, and the next candidate (never a slower one than the
 traced order) is the answer, with the reason in the report.

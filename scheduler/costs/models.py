@@ -635,35 +635,6 @@ def _ask(model: Any, method: str, *args: Any) -> Any:
     return fn(*args) if callable(fn) else None
 
 
-class BlendCostModel:
-    """A weighted mean of several cost models' estimates, to solve under when no one of them is
-    trusted: a schedule solved under a blend is a compromise between them (the robust choice's
-    hedge, :func:`scheduler.rewritten.robust_schedule`). Every estimate is the weighted
-    arithmetic mean of the models' (``weights`` default: equal; they are normalised)."""
-
-    def __init__(self, models: Sequence[CostModel], weights: Sequence[float] | None = None, name: str = "blend"):
-        if not models:
-            raise ValueError("a blend needs at least one cost model")
-        weights = [1.0] * len(models) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
-            raise ValueError(f"a blend needs one non-negative weight per model, not all zero; got {weights}")
-        self.models = tuple(models)
-        self.weights = tuple(w / sum(weights) for w in weights)
-        self.name = name
-
-    def _mean(self, values: Iterable[float]) -> float:
-        return sum(w * v for w, v in zip(self.weights, values))
-
-    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
-        return self._mean(m.compute_ms(attrs, fx_node) for m in self.models)
-
-    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
-        return self._mean(m.collective_ms(coll_type, payload_bytes, group) for m in self.models)
-
-    def copy_ms(self, nbytes: int) -> float:
-        return self._mean(m.copy_ms(nbytes) for m in self.models)
-
-
 #: cost models that can be named: ``export_dag(gm, cost_model="torch")``
 COST_MODELS: dict[str, type] = {"analytic": AnalyticCostModel, "torch": TorchCostModel}
 #: cost models named with a file: ``"table:PATH"`` (measured collective times,

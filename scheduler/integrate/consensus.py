@@ -96,7 +96,7 @@ def agree_on_schedule(
 
     Args:
         schedule: this rank's schedule (a :class:`Schedule`, or any choice with ``digest()``
-            and ``to_json()``, such as a :class:`scheduler.verify.Candidate`); None when this
+            and ``to_json()``, such as a :class:`scheduler.check.written.Candidate`); None when this
             rank failed (``error`` set) or did not solve (``broadcast_from`` mode, not the
             source rank).
         report_json: this rank's report as JSON (sent when the others adopt this schedule).

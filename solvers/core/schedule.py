@@ -264,7 +264,7 @@ class StageRecord:
     (:attr:`SolveResult.stages`, ``ScheduleReport.stages``), never a note's wording."""
 
     #: the stage's name in the plan (``"starts"``, ``"search"``, ``"repair"``, ``"polish"``,
-    #: ``"judge"``, ...; see :mod:`solvers.driver` and :mod:`scheduler.verify`)
+    #: ``"judge"``, ...; see :mod:`solvers.search` and :mod:`scheduler.check.written`)
     name: str
     #: wall time of the stage (s)
     wall_s: float

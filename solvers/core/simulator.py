@@ -28,7 +28,7 @@ Execution model:
 
 torch's count (``tracker_peak_bytes``): the same run is also counted by the rules of torch's
 ``memory_estimator.MemoryTracker`` on the graph the schedule writes back
-(:func:`scheduler.check.judge.torch_tracker_peak`), so that a search can hold both counts:
+(:func:`scheduler.check.judge.torch_tracker_peak`), reported beside the execution model's:
 
 - a collective's input is freed at the collective (issue), not at its wait;
 - a collective's result and its wait's result are two storages (the wait's fake tensor is
@@ -109,7 +109,8 @@ class SimResult:
 
     @property
     def max_peak_bytes(self) -> int:
-        """The larger of the two counts: what a budget must hold on the written graph."""
+        """The larger of the two counts (torch's tracker rules are reported, not held: the
+        budget bounds :attr:`peak_bytes`)."""
         return max(self.peak_bytes, self.tracker_peak_bytes)
 
     def summary(self) -> dict[str, Any]:
