@@ -8,7 +8,9 @@ torch's ``MemoryTracker``), once per cost model of the comparison:
 - :func:`judge_baseline`: a heuristic of :data:`solvers.heuristics.HEURISTICS` (traced order,
   FSDP2-like, SimpleFSDP-like, AutoParallel-like) written back with
   :func:`scheduler.writeback.apply_schedule`, or torch's overlap scheduler
-  (:data:`TORCH`, :func:`harness.baselines.torch_overlap_schedule`), timed;
+  (:data:`TORCH`, :func:`harness.baselines.torch_overlap_schedule`), or torch's manual
+  scheduler with the per-block plan (:data:`TORCH_MANUAL`,
+  :func:`harness.baselines.torch_manual_schedule`, the graph trainer's bucketing), timed;
 - :func:`judge_product`: :func:`scheduler.optimize_schedule` on a copy, one rank's view (no
   agreement), timed end to end (export, solve, choose, install).
 
@@ -25,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from harness.baselines import TorchBaselineError, torch_overlap_schedule
+from harness.baselines import TorchBaselineError, torch_manual_schedule, torch_overlap_schedule
 from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule
 from scheduler.check.written import Figures, judge_graph
 from scheduler.costs.family import cost_model_label
@@ -48,12 +50,15 @@ TORCH = "torch-overlap"
 TORCH_NO_PREBUCKETING = "torch-overlap-no-prebucketing"
 #: torch's baselines -> the options of :func:`harness.baselines.torch_overlap_schedule`
 TORCH_BASELINES: dict[str, dict[str, Any]] = {TORCH: {}, TORCH_NO_PREBUCKETING: {"pre_bucketing_fsdp_collectives": False}}
+#: torch's manual scheduler with one bucket per block and direction (the graph trainer's plan)
+TORCH_MANUAL = "torch-manual"
 #: name of fsdp-sched's written graph
 PRODUCT = "fsdp-sched"
 #: display names
 DISPLAY = {"traced": "traced order", "fsdp2": "FSDP2-like", "simplefsdp": "SimpleFSDP-like",
            "autoparallel": "AutoParallel-like", TORCH: "torch's scheduler",
-           TORCH_NO_PREBUCKETING: "torch's scheduler (no pre-bucketing)", PRODUCT: PRODUCT}
+           TORCH_NO_PREBUCKETING: "torch's scheduler (no pre-bucketing)", TORCH_MANUAL: "per-block plan",
+           PRODUCT: PRODUCT}
 
 
 def display(name: str) -> str:
@@ -120,8 +125,9 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
     Raises:
         ValueError: an unknown name.
     """
-    if name not in HEURISTICS and name not in TORCH_BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; choose one of {sorted(HEURISTICS) + sorted(TORCH_BASELINES)}")
+    known = [*sorted(HEURISTICS), *sorted(TORCH_BASELINES), TORCH_MANUAL]
+    if name not in known:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {known}")
     out = Judged(name=name)
     try:
         if name in TORCH_BASELINES:
@@ -130,6 +136,11 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
             written = copy.deepcopy(gm)
             t0 = time.perf_counter()
             written = torch_overlap_schedule(written, cluster=cluster, inplace=True, **TORCH_BASELINES[name])
+            out.compile_s = time.perf_counter() - t0
+        elif name == TORCH_MANUAL:
+            written = copy.deepcopy(gm)
+            t0 = time.perf_counter()
+            written = torch_manual_schedule(written, cluster=cluster, inplace=True)
             out.compile_s = time.perf_counter() - t0
         else:
             problem = Problem.from_dag(export_dag(gm, cluster=cluster))
