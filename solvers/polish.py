@@ -4,8 +4,9 @@ Formulation. One graph priced by each cost model ``m`` of a set ``M`` (a
 :class:`~solvers.core.problem.Problem` ``P_m`` each: same nodes, collectives and bytes, other
 times), a reference step time ``R_m > 0`` per model, a budget ``B``:
 
-    minimise    max_m  t_m(s) / R_m - 1          the worst-case regret (one model: the step time)
-    then        sum_m  t_m(s) / R_m              ties: the total
+    minimise    max_m  r_m(s)                    the worst-case regret (one model: the step time)
+    then        sum_m  r_m(s)                    ties: the total
+    where       r_m(s) = t_m(s) / R_m - 1 + w * max(0, t_m(s) / B_m - 1)
     subject to  (1) ``s`` is a valid schedule of the graph: members of a bucket share a
                     chain and are consecutive in it, every chain issues in order, issue and
                     wait within each bucket's window (:func:`_neighbours`, :func:`chain_ordered`)
@@ -13,7 +14,9 @@ times), a reference step time ``R_m > 0`` per model, a budget ``B``:
                     holds; it is the same under every model)
                 (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
 
-where ``t_m(s)`` is the step time of ``s`` under ``P_m``, evaluated exactly
+where ``B_m`` is the step time of the best baseline under model ``m`` and ``w`` a weight
+(:func:`regret`: being slower than a baseline under some model costs far more than regret
+against the fastest known schedule), ``t_m(s)`` the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
 over ``B``, worst-case regret, total), compared in that order, and the result is refused when
@@ -50,6 +53,16 @@ logger = logging.getLogger(__name__)
 
 #: a regret counts as lower only below the current one by more than this (float noise)
 _EPS = 1e-12
+
+
+def regret(step_ms: float, reference_ms: float, baseline_ms: float | None = None, weight: float = 0.0) -> float:
+    """The regret of a step time under one model: ``step / reference - 1``, plus ``weight``
+    times how much slower than ``baseline_ms`` it is (the best baseline's step under that model;
+    None: no baseline). The same function orders schedules in the search and in the polish."""
+    r = step_ms / reference_ms - 1
+    if baseline_ms is not None and weight and step_ms > baseline_ms:
+        r += weight * (step_ms / baseline_ms - 1)
+    return r
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +111,8 @@ class PolishResult:
 
 
 def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
-           mem_budget_bytes: int | None = None, config: PolishConfig = PolishConfig()) -> PolishResult:
+           mem_budget_bytes: int | None = None, config: PolishConfig = PolishConfig(), *,
+           baseline_ms: Mapping[str, float] | None = None, baseline_weight: float = 0.0) -> PolishResult:
     """Lower the worst-case regret of ``start`` across the models of ``problems`` (module
     docstring).
 
@@ -111,6 +125,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the best candidate's; the regret under ``m`` is ``t_m / reference_ms[m] - 1``.
         mem_budget_bytes: peak-memory budget (bytes) by the execution model's count (the
             memory the written graph holds); None: no limit.
+        baseline_ms, baseline_weight: the best baseline's step per model and the weight of a
+            slowdown against it (:func:`regret`); None or 0: the regret alone.
 
     Raises:
         ValueError: no problem, problems of different graphs, a reference missing or not > 0,
@@ -119,7 +135,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes)
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -149,9 +165,9 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             f"the polish could not bring its start under the budget of {fmt_bytes(mem_budget_bytes or 0)}: "
             f"the smallest peak it reached is {fmt_bytes(peak)} ({peak} B); start from a schedule that fits",
             budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
-    regret = {label: sims[label].step_ms / search.reference[label] - 1 for label in search.labels}
+    regrets = {label: search.regret(label, sims[label].step_ms) for label in search.labels}
     result = PolishResult(schedule=search.schedule_of(schedule),
-                           step_ms={label: sims[label].step_ms for label in search.labels}, regret=regret,
+                           step_ms={label: sims[label].step_ms for label in search.labels}, regret=regrets,
                            peak_bytes=peak, moves=moves, simulations=search.simulations,
                            solve_time_s=time.perf_counter() - t0, stopped=stopped)
     logger.info("polish: worst-case regret %.2f %% after %d moves, %d simulations, %.1f s (%s)",
@@ -163,7 +179,8 @@ class _Search:
     """The models, the references and the simulation count of one :func:`polish`."""
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
-                 mem_budget_bytes: int | None):
+                 mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
+                 baseline_weight: float = 0.0):
         if not problems:
             raise ValueError("polish needs at least one cost model's problem")
         self.labels = list(problems)
@@ -177,6 +194,8 @@ class _Search:
         if missing:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
         self.reference = {label: float(reference_ms[label]) for label in self.labels}
+        self.baseline = dict(baseline_ms or {})
+        self.baseline_weight = baseline_weight
         self.mem_budget_bytes = mem_budget_bytes
         self.simulations = 0
         #: model labels, the one of largest regret first (rejects most neighbours at once)
@@ -224,7 +243,7 @@ class _Search:
                 self.simulations += 1
             if self.mem_budget_bytes is not None:
                 excess = max(excess, sim.peak_bytes - self.mem_budget_bytes, 0)
-            r = sim.step_ms / self.reference[label] - 1
+            r = self.regret(label, sim.step_ms)
             if bar is not None and (excess > bar[0] or (excess == bar[0] and r > bar[1] + _EPS)):
                 return None
             sims[label] = sim
@@ -232,9 +251,12 @@ class _Search:
         if bar is not None and excess == bar[0] and not (
                 worst < bar[1] - _EPS or (worst <= bar[1] + _EPS and total < bar[2] - _EPS)):
             return None
-        ratio = {label: sims[label].step_ms / self.reference[label] for label in self.labels}
+        ratio = {label: self.regret(label, sims[label].step_ms) for label in self.labels}
         self.order = sorted(self.labels, key=lambda label: -ratio[label])
         return schedule, (excess, worst, total), sims
+
+    def regret(self, label: str, step_ms: float) -> float:
+        return regret(step_ms, self.reference[label], self.baseline.get(label), self.baseline_weight)
 
 
 def _entries(schedule: Schedule | Plan) -> list[Entry]:

@@ -104,6 +104,13 @@ class SearchConfig:
     polish_starts: int = 3
     #: gap distances the polish moves one issue or wait by, largest first
     polish_steps: tuple[int, ...] = (8, 2, 1)
+    #: with several cost models, the weight of a step slower than the best baseline's (the
+    #: traced order and the heuristics that fit) under some model, on top of the regret against
+    #: the fastest start (:func:`solvers.polish.regret`): a schedule that loses to a baseline
+    #: under one plausible model is what a user without a trusted model cannot accept, while a
+    #: large gain under one model must not be given up for a tiny one under another (0: the
+    #: regret alone)
+    baseline_weight: float = 10.0
     #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
     #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
     #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
@@ -127,6 +134,8 @@ class SearchConfig:
             raise ValueError(f"polish_starts must be >= 1, got {self.polish_starts}")
         if not self.polish_steps or min(self.polish_steps) < 1:
             raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
+        if not self.baseline_weight >= 0:
+            raise ValueError(f"baseline_weight must be >= 0, got {self.baseline_weight}")
         if not self.evaluated_nodes_per_s > 0:
             raise ValueError(f"evaluated_nodes_per_s must be > 0, got {self.evaluated_nodes_per_s}")
 
@@ -185,6 +194,10 @@ class Objective:
         self.evaluator = ModelEvaluator(self.problems)
         #: label -> the reference step time of the regret (the fastest start's), set by the starts
         self.reference_ms: dict[str, float] = {}
+        #: label -> the best baseline's step time (the traced order's and the heuristics'), set by
+        #: the starts; a slowdown against it weighs :attr:`baseline_weight` more
+        self.baseline_ms: dict[str, float] = {}
+        self.baseline_weight = 0.0
         self.evaluations = 0
 
     def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
@@ -206,7 +219,8 @@ class Objective:
         if len(self.labels) == 1:
             t = e.step_ms(self.labels[0])
             return (t, t)
-        regrets = [e.step_ms(label) / self.reference_ms[label] - 1 for label in self.labels]
+        regrets = [polishing.regret(e.step_ms(label), self.reference_ms[label], self.baseline_ms.get(label),
+                                    self.baseline_weight) for label in self.labels]
         return (max(regrets), sum(regrets))
 
     def simulations_for(self, work_s: float, config: SearchConfig) -> int:
@@ -311,6 +325,7 @@ def search(
     """
     t0 = time.perf_counter()
     objective = Objective(problems, mem_budget_bytes)
+    objective.baseline_weight = config.baseline_weight if len(problems) > 1 else 0.0
     primary = objective.labels[0]
     stages: list[StageRecord] = []
 
@@ -347,7 +362,8 @@ def search(
                 continue
             result = polishing.polish(objective.problems, start.schedule, _polish_reference(objective),
                                       mem_budget_bytes, polishing.PolishConfig(max_simulations=share,
-                                                                               steps=config.polish_steps))
+                                                                               steps=config.polish_steps),
+                                      baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight)
             used += result.simulations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):

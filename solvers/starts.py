@@ -58,6 +58,7 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
         return e
 
     consider("traced", p.traced_schedule())
+    baselines = {"traced", *HEURISTICS, *(f"{name}, shrunk to the budget" for name in HEURISTICS)}
     for name, schedule in extra:
         consider(name, schedule)
     for name, fn in HEURISTICS.items():
@@ -92,6 +93,9 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     smallest = min((e.peak_bytes for e in tried), default=None)
     fitting = sorted((e for e in tried if objective.fits(e)), key=objective.key)
     _set_reference(objective, fitting or tried)
+    fit_baselines = [e for e in fitting if e.name in baselines]
+    objective.baseline_ms = ({label: max(_TINY_MS, min(e.step_ms(label) for e in fit_baselines))
+                              for label in objective.labels} if fit_baselines else {})
     fitting.sort(key=objective.key)
     return fitting, smallest
 

@@ -32,6 +32,7 @@ from solvers.core.validator import validate_schedule
 from solvers.cpsat import CpSatBackend
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
 from solvers.search import Objective, SearchConfig, search
+from solvers.polish import regret
 from solvers.starts import fit_by_delays, starts
 
 #: one window frees every collective of these graphs: one backend call, whatever the work left
@@ -277,6 +278,33 @@ def test_objective_key_is_the_regret_then_its_sum():
     assert objective.key(b) < objective.key(a)  # the faster under "fast" loses: its worst case is larger
     single = Objective({"fast": problems["fast"]}, None)
     assert single.key(dataclasses.replace(a, sims={"fast": _FakeSim(11.0)})) == (11.0, 11.0)
+
+
+def test_a_slowdown_against_the_best_baseline_weighs_more_than_regret():
+    """With the baselines' steps known, a schedule slower than the best baseline under one model
+    ranks after one a little further from the fastest start but no slower than any baseline,
+    and a large gain under one model still outweighs a tiny loss under the other."""
+    problems = _two_clusters("forward", n_layers=1)
+    objective = Objective(problems, None)
+    objective.reference_ms = {"fast": 10.0, "slow": 20.0}
+    objective.baseline_ms = {"fast": 10.4, "slow": 30.0}
+    objective.baseline_weight = 10.0
+
+    def evaluated(fast_ms: float, slow_ms: float):
+        sims = {"fast": _FakeSim(fast_ms), "slow": _FakeSim(slow_ms)}
+        return dataclasses.replace(_evaluated_template(problems), sims=sims)
+
+    over = evaluated(10.5, 20.0)  # regrets (5 %, 0), but ~1 % slower than the baseline under "fast"
+    under = evaluated(10.4, 21.5)  # regrets (4 %, 7.5 %), no slower than any baseline
+    assert objective.key(under) < objective.key(over)
+    objective.baseline_weight = 0.0  # the regret alone prefers the other
+    assert objective.key(over) < objective.key(under)
+    objective.baseline_weight = 10.0
+    tiny_loss = evaluated(10.401, 20.0)  # 0.01 % slower than the baseline under "fast", 0 regret under "slow"
+    assert objective.key(tiny_loss) < objective.key(under)
+    assert regret(10.5, 10.0, 10.4, 10.0) == pytest.approx(0.05 + 10 * (10.5 / 10.4 - 1))
+    assert regret(10.3, 10.0, 10.4, 10.0) == pytest.approx(0.03)
+    assert regret(10.5, 10.0, None, 10.0) == pytest.approx(0.05)
 
 
 @dataclasses.dataclass
