@@ -33,8 +33,9 @@ polish     first-improvement local search                        the rest of the
 =========  ====================================================  =====================  ========================================
 
 The objective (:class:`Objective`): with one cost model, the step time; with several, the
-worst-case regret ``max_m t_m / R_m - 1`` where ``R_m`` is the fastest start's step time under
-model ``m`` (then the sum of the regrets). A schedule over the budget never replaces one that
+worst-case regret ``max_m r_m`` (then the sum), where ``r_m = t_m / R_m - 1`` against the
+fastest start's step ``R_m`` under model ``m``, plus :attr:`SearchConfig.baseline_weight` times
+the slowdown against the best baseline's step under ``m`` (:func:`solvers.polish.regret`). A schedule over the budget never replaces one that
 fits. Windows run with one model only: a window is solved under one model, and with several
 its schedule trades that model against the others (on llama3-8b's graphs no window was ever
 kept under the family of six).
