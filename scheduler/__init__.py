@@ -45,7 +45,7 @@ _EXPORTS = {
     "SolverOptions": "scheduler.options",
     "AgreementOptions": "scheduler.options",
     "WriteBackOptions": "scheduler.options",
-    "SearchConfig": "solvers.search",
+    "SearchConfig": "solvers.objective",
     "Schedule": "solvers.core.schedule",
     "Bucket": "solvers.core.schedule",
     "SolveResult": "solvers.core.schedule",

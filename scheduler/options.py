@@ -11,7 +11,8 @@ from typing import Any
 
 from solvers.core.schedule import Schedule
 from solvers.registry import SOLVERS, available_solvers
-from solvers.search import DEFAULT_TIME_LIMIT_S, SearchConfig
+from solvers.objective import SearchConfig
+from solvers.search import DEFAULT_TIME_LIMIT_S
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +68,7 @@ class SolverOptions:
                 raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
         object.__setattr__(self, "extra_starts", tuple(self.extra_starts))
         if not isinstance(self.search, SearchConfig):
-            raise TypeError(f"search={self.search!r} must be a solvers.search.SearchConfig")
+            raise TypeError(f"search={self.search!r} must be a solvers.objective.SearchConfig (scheduler.SearchConfig)")
         if not isinstance(self.bandwidth_scales, tuple) or not all(
                 isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
                 for f in self.bandwidth_scales):

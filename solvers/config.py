@@ -3,7 +3,7 @@
 :class:`ModelConfig` bounds the decision space of one window (:mod:`solvers.model`);
 :class:`SolverConfig` adds the wall-clock safety cap; each backend extends it with its own
 solver knobs (:class:`solvers.cpsat.CpSatConfig`, :class:`solvers.milp.MilpConfig`). The plan
-around the windows is :class:`solvers.search.SearchConfig`.
+around the windows is :class:`solvers.objective.SearchConfig`.
 """
 
 from __future__ import annotations

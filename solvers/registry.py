@@ -15,7 +15,8 @@ from solvers.cpsat import solve_cpsat
 from solvers.heuristics import HEURISTICS
 from solvers.milp import MilpBackend, solve_milp
 from solvers.cpsat import CpSatBackend
-from solvers.search import DEFAULT_TIME_LIMIT_S, SearchConfig, search
+from solvers.objective import SearchConfig
+from solvers.search import DEFAULT_TIME_LIMIT_S, search
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from solvers.core.evaluate import evaluator_of
 from solvers.core.problem import Problem
@@ -28,9 +27,8 @@ from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import simulate
 from solvers.entries import chain_ordered, chain_units, from_entries
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
+from solvers.objective import Evaluated, Objective, SearchConfig
 
-if TYPE_CHECKING:
-    from solvers.search import Evaluated, Objective, SearchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from scheduler.costs.tables import CollectiveTable, CostTableError, interpolate_ms, read_nccl_tests
+from scheduler.costs.tables import CostTableError, interpolate_ms, read_nccl_tests
 from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TableCostModel, annotate_costs, resolve_cost_model
 from scheduler.whatif.synthetic import DagBuilder
 

@@ -9,7 +9,6 @@ fake group of 4 ranks); the smallest graphs are traced here by hand with make_fx
 from __future__ import annotations
 
 import copy
-import operator
 
 import pytest
 import torch

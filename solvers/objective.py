@@ -1,0 +1,161 @@
+"""What the plan of :mod:`solvers.search` optimises and the values it is tuned by.
+
+:class:`SearchConfig` holds every tuning value of the plan; :class:`Objective` how a schedule is
+judged (step time under one cost model; with several, the worst-case regret, with a weighted
+penalty for a step slower than the best baseline's, :func:`solvers.polish.regret`) and whether
+it holds the budget; :class:`Evaluated` a schedule with its evaluation under every model. The
+stages (:mod:`solvers.starts`, :mod:`solvers.search`, :mod:`solvers.polish`) share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from solvers import polish as polishing
+from solvers.core.evaluate import Evaluation, ModelEvaluator
+from solvers.core.problem import Problem
+from solvers.core.schedule import Schedule, ScheduleError
+from solvers.core.simulator import ScheduleInvalidError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    """Every tuning value of the plan (module docstring)."""
+
+    #: blocks per bucket of the regular bucketings tried as starts
+    start_sizes: tuple[int, ...] = (1, 2, 3, 4)
+    #: buckets of issue-ahead of the regular bucketings tried as starts
+    start_aheads: tuple[int, ...] = (1, 2)
+    #: moves a start over the budget may take to get under it (each evaluates the buckets alive
+    #: at the peak, delayed or waited sooner)
+    fit_moves: int = 8
+    #: starts over the budget moved under it: the best of them by the objective that can be (at
+    #: most four times as many are tried)
+    fit_starts: int = 4
+    #: starts over the budget by at most this share of it are tried first
+    near_miss_share: float = 0.05
+    #: share of the work limit the CP-SAT windows get (0: no windows); the polish gets the rest
+    window_share: float = 0.5
+    #: deterministic limit of one window (s of the backend's clock)
+    window_s: float = 0.3
+    #: collectives a window frees (about three transformer blocks)
+    window_members: int = 27
+    #: sweeps over the windows at most (a sweep that gains nothing ends them)
+    window_sweeps: int = 2
+    #: schedules the polish starts from: the best start, and with several cost models the fastest
+    #: start under each (the work is shared among them)
+    polish_starts: int = 3
+    #: gap distances the polish moves one issue or wait by, largest first
+    polish_steps: tuple[int, ...] = (8, 2, 1)
+    #: with several cost models, the weight of a step slower than the best baseline's (the
+    #: traced order and the heuristics that fit) under some model, on top of the regret against
+    #: the fastest start (:func:`solvers.polish.regret`): a schedule that loses to a baseline
+    #: under one plausible model is what a user without a trusted model cannot accept, while a
+    #: large gain under one model must not be given up for a tiny one under another (0: the
+    #: regret alone)
+    baseline_weight: float = 10.0
+    #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
+    #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
+    #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
+    #: ``n`` nodes are ``work_s`` x this / ``n`` of them, a number of the graph and the limit
+    #: alone, so that every rank polishes alike
+    evaluated_nodes_per_s: float = 1e7
+
+    def __post_init__(self) -> None:
+        if not self.start_sizes or min(self.start_sizes) < 1 or not self.start_aheads or min(self.start_aheads) < 1:
+            raise ValueError(f"start_sizes and start_aheads must be positive counts, got {self.start_sizes} and "
+                             f"{self.start_aheads}")
+        if self.fit_moves < 0 or self.fit_starts < 0:
+            raise ValueError(f"fit_moves and fit_starts must be >= 0, got {self.fit_moves} and {self.fit_starts}")
+        if not self.near_miss_share >= 0:
+            raise ValueError(f"near_miss_share must be >= 0, got {self.near_miss_share}")
+        if not 0 <= self.window_share <= 1:
+            raise ValueError(f"window_share must be in [0, 1], got {self.window_share}")
+        if self.window_s <= 0 or self.window_members < 2 or self.window_sweeps < 0:
+            raise ValueError("window_s must be > 0, window_members >= 2 and window_sweeps >= 0")
+        if self.polish_starts < 1:
+            raise ValueError(f"polish_starts must be >= 1, got {self.polish_starts}")
+        if not self.polish_steps or min(self.polish_steps) < 1:
+            raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
+        if not self.baseline_weight >= 0:
+            raise ValueError(f"baseline_weight must be >= 0, got {self.baseline_weight}")
+        if not self.evaluated_nodes_per_s > 0:
+            raise ValueError(f"evaluated_nodes_per_s must be > 0, got {self.evaluated_nodes_per_s}")
+
+
+
+@dataclasses.dataclass
+class Evaluated:
+    """A schedule and its evaluation under every model of the objective."""
+
+    schedule: Schedule
+    sims: dict[str, Evaluation]
+    name: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak memory by the execution model's count (the same under every model): what the
+        written graph holds, and what the budget bounds."""
+        return max(s.peak_bytes for s in self.sims.values())
+
+    def step_ms(self, label: str) -> float:
+        return self.sims[label].step_ms
+
+
+class Objective:
+    """The models a schedule is judged under and the budget it must hold.
+
+    Args:
+        problems: model label -> the graph priced by that model; the first is the primary one
+            (its chains and windows define the moves; CP-SAT models it).
+        mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
+    """
+
+    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None):
+        if not problems:
+            raise ValueError("a search needs at least one cost model's problem")
+        self.problems = dict(problems)
+        self.labels = list(problems)
+        self.primary = self.problems[self.labels[0]]
+        for label, p in self.problems.items():
+            if p.seq != self.primary.seq or p.colls.keys() != self.primary.colls.keys():
+                raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
+                                 "price the same export")
+        self.mem_budget_bytes = mem_budget_bytes
+        self.evaluator = ModelEvaluator(self.problems)
+        #: label -> the reference step time of the regret (the fastest start's), set by the starts
+        self.reference_ms: dict[str, float] = {}
+        #: label -> the best baseline's step time (the traced order's and the heuristics'), set by
+        #: the starts; a slowdown against it weighs :attr:`baseline_weight` more
+        self.baseline_ms: dict[str, float] = {}
+        self.baseline_weight = 0.0
+        self.evaluations = 0
+
+    def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
+        """``schedule`` under every model (:class:`solvers.core.evaluate.ModelEvaluator`: the
+        simulator's numbers; memory once, a timeline per model); None when it is no valid
+        schedule of the graph."""
+        self.evaluations += 1
+        try:
+            sims = self.evaluator.evaluate(schedule)
+        except (ScheduleInvalidError, ScheduleError, ValueError):
+            return None
+        return Evaluated(schedule, sims, name)
+
+    def fits(self, e: Evaluated) -> bool:
+        return self.mem_budget_bytes is None or e.peak_bytes <= self.mem_budget_bytes
+
+    def key(self, e: Evaluated) -> tuple[float, float]:
+        """Smaller is better: (worst-case regret, sum of regrets); with one model, the step time."""
+        if len(self.labels) == 1:
+            t = e.step_ms(self.labels[0])
+            return (t, t)
+        regrets = [polishing.regret(e.step_ms(label), self.reference_ms[label], self.baseline_ms.get(label),
+                                    self.baseline_weight) for label in self.labels]
+        return (max(regrets), sum(regrets))
+
+    def simulations_for(self, work_s: float, config: SearchConfig) -> int:
+        """The polish's simulations (one model's evaluation of one neighbour, as
+        :func:`solvers.polish.polish` counts them) in ``work_s`` seconds of work on this graph."""
+        return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
