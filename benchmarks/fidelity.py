@@ -130,8 +130,10 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
         model = models.build_model(cfg.model, mesh=mesh, seed=0, param_dtype=None, **cfg.overrides)
         graphs: dict[str, Any] = {}
         backend = _recording_backend(
-            graphs, solver=solver, cost_model=cost, cluster=cluster, time_limit_s=cfg.time_limit_s,
-            broadcast_from=0, seed=0, fallback=False,  # the solver's own schedule, not a better heuristic
+            graphs, cost_model=cost, cluster=cluster,
+            solver=scheduler.SolverOptions(solver=solver, time_limit_s=cfg.time_limit_s, seed=0,
+                                           fallback=False),  # the solver's own schedule, not a better start
+            agreement=scheduler.AgreementOptions(broadcast_from=0),
         )
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         start = time.perf_counter()
