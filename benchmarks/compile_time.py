@@ -3,8 +3,8 @@
 For each graph (forward and backward of a preset, ``models.capture_fsdp_graphs``) and budget
 factor f:
 
-* budget: f x the traced graph's own peak by all counts
-  (``scheduler.check.written.judge_graph(gm).max_peak_bytes``: re-export, liveness and torch tracker);
+* budget: f x the traced graph's own peak by the counts a budget bounds
+  (``scheduler.check.written.judge_graph(gm).max_peak_bytes``: re-export and liveness);
 * export: wall time of ``scheduler.export_dag(gm)`` alone;
 * torch: wall time of torch's ``schedule_overlap_bucketing`` on a deep copy, called as this repo
   calls it (``harness.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run

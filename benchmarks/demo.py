@@ -6,8 +6,8 @@ overlap scheduler, SimpleFSDP-like) writes B back on a copy of the graph and run
 ``scheduler.optimize_schedule`` with its defaults (no cost model given: the schedule with the
 least worst-case regret over the family of plausible cost models) at B's peak memory. Every
 graph is judged as written (:func:`scheduler.check.written.judge_graph`): step time re-exported under
-the analytic cost model and under torch's own estimators, peak memory by the largest of three
-counts. Prints, per graph, each baseline and fsdp-sched at its peak: step ms under both models
+the analytic cost model and under torch's own estimators, peak memory by the counts a budget
+bounds (re-export and liveness). Prints, per graph, each baseline and fsdp-sched at its peak: step ms under both models
 (with fsdp-sched's speedup), peak GiB, and the compile seconds of torch's pass and of
 ``optimize_schedule`` (export, solve, choose, install; torch's pass timed once, after its
 modules are imported); then geometric means. Progress is logged on stderr.

@@ -4,8 +4,9 @@ Every model style of ``tests/foreign_models.py`` (plain ``torch.compile`` + ``ao
 SimpleFSDP-style parametrizations, no helper of ``models/``), scaled to 16 layers on a fake
 process group of 64 ranks, forward and backward, under both cost models ("analytic" and
 "torch", as ``export_dag(cost_model=...)``), at budgets 1.0x and 1.2x of the traced peak
-(the largest of the re-export's, the reference liveness count's and torch's MemoryTracker's
-peaks: every column must hold the budget by all three counts, as ``optimize_schedule`` does).
+(the larger of the re-export's and the reference liveness count's peaks: every column must
+hold the budget by the re-export and the liveness count, as
+``optimize_schedule`` does).
 
 Schedules compared, each judged on the graph *written back*: the schedule is applied to a
 copy of the graph (``scheduler.apply_schedule``), the copy re-exported with the same cost model
@@ -84,8 +85,8 @@ def _with_true_blocks(dag: Any, gm: Any, true_blocks: dict[str, int | None]) -> 
 
 def _judge(gm: Any, cost_model: str) -> tuple[float, int]:
     """(step ms, peak bytes) of ``gm`` as written: re-exported and simulated in its order; the
-    peak is the largest of the re-export's, the reference liveness count's and torch's
-    MemoryTracker's (the three counts a budget must hold by, for every column alike)."""
+    peak is the larger of the re-export's and the reference liveness count's (the counts a
+    budget bounds, for every column alike)."""
     from scheduler.check.written import judge_graph
 
     figures = judge_graph(gm, cost_model)
@@ -118,7 +119,7 @@ def graph_rows(style: str, kind: str, gm: Any, true_blocks: dict, cost_model: st
     dag = export_dag(gm, cost_model=cost_model)
     p = Problem.from_dag(dag)  # blocks as inferred: what fsdp-sched and SimpleFSDP-like see
     p_true = Problem.from_dag(_with_true_blocks(export_dag(gm, cost_model=cost_model), gm, true_blocks))
-    peak = _judge(gm, cost_model)[1]  # the traced graph's peak by all three counts
+    peak = _judge(gm, cost_model)[1]  # the traced graph's peak by the counts a budget bounds
     budgets = [int(peak * f) for f in BUDGET_FACTORS]
     torch_runs = {"torch": _torch(gm, cost_model, False), "torch+prebucket": _torch(gm, cost_model, True)}
     t0 = time.perf_counter()

@@ -166,7 +166,7 @@ def test_robust_solve_refuses_a_cost_model(capsys):
 def test_robust_solve_is_the_library_default_on_the_written_graph(tmp_path, capsys):
     """``solve --model --robust`` runs optimize_schedule without a cost model: the report names
     the six models of the family, the installed candidate's written graph holds the budget by
-    all three counts, and the schedule written out is that candidate's."""
+    the re-export and the liveness count, and the schedule written out is that candidate's."""
     from solvers.core import Schedule
 
     out = tmp_path / "robust"

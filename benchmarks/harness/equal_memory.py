@@ -5,14 +5,14 @@ back, under more than one cost model. For each baseline B of :data:`BASELINES` (
 torch's overlap scheduler, SimpleFSDP-like) and each cost model A of :data:`COST_MODELS`:
 
 1. B is written back and judged on its written graph (:func:`harness.judged.judge_baseline`):
-   ``peak(B)`` is the largest of its re-export, liveness and torch-tracker peaks, ``t_A(B)`` its
+   ``peak(B)`` is the larger of its re-export and liveness peaks (the counts a budget bounds), ``t_A(B)`` its
    re-exported step time under A;
 2. fsdp-sched (:func:`harness.judged.judge_product`: ``optimize_schedule`` on a copy) runs at
    ``mem_budget = peak(B)``. With ``solve_under="robust"`` (default) it runs as users run it,
    without a cost model (the schedule with the least worst-case regret over the family of
    models), once per budget, and its one written graph is judged under every A; with
    ``"each"``, it runs with ``cost_model=A`` for each A and is judged under A. Its written graph
-   ``fits`` when all three of its peaks are within ``peak(B)``. Each budget is solved on its own,
+   ``fits`` when both of those peaks are within ``peak(B)``. Each budget is solved on its own,
    as a user would call it (baselines with the same peak share one solve);
 3. speedup vs B = ``t_A(B) / t_A(fsdp-sched)``; speedup vs the best baseline that fits =
    ``min t_A(B')`` over the baselines with ``peak(B') <= peak(B)``, divided by the same;
@@ -69,7 +69,7 @@ class Row:
     #: fsdp-sched's written graph (None when no schedule fitted)
     product_ms: float | None = None
     product_peak_bytes: int | None = None
-    #: all three peaks of fsdp-sched's written graph within the budget
+    #: fsdp-sched's written graph within the budget by the re-export and the liveness count
     fits: bool = False
     #: wall time of fsdp-sched's optimize_schedule (s)
     compile_s: float | None = None
