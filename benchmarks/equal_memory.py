@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODELS = ("llama3-8b:8:64",)
 
 
-def run(models: list[str], time_limit_s: float, solve_under: str) -> tuple[list[Any], list[dict[str, Any]]]:
+def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: tuple[str, ...] | None = None,
+        gpus_per_node: int = 8) -> tuple[list[Any], list[dict[str, Any]]]:
     """All rows, and the JSON of every comparison."""
     from harness import equal_memory
     from models.capture import fake_process_group
@@ -60,7 +61,9 @@ def run(models: list[str], time_limit_s: float, solve_under: str) -> tuple[list[
             t0 = time.perf_counter()
             with fake_process_group(world_size):
                 comparison = equal_memory.compare(
-                    getattr(graphs, kind), graph=kind, cluster=Cluster(n_gpus=world_size, gpus_per_node=min(8, world_size)),
+                    getattr(graphs, kind), graph=kind,
+                    cluster=Cluster(n_gpus=world_size, gpus_per_node=min(gpus_per_node, world_size)),
+                    cost_models=cost_models or equal_memory.COST_MODELS,
                     solver=SolverOptions(time_limit_s=time_limit_s), solve_under=solve_under, on_row=_progress)
             mine += comparison.rows
             data.append({"model": spec, "time_s": time.perf_counter() - t0, **comparison.to_json()})
@@ -87,12 +90,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="work limit per solve, s (default: optimize_schedule's, %(default)s)")
     parser.add_argument("--solve-under", choices=equal_memory.SOLVE_UNDER, default="robust",
                         help="robust: no cost model, as users run it (default); each: under each judging model")
+    parser.add_argument("--cost-models", nargs="+", default=None,
+                        help="the models every graph is judged under (default: analytic and torch); a measured "
+                             "table by name, e.g. table:benchmarks/data/autoparallel_h100/h100_dp32_tp8.csv")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="GPUs per node of the modelled cluster (1: every rank on a node of its own)")
     parser.add_argument("--json", type=Path, help="also write the comparisons to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     t0 = time.perf_counter()
-    rows, data = run(args.models, args.time_limit, args.solve_under)
+    rows, data = run(args.models, args.time_limit, args.solve_under,
+                     tuple(args.cost_models) if args.cost_models else None, args.gpus_per_node)
     if args.json:
         args.json.write_text(json.dumps(data, indent=1))
     print(f"\n{equal_memory.headline(rows)}\n({time.perf_counter() - t0:.0f} s)")

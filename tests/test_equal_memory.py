@@ -175,3 +175,24 @@ def test_demo_prints_the_comparison(tmp_path):
         assert f"{m} cost model:" in text
     assert "compile time per graph: fsdp-sched" in text
     assert "tracing llama3-debug" in proc.stderr  # progress is logged
+
+
+def test_a_measured_table_judges_and_solves_like_any_model(comparison, tmp_path):
+    """A measured collective table named as a cost model (``table:PATH``) judges every baseline
+    and fsdp-sched's written graph, and with ``solve_under="each"`` fsdp-sched is solved under it
+    too; the product holds each budget and its step under the table is that model's figure."""
+    gm, _ = comparison
+    table = tmp_path / "collectives.csv"
+    table.write_text("collective,group_size,nodes,input_bytes,ms\n"
+                     + "".join(f"{c},4,1,{b},{ms}\n" for c in ("all_gather", "reduce_scatter")
+                               for b, ms in ((1024, 0.02), (64 << 20, 0.9))))
+    name = f"table:{table}"
+    c = equal_memory.compare(gm, graph="backward", cost_models=(name, "analytic"), solve_under="each")
+    assert {r.cost_model for r in c.rows} == {name, "analytic"}
+    for r in c.rows:
+        assert r.fits and r.product_ms is not None and r.product_ms > 0
+    for (budget, model), p in c.products.items():
+        assert model in (name, "analytic") and p.ok and p.max_peak_bytes <= budget
+    # the table prices collectives differently from the analytic model: the figures differ
+    by_model = {m: [r.baseline_ms for r in c.rows if r.cost_model == m] for m in (name, "analytic")}
+    assert by_model[name] != by_model["analytic"]
