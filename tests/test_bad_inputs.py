@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -386,3 +387,34 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
     assert len(resumed) == 2 and calls[0] not in resumed
     points = json.loads(capsys.readouterr().out)["points"]
     assert len(points) == 3 and sorted(p["budget_bytes"] for p in points) == sorted([calls[0], *resumed])
+
+
+def test_merges_without_a_process_group_are_refused_at_once(tmp_path):
+    """Outside any process group (a notebook that traced on a fake group and left it), the
+    schedule's merged buckets cannot be written with torch's merge functions: optimize_schedule
+    says so in one error naming the fix, and the graph is untouched (it used to try every
+    candidate, warn for each, and install one without merges)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        from models import capture_fsdp_graphs
+        from scheduler import optimize_schedule, ScheduleError
+        from scheduler.check.written import graph_digest
+        graphs = capture_fsdp_graphs("llama3-debug", world_size=8, n_layers=2)
+        assert not dist.is_initialized()
+        gm = graphs.backward
+        before = graph_digest(gm)
+        try:
+            optimize_schedule(gm)
+        except ScheduleError as e:
+            assert "process group" in str(e) and "fake" in str(e), e
+            assert graph_digest(gm) == before
+            print("REFUSED")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "REFUSED"
