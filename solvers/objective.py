@@ -113,17 +113,12 @@ class Objective:
     """
 
     def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None):
-        if not problems:
-            raise ValueError("a search needs at least one cost model's problem")
+        # the evaluator refuses no problem, and problems of different graphs
+        self.evaluator = ModelEvaluator(problems)
         self.problems = dict(problems)
         self.labels = list(problems)
         self.primary = self.problems[self.labels[0]]
-        for label, p in self.problems.items():
-            if p.seq != self.primary.seq or p.colls.keys() != self.primary.colls.keys():
-                raise ValueError(f"problem {label!r} is not the same graph as {self.labels[0]!r}: every model must "
-                                 "price the same export")
         self.mem_budget_bytes = mem_budget_bytes
-        self.evaluator = ModelEvaluator(self.problems)
         #: label -> the reference step time of the regret (the fastest start's), set by the starts
         self.reference_ms: dict[str, float] = {}
         #: label -> the best baseline's step time (the traced order's and the heuristics'), set by
