@@ -102,7 +102,7 @@ def evaluate(
     )
 
 
-def window(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
+def issue_window(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
     """(earliest issue gap, latest wait gap) of a bucket: ``(max ready, min needed)``."""
     return (
         max(problem.colls[m].ready for m in members),
@@ -116,7 +116,7 @@ def split_feasible(problem: Problem, members: Sequence[str]) -> list[tuple[str, 
     cur: list[str] = []
     for m in members:
         if cur:
-            lo, hi = window(problem, [*cur, m])
+            lo, hi = issue_window(problem, [*cur, m])
             if lo > hi:
                 runs.append(tuple(cur))
                 cur = []
@@ -186,7 +186,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
     n = problem.n
     plan = sorted(plan, key=lambda b: (b.issue_at, problem.colls[b.members[0]].traced_issue, b.members))
     for b in plan:
-        lo, hi = window(problem, b.members)
+        lo, hi = issue_window(problem, b.members)
         if not (0 <= b.issue_at <= b.wait_at <= n):
             raise ValueError(f"bucket {b.members[:2]}...: bad positions issue={b.issue_at} wait={b.wait_at}")
         if problem.colls[b.members[0]].movable and not (lo <= b.issue_at and b.wait_at <= hi):
@@ -207,7 +207,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
         b = plan[i]
         c0 = problem.colls[b.members[0]]
         phase = 1 if kind == "issue" else (0 if b.wait_first else 2)
-        return (phase, window(problem, b.members)[1], order_idx[c0.name], i)
+        return (phase, issue_window(problem, b.members)[1], order_idx[c0.name], i)
 
     steps: list[Step] = []
     for p in range(n + 1):
@@ -388,7 +388,7 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
             runs = [r for run in runs for r in split_feasible(problem, run)]
         else:
             runs = [(m,) for m in chain]
-        wins = [window(problem, r) for r in runs]
+        wins = [issue_window(problem, r) for r in runs]
         if key[0] == "all_gather":
             for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
                 # issued where the bucket `prefetch_blocks` earlier is needed
@@ -458,7 +458,7 @@ def simplefsdp_schedule(problem: Problem, config: SimpleFSDPConfig = SimpleFSDPC
     for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
         for capped in split_by_bytes(problem, chain, config.bucket_cap_bytes):
             for run in split_feasible(problem, capped):
-                lo, hi = window(problem, run)
+                lo, hi = issue_window(problem, run)
                 traced = min(problem.colls[m].traced_issue for m in run)
                 issue = _clamp(traced, lo, hi)
                 wait = hi if (key[0] == "all_gather" or config.wait_reduce_scatter_at_use) else issue
@@ -558,7 +558,7 @@ def autoparallel_schedule(problem: Problem, config: AutoParallelConfig = AutoPar
         else:
             capped = split_by_bytes(problem, chain, config.bucket_cap_bytes)
         for run in (r for c in capped for r in split_feasible(problem, c)):
-            lo, hi = window(problem, run)
+            lo, hi = issue_window(problem, run)
             if key[0] == "all_gather":
                 issue = _clamp(_gap_back(cnt, hi, config.max_prefetch_compute_nodes), lo, hi)
                 plan.append(PlannedBucket(run, issue, hi))

@@ -46,7 +46,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
-from solvers.heuristics import window
+from solvers.heuristics import issue_window
 from solvers.entries import Entry, chain_ordered, chain_units, from_entries
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entr
     """A bucket of ``members`` at these gaps, moved into its window (issued once every member
     is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
     is waited by that read); None when the window is empty."""
-    lo, hi = window(p, members)
+    lo, hi = issue_window(p, members)
     issue = max(issue, lo)
     if issue > hi:
         return None

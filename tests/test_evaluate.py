@@ -45,7 +45,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.validator import validate_schedule
-from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, window
+from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, issue_window
 from solvers.entries import chain_ordered, from_entries
 from solvers.polish import PolishConfig, _entries, _neighbours, polish
 from solvers.starts import regroup, regroupings
@@ -95,7 +95,7 @@ def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
             runs[-1].append(m)
         for run in runs:
             for piece in split_feasible(problem, run):
-                lo, hi = window(problem, piece)
+                lo, hi = issue_window(problem, piece)
                 issue = rng.choice([lo, hi, rng.randint(lo, hi)])
                 wait = rng.choice([issue, hi, rng.randint(issue, hi)])
                 members = list(piece)
@@ -117,7 +117,7 @@ def schedules(draw, problem: Problem) -> Schedule:
             runs[-1].append(m)
         for run in runs:
             for piece in split_feasible(problem, run):
-                lo, hi = window(problem, piece)
+                lo, hi = issue_window(problem, piece)
                 issue = draw(st.integers(lo, hi))
                 wait = draw(st.integers(issue, hi))
                 members = tuple(draw(st.permutations(piece))) if len(piece) > 1 else tuple(piece)

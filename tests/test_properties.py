@@ -33,7 +33,7 @@ from scheduler import SolverOptions, export_dag, optimize_schedule, validate_sch
 from scheduler.check.judge import liveness_peak, torch_tracker_peak
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
-from solvers.heuristics import split_feasible, window
+from solvers.heuristics import split_feasible, issue_window
 from scheduler.whatif.synthetic import make_fsdp_dag
 from test_writeback import gloo_group
 
@@ -131,7 +131,7 @@ def random_schedule(problem: Problem, rnd: random.Random) -> Schedule:
         runs.append(cur)
         for run in runs:
             for part in split_feasible(problem, run):
-                lo, hi = window(problem, part)
+                lo, hi = issue_window(problem, part)
                 i = rnd.randint(lo, hi)
                 buckets.append(Bucket(tuple(part)))
                 issue_at.append(i)
