@@ -199,15 +199,23 @@ def _payload_order(problem: "Problem", members: Sequence[str], payload_order: Pa
     return sorted(members, key=lambda m: problem.colls[m].param_index)  # type: ignore[arg-type, return-value]
 
 
-def _check_merge_preconditions(problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]) -> None:
+def require_group_for_merges(schedule: Schedule) -> None:
+    """Raise when ``schedule`` merges buckets and no process group is initialised: torch's merge
+    functions resolve the graph's process groups by name."""
     import torch.distributed as dist
+
+    if any(len(b.members) > 1 for b in schedule.buckets) and not (dist.is_available() and dist.is_initialized()):
+        raise ScheduleError(
+            "writing merged buckets back needs an initialised process group in which the graph's groups "
+            "resolve; a fake one is enough: torch.distributed.init_process_group('fake', store=FakeStore(), "
+            "rank=0, world_size=W) with FakeStore from torch.testing._internal.distributed.fake_pg, or "
+            "models.capture.fake_process_group(W) as a context manager")
+
+
+def _check_merge_preconditions(problem: "Problem", schedule: Schedule, by_name: dict[str, "torch.fx.Node"]) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise ScheduleError(
-            "merging buckets needs an initialised process group in which the graph's groups resolve; "
-            "a fake one is enough: dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=W)"
-        )
+    require_group_for_merges(schedule)
     for bucket in schedule.buckets:
         if len(bucket.members) == 1:
             continue

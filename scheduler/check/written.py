@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.check.judge import liveness_peak
 from scheduler.export.dag import export_dag
-from scheduler.writeback import apply_schedule
+from scheduler.writeback import apply_schedule, require_group_for_merges
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, simulate
 
 if TYPE_CHECKING:
@@ -144,7 +144,10 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
         InfeasibleBudgetError: no written graph holds the budget (the smallest peak found).
         ScheduleError: no candidate could be written back and judged.
     """
-    _require_group_for_merges(ranked)
+    # without a process group every candidate with a merge would fail to be written, and the
+    # graph be left almost as traced: say so at once, before anything is written
+    for _, schedule in ranked:
+        require_group_for_merges(schedule)
     traced = problem.traced_schedule()
     seen: set[str] = set()
     judged: list[Candidate] = []
@@ -177,23 +180,6 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
         f"no rewritten graph keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B) by "
         f"the re-export and the liveness count; the smallest is {fmt_bytes(peak)} ({peak} B, "
         f"{least.name}): raise mem_budget to at least that", budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
-
-
-def _require_group_for_merges(ranked: Sequence[tuple[str, Schedule]]) -> None:
-    """Merged buckets are written with torch's merge functions, which resolve the graph's
-    process groups: without an initialised group every candidate with a merge would fail to
-    be written and the graph would be left almost as traced, so say so at once."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    if any(len(b.members) > 1 for _, schedule in ranked for b in schedule.buckets):
-        raise ScheduleError(
-            "writing merged buckets back needs an initialised process group in which the graph's groups "
-            "resolve; a fake one is enough: torch.distributed.init_process_group('fake', "
-            "store=FakeStore(), rank=0, world_size=W) with FakeStore from "
-            "torch.testing._internal.distributed.fake_pg, or "
-            "models.capture.fake_process_group(W) as a context manager")
 
 
 def _counts(f: Figures) -> str:
