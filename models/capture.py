@@ -271,6 +271,21 @@ class _Annotator:
 # ---------------------------------------------------------------------------------------------
 
 
+def capture_config(name: str, *, world_size: int, n_layers: int | None = None,
+                   **options: Any) -> tuple[LlamaConfig, FSDPOptions]:
+    """The model config and FSDP options of a capture (:func:`capture_fsdp_graphs`,
+    :func:`models.joint.capture_joint_graph`) from its arguments.
+
+    Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
+    """
+    fsdp_kwargs, cfg_kwargs = split_options(options)
+    config = get_config(name, n_layers=n_layers, **cfg_kwargs)
+    fsdp_options = FSDPOptions(**fsdp_kwargs)
+    if world_size < 2:
+        raise ValueError(f"FSDP capture needs world_size >= 2, got {world_size}")
+    return config, fsdp_options
+
+
 def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = None,
                         **options: Any) -> CapturedGraphs:
     """Trace one FSDP training step of preset ``name`` on a fake group of ``world_size`` ranks.
@@ -283,12 +298,7 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
 
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
-    fsdp_kwargs, cfg_kwargs = split_options(options)
-    config = get_config(name, n_layers=n_layers, **cfg_kwargs)
-    fsdp_options = FSDPOptions(**fsdp_kwargs)
-    if world_size < 2:
-        raise ValueError(f"FSDP capture needs world_size >= 2, got {world_size}")
-
+    config, fsdp_options = capture_config(name, world_size=world_size, n_layers=n_layers, **options)
     start = time.perf_counter()
     logger.info("capturing %s (%d layers) on a fake group of %d ranks, %s",
                 config.name, config.n_layers, world_size, fsdp_options)

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from models.build import split_options
 from models.capture import (
     ALL_GATHER,
     COLLECTIVES,
@@ -58,10 +57,11 @@ from models.capture import (
     gradient_collectives,
     _trace_back_to_placeholder,
     _user_fqn,
+    capture_config,
     fake_process_group,
 )
 from models.fsdp import SAC_SAVE_OPS, FSDPOptions, ReplicateParametrization, dp_group_names, mesh_for, parallelize
-from models.llama import LlamaConfig, Transformer, TransformerBlock, get_config
+from models.llama import LlamaConfig, Transformer, TransformerBlock
 
 logger = logging.getLogger(__name__)
 
@@ -361,11 +361,7 @@ def capture_joint_graph(name: str, *, world_size: int, n_layers: int | None = No
 
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
-    fsdp_kwargs, cfg_kwargs = split_options(options)
-    config = get_config(name, n_layers=n_layers, **cfg_kwargs)
-    fsdp_options = FSDPOptions(**fsdp_kwargs)
-    if world_size < 2:
-        raise ValueError(f"FSDP capture needs world_size >= 2, got {world_size}")
+    config, fsdp_options = capture_config(name, world_size=world_size, n_layers=n_layers, **options)
     start = time.perf_counter()
     with fake_process_group(world_size):
         mesh = mesh_for(world_size, fsdp_options)
