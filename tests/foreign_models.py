@@ -266,6 +266,19 @@ def _build(style: str, n_layers: int, world_size: int, dim: int, wide_every: int
     return net, vocab, device
 
 
+def _open_fake_group(world_size: int) -> bool:
+    """A fake process group of ``world_size`` for a capture: True when this call opened it (the
+    caller destroys it), False when one of that size is already open."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise RuntimeError("a process group of another size is initialised")
+        return False
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return True
+
+
 def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | None = None,
             partitioner: str = "min_cut", wide_every: int = 3, batch: int = 2, seq: int = 8,
             dynamo_names: bool = False) -> Captured:
@@ -280,16 +293,10 @@ def capture(style: str, *, n_layers: int = 3, world_size: int = 4, dim: int | No
             (``scheduler.export.structure.attach_input_names``), as a backend that sees the dynamo
             graph can.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if style not in STYLES:
         raise ValueError(f"unknown style {style!r}; choose one of {STYLES}")
     dim = dim or 8 * world_size
-    owned = not dist.is_initialized()
-    if not owned and dist.get_world_size() != world_size:
-        raise RuntimeError("a process group of another size is initialised")
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    owned = _open_fake_group(world_size)
     torch._dynamo.reset()
     graphs: dict[str, Any] = {}
     try:
@@ -423,16 +430,10 @@ def capture_joint(style: str, *, n_layers: int = 3, world_size: int = 4, dim: in
     from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.traceback import preserve_node_meta
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if style not in JOINT_STYLES:
         raise ValueError(f"unknown joint style {style!r}; choose one of {JOINT_STYLES}")
     dim = dim or 8 * world_size
-    owned = not dist.is_initialized()
-    if not owned and dist.get_world_size() != world_size:
-        raise RuntimeError("a process group of another size is initialised")
-    if owned:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    owned = _open_fake_group(world_size)
     try:
         net, _, _ = _build("fp32" if style == "fp32" else style, n_layers, world_size, dim, wide_every)
         net.recompute_gathers = False  # recompute is a graph pass here, as in the graph trainer
