@@ -110,9 +110,11 @@ class Objective:
         problems: model label -> the graph priced by that model; the first is the primary one
             (its chains and windows define the moves; CP-SAT models it).
         mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
+        baseline_weight: :attr:`SearchConfig.baseline_weight`; with one model it has no use (the
+            key is the step time) and is 0.
     """
 
-    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None):
+    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None, baseline_weight: float = 0.0):
         # the evaluator refuses no problem, and problems of different graphs
         self.evaluator = ModelEvaluator(problems)
         self.problems = dict(problems)
@@ -124,7 +126,7 @@ class Objective:
         #: label -> the best baseline's step time (the traced order's and the heuristics'), set by
         #: the starts; a slowdown against it weighs :attr:`baseline_weight` more
         self.baseline_ms: dict[str, float] = {}
-        self.baseline_weight = 0.0
+        self.baseline_weight = baseline_weight if len(self.labels) > 1 else 0.0
         self.evaluations = 0
 
     def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:

@@ -180,8 +180,7 @@ def search(
             peak of any start, a schedule that fits a budget that large.
     """
     t0 = time.perf_counter()
-    objective = Objective(problems, mem_budget_bytes)
-    objective.baseline_weight = config.baseline_weight if len(problems) > 1 else 0.0
+    objective = Objective(problems, mem_budget_bytes, config.baseline_weight)
     primary = objective.labels[0]
     stages: list[StageRecord] = []
 
