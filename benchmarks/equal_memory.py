@@ -44,7 +44,8 @@ DEFAULT_MODELS = ("llama3-8b:8:64",)
 
 
 def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: tuple[str, ...] | None = None,
-        gpus_per_node: int = 8) -> tuple[list[Any], list[dict[str, Any]]]:
+        gpus_per_node: int = 8, baselines: tuple[str, ...] | None = None, all_gather_stream: str = "shared",
+        kinds: tuple[str, ...] = ("forward", "backward")) -> tuple[list[Any], list[dict[str, Any]]]:
     """All rows, and the JSON of every comparison."""
     from harness import equal_memory
     from models.capture import fake_process_group
@@ -57,14 +58,15 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
         graphs, world_size = capture_spec(spec)
         logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
         mine = []
-        for kind in ("forward", "backward"):
+        for kind in kinds:
             t0 = time.perf_counter()
             with fake_process_group(world_size):
                 comparison = equal_memory.compare(
                     getattr(graphs, kind), graph=kind,
                     cluster=Cluster(n_gpus=world_size, gpus_per_node=min(gpus_per_node, world_size)),
-                    cost_models=cost_models or equal_memory.COST_MODELS,
-                    solver=SolverOptions(time_limit_s=time_limit_s), solve_under=solve_under, on_row=_progress)
+                    cost_models=cost_models or equal_memory.COST_MODELS, baselines=baselines or equal_memory.BASELINES,
+                    solver=SolverOptions(time_limit_s=time_limit_s, all_gather_stream=all_gather_stream),
+                    solve_under=solve_under, on_row=_progress)
             mine += comparison.rows
             data.append({"model": spec, "time_s": time.perf_counter() - t0, **comparison.to_json()})
             for name, reason in comparison.unavailable.items():
@@ -95,13 +97,22 @@ def main(argv: list[str] | None = None) -> int:
                              "table by name, e.g. table:benchmarks/data/autoparallel_h100/h100_dp32_tp8.csv")
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="GPUs per node of the modelled cluster (1: every rank on a node of its own)")
+    parser.add_argument("--baselines", nargs="+", default=None,
+                        help="baselines (default: FSDP2-like, torch's scheduler, SimpleFSDP-like): a heuristic, "
+                             "torch-overlap, torch-manual (the per-block plan), each optionally with the suffix "
+                             "+ag-stream (its all-gathers on a second group of the same ranks)")
+    parser.add_argument("--all-gather-stream", choices=("shared", "choose", "separate"), default="shared",
+                        help="fsdp-sched's SolverOptions.all_gather_stream (default: shared)")
+    parser.add_argument("--kinds", nargs="+", choices=("forward", "backward"), default=["forward", "backward"],
+                        help="the graphs compared (default: both)")
     parser.add_argument("--json", type=Path, help="also write the comparisons to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     t0 = time.perf_counter()
     rows, data = run(args.models, args.time_limit, args.solve_under,
-                     tuple(args.cost_models) if args.cost_models else None, args.gpus_per_node)
+                     tuple(args.cost_models) if args.cost_models else None, args.gpus_per_node,
+                     tuple(args.baselines) if args.baselines else None, args.all_gather_stream, tuple(args.kinds))
     if args.json:
         args.json.write_text(json.dumps(data, indent=1))
     print(f"\n{equal_memory.headline(rows)}\n({time.perf_counter() - t0:.0f} s)")

@@ -267,7 +267,8 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     try:
         result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
                                 time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
-                                extra_starts=solver.extra_starts, config=solver.search)
+                                extra_starts=solver.extra_starts, config=solver.search,
+                                all_gather_stream=solver.all_gather_stream)
         validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
         # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
@@ -281,7 +282,7 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
                        type(e).__name__, e)
         notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
         starts = search(problems, budget, backend=None, time_limit_s=1e-9, extra_starts=solver.extra_starts,
-                        config=solver.search)
+                        config=solver.search, all_gather_stream=solver.all_gather_stream)
         result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
     notes += list(result.notes)
     if solver.schedule_hook is not None:
@@ -332,6 +333,7 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
         return None
     options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
+               "all_gather_stream": solver.all_gather_stream,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
                "cost_models": list(problems), "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}

@@ -12,7 +12,7 @@ from typing import Any
 from solvers.core.schedule import Schedule
 from solvers.registry import SOLVERS, available_solvers
 from solvers.objective import SearchConfig
-from solvers.search import DEFAULT_TIME_LIMIT_S
+from solvers.search import ALL_GATHER_STREAMS, DEFAULT_TIME_LIMIT_S
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +37,14 @@ class SolverOptions:
     #: schedules of this graph to start from too (for instance the one installed at a smaller
     #: budget, ``gm.meta[SCHEDULE_KEY]``): the answer is never slower than the fastest that fits
     extra_starts: tuple[Schedule, ...] = ()
+    #: where all-gathers run (:mod:`solvers.core.streams`): ``"shared"`` (default) on their own
+    #: process group, one FIFO stream with its reduce-scatters; ``"choose"``: the search also
+    #: tries each schedule with the all-gathers of every group that also reduces on a second
+    #: process group of the same ranks (two streams sharing the link's bandwidth) and keeps
+    #: that only where its cost models say it pays; ``"separate"``: always there. A split
+    #: schedule's write-back makes the second group (``torch.distributed.new_group`` on the
+    #: group's ranks, once per set of ranks; :func:`scheduler.writeback.second_group`)
+    all_gather_stream: str = "shared"
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models judged when no cost model is given
@@ -67,6 +75,8 @@ class SolverOptions:
             if not isinstance(start, Schedule):
                 raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
         object.__setattr__(self, "extra_starts", tuple(self.extra_starts))
+        if self.all_gather_stream not in ALL_GATHER_STREAMS:
+            raise ValueError(f"all_gather_stream={self.all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
         if not isinstance(self.search, SearchConfig):
             raise TypeError(f"search={self.search!r} must be a solvers.objective.SearchConfig (scheduler.SearchConfig)")
         if not isinstance(self.bandwidth_scales, tuple) or not all(

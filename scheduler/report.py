@@ -60,6 +60,9 @@ class ScheduleReport:
     rs_wait_distance: list[int] = dataclasses.field(default_factory=list)
     #: :meth:`solvers.core.schedule.Schedule.digest` of the schedule (equal on every rank)
     digest: str = ""
+    #: process groups whose all-gathers the schedule moved to a second group of the same ranks,
+    #: a stream of their own (:attr:`solvers.core.schedule.Schedule.split_groups`)
+    split_groups: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     #: the schedule is not the requested solver's (it failed, timed out, or a heuristic was better)
     fell_back: bool = False
@@ -159,6 +162,8 @@ class ScheduleReport:
         n_ag = self.bucket_types.count("all_gather")
         n_rs = self.bucket_types.count("reduce_scatter")
         lines.append(f"  buckets: {len(self.buckets)} (all-gather {n_ag}, reduce-scatter {n_rs})")
+        if self.split_groups:
+            lines.append(f"  all-gathers of groups {', '.join(self.split_groups)} on a second group of the same ranks")
         if self.ag_prefetch:
             lines.append(f"  all-gather prefetch (compute nodes): {_spread(self.ag_prefetch)}")
         if self.rs_wait_distance:
@@ -282,6 +287,7 @@ def after_fields(problem: Problem, after: SimResult, best_bound_ms: float) -> di
         ag_prefetch=prefetch,
         rs_issue_delay=rs_delay,
         rs_wait_distance=rs_wait,
+        split_groups=list(after.schedule.split_groups),
     )
 
 

@@ -14,12 +14,17 @@
    all-reduce bucket is a cat, one all-reduce and a split, as a reduce-scatter bucket), with
    the merged collective inserted at the bucket's issue
    position and the merged wait (plus the copy-out) at its wait position.
-3. **Pin (optional).** Control dependencies
+3. **Streams.** The all-gathers of each group the schedule splits
+   (:attr:`~solvers.core.schedule.Schedule.split_groups`) move to a second process group of the
+   same ranks (:func:`second_group`: created once per set of ranks, then reused), so that they
+   run on a stream of their own beside the group's reduce-scatters, as the graph trainer's
+   ``reassign_collective_pgs_pass`` does.
+4. **Pin (optional).** Control dependencies
    (``torch._inductor.fx_passes.control_dependencies.preserve_node_ordering``) so that
    inductor, which reorders by itself (torch 2.14: its ``simple_overlap`` pass), keeps the
    overlap: every collective and wait is chained between the extern compute nodes (matmuls)
    before and after it (:func:`_pin_order`).
-4. ``graph.lint()`` and ``gm.recompile()``.
+5. ``graph.lint()`` and ``gm.recompile()``.
 
 Requirements of torch's merge functions (checked up front, with a message saying what to fix):
 an initialised process group in which the graph's group names resolve (a fake group is
@@ -96,6 +101,9 @@ def apply_schedule(
     merged = [b for b in schedule.buckets if len(b.members) > 1]
     if merged:  # checked before anything moves, so that a refusal leaves gm untouched
         _check_merge_preconditions(problem, schedule, by_name)
+    # groups are resolved (a new one made) before anything moves, so that a refusal leaves gm
+    # untouched
+    seconds = {g: second_group(g) for g in schedule.split_groups}
     _move_into_order(graph, order)
 
     with _memoized_merge_traces():  # buckets of one shape trace alike: trace each once
@@ -113,6 +121,9 @@ def apply_schedule(
                 last_wait=by_name[problem.colls[last].wait],
                 bucket_mode=bucket_mode,
             )
+    if seconds:
+        moved = _split_all_gathers(graph, seconds)
+        logger.debug("moved %d all-gathers to a second group of the same ranks", moved)
     if control_deps:
         n_deps = _pin_order(graph)
         logger.debug("added control dependencies to %d nodes", n_deps)
@@ -297,6 +308,76 @@ def _merge_bucket(
 
 
 #: torch's merge function (``torch._inductor.fx_passes.bucketing``) of each collective type
+# --------------------------------------------------------------------------------------------
+# 3. streams
+# --------------------------------------------------------------------------------------------
+#: ranks -> the name of the second group made for them (checked to resolve before reuse: a
+#: process group torn down and made again gives other names)
+_SECOND_GROUPS: dict[tuple[int, ...], str] = {}
+
+
+def second_group(group_name: str) -> str:
+    """The name of a second process group of the same ranks as ``group_name``, made with
+    ``torch.distributed.new_group(ranks, use_local_synchronization=True)`` the first time (only
+    the group's own ranks take part, each once, in the order the schedule lists its split
+    groups: identical on every rank, whose schedules agree) and reused after.
+
+    Raises:
+        ScheduleError: no process group is initialised, or ``group_name`` does not resolve in it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ScheduleError("a schedule that puts all-gathers on a second stream needs an initialised process group "
+                            "(a fake one is enough, models.capture.fake_process_group) to make that stream's group")
+    try:
+        ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    except Exception as e:
+        raise ScheduleError(f"process group {group_name!r} of the graph does not resolve in the initialised process "
+                            f"group ({type(e).__name__}: {e}); its all-gathers cannot get a second group") from e
+    name = _SECOND_GROUPS.get(ranks)
+    if name is not None:
+        try:
+            _resolve_process_group(name)
+            return name
+        except Exception:
+            pass  # the world was torn down and made again since
+    group = dist.new_group(list(ranks), use_local_synchronization=True)
+    _SECOND_GROUPS[ranks] = name = group.group_name
+    logger.info("fsdp-sched: made process group %s of the ranks of %s for its all-gathers", name, group_name)
+    return name
+
+
+def split_all_gathers(gm: "torch.fx.GraphModule", groups: Sequence[str]) -> int:
+    """Move every all-gather of ``groups`` in ``gm`` to a second group of the same ranks
+    (:func:`second_group`), as a split schedule's write-back does; for graphs written by other
+    passes. Returns how many moved."""
+    moved = _split_all_gathers(gm.graph, {g: second_group(g) for g in sorted(groups)})
+    gm.recompile()
+    return moved
+
+
+def _split_all_gathers(graph: "torch.fx.Graph", seconds: dict[str, str]) -> int:
+    """Point every all-gather of a group in ``seconds`` at its second group; returns how many."""
+    moved = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", "") != "_c10d_functional":
+            continue
+        if "all_gather" not in str(node.target):
+            continue
+        # functional all-gathers take (input, group_size, group_name, *, out)
+        args = list(node.args)
+        if len(args) > 2 and args[2] in seconds:
+            args[2] = seconds[args[2]]
+            node.args = tuple(args)
+            moved += 1
+        elif node.kwargs.get("group_name") in seconds:
+            node.kwargs = {**node.kwargs, "group_name": seconds[node.kwargs["group_name"]]}
+            moved += 1
+    return moved
+
+
 _MERGE_FUNCTIONS = {
     "all_gather": "merge_all_gather_bucket",
     "reduce_scatter": "merge_reduce_scatter_bucket",

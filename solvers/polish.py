@@ -135,7 +135,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight)
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -180,7 +180,7 @@ class _Search:
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
                  mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
-                 baseline_weight: float = 0.0):
+                 baseline_weight: float = 0.0, split_groups: tuple[str, ...] = ()):
         # the evaluator refuses no problem, and problems of different graphs
         self.evaluator = ModelEvaluator(problems)
         self.labels = list(problems)
@@ -194,6 +194,8 @@ class _Search:
         self.baseline_weight = baseline_weight
         self.mem_budget_bytes = mem_budget_bytes
         self.simulations = 0
+        #: the start's :attr:`Schedule.split_groups`, which every move keeps
+        self.split_groups = split_groups
         #: model labels, the one of largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
 
@@ -208,7 +210,7 @@ class _Search:
         # entries directly, so that work limits keep their meaning
         self.simulations += 1
         try:
-            plan = self.evaluator.plan_entries(ordered)
+            plan = self.evaluator.plan_entries(ordered, self.split_groups)
         except ValueError:
             return None
         return self.evaluate(plan, bar)
@@ -216,7 +218,7 @@ class _Search:
     def schedule_of(self, schedule: Schedule | Plan) -> Schedule:
         """The schedule of an accepted plan (:meth:`evaluate_entries`), as ``from_entries`` builds it."""
         if isinstance(schedule, Plan):
-            return schedule.schedule or from_entries(self.p0, list(schedule.entries))
+            return schedule.schedule or from_entries(self.p0, list(schedule.entries)).with_split(self.split_groups)
         return schedule
 
     def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float] | None):

@@ -6,6 +6,8 @@ back (no registration side effects, no circle).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -113,6 +115,7 @@ def solve_problems(
     num_workers: int = 1,
     extra_starts: Sequence[Schedule] = (),
     config: SearchConfig = SearchConfig(),
+    all_gather_stream: str = "shared",
 ) -> SolveResult:
     """Solve one graph priced by one or several cost models (label -> problem; the first is the
     primary one): the plan of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
@@ -121,9 +124,14 @@ def solve_problems(
         for given in extra_starts:
             _check_hint_shape(next(iter(problems.values())), given)
         return search(problems, mem_budget_bytes, backend=BACKENDS[solver](), time_limit_s=time_limit_s, seed=seed,
-                      num_workers=num_workers, extra_starts=extra_starts, config=config)
-    return solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
+                      num_workers=num_workers, extra_starts=extra_starts, config=config,
+                      all_gather_stream=all_gather_stream)
+    result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
                  time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
+    if all_gather_stream == "separate":  # a heuristic's schedule as it is, its all-gathers on their own stream
+        p = next(iter(problems.values()))
+        result = dataclasses.replace(result, schedule=result.schedule.with_split(p.splittable_groups()))
+    return result
 
 
 def solve_budgets(problem: Problem, budgets: Iterable[int | None], *, solver: str | SolverFn = "cpsat",

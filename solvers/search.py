@@ -73,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 #: default work limit of a solve (s of deterministic work)
 DEFAULT_TIME_LIMIT_S = 1.0
+#: where a search may put all-gathers (:func:`search`'s ``all_gather_stream``)
+ALL_GATHER_STREAMS = ("shared", "choose", "separate")
 
 
 class WindowBackend(Protocol):
@@ -116,7 +118,8 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
             except ScheduleError as e:
                 logger.debug("window at %d failed: %s", s0, e)
                 continue
-            e = objective.evaluate(cand) if cand is not None else None
+            # the window's model runs one stream per group; the incumbent's streams stay
+            e = objective.evaluate(cand.with_split(incumbent.schedule.split_groups)) if cand is not None else None
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(incumbent):
                 e.name = incumbent.name
                 incumbent, improved = e, True
@@ -158,6 +161,7 @@ def search(
     num_workers: int = 1,
     config: SearchConfig = SearchConfig(),
     extra_starts: Sequence[Schedule] = (),
+    all_gather_stream: str = "shared",
 ) -> SolveResult:
     """Run the plan (module docstring) and return its best schedule.
 
@@ -170,6 +174,10 @@ def search(
         config: the plan's tuning values.
         extra_starts: schedules of the graph to start from too (e.g. the best at a smaller
             budget): the result is never slower than the fastest that fits.
+        all_gather_stream: ``"shared"``: every collective on its own group's stream;
+            ``"separate"``: the all-gathers of each group that also reduces on a second stream
+            (:attr:`Schedule.split_groups`, :mod:`solvers.core.streams`); ``"choose"``: both,
+            the polish's work shared between them, and the better schedule kept.
 
     Returns:
         A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
@@ -179,20 +187,34 @@ def search(
         InfeasibleBudgetError: no start fits the budget; ``min_peak_bytes`` is the smallest
             peak of any start, a schedule that fits a budget that large.
     """
+    if all_gather_stream not in ALL_GATHER_STREAMS:
+        raise ValueError(f"all_gather_stream={all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
     t0 = time.perf_counter()
     objective = Objective(problems, mem_budget_bytes, config.baseline_weight)
     primary = objective.labels[0]
     stages: list[StageRecord] = []
 
     t = time.perf_counter()
-    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(extra_starts)])
+    # a start keeps its streams only where the caller lets the search choose them
+    given = [s.with_split(()) if all_gather_stream == "shared" else s for s in extra_starts]
+    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)])
     if not found:
         peak = smallest if smallest is not None else 0
         raise InfeasibleBudgetError(
             f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
             f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
             budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
-    best = found[0]
+    groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
+    split_best = None
+    if groups:
+        # the starts again with the all-gathers on their own stream (memory is the same)
+        split = [e for f in found if (e := objective.evaluate(f.schedule.with_split(groups), f.name)) is not None]
+        split.sort(key=objective.key)
+        if all_gather_stream == "separate":
+            found = split
+        elif split:
+            split_best = split[0]
+    best = found[0] if split_best is None or objective.key(found[0]) <= objective.key(split_best) else split_best
     stages.append(_stage("starts", t, 0.0, objective.evaluations, best, primary, best))
 
     left_s = time_limit_s
@@ -211,6 +233,10 @@ def search(
         # a local search ends where its start leads: with several models, also from the best
         # start under each model alone (where the models disagree, the worst case lies between)
         froms = _polish_starts(objective, found, best, config.polish_starts)
+        if split_best is not None:  # each choice of streams polished, the better kept
+            other = split_best if not best.schedule.split_groups else found[0]
+            froms = [f for f in froms if f.schedule.digest() != other.schedule.digest()][:config.polish_starts - 1]
+            froms.append(other)
         for k, start in enumerate(froms):
             share = (n_polish - used) // (len(froms) - k)
             if share < 2 * len(objective.labels):

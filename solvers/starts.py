@@ -152,7 +152,7 @@ def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
             moved.insert(k, step)
         else:
             continue
-        out.append(Schedule(schedule.buckets, tuple(moved)))
+        out.append(Schedule(schedule.buckets, tuple(moved), schedule.split_groups))
     return out
 
 

@@ -68,6 +68,8 @@ CASES_2 = {
     "fp32_reshard": dict(param_dtype=None, reshard_after_forward=True),
     "fp32_no_reshard": dict(param_dtype=None, reshard_after_forward=False),
     "bf16_ag_fp32_rs": dict(param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=True),
+    # the backward's all-gathers on a second gloo group of the same ranks (SolverOptions)
+    "fp32_reshard_ag_stream": dict(param_dtype=None, reshard_after_forward=True, all_gather_stream="separate"),
 }
 CASES_4 = {
     "fp32_reshard": dict(param_dtype=None, reshard_after_forward=True),
@@ -194,6 +196,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     from solvers.heuristics import HEURISTICS
 
     opts = _fsdp_options(case)
+    all_gather_stream = opts.pop("all_gather_stream", "shared")
     tp_size = opts.get("tp_size", 1)
     mesh = make_mesh(world_size, tp_size)
     dp_mesh = mesh if tp_size == 1 else mesh["dp"]
@@ -202,7 +205,8 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     cfg = get_config(MODEL, **OVERRIDES)
     batches = _batches(cfg, dp_rank, dp_size)
 
-    options = scheduler.SolverOptions(solver="cpsat", time_limit_s=SOLVER_TIME_LIMIT_S, seed=0)
+    options = scheduler.SolverOptions(solver="cpsat", time_limit_s=SOLVER_TIME_LIMIT_S, seed=0,
+                                      all_gather_stream=all_gather_stream)
     # 1. as traced: identity compilers; the peaks of each graph give the budgets
     torch._dynamo.reset()
     base_graphs: dict[str, Any] = {}
@@ -370,4 +374,16 @@ def test_close_to_unsharded_reference(world_size, case):
     for rank, res in enumerate(case_results(world_size, case)):
         for what in ("sched_vs_ref", "base_vs_ref"):
             assert res[what]["bad"] == [], f"rank {rank} {what}: {res[what]}"
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_all_gathers_on_a_second_group_are_written():
+    """The case that puts all-gathers on their own stream did: the backward (which also
+    reduce-scatters) split its group on every rank, the forward (all-gathers only) did not; its
+    numerics are checked bitwise by the tests above."""
+    for rank, res in enumerate(case_results(2, "fp32_reshard_ag_stream")):
+        reports = res["reports"]
+        assert reports["backward"]["split_groups"], f"rank {rank}: the backward split no group: {reports['backward']}"
+        assert reports["forward"]["split_groups"] == [], f"rank {rank}: {reports['forward']['split_groups']}"
     assert multiprocessing.active_children() == []

@@ -204,15 +204,17 @@ def _row(graph: str, name: str, model: str, judged: dict[str, Judged], product: 
 def format_table(rows: Sequence[Row], title: str = "") -> str:
     """One line per (graph, baseline, cost model): budget, both step times, both speedups, the
     lower bound and the headroom of the best baseline over it."""
-    head = (f"{'graph':<10}{'baseline':<20}{'cost':<10}{'budget = peak(B)':>17}{'B ms':>11}{'fsdp-sched ms':>15}"
-            f"{'vs B':>8}{'best that fits':>22}{'vs best':>9}{'bound ms':>10}{'headroom':>10}")
+    wide = max([20] + [len(display(r.baseline)) + 2 for r in rows])
+    best = max([22] + [len(display(r.best_baseline)) + 2 for r in rows])
+    head = (f"{'graph':<10}{'baseline':<{wide}}{'cost':<10}{'budget = peak(B)':>17}{'B ms':>11}{'fsdp-sched ms':>15}"
+            f"{'vs B':>8}{'best that fits':>{best}}{'vs best':>9}{'bound ms':>10}{'headroom':>10}")
     lines = ([title] if title else []) + [head, "-" * len(head)]
     for r in rows:
         mine = "-" if r.product_ms is None else f"{r.product_ms:.2f}"
         lines.append(
-            f"{r.graph:<10}{display(r.baseline):<20}{r.cost_model:<10}"
+            f"{r.graph:<10}{display(r.baseline):<{wide}}{r.cost_model:<10}"
             f"{fmt_bytes(r.budget_bytes):>17}{r.baseline_ms:11.2f}{mine:>15}{_x(r.speedup):>8}"
-            f"{display(r.best_baseline):>22}{_x(r.speedup_vs_best):>9}"
+            f"{display(r.best_baseline):>{best}}{_x(r.speedup_vs_best):>9}"
             f"{_ms(r.lower_bound_ms):>10}{_x(r.headroom):>10}"
             + (f"  {r.note}" if r.note and not r.fits else ""))
     return "\n".join(lines)

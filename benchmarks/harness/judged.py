@@ -34,7 +34,7 @@ from scheduler.costs.family import cost_model_label
 from scheduler.export.dag import export_dag
 from scheduler.options import AgreementOptions, SolverOptions
 from scheduler.report import ScheduleReport
-from scheduler.writeback import apply_schedule
+from scheduler.writeback import apply_schedule, split_all_gathers
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes
 from solvers.heuristics import HEURISTICS
 from solvers.registry import solve
@@ -52,6 +52,10 @@ TORCH_NO_PREBUCKETING = "torch-overlap-no-prebucketing"
 TORCH_BASELINES: dict[str, dict[str, Any]] = {TORCH: {}, TORCH_NO_PREBUCKETING: {"pre_bucketing_fsdp_collectives": False}}
 #: torch's manual scheduler with one bucket per block and direction (the graph trainer's plan)
 TORCH_MANUAL = "torch-manual"
+#: a baseline's name with this suffix: that baseline with its all-gathers moved to a second
+#: process group of the same ranks wherever they share a group with reduce-scatters (as the
+#: graph trainer's ``reassign_collective_pgs_pass`` does; :func:`scheduler.writeback.split_all_gathers`)
+AG_STREAM = "+ag-stream"
 #: name of fsdp-sched's written graph
 PRODUCT = "fsdp-sched"
 #: display names
@@ -62,6 +66,8 @@ DISPLAY = {"traced": "traced order", "fsdp2": "FSDP2-like", "simplefsdp": "Simpl
 
 
 def display(name: str) -> str:
+    if name.endswith(AG_STREAM):
+        return f"{display(name.removesuffix(AG_STREAM))}, 2nd AG stream"
     return DISPLAY.get(name, name)
 
 
@@ -126,9 +132,12 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
         ValueError: an unknown name.
     """
     known = [*sorted(HEURISTICS), *sorted(TORCH_BASELINES), TORCH_MANUAL]
-    if name not in known:
-        raise ValueError(f"unknown baseline {name!r}; choose one of {known}")
+    base = name.removesuffix(AG_STREAM)
+    if base not in known:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {known}, each optionally with {AG_STREAM!r}")
     out = Judged(name=name)
+    split = name != base
+    name = base
     try:
         if name in TORCH_BASELINES:
             import torch._inductor.fx_passes.overlap_scheduling  # noqa: F401  (its import is not the pass's time)
@@ -146,8 +155,15 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
             problem = Problem.from_dag(export_dag(gm, cluster=cluster))
             out.schedule = solve(problem, solver=name).schedule  # the heuristics read no budget
             written = copy.deepcopy(gm)
+            if split:
+                out.schedule = out.schedule.with_split(problem.splittable_groups())
             if out.schedule.digest() != problem.traced_schedule().digest():
                 apply_schedule(written, problem, out.schedule)
+        if split and name not in HEURISTICS:
+            groups = Problem.from_dag(export_dag(written, cluster=cluster)).splittable_groups()
+            if not groups:
+                raise ValueError("no group of the written graph runs all-gathers beside other collectives")
+            split_all_gathers(written, groups)
     except (TorchBaselineError, ScheduleError, ValueError, RuntimeError) as e:
         out.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         logger.warning("baseline %s unavailable: %s", display(name), out.error)

@@ -69,6 +69,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
 from solvers.core.simulator import (ALLOC, DROP, FREE, REC, REL, WAIT, SimResult, _copied_out, _each, _Static,
                                     _static, simulate)
+from solvers.core.streams import Streams, stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Plan:
     #: each bucket's template in the memory model that checked the plan
     templates: tuple = dataclasses.field(default=(), repr=False, compare=False)
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: :attr:`Schedule.split_groups` of the schedule
+    split_groups: tuple[str, ...] = ()
 
     def to_schedule(self, problem: Problem) -> Schedule:
         """The schedule itself (built from the entries when it was not given)."""
@@ -140,7 +143,7 @@ class Plan:
             steps.extend(Step(k, b) for k, b in order[g])
             if g < n:
                 steps.append(Step("node", problem.seq[g]))
-        return Schedule(tuple(Bucket(m) for m in self.members), tuple(steps))
+        return Schedule(tuple(Bucket(m) for m in self.members), tuple(steps), self.split_groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,8 +785,10 @@ class _Timeline:
         return c
 
     def run(self, plan: Plan) -> tuple[float, float, float, dict[str, float]]:
-        """(step_ms, compute_ms, exposed_comm_ms, comm_ms per group), in the simulator's float
+        """(step_ms, compute_ms, exposed_comm_ms, comm_ms per stream), in the simulator's float
         operations and order."""
+        if plan.split_groups or self.p.shares_links:
+            return self._run_shared(plan)
         rts = self.compute_ms
         add = operator.add
         reduce = functools.reduce
@@ -822,6 +827,42 @@ class _Timeline:
                 extra += cout
         if g_prev < len(rts):
             t = reduce(add, rts[g_prev:], t)
+        return t, self.total_compute_ms + extra, exposed, comm
+
+    def _run_shared(self, plan: Plan) -> tuple[float, float, float, dict[str, float]]:
+        """:meth:`run` where streams share a link (:class:`solvers.core.streams.Streams`)."""
+        rts = self.compute_ms
+        p = self.p
+        split = frozenset(plan.split_groups)
+        streams = Streams(p.stream_links(plan.split_groups))
+        costs = [self.costs.get(m) or self.cost(m) for m in plan.members]
+        kinds = [p.colls[m[0]].coll_type for m in plan.members]
+        t = 0.0
+        exposed = 0.0
+        extra = 0.0
+        g_prev = 0
+        comm: dict[str, float] = {}
+        for is_issue, b, gap in plan.steps:
+            if gap != g_prev:
+                t = functools.reduce(operator.add, rts[g_prev:gap], t)
+                g_prev = gap
+            if is_issue:
+                cin, _, dur, group = costs[b]
+                t += cin
+                extra += cin
+                stream = stream_of(kinds[b], group, split)
+                streams.issue(b, stream, t, dur)
+                comm[stream] = comm.get(stream, 0.0) + dur
+            else:
+                e = streams.end(b)
+                if e > t:
+                    exposed += e - t
+                    t = e
+                cout = costs[b][1]
+                t += cout
+                extra += cout
+        if g_prev < len(rts):
+            t = functools.reduce(operator.add, rts[g_prev:], t)
         return t, self.total_compute_ms + extra, exposed, comm
 
 
@@ -921,10 +962,12 @@ class Evaluator:
         ops = tuple((steps[k].kind == "issue", steps[k].ref, k - j) for j, k in enumerate(idx))
         members = tuple(b.members for b in schedule.buckets)
         templates = self._check(members, ops) if len(steps) - len(idx) == self.problem.n else None
+        if templates is not None and not set(schedule.split_groups) <= set(self.problem.splittable_groups()):
+            templates = None  # the simulator says what is wrong with it
         return Plan(members, ops, templates is not None, schedule=schedule, templates=templates or (),
-                    model=self.memory)
+                    model=self.memory, split_groups=schedule.split_groups)
 
-    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]]) -> Plan:
+    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]], split_groups: tuple[str, ...] = ()) -> Plan:
         """The :class:`Plan` of the schedule :func:`solvers.entries.from_entries` builds from
         ``(bucket, issue gap, wait gap)`` entries, without building it: buckets sorted by
         (issue gap, need, ready, traced issue, members) of their first member; in a gap, the
@@ -956,7 +999,7 @@ class Evaluator:
         members = tuple(e[0].members for e in ordered)
         templates = self._check(members, ops)
         return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
-                    model=self.memory)
+                    model=self.memory, split_groups=split_groups)
 
     def _after_waits(self, ordered, keys: list) -> list:
         """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
@@ -1153,8 +1196,8 @@ class ModelEvaluator:
     def plan(self, schedule: Schedule) -> Plan:
         return self.first.plan(schedule)
 
-    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]]) -> Plan:
-        return self.first.plan_entries(entries)
+    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]], split_groups: tuple[str, ...] = ()) -> Plan:
+        return self.first.plan_entries(entries, split_groups)
 
     def evaluate(self, schedule: Schedule | Plan, labels: Sequence[str] | None = None) -> dict[str, Evaluation]:
         """Label -> the :class:`Evaluation` of ``schedule`` under that model (``labels``: only

@@ -25,12 +25,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from functools import cached_property
 
 import networkx as nx
 
 from solvers.core.schedule import Bucket, Schedule, ScheduleError
+from solvers.core.streams import stream_of
 from solvers.core.units import fit_line
 
 #: casts that torch's ``merge_all_gather_bucket`` folds into a bucket's copy-in when they feed
@@ -248,6 +249,39 @@ class Problem:
         after = {b: {bucket_of[d] for m in bk.members for d in self.issue_after.get(m, ()) if d in bucket_of}
                  for b, bk in enumerate(buckets)}
         return Schedule.from_positions(self.seq, buckets, issue_at, wait_at, after=after)
+
+    @cached_property
+    def group_links(self) -> dict[str, Hashable]:
+        """Process group -> the network link it runs on: its ranks (sorted) where the export
+        recorded them, else its name. Groups of the same ranks share one link
+        (:mod:`solvers.core.streams`)."""
+        groups = self.dag.graph.get("process_groups") or {}
+        out: dict[str, Hashable] = {}
+        for c in self.colls.values():
+            ranks = (groups.get(c.group_name) or {}).get("ranks")
+            out[c.group_name] = tuple(sorted(ranks)) if ranks else c.group_name
+        return out
+
+    @cached_property
+    def shares_links(self) -> bool:
+        """Whether two process groups of the graph run on one link (the same ranks)."""
+        links = list(self.group_links.values())
+        return len(set(links)) < len(links)
+
+    def splittable_groups(self) -> tuple[str, ...]:
+        """Groups whose all-gathers a schedule may move to a second stream
+        (:attr:`Schedule.split_groups`): those that run all-gathers and another kind of
+        collective, which the all-gathers could otherwise queue behind."""
+        kinds: dict[str, set[str]] = {}
+        for c in self.colls.values():
+            kinds.setdefault(c.group_name, set()).add(c.coll_type)
+        return tuple(sorted(g for g, ks in kinds.items() if "all_gather" in ks and len(ks) > 1))
+
+    def stream_links(self, split_groups: Sequence[str] = ()) -> dict[str, Hashable]:
+        """Stream -> its link, for the streams a schedule that splits ``split_groups`` uses."""
+        split = frozenset(split_groups)
+        links = self.group_links
+        return {stream_of(c.coll_type, c.group_name, split): links[c.group_name] for c in self.colls.values()}
 
     @cached_property
     def compute_ms(self) -> list[float]:

@@ -98,10 +98,25 @@ class Schedule:
             Node steps list the schedulable compute/view nodes; collectives' prologue nodes
             (casts and views that only feed one collective) run with the bucket's issue and
             are not listed.
+        split_groups: process groups whose all-gathers run on a second process group of the
+            same ranks, a stream of their own beside the group's other collectives (sorted;
+            :mod:`solvers.core.streams` prices the link they share, the write-back moves the
+            all-gathers to that group). Empty: every collective runs on its own group.
     """
 
     buckets: tuple[Bucket, ...]
     steps: tuple[Step, ...]
+    split_groups: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if tuple(sorted(set(self.split_groups))) != tuple(self.split_groups):
+            raise ValueError(f"split_groups must be sorted and distinct, got {self.split_groups!r}")
+
+    def with_split(self, split_groups: Sequence[str]) -> "Schedule":
+        """This schedule with the all-gathers of ``split_groups`` on a second stream (none:
+        every collective on its own group)."""
+        split = tuple(sorted(set(split_groups)))
+        return self if split == self.split_groups else Schedule(self.buckets, self.steps, split)
 
     @staticmethod
     def from_positions(
@@ -175,19 +190,24 @@ class Schedule:
 
     # --- serialisation -------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {
+        out: dict[str, Any] = {
             "buckets": [list(b.members) for b in self.buckets],
             "steps": [[s.kind, s.ref] for s in self.steps],
         }
+        if self.split_groups:  # absent when empty: a schedule that splits nothing hashes as before
+            out["split_groups"] = list(self.split_groups)
+        return out
 
     @staticmethod
     def from_json(data: dict) -> "Schedule":
         try:
             buckets = tuple(Bucket(tuple(m)) for m in data["buckets"])
             steps = tuple(Step(k, r) for k, r in data["steps"])
+            split = tuple(str(g) for g in data.get("split_groups", ()))
+            return Schedule(buckets, steps, split)
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a schedule JSON object ({e}); expected keys 'buckets', 'steps'") from e
-        return Schedule(buckets, steps)
+            raise ValueError(f"not a schedule JSON object ({e}); expected keys 'buckets', 'steps' and optionally "
+                             "'split_groups'") from e
 
     def digest(self) -> str:
         """A stable hash of the schedule: equal on every rank iff the schedules are equal."""

@@ -2,10 +2,13 @@
 
 Execution model:
 - One compute stream runs the schedule's node steps in order, each for its ``runtime_ms``.
-- Each process group has one FIFO communication stream. An issue step first spends the
-  bucket's copy-in time on the compute stream (prologue casts, plus the copy into the bucket
-  buffer when merged); the collective then starts at ``max(compute time, stream free)`` and
-  lasts ``Problem.bucket_comm_ms``. A wait step blocks the compute stream until the bucket
+- Each process group has one FIFO communication stream (a group the schedule splits has a
+  second one for its all-gathers, :attr:`Schedule.split_groups`). An issue step first spends
+  the bucket's copy-in time on the compute stream (prologue casts, plus the copy into the
+  bucket buffer when merged); the collective then starts at ``max(compute time, stream
+  free)`` and lasts ``Problem.bucket_comm_ms``, or longer where another stream of the same
+  ranks moves data at the same time: streams of one link share its bandwidth
+  (:mod:`solvers.core.streams`). A wait step blocks the compute stream until the bucket
   completes, then (merged all-gathers) spends the copy-out time.
 - Memory: a node's output is allocated when it runs and freed after its last reader (views
   share their base's storage); a collective's output is allocated at issue; a collective's
@@ -65,6 +68,7 @@ import networkx as nx
 
 from solvers.core.problem import Collective, Problem, merge_cat_bytes
 from solvers.core.schedule import Schedule
+from solvers.core.streams import Streams, stream_of
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +194,10 @@ def _check_shape(problem: Problem, schedule: Schedule) -> None:
     members = [m for b in schedule.buckets for m in b.members]
     if len(members) != len(problem.colls) or set(members) != problem.colls.keys():
         raise ScheduleInvalidError("the schedule's buckets do not hold each collective of the graph once")
+    wrong = sorted(set(schedule.split_groups) - set(problem.splittable_groups()))
+    if wrong:
+        raise ScheduleInvalidError(f"the schedule splits groups {wrong} whose all-gathers share no group with "
+                                   f"another collective; splittable: {list(problem.splittable_groups())}")
 
 
 class ScheduleInvalidError(ValueError):
@@ -622,11 +630,12 @@ class _Simulator:
         self.t = 0.0
         self.busy = 0.0
         self.exposed = 0.0
-        self.stream_free: dict[str, float] = defaultdict(float)
+        split = frozenset(schedule.split_groups)
+        self.split = split
+        self.streams = Streams(problem.stream_links(schedule.split_groups) if split or problem.shares_links else None)
         self.comm_busy: dict[str, float] = defaultdict(float)
         self.node_times: dict[str, tuple[float, float]] = {}
         self.bucket_times: dict[int, tuple[float, float, float, float]] = {}
-        self.bucket_end: dict[int, float] = {}
         self.bucket_exposed: dict[int, float] = {}
         self.memory: list[tuple[float, int]] = [(0.0, self.mem.total)]
         self.peak, self.peak_step = self.mem.total, -1
@@ -710,12 +719,10 @@ class _Simulator:
         self._record(k, self._apply(b, mem_issue, trk_issue))
         c0 = p.colls[members[0]]
         dur = p.bucket_comm_ms(members)
-        start = max(self.t, self.stream_free[c0.group_name])
-        end = start + dur
-        self.stream_free[c0.group_name] = end
-        self.comm_busy[c0.group_name] += dur
-        self.bucket_end[b] = end
-        self.bucket_times[b] = (t_issue, start, end, float("nan"))
+        stream = stream_of(c0.coll_type, c0.group_name, self.split)
+        self.streams.issue(b, stream, self.t, dur)
+        self.comm_busy[stream] += dur
+        self.bucket_times[b] = (t_issue, float("nan"), float("nan"), float("nan"))
         self.issued.add(b)
 
     def _apply(self, b: int, mem_ops: tuple[Op, ...], trk_ops: tuple[Op, ...]) -> int:
@@ -748,15 +755,15 @@ class _Simulator:
         if b not in self.issued:
             raise ScheduleInvalidError(f"bucket {b} is waited before it is issued")
         members = self.s.buckets[b].members
-        if self.bucket_end[b] > self.t:
-            self.exposed += self.bucket_end[b] - self.t
-            self.bucket_exposed[b] = self.bucket_end[b] - self.t
-            self.t = self.bucket_end[b]
+        end = self.streams.end(b)
+        if end > self.t:
+            self.exposed += end - self.t
+            self.bucket_exposed[b] = end - self.t
+            self.t = end
         cout = p.copy_out_ms(members)
         self.t += cout
         self.busy += cout
         (_, mem_wait), (_, trk_wait) = self.st.bucket_ops(members)
         self._record(k, self._apply(b, mem_wait, trk_wait))
-        i0, s0, e0, _ = self.bucket_times[b]
-        self.bucket_times[b] = (i0, s0, e0, self.t)
+        self.bucket_times[b] = (self.bucket_times[b][0], self.streams.start(b), end, self.t)
         self.waited.add(b)

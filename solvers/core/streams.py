@@ -1,0 +1,157 @@
+"""Communication streams, and the network links they share.
+
+Each stream is FIFO: a collective starts when it is issued and the collective before it on the
+same stream has ended. A stream is a process group, or, for the all-gathers of a group that a
+schedule *splits* (:attr:`solvers.core.schedule.Schedule.split_groups`), a second process group
+of the same ranks (:func:`stream_of`): all-gathers then run beside that group's reduce-scatters
+instead of queueing behind them.
+
+Streams whose groups have the same ranks share one network link (:meth:`Problem.link_of
+<solvers.core.problem.Problem.link_of>`). The model of a shared link is processor sharing:
+while ``k`` of its streams each have a collective in flight, each progresses at ``1 / k`` of the
+speed it has alone (its time alone is the cost model's). Two streams never move more data per
+second than one; what a second stream buys is that a short collective needed soon no longer
+waits for a long one queued before it, and what it costs is that the long one ends later. The
+last of them ends when it would on one stream, so total link time is conserved: a model that
+gives two streams double the bandwidth would make splitting look free, and a model that charges
+contention (NCCL kernels of two streams competing for SMs) would need a measurement of it.
+
+A stream alone on its link is priced exactly as before any link existed: ``end = max(issue,
+stream free) + duration``, in those float operations, so schedules that split nothing on graphs
+whose groups have distinct ranks get the simulator's numbers bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Mapping
+
+#: suffix of the stream (and of the second process group the write-back creates) that carries a
+#: split group's all-gathers
+SPLIT_SUFFIX = "+ag"
+
+
+def stream_of(coll_type: str, group_name: str, split_groups: frozenset[str] | tuple[str, ...]) -> str:
+    """The stream a collective of ``group_name`` runs on: the group's own, or its second stream
+    when it is an all-gather of a split group."""
+    if coll_type == "all_gather" and group_name in split_groups:
+        return group_name + SPLIT_SUFFIX
+    return group_name
+
+
+class Streams:
+    """The communication streams of one run: :meth:`issue` queues a bucket, :meth:`end` says
+    when it completes (module docstring).
+
+    Args:
+        link_of: stream -> its link; streams that share a link with no other stream may be
+            left out (they are priced alone).
+
+    The end of a bucket on a shared link is known once every bucket that could overlap it has
+    been issued; a run asks for it at the bucket's wait, and every bucket issued after that
+    wait starts after the wait returns, so the answer is final.
+    """
+
+    def __init__(self, link_of: Mapping[str, Hashable] | None = None):
+        shared: dict[Hashable, list[str]] = {}
+        for stream, link in (link_of or {}).items():
+            shared.setdefault(link, []).append(stream)
+        self._links: dict[str, _Link] = {}
+        for streams in shared.values():
+            if len(streams) > 1:
+                link = _Link()
+                for s in streams:
+                    self._links[s] = link
+        self.free: dict[str, float] = {}
+        self._end: dict[int, float] = {}
+        self._start: dict[int, float] = {}
+        self._on: dict[int, _Link] = {}
+
+    @property
+    def shared(self) -> bool:
+        """Whether any two streams share a link (else every end is known at issue)."""
+        return bool(self._links)
+
+    def issue(self, b: int, stream: str, t: float, duration: float) -> None:
+        """Queue bucket ``b`` on ``stream`` at compute time ``t``, for ``duration`` ms alone."""
+        link = self._links.get(stream)
+        if link is None:
+            free = self.free.get(stream, 0.0)
+            start = t if t >= free else free
+            self._start[b] = start
+            self._end[b] = self.free[stream] = start + duration
+        else:
+            link.add(b, stream, t, duration)
+            self._on[b] = link
+
+    def end(self, b: int) -> float:
+        """When bucket ``b`` completes."""
+        e = self._end.get(b)
+        if e is None:
+            link = self._on[b]
+            link.resolve(b)
+            self._start[b], e = link.done[b]
+            self._end[b] = e
+        return e
+
+    def start(self, b: int) -> float:
+        """When bucket ``b`` starts to move data (after :meth:`end`)."""
+        self.end(b)
+        return self._start[b]
+
+
+class _Link:
+    """Processor sharing among the FIFO streams of one link, simulated as far as asked."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.queues: dict[str, deque[tuple[int, float, float]]] = {}
+        #: stream -> [bucket, start, work left (ms alone)]
+        self.active: dict[str, list] = {}
+        self.idle_since: dict[str, float] = {}
+        self.done: dict[int, tuple[float, float]] = {}
+
+    def add(self, b: int, stream: str, t: float, duration: float) -> None:
+        self.queues.setdefault(stream, deque()).append((b, t, duration))
+
+    def resolve(self, b: int) -> None:
+        """Advance until bucket ``b`` has ended."""
+        while b not in self.done:
+            self._activate()
+            k = len(self.active)
+            # the next event: the end of the active bucket with least work left, or the
+            # start of a queued one
+            ending = min(self.active, key=lambda s: (self.active[s][2], s)) if k else None
+            t = self.now + self.active[ending][2] * k if k else float("inf")
+            for s, q in self.queues.items():
+                if s not in self.active and q:
+                    ready = max(q[0][1], self.idle_since.get(s, 0.0))
+                    if ready < t:
+                        t, ending = ready, None
+            if t == float("inf"):
+                raise RuntimeError(f"bucket {b} is waited but was never issued on this link")
+            self._advance(t, ending)
+
+    def _activate(self) -> None:
+        """Start the head of every idle stream whose bucket is issued and whose stream is free."""
+        for s, q in self.queues.items():
+            if s not in self.active and q:
+                b, t, duration = q[0]
+                if max(t, self.idle_since.get(s, 0.0)) <= self.now:
+                    q.popleft()
+                    self.active[s] = [b, self.now, duration]
+
+    def _advance(self, t: float, ending: str | None) -> None:
+        """Move the clock to ``t``, every active bucket progressing at ``1 / k``; ``ending``
+        (the stream whose bucket defined ``t``) ends there, as does any whose work left is
+        within rounding of none."""
+        k = len(self.active)
+        if k:
+            progress = (t - self.now) / k
+            for entry in self.active.values():
+                entry[2] -= progress
+            for s in [s for s, entry in self.active.items() if s == ending or entry[2] <= 1e-12]:
+                b, start, _ = self.active.pop(s)
+                self.done[b] = (start, t)
+                self.idle_since[s] = t
+        self.now = t
