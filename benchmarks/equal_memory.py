@@ -55,22 +55,26 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
     rows, data = [], []
     for spec in models:
         t0 = time.perf_counter()
-        graphs, world_size = capture_spec(spec)
-        logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
-        mine = []
-        for kind in kinds:
-            t0 = time.perf_counter()
-            with fake_process_group(world_size):
+        world_size = int(spec.split(":")[-1])
+        # one fake world from the capture to the last comparison: the groups a capture makes
+        # beside the world (a foreign style's expert or tensor-parallel group) must resolve when
+        # its graphs are merged and written back
+        with fake_process_group(world_size):
+            graphs, _ = capture_spec(spec)
+            logger.info("captured %s in %.1f s", spec, time.perf_counter() - t0)
+            mine = []
+            for kind in kinds:
+                t0 = time.perf_counter()
                 comparison = equal_memory.compare(
                     getattr(graphs, kind), graph=kind,
                     cluster=Cluster(n_gpus=world_size, gpus_per_node=min(gpus_per_node, world_size)),
                     cost_models=cost_models or equal_memory.COST_MODELS, baselines=baselines or equal_memory.BASELINES,
                     solver=SolverOptions(time_limit_s=time_limit_s, all_gather_stream=all_gather_stream),
                     solve_under=solve_under, on_row=_progress)
-            mine += comparison.rows
-            data.append({"model": spec, "time_s": time.perf_counter() - t0, **comparison.to_json()})
-            for name, reason in comparison.unavailable.items():
-                print(f"{spec} {kind}: baseline {name} unavailable: {reason}", flush=True)
+                mine += comparison.rows
+                data.append({"model": spec, "time_s": time.perf_counter() - t0, **comparison.to_json()})
+                for name, reason in comparison.unavailable.items():
+                    print(f"{spec} {kind}: baseline {name} unavailable: {reason}", flush=True)
         print(equal_memory.format_table(mine, f"\n== {spec} =="), flush=True)
         rows += mine
     return rows, data

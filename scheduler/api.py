@@ -199,7 +199,8 @@ def _export(gm: "torch.fx.GraphModule", cost_model: Any, cluster: Cluster | None
     """The graph priced by every model the search judges under; empty for a graph without
     collectives whose metadata cannot be exported (nothing to schedule: never fail on it)."""
     try:
-        return export_problems(gm, cost_models(cost_model, cluster, solver.bandwidth_scales), cluster)
+        return export_problems(gm, cost_models(cost_model, cluster, solver.bandwidth_scales), cluster,
+                               merge_all_reduces=solver.merge_all_reduces)
     except DagError as e:
         if graph_has_collectives(gm):
             raise
@@ -333,7 +334,7 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
         return None
     options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
-               "all_gather_stream": solver.all_gather_stream,
+               "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
                "cost_models": list(problems), "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}

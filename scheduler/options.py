@@ -45,6 +45,11 @@ class SolverOptions:
     #: schedule's write-back makes the second group (``torch.distributed.new_group`` on the
     #: group's ranks, once per set of ranks; :func:`scheduler.writeback.second_group`)
     all_gather_stream: str = "shared"
+    #: let the search merge gradient all-reduces (DDP, HSDP's replicate group) into buckets; they
+    #: are placed (issued early, waited late) either way. Off by default because a merged
+    #: all-reduce rounds differently: a ring all-reduce sums each element in an order set by its
+    #: place in the buffer (bitwise equal on 2 ranks only); DDP's own bucketing does the same
+    merge_all_reduces: bool = False
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models judged when no cost model is given
@@ -75,6 +80,7 @@ class SolverOptions:
             if not isinstance(start, Schedule):
                 raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
         object.__setattr__(self, "extra_starts", tuple(self.extra_starts))
+        _check_bool("merge_all_reduces", self.merge_all_reduces)
         if self.all_gather_stream not in ALL_GATHER_STREAMS:
             raise ValueError(f"all_gather_stream={self.all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
         if not isinstance(self.search, SearchConfig):

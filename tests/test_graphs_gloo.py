@@ -13,14 +13,16 @@ Each rank builds llama3-debug (2 layers) with :func:`models.build_model` and, pe
   (``_TOL``). The written graph must hold fewer collectives (the rewrite merged buckets).
 - ``compiled``: two SGD steps through ``torch.compile`` with identity compilers (the graphs as
   traced) and through ``scheduler.backend()``: losses, gradients and parameters bitwise equal.
-- ``ar-writeback``: DDP's joint graph with its all-reduces made movable in the export and one
-  bucket per block (FSDP2-like) written back (:func:`scheduler.apply_schedule`, torch's
-  ``merge_all_reduce_bucket``). The solvers do not schedule all-reduces yet; this checks that a
-  schedule that merges them computes the same step: bitwise on 2 ranks, and within fp32
-  rounding (``_TOL``) on 4, where it cannot be bitwise: gloo sums an element of an all-reduce
-  over the ranks in an order set by where the element lies in the buffer, so one all-reduce of
-  a concatenation rounds differently from separate ones (checked directly: 3 of 10 elements
-  differ on 4 ranks, none on 2).
+- ``ar-writeback``: DDP's joint graph exported with all-reduce merges allowed
+  (``export_dag(merge_all_reduces=True)``, ``SolverOptions.merge_all_reduces``) and one bucket
+  per block (FSDP2-like) written back (:func:`scheduler.apply_schedule`, torch's
+  ``merge_all_reduce_bucket``): the same step bitwise on 2 ranks, and within fp32 rounding
+  (``_TOL``) on 4, where it cannot be bitwise: gloo sums an element of an all-reduce over the
+  ranks in an order set by where the element lies in the buffer, so one all-reduce of a
+  concatenation rounds differently from separate ones (checked directly: 3 of 10 elements
+  differ on 4 ranks, none on 2). That is why merges are off by default: ``optimize_schedule``
+  moves DDP's and HSDP's all-reduces (the ``compiled`` and ``joint`` cases, bitwise) and merges
+  only their reduce-scatters and all-gathers.
 
 Every case of one world size runs in one multi-process run (module-scoped), so that process
 start-up is paid once; a hung rank is killed by the harness timeout.
@@ -152,18 +154,14 @@ def _joint_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
 
 
 def _write_back_all_reduce_buckets(gm) -> None:
-    """One bucket of all-reduces per block (FSDP2-like), the all-reduces made movable in the
-    export (the solvers keep them in place today), written back and checked valid first."""
+    """One bucket of all-reduces per block (FSDP2-like), all-reduce merges allowed in the export,
+    written back and checked valid first."""
     from scheduler import apply_schedule, export_dag
     from solvers.core.problem import Problem
     from solvers.core.validator import validate_schedule
     from solvers.heuristics import fsdp2_schedule
 
-    dag = export_dag(gm)
-    for _, a in dag.nodes(data=True):
-        if a["kind"] == "collective" and a["coll_type"] == "all_reduce" and a["role"] == "fsdp":
-            a["movable"] = True
-    problem = Problem.from_dag(dag)
+    problem = Problem.from_dag(export_dag(gm, merge_all_reduces=True))
     assert all(c.movable for c in problem.colls.values()), "all-reduces are not movable in the problem"
     schedule = fsdp2_schedule(problem)
     validate_schedule(problem, schedule)
@@ -283,8 +281,9 @@ def test_rewritten_graph_is_bitwise_equal_to_the_traced_graph(world_size, case):
     p for p in PARAMS if "ddp" not in p.id or "writeback" in p.id])
 def test_rewrite_merges_buckets(world_size, case):
     """The graph written back on every rank is not the traced graph: it has fewer collectives
-    (buckets merged). optimize_schedule leaves DDP's all-reduces in place today, so DDP is
-    asked only of the all-reduce buckets written back by hand."""
+    (buckets merged). optimize_schedule merges no all-reduce by default (module docstring), so
+    DDP, whose only collectives they are, is asked only of the buckets written back with merges
+    allowed."""
     for rank, res in enumerate(_case_results(world_size, case)):
         before, after = res["collectives"]
         assert after < before, (rank, res["summary"] if "summary" in res else res["reports"])

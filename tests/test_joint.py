@@ -362,3 +362,32 @@ def test_foreign_joint_graphs_blocks_directions_and_own_peak(style):
         assert report.step_ms_after < traced.step_ms
         if budget is not None:
             assert liveness_peak(gm) <= budget and report.peak_bytes_after <= budget
+
+
+def test_ddp_all_reduces_are_placed_and_merged_only_when_allowed():
+    """DDP's gradient all-reduces move like reduce-scatters (issued early, waited late: the
+    step gains over the traced order) but stay one per gradient unless merges are allowed,
+    since a merged ring all-reduce sums in another order; allowed, they are merged too."""
+    import models
+    import scheduler
+    from models.capture import fake_process_group
+    from models.fsdp import FSDPOptions, mesh_for
+    from scheduler.api import REPORT_KEY
+
+    j = models.capture_joint_graph(DEBUG, world_size=WORLD, n_layers=2, param_dtype=None, dp_mode="replicate")
+    with fake_process_group(WORLD):
+        mesh_for(WORLD, FSDPOptions(param_dtype=None, dp_mode="replicate"))  # the capture's groups, again
+        problem = Problem.from_dag(export_dag(j.graph))
+        ars = [c for c in problem.colls.values() if c.coll_type == "all_reduce"]
+        assert ars and all(c.movable and not c.mergeable for c in ars)
+        assert all(c.mergeable for c in Problem.from_dag(export_dag(j.graph, merge_all_reduces=True)).colls.values())
+        reports = {}
+        for merge in (False, True):
+            gm = copy.deepcopy(j.graph)
+            scheduler.optimize_schedule(gm, None, solver=scheduler.SolverOptions(merge_all_reduces=merge),
+                                        agreement=scheduler.AgreementOptions(enabled=False))
+            reports[merge] = gm.meta[REPORT_KEY]
+    placed, merged = reports[False], reports[True]
+    assert placed.step_ms_after < placed.step_ms_before
+    assert max(len(b) for b in placed.buckets) == 1
+    assert max(len(b) for b in merged.buckets) > 1

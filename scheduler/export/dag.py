@@ -120,6 +120,7 @@ def export_dag(
     cost_model: "CostModel | str | None" = None,
     cluster: "Cluster | None" = None,
     name: str | None = None,
+    merge_all_reduces: bool = False,
 ) -> nx.DiGraph:
     """Export an FX graph to the cost-annotated DAG described in the module docstring.
 
@@ -131,6 +132,12 @@ def export_dag(
             model on ``cluster``.
         cluster: topology; default :class:`scheduler.costs.models.Cluster` (64 H100, 8 per node).
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
+        merge_all_reduces: whether a schedule may merge the graph's gradient all-reduces (DDP,
+            HSDP's replicate group) into buckets (``dag.graph["merge_all_reduces"]``). They are
+            moved either way. Off by default: a ring all-reduce sums an element over the ranks in
+            an order set by where the element lies in the buffer, so one all-reduce of a
+            concatenation rounds differently from separate ones (bitwise equal on 2 ranks, not
+            on more), while a merged reduce-scatter's results are bitwise those of its members.
 
     Raises:
         DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
@@ -148,6 +155,7 @@ def export_dag(
         name=name or (graph_kind if graph_kind != "unknown" else "graph"),
         graph_kind=graph_kind,
         process_groups={},
+        merge_all_reduces=bool(merge_all_reduces),
     )
     order: list[str] = []
     fx_nodes: dict[str, torch.fx.Node] = {}
@@ -440,7 +448,9 @@ def _collective_attrs(node: "torch.fx.Node", packet: str, val_of: "_ValOf") -> d
         "wait": None,
         "prologue": [],
         "epilogue": [],
-        "movable": bool(role == "fsdp" and packet in ("all_gather_into_tensor", "reduce_scatter_tensor")),
+        # gradient all-reduces (DDP, HSDP's replicate group) move like reduce-scatters; other
+        # all-reduces (tensor parallel) are part of the computation and stay
+        "movable": bool(role == "fsdp" and packet in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")),
     }
 
 
@@ -951,11 +961,11 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
-def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None
-                    ) -> dict[str, Problem]:
+def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None, *,
+                    merge_all_reduces: bool = False) -> dict[str, Problem]:
     """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order)."""
     labels = list(models)
-    dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster)
+    dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster, merge_all_reduces=merge_all_reduces)
     out = {labels[0]: Problem.from_dag(dag)}
     priced = {compute_key(labels[0]): dag}
     fx_nodes = {n.name: n for n in gm.graph.nodes}

@@ -237,6 +237,7 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "copy_ms_fixed": TIME_MS,
     "structure": optional(record("a structure summary (scheduler.export.structure)", STRUCTURE)),
     "cost_coverage": optional(record("a cost coverage record (scheduler.costs.models.annotate_costs)", COST_COVERAGE)),
+    "merge_all_reduces": optional(BOOL),
 }
 
 

@@ -200,7 +200,8 @@ class Problem:
                 merge_read_bytes=merge_read_bytes,
                 folded_cast=folded_cast,
                 folded_cast_ms=folded_cast_ms,
-                mergeable=not users,
+                # merged all-reduces sum in another order (scheduler.export.dag.export_dag)
+                mergeable=not users and (a["coll_type"] != "all_reduce" or bool(dag.graph.get("merge_all_reduces"))),
                 result_readers=readers,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
