@@ -17,7 +17,7 @@ baseline that fits).
     python benchmarks/equal_memory.py llama3-8b:8:64 --solve-under each
     python benchmarks/equal_memory.py foreign:tied:8:64 foreign:moe:8:64
 
-A model is ``preset:n_layers:world_size`` or ``foreign:style:n_layers:world_size`` (a style of
+A model is ``preset:n_layers:world_size[:ddp|:hsdpR]`` or ``foreign:style:n_layers:world_size`` (a style of
 ``tests/foreign_models.py``, captured with plain torch.compile: graphs we did not capture).
 """
 
@@ -36,7 +36,7 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from run import capture_spec  # noqa: E402  (benchmarks/run.py)
+from run import capture_spec, spec_world_size  # noqa: E402  (benchmarks/run.py)
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
     rows, data = [], []
     for spec in models:
         t0 = time.perf_counter()
-        world_size = int(spec.split(":")[-1])
+        world_size = spec_world_size(spec)
         # one fake world from the capture to the last comparison: the groups a capture makes
         # beside the world (a foreign style's expert or tensor-parallel group) must resolve when
         # its graphs are merged and written back

@@ -53,10 +53,27 @@ CACHE_VERSION = 1
 DEFAULT_CACHE = Path(__file__).resolve().parent / "cache"
 
 
+def spec_world_size(spec: str) -> int:
+    """The world size of a model spec (:func:`capture_spec`)."""
+    parts = spec.split(":")
+    return int(parts[3] if parts[0] == "foreign" else parts[2])
+
+
+#: data-parallel modes of a preset spec's fourth field -> capture options (``hsdpR``: HSDP with
+#: R replicas of the shard group)
+def _dp_options(mode: str) -> dict[str, Any]:
+    if mode == "ddp":
+        return {"dp_mode": "replicate"}
+    if mode.startswith("hsdp") and mode[4:].isdigit():
+        return {"dp_mode": "hybrid_shard", "replicate_size": int(mode[4:])}
+    raise SystemExit(f"data-parallel mode {mode!r}: expected ddp or hsdpR (R replicas, e.g. hsdp8)")
+
+
 def capture_spec(spec: str) -> tuple[Any, int]:
     """(object with .forward / .backward graphs, world size) of a model spec: a preset
-    ``preset:n_layers:world_size`` (captured by ``models/``) or ``foreign:style:n_layers:world_size``
-    (a style of ``tests/foreign_models.py``, captured with plain torch.compile, none of our
+    ``preset:n_layers:world_size`` (captured by ``models/``; a fourth field ``ddp`` or ``hsdpR``
+    picks that data parallelism instead of FSDP) or ``foreign:style:n_layers:world_size`` (a
+    style of ``tests/foreign_models.py``, captured with plain torch.compile, none of our
     metadata), as ``cross_model.py`` and ``equal_memory.py`` take them."""
     parts = spec.split(":")
     if parts[0] == "foreign" and len(parts) == 4:
@@ -67,12 +84,14 @@ def capture_spec(spec: str) -> tuple[Any, int]:
 
         world_size = int(parts[3])
         return capture_foreign(parts[1], n_layers=int(parts[2]), world_size=world_size), world_size
-    if len(parts) != 3:
-        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size or foreign:style:n_layers:world_size")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"model {spec!r}: expected preset:n_layers:world_size[:ddp|:hsdpR] or "
+                         "foreign:style:n_layers:world_size")
     from models import capture_fsdp_graphs
 
-    preset, n_layers, world_size = parse_model_spec(spec)
-    return capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers), world_size
+    options = _dp_options(parts.pop()) if len(parts) == 4 else {}
+    preset, n_layers, world_size = parse_model_spec(":".join(parts))
+    return capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers, **options), world_size
 
 
 def parse_model_spec(spec: str) -> tuple[str, int, int]:
