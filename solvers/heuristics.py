@@ -8,6 +8,9 @@ Each heuristic is listed in :data:`HEURISTICS` (by name) and returns a
 - ``"fsdp2"``: FSDP2 eager: one bucket per transformer block per chain, all-gathers prefetched
   one block ahead (the first one exposed), each block's reduce-scatter issued after its last
   gradient and waited just before the next block's is issued.
+- ``"perblock"``: the graph trainer's per-block plan as torch's manual scheduler runs it: FSDP2's
+  buckets and pattern, the all-gather prefetch crossing from the forward into the backward
+  (FSDP2-like's on a partitioned graph).
 - ``"simplefsdp"``: torchtitan SimpleFSDP greedy auto-bucketing: adjacent chain members merged
   up to a size cap, issued where the earliest member was traced, waited before first use.
 - ``"autoparallel"``: AutoParallel auto-bucketing on torch's overlap scheduler: primary-group
@@ -27,7 +30,9 @@ all-gathers of the forward, then the re-gathers of the backward). Every heuristi
 direction apart (:func:`phase_parts`), as the graph trainer's joint pass buckets per block and
 per direction: no bucket holds a forward gather and a backward re-gather (which would keep the
 re-gathered parameter alive from the forward on), and FSDP2-like prefetch stays inside its
-direction (the first backward bucket is exposed, as in FSDP2 eager).
+direction (the first backward bucket is exposed, as in FSDP2 eager); the per-block plan's
+prefetch crosses into the backward (the first backward buckets are gathered during the last
+forward ones), as torch's manual scheduler pairs them.
 """
 
 from __future__ import annotations
@@ -338,6 +343,11 @@ class FSDP2Config:
     searches it); the default, one block per bucket, is FSDP2's."""
     reduce_groups: BlockGroups = BlockGroups()
     """Several blocks per reduce-scatter bucket, as ``gather_groups``."""
+    prefetch_across_phases: bool = False
+    """On a joint graph, count the all-gather buckets of both directions as one sequence for
+    prefetch, so that the first backward buckets are issued during the last forward ones (the
+    per-block plan as torch's manual scheduler walks it); False: the first backward bucket is
+    issued where it is needed, as FSDP2 eager, whose backward starts with no prefetch."""
 
     def __post_init__(self) -> None:
         if self.prefetch_blocks < 0:
@@ -380,14 +390,24 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
     """The FSDP2-like schedule of ``problem`` (see :class:`FSDP2Config`)."""
     blocks = fsdp2_blocks(problem)
     plan = fixed_buckets(problem)
-    for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
-        if config.block_buckets:
-            runs = _runs_by_block(problem, chain, blocks)
-            groups = config.gather_groups if key[0] == "all_gather" else config.reduce_groups
-            runs = groups.apply(runs, lambda run: blocks[run[0]].startswith(("block:", "layers.")))
-            runs = [r for run in runs for r in split_feasible(problem, run)]
-        else:
-            runs = [(m,) for m in chain]
+
+    def bucketed(key: tuple, part: list[str]) -> list[tuple[str, ...]]:
+        if not config.block_buckets:
+            return [(m,) for m in part]
+        runs = _runs_by_block(problem, part, blocks)
+        groups = config.gather_groups if key[0] == "all_gather" else config.reduce_groups
+        runs = groups.apply(runs, lambda run: blocks[run[0]].startswith(("block:", "layers.")))
+        return [r for run in runs for r in split_feasible(problem, run)]
+
+    # buckets never mix directions; prefetch runs over ``sequences``: one per direction, or
+    # one per all-gather chain when it crosses from the forward into the backward
+    sequences = []
+    for key, chain in problem.chains.items():
+        parts = [bucketed(key, part) for part in phase_parts(problem, chain)]
+        if key[0] == "all_gather" and config.prefetch_across_phases:
+            parts = [[run for part in parts for run in part]]
+        sequences += [(key, runs) for runs in parts]
+    for key, runs in sequences:
         wins = [issue_window(problem, r) for r in runs]
         if key[0] == "all_gather":
             for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
@@ -430,6 +450,32 @@ def solve_fsdp2(
     """FSDP2 eager's schedule, shrunk (prefetch, reduce-scatter overlap, buckets) to fit the budget."""
     t0 = time.perf_counter()
     return _with_budget(problem, "fsdp2", _fsdp2_ladder(config), fsdp2_schedule, mem_budget_bytes, t0)
+
+
+# --------------------------------------------------------------------------------------------
+# the per-block plan
+# --------------------------------------------------------------------------------------------
+#: the graph trainer's per-block plan: FSDP2's buckets and pattern, with the prefetch walking
+#: from the forward into the backward
+PER_BLOCK_PLAN = FSDP2Config(prefetch_across_phases=True)
+
+
+def solve_perblock(
+    problem: Problem,
+    *,
+    mem_budget_bytes: int | None = None,
+    time_limit_s: float = 30.0,
+    seed: int = 0,
+    hint: Schedule | None = None,
+    num_workers: int = 1,
+    config: FSDP2Config = PER_BLOCK_PLAN,
+) -> SolveResult:
+    """The per-block plan as torch's manual scheduler runs it for the graph trainer: one bucket
+    per block and direction, each all-gather bucket issued one bucket ahead, the first backward
+    bucket during the last forward one, each reduce-scatter waited when the next is issued;
+    shrunk as FSDP2-like's to fit the budget. On a partitioned graph it is FSDP2-like's."""
+    t0 = time.perf_counter()
+    return _with_budget(problem, "perblock", _fsdp2_ladder(config), fsdp2_schedule, mem_budget_bytes, t0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -606,6 +652,7 @@ def solve_autoparallel(
 HEURISTICS: dict[str, Callable[..., SolveResult]] = {
     "traced": solve_traced,
     "fsdp2": solve_fsdp2,
+    "perblock": solve_perblock,
     "simplefsdp": solve_simplefsdp,
     "autoparallel": solve_autoparallel,
 }

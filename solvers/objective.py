@@ -27,6 +27,12 @@ class SearchConfig:
     start_sizes: tuple[int, ...] = (1, 2, 3, 4)
     #: buckets of issue-ahead of the regular bucketings tried as starts
     start_aheads: tuple[int, ...] = (1, 2)
+    #: deeper issue-aheads tried, in order, for a regular bucketing that fits the budget at the
+    #: deepest of ``start_aheads``, and kept only where they fit: a budget with room for several
+    #: buckets in flight (a joint graph at the per-block plan's peak) is used by a deeper
+    #: prefetch that the polish's moves of one issue at a time do not reach, while under a tight
+    #: budget they would crowd out of the fitting stage the plans it can move under the budget
+    start_deep_aheads: tuple[int, ...] = (4,)
     #: moves a start over the budget may take to get under it (each evaluates the buckets alive
     #: at the peak, delayed or waited sooner)
     fit_moves: int = 8
@@ -66,6 +72,9 @@ class SearchConfig:
         if not self.start_sizes or min(self.start_sizes) < 1 or not self.start_aheads or min(self.start_aheads) < 1:
             raise ValueError(f"start_sizes and start_aheads must be positive counts, got {self.start_sizes} and "
                              f"{self.start_aheads}")
+        if any(a <= max(self.start_aheads) for a in self.start_deep_aheads):
+            raise ValueError(f"start_deep_aheads must be deeper than every start_aheads ({self.start_aheads}), got "
+                             f"{self.start_deep_aheads}")
         if self.fit_moves < 0 or self.fit_starts < 0:
             raise ValueError(f"fit_moves and fit_starts must be >= 0, got {self.fit_moves} and {self.fit_starts}")
         if not self.near_miss_share >= 0:

@@ -12,10 +12,10 @@ stage      what it does                                          work           
 starts     each chain of mergeable collectives bucketed          a fixed set: about     bucket granularity decides most of a
            regularly (``size`` blocks per bucket, issued         one evaluation per     step and no local move changes it (the
            ``ahead`` buckets early), chain after chain; the      start, plus the moves  models disagree on it: one wants two
-           heuristics (traced, FSDP2-like, SimpleFSDP-like,      that bring the best    blocks per bucket, another four); a
-           AutoParallel-like), as they are and shrunk to the     few under the budget   valid answer before any solver
-           budget; the caller's starts; the best few over the
-           budget moved under it at their peak
+           heuristics (traced, FSDP2-like, per-block plan,       that bring the best    blocks per bucket, another four); a
+           SimpleFSDP-like, AutoParallel-like), as they are and  few under the budget   valid answer before any solver
+           shrunk to the budget; the caller's starts; the best
+           few over the budget moved under it at their peak
            (:func:`solvers.starts.fit_by_delays`); the best that fits is the
            incumbent
 windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`` of    where memory binds, issues, waits and

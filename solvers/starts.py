@@ -6,11 +6,12 @@ models disagree on it (the analytic model wants about two transformer blocks per
 bucket on llama3-8b, torch's estimators about four). So the plan starts from a fixed set of
 whole schedules, evaluated exactly:
 
-- the graph as traced, the caller's starts, and the heuristics (FSDP2-like, SimpleFSDP-like,
-  AutoParallel-like), as they are and shrunk to the budget by their own ladders;
+- the graph as traced, the caller's starts, and the heuristics (FSDP2-like, the per-block plan,
+  SimpleFSDP-like, AutoParallel-like), as they are and shrunk to the budget by their own ladders;
 - regular bucketings (:class:`Regrouping`) of each chain of mergeable collectives: ``size``
   blocks per bucket, a first bucket of ``head`` and a last of ``tail``, each bucket issued
-  ``ahead`` buckets early; chain after chain, each on top of the best of the chain before;
+  ``ahead`` buckets early (deeper only while the budget holds them); chain after chain, each on
+  top of the best of the chain before;
 - the best few of those over the budget moved under it at their peak (:func:`fit_by_delays`):
   a regular plan a few bytes over keeps all its overlap but the prefetches at the peak.
 """
@@ -70,9 +71,24 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
                 pass
     # regular bucketings, chain after chain, each on top of the best of the chain before
     base = fsdp2_schedule(p)
+    deepest = max(config.start_aheads)
     for chain in sorted(p.chains, key=repr):
-        found = [e for r in regroupings(p, config.start_sizes, config.start_aheads) if r.chain == chain
-                 if (e := consider(f"regular {r.describe()}", regroup(p, base, r))) is not None]
+        found = []
+        for r in regroupings(p, config.start_sizes, config.start_aheads):
+            if r.chain != chain or (e := consider(f"regular {r.describe()}", regroup(p, base, r))) is None:
+                continue
+            found.append(e)
+            if r.ahead != deepest or not objective.fits(e):
+                continue
+            for ahead in config.start_deep_aheads:  # deeper while they fit (SearchConfig.start_deep_aheads)
+                deep = dataclasses.replace(r, ahead=ahead)
+                d = consider(f"regular {deep.describe()}", regroup(p, base, deep))
+                if d is None:
+                    continue
+                if not objective.fits(d):
+                    tried.pop()  # ``d``, the last tried: over the budget, not a start to move under it
+                    break
+                found.append(d)
         if found:
             _set_reference(objective, tried)
             base = min(found, key=lambda e: (not objective.fits(e), objective.key(e))).schedule

@@ -22,7 +22,7 @@ from solvers.heuristics import (
 )
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
 
-HEURISTICS = ["traced", "fsdp2", "simplefsdp", "autoparallel"]
+HEURISTICS = ["traced", "fsdp2", "perblock", "simplefsdp", "autoparallel"]
 MiB = 1 << 20
 
 
@@ -172,7 +172,7 @@ def test_autoparallel_buckets_only_primary_group():
     validate_schedule(p, s)
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "simplefsdp", "autoparallel"])
+@pytest.mark.parametrize("name", ["fsdp2", "perblock", "simplefsdp", "autoparallel"])
 def test_budget_is_respected_by_shrinking(name):
     """A budget between the smallest reachable peak and the unconstrained one is met."""
     p = _problem(graph_kind="backward", reshard_after_forward=True)

@@ -172,6 +172,33 @@ def test_regular_bucketings_beat_one_bucket_per_block_where_communication_domina
     assert len(result.schedule.buckets) < len(per_block.buckets)
 
 
+def test_deeper_aheads_only_where_they_fit():
+    """Regular bucketings issued four buckets ahead (``start_deep_aheads``) are starts for every
+    bucketing without a budget; under a budget only where they fit and the same bucketing two
+    ahead fits too; they are never tried under a budget that binds (1.155x the traced peak,
+    where the plans moved under the budget are the best starts: without the rule, the deep
+    plans just over it crowded them out and the best start was the traced order)."""
+    p = _backward()
+    traced = _peak(p, p.traced_schedule())
+
+    def regular(budget):
+        objective = Objective({"m": p}, budget)
+        found, _ = starts(objective, SearchConfig())
+        return objective, {e.name: e for e in found if e.name.startswith("regular")}
+
+    _, free = regular(None)
+    two = [n for n in free if n.endswith(", 2 ahead")]
+    assert two and all(n.replace(", 2 ahead", ", 4 ahead") in free for n in two)
+    objective, roomy = regular(int(1.5 * traced))
+    deep = [n for n in roomy if n.endswith(", 4 ahead")]
+    assert deep and all(objective.fits(roomy[n]) and n.replace(", 4 ahead", ", 2 ahead") in roomy for n in deep)
+    objective, tight = regular(int(1.155 * traced))
+    assert tight and not any(", 4 ahead" in n for n in tight)
+    assert min(objective.key(e) for e in tight.values()) < objective.key(objective.evaluate(p.traced_schedule()))
+    with pytest.raises(ValueError, match="deeper than every start_aheads"):
+        SearchConfig(start_aheads=(1, 4), start_deep_aheads=(4,))
+
+
 def test_fit_by_delays_moves_a_plan_just_over_the_budget_under_it():
     """FSDP2-like one byte over the budget: a move at its peak brings it under, a valid schedule
     still; far below its peak no few moves can."""

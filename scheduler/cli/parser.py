@@ -48,7 +48,7 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
 
 def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
     p.add_argument("--solver", default="cpsat",
-                   help="cpsat (default), milp, or a heuristic: traced, fsdp2, simplefsdp, autoparallel")
+                   help="cpsat (default), milp, or a heuristic: traced, fsdp2, perblock, simplefsdp, autoparallel")
     p.add_argument("--budget", type=budget_arg, default=budget_default,
                    help="peak-memory budget: a size such as 40GiB or 512MB, 'auto' (0.9 x the FSDP2-like "
                         "peak, at least the smallest baseline peak), a multiple of that peak such as 0.8x, or 'none' (default %(default)s)")
