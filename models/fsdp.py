@@ -138,10 +138,32 @@ def make_mesh(world_size: int, tp_size: int = 1, device_type: str = "cpu", *,
     return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
+#: meshes made by :func:`mesh_for`, by layout, while their groups live
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
 def mesh_for(world_size: int, options: FSDPOptions, device_type: str = "cpu") -> DeviceMesh:
-    """The mesh :func:`parallelize` needs for ``options`` on ``world_size`` ranks."""
-    return make_mesh(world_size, options.tp_size, device_type, dp_mode=options.dp_mode,
-                     replicate_size=options.replicate_size)
+    """The mesh :func:`parallelize` needs for ``options`` on ``world_size`` ranks: one per layout
+    and process group world, reused. DTensor caches its redistribution plans by mesh equality
+    (the layout, not the groups), so a second mesh of one layout in the same world would trace
+    with the first one's groups while :func:`dp_group_names` named its own."""
+    key = (world_size, options.tp_size, device_type, options.dp_mode, options.replicate_size)
+    mesh = _MESHES.get(key)
+    if mesh is not None and _groups_alive(mesh):
+        return mesh
+    mesh = _MESHES[key] = make_mesh(world_size, options.tp_size, device_type, dp_mode=options.dp_mode,
+                                    replicate_size=options.replicate_size)
+    return mesh
+
+
+def _groups_alive(mesh: DeviceMesh) -> bool:
+    """Whether every group of ``mesh`` still resolves to itself (its world was not torn down)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return all(_resolve_process_group(g.group_name) is g for g in (mesh.get_group(d) for d in range(mesh.ndim)))
+    except Exception:
+        return False
 
 
 def dp_group_names(mesh: DeviceMesh, options: FSDPOptions) -> list[str]:

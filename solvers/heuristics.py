@@ -201,6 +201,11 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
     order_idx = {name: i for i, name in enumerate(problem.dag.graph["order"])}
     bucket_of = {m: i for i, b in enumerate(plan) for m in b.members}
     after = {i: {bucket_of[d] for m in b.members for d in problem.issue_after[m]} for i, b in enumerate(plan)}
+    # a bucket that reads another's result is issued after that one's wait
+    issue_at, wait_at = problem.after_waits([Bucket(b.members) for b in plan], after, [b.issue_at for b in plan],
+                                            [b.wait_at for b in plan])
+    plan = [b if (b.issue_at, b.wait_at) == (i, w) else dataclasses.replace(b, issue_at=i, wait_at=w)
+            for b, i, w in zip(plan, issue_at, wait_at)]
     # events per gap: ("issue" | "wait", bucket index)
     per_gap: list[list[tuple[str, int]]] = [[] for _ in range(n + 1)]
     for i, b in enumerate(plan):

@@ -32,6 +32,12 @@ polish     first-improvement local search                        the rest of the
            fastest start under each
 =========  ====================================================  =====================  ========================================
 
+Streams (``all_gather_stream``, :mod:`solvers.core.streams`): with ``"choose"`` the starts are
+evaluated again with the all-gathers of each group that also reduces on a second stream
+(:attr:`Schedule.split_groups`), and the polish runs from the best of those too, in its share of
+the work; the better schedule is kept. ``"separate"`` splits every start. The windows model one
+stream per group and keep the incumbent's split.
+
 The objective (:class:`Objective`): with one cost model, the step time; with several, the
 worst-case regret ``max_m r_m`` (then the sum), where ``r_m = t_m / R_m - 1`` against the
 fastest start's step ``R_m`` under model ``m``, plus :attr:`SearchConfig.baseline_weight` times

@@ -67,8 +67,8 @@ from typing import Any
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
-from solvers.core.simulator import (ALLOC, DROP, FREE, REC, REL, WAIT, SimResult, _copied_out, _each, _Static,
-                                    _static, simulate)
+from solvers.core.simulator import (ALLOC, DROP, FREE, REC, REL, WAIT, ScheduleInvalidError, SimResult,
+                                    _copied_out, _each, _Static, _static, simulate)
 from solvers.core.streams import Streams, stream_of
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,9 @@ class _Template:
     #: per count and step (issue, wait): the changes by point and the records, to redo a step's
     #: effect with a free placed in it per plan (:func:`_place_floating`)
     raw: tuple = ()
+    #: frees of this bucket's results that other collectives read, placed per plan as
+    #: :attr:`_MemoryModel.floating` entries are (:meth:`_MemoryModel._chained_view`)
+    floating: tuple = ()
 
 
 class _MemoryModel:
@@ -322,6 +325,9 @@ class _MemoryModel:
         #: (count, member) -> how the releases of a member's storage free its merged bucket's
         #: result: (release nodes, release points in a bucket, never freed, uses)
         self.wait_info: dict[tuple[int, str], tuple[list[int], list[tuple[int, int]], bool, int]] = {}
+        #: (count, member) -> how a result that other collectives read is freed
+        #: (:meth:`_chained_view`): None: never
+        self.view_frees: dict[tuple[int, str], tuple | None] = {}
         for c, never_free, uses in ((_MEM, st.mem_never_free, st.mem_uses), (_TRK, st.trk_never_free, st.trk_uses)):
             keys = set(s_alloc[c]) | set(s_rel[c]) | set(touching[c]) | set(s_free[c])
             for key in keys:
@@ -335,8 +341,9 @@ class _MemoryModel:
                     self._profile(c, g, s_alloc[c][key][1], g)
                     continue
                 if key in self.viewed and touch - {key}:
-                    raise _Unsupported(f"the result of {key!r} is read by other collectives and moves under its "
-                                       "bucket's result when merged")
+                    never = key in never_free or not uses.get(key, 0)
+                    self._chained_view(c, key, never, s_rel[c].get(key, []), touch - {key}, c_alloc[c], c_rel[c])
+                    continue
                 never = key in never_free or not uses.get(key, 0)
                 self._classify_key(c, key, never, s_alloc[c].get(key), s_rel[c].get(key, []), touch, c_alloc[c],
                                    c_rel[c])
@@ -483,6 +490,47 @@ class _MemoryModel:
             raise _Unsupported(f"storage {key!r} is made with other bytes alone than in a bucket")
         self.floating.append((c, sizes.pop(), max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
 
+    def _chained_view(self, c: int, m: str, never: bool, s_rel: list[int], readers: set[str], c_alloc,
+                      c_rel) -> None:
+        """The result of ``m``, read by other collectives (HSDP: a reduce-scatter's result,
+        all-reduced), where a merged bucket's members are views of one result: alone, made at
+        ``m``'s wait; merged, the bucket's result (its template's). Either is freed by whichever
+        of its readers (compute nodes, the collectives' steps) runs last: a floating free of
+        the bucket's template (:meth:`_template`)."""
+        made = c_alloc[(m, _ALONE)].get(m)
+        if made is None or c_alloc[(m, _MERGED)].get(m):
+            raise _Unsupported(f"the result of {m!r} is read by other collectives and not made at its wait")
+        self._contrib(m, _ALONE, c).add(*made)
+        if never:
+            self.view_frees[(c, m)] = None
+            return
+        own = c_rel[(m, _ALONE)].get(m)
+        self.view_frees[(c, m)] = (made[1], max(s_rel) if s_rel else None, self._release_points(m, readers, c_rel),
+                                   max(own) if own else None)
+
+    def _view_floating(self, c: int, members: tuple[str, ...], result: tuple[int, int, int] | None) -> list:
+        """The floating free of a bucket whose members' results other collectives read
+        (:meth:`_chained_view`): alone, the member's; merged (``result``: the bucket's wait
+        allocation), the bucket's result, after the last release of any member's."""
+        frees = [self.view_frees[(c, m)] for m in members if (c, m) in self.view_frees]
+        if any(f is None for f in frees):
+            return []  # never freed
+        if result is None:
+            ((size, q, readers, own),) = frees
+            return [(c, size, q, readers + (((members[0], (own, None)),) if own is not None else ()))]
+        qs = [f[1] for f in frees if f[1] is not None]
+        sites = tuple(site for f in frees for site in f[2])
+        own = []
+        for m in members:
+            rels, points, never, _ = self.wait_info.get((c, m), ([], [], False, 0))
+            if never:
+                return []
+            qs += rels
+            own += points
+        if own:
+            sites += ((members[0], (None, max(own))),)
+        return [(c, result[2], max(qs) if qs else None, sites)]
+
     def _release_points(self, key: Any, touch: set[str], c_rel) -> tuple:
         """((collective, its last release of ``key`` alone, in a bucket (movable only)), ...)."""
         out = []
@@ -533,7 +581,7 @@ class _MemoryModel:
             return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
         v = _MERGED if merged else _ALONE
         ops = self.ops(members, merged)
-        per_count, raw = [], []
+        per_count, raw, floating = [], [], []
         node: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         for c in (_MEM, _TRK):
             deltas: list[dict[int, int]] = [defaultdict(int), defaultdict(int)]
@@ -560,7 +608,10 @@ class _MemoryModel:
                         deltas[anchor][sub] -= allocs.pop(key)[2]
                 elif member is None:  # a rule the templates do not know: the simulator judges
                     return _Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
-            if merged and members[0] in self.viewed and WAIT in allocs:
+            if any((c, m) in self.view_frees for m in members):
+                # results that other collectives read: freed when the last reader runs, per plan
+                floating += self._view_floating(c, members, allocs.get(WAIT) if merged else None)
+            elif merged and members[0] in self.viewed and WAIT in allocs:
                 # the result whose views the members are: freed after the last release of any
                 # member's storage
                 self._merged_wait_free(c, members, allocs[WAIT], deltas, node)
@@ -569,7 +620,7 @@ class _MemoryModel:
         issue = (*per_count[_MEM][_ISSUE], *per_count[_TRK][_ISSUE])
         wait = (*per_count[_MEM][_WAIT], *per_count[_TRK][_WAIT])
         events = tuple(sorted((g, d[0], d[1]) for g, d in node.items() if d[0] or d[1]))
-        return _Template(issue, wait, events, lo, hi, True, tuple(raw))
+        return _Template(issue, wait, events, lo, hi, True, tuple(raw), tuple(floating))
 
     def _merged_wait_free(self, c: int, members, alloc: tuple[int, int, int], deltas, node) -> None:
         rels, sites, never, uses = [], [], False, 0
@@ -594,8 +645,11 @@ class _MemoryModel:
         events = [e for t in templates if t.node for e in t.node]
         issue = [t.issue for t in templates]
         wait = [t.wait for t in templates]
-        if self.floating:
-            _place_floating(self.floating, plan, templates, issue, wait, events)
+        floating = self.floating
+        if self.view_frees:
+            floating = floating + [e for t in templates if t.floating for e in t.floating]
+        if floating:
+            _place_floating(floating, plan, templates, issue, wait, events)
         if events:
             events.sort()
         return self._sweep(plan, issue, wait, events)
@@ -942,7 +996,10 @@ class Evaluator:
         for name, schedule in (("traced", p.traced_schedule()), ("merged", _merged_schedule(p))):
             # the traced schedule is valid; the merged one where it passes the checks (its
             # compute nodes run in order: Schedule.from_positions)
-            plan = None if schedule is None else self.plan(schedule)
+            try:
+                plan = None if schedule is None else self.plan(schedule)
+            except ScheduleInvalidError:
+                continue
             found = None if plan is None else self.peaks(plan)
             if found is None:
                 continue
@@ -986,6 +1043,8 @@ class Evaluator:
             return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
 
         ordered = sorted(entries, key=chain_key)
+        if self.after:  # issues after the waits of the results they read, as schedule_at moves them
+            ordered = self._clamped(ordered)
         keys = []
         for b, (bk, i, w) in enumerate(ordered):
             if not (0 <= i <= w <= n):
@@ -1000,6 +1059,20 @@ class Evaluator:
         templates = self._check(members, ops)
         return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
                     model=self.memory, split_groups=split_groups)
+
+    def _clamped(self, ordered: list) -> list:
+        """``ordered`` entries with each issue no earlier than the waits of the buckets whose
+        results it reads (:meth:`Problem.after_waits`, as :meth:`Problem.schedule_at` does)."""
+        issue_after = self.problem.issue_after
+        bucket_of = {m: b for b, e in enumerate(ordered) for m in e[0].members}
+        after = {b: {bucket_of[d] for m in e[0].members for d in issue_after.get(m, ()) if d in bucket_of}
+                 for b, e in enumerate(ordered)}
+        after = {b: ds for b, ds in after.items() if ds}
+        if not after:
+            return ordered
+        issue, wait = self.problem.after_waits([e[0] for e in ordered], after, [e[1] for e in ordered],
+                                               [e[2] for e in ordered])
+        return [e if (e[1], e[2]) == (i, w) else (e[0], i, w) for e, i, w in zip(ordered, issue, wait)]
 
     def _after_waits(self, ordered, keys: list) -> list:
         """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
@@ -1054,7 +1127,9 @@ class Evaluator:
                     return None
                 waited[b] = gap
         if self.after and not self._ordered(members, ops):
-            return None
+            # it reads a result before it exists: no valid schedule, whatever the simulator's
+            # clocks would say of it
+            raise ScheduleInvalidError("a collective is issued before the wait of a collective whose result it reads")
         cache = self.memory.templates
         template = self.memory.template
         out = []
@@ -1066,16 +1141,17 @@ class Evaluator:
         return tuple(out)
 
     def _ordered(self, members: tuple[tuple[str, ...], ...], ops) -> bool:
-        """A collective that reads another's result (kept alone, where traced: such
-        collectives do not move) is issued (or waited) after that one's wait."""
+        """A collective that reads another's result is issued (or waited) after that one's
+        wait, in another bucket."""
         involved = self.involved
-        bucket = {ms[0]: b for b, ms in enumerate(members) if ms[0] in involved}
+        bucket = {m: b for b, ms in enumerate(members) for m in ms if m in involved}
         step: dict[tuple[int, int], int] = {}
         for k, (is_issue, b, _) in enumerate(ops):
             step[(b, _ISSUE if is_issue else _WAIT)] = k
         for c, anchor, d in self.after:
-            if c not in bucket or d not in bucket or step[(bucket[c], anchor)] < step[(bucket[d], _WAIT)]:
-                return False  # merged (a fixed collective may not be) or in the wrong order
+            bc, bd = bucket.get(c), bucket.get(d)
+            if bc is None or bd is None or bc == bd or step[(bc, anchor)] < step[(bd, _WAIT)]:
+                return False
         return True
 
     # -- evaluation ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from functools import cached_property
 
 import networkx as nx
@@ -133,6 +133,10 @@ class Problem:
             if name in pos:
                 seen += 1
         colls: dict[str, Collective] = {}
+        # a collective's result, as another collective may read it: its wait and its epilogue's
+        # last node; and the nodes that run with a collective's issue (itself, its prologue)
+        result_node = {(a.get("epilogue") or [a["wait"]])[-1]: n for n, a in nodes(data=True) if a["kind"] == "collective"}
+        issued_with = {p: n for n, a in nodes(data=True) if a["kind"] == "collective" for p in (n, *(a.get("prologue") or ()))}
         for name in order:
             a = nodes[name]
             if a["kind"] != "collective":
@@ -147,6 +151,8 @@ class Problem:
                     ua = nodes[u]
                     if u in pos:
                         ready = max(ready, pos[u] + 1)
+                    elif u in result_node:
+                        pass  # another collective's result: bounded by its window (_bound_chains)
                     elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
                         movable = False  # depends on another collective: keep it where traced
             wait = a["wait"]
@@ -164,6 +170,8 @@ class Problem:
             for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
                 if v in pos:
                     needed = min(needed, pos[v])
+                elif v in issued_with and v not in readers:
+                    pass  # a collective reads it: bounded by that one's window below
                 elif nodes[v]["kind"] != "output":
                     movable = False
             t_issue, t_wait = traced_gap[name], traced_gap[wait]
@@ -206,7 +214,9 @@ class Problem:
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
                 raise ScheduleError(f"collective {name!r}: traced positions outside its window")
-        return Problem(dag, seq, colls)
+        problem = Problem(dag, seq, colls)
+        _bound_chains(problem)
+        return problem
 
     # ------------------------------------------------------------------------------------
     @cached_property
@@ -249,7 +259,37 @@ class Problem:
         bucket_of = {m: b for b, bk in enumerate(buckets) for m in bk.members}
         after = {b: {bucket_of[d] for m in bk.members for d in self.issue_after.get(m, ()) if d in bucket_of}
                  for b, bk in enumerate(buckets)}
+        issue_at, wait_at = self.after_waits(buckets, after, issue_at, wait_at)
         return Schedule.from_positions(self.seq, buckets, issue_at, wait_at, after=after)
+
+    def after_waits(self, buckets: Sequence[Bucket], after: Mapping[int, Iterable[int]], issue_at: Sequence[int],
+                    wait_at: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Gaps of a plan placed by windows alone, made valid for collectives that read
+        another's result (``after``: bucket -> the buckets whose results it reads): a read
+        bucket that moves is waited no later than the reader is issued (issued no later too,
+        where its window allows; waited no earlier than its issue); a reader still issued before such a wait (the read bucket issued after it,
+        or fixed) is issued at that wait, and waited no earlier. Within the windows but where a
+        bucket merges members of other windows; what is left invalid the checks refuse."""
+        issue_at, wait_at = list(issue_at), list(wait_at)
+        movable = [self.colls[bk.members[0]].movable for bk in buckets]
+        lo = [max(self.colls[m].ready for m in bk.members) for bk in buckets]
+        for _ in range(len(issue_at)):
+            changed = False
+            for b, ds in after.items():
+                for d in ds:
+                    if d == b or wait_at[d] <= issue_at[b]:
+                        continue
+                    if movable[d]:
+                        if issue_at[d] > issue_at[b] >= lo[d]:
+                            issue_at[d] = issue_at[b]
+                        wait_at[d] = max(issue_at[d], issue_at[b])
+                    if wait_at[d] > issue_at[b]:
+                        issue_at[b] = wait_at[d]
+                        wait_at[b] = max(wait_at[b], issue_at[b])
+                    changed = True
+            if not changed:
+                break
+        return issue_at, wait_at
 
     @cached_property
     def group_links(self) -> dict[str, Hashable]:
@@ -537,6 +577,44 @@ class Problem:
             return c.runtime_ms if m is None else 0.0
         lo, hi = self._chain_payloads(c)
         return min(c.runtime_ms, _merged_inf(m, lo, hi, per_byte=True) * c.payload_bytes)
+
+
+def _bound_chains(p: Problem) -> None:
+    """Windows of collectives whose issue reads another's result (:meth:`Problem.issue_after`),
+    in place. Only HSDP's chains move (an all-reduce of a reduce-scatter's result); the others
+    stay where traced. Of a chain that moves, the reader ``c`` is issued
+    no earlier than the one read, ``d``, can be waited, and ``d`` is waited no later than ``c``
+    is needed (where ``c`` stays where traced: no later than its traced issue). Each schedule
+    still issues ``c`` after ``d``'s wait (the evaluator and the validator check it)."""
+    colls = p.colls
+    # Chains move as HSDP's do: an all-reduce of a reduce-scatter's result. Other collectives
+    # that read another's result stay where traced, with what they read: two chains whose
+    # collectives read each other's results (or one chain reading itself) could put a reader and
+    # what it reads in one bucket, or each bucket after the other's wait
+    reads = {(colls[c].key, colls[d].key) for c, ds in p.issue_after.items() for d in ds}
+    for c_name, ds in p.issue_after.items():
+        for d_name in ds:
+            c, d = colls[c_name], colls[d_name]
+            if (c.coll_type, d.coll_type) != ("all_reduce", "reduce_scatter") or c.key == d.key \
+                    or (d.key, c.key) in reads:
+                for name, x in ((c_name, c), (d_name, d)):
+                    if x.movable:
+                        colls[name] = dataclasses.replace(x, movable=False, ready=x.traced_issue,
+                                                          needed=x.traced_wait)
+    for _ in range(len(colls)):  # chains of chains settle in as many rounds as they are long
+        changed = False
+        for c_name, reads in p.issue_after.items():
+            for d_name in reads:
+                c, d = colls[c_name], colls[d_name]
+                ready = d.traced_wait if not d.movable else d.ready
+                needed = c.traced_issue if not c.movable else c.needed
+                new_c = dataclasses.replace(c, ready=max(c.ready, ready)) if c.movable and ready > c.ready else c
+                new_d = dataclasses.replace(d, needed=min(d.needed, needed)) if d.movable and needed < d.needed else d
+                if new_c is not c or new_d is not d:
+                    colls[c_name], colls[d_name] = new_c, new_d
+                    changed = True
+        if not changed:
+            return
 
 
 def _merged_inf(model: dict, lo: float, hi: float, *, per_byte: bool) -> float:

@@ -642,6 +642,7 @@ class _Simulator:
         self.step_live: list[int] = []
         self.issued: set[int] = set()
         self.waited: set[int] = set()
+        self.waited_members: set[str] = set()
 
     def _release_inputs(self, name: str, *mems: _Memory) -> None:
         """One use of each input of ``name`` is done, in ``mems`` (default: both counts)."""
@@ -711,6 +712,10 @@ class _Simulator:
         its group's stream."""
         p = self.p
         members = self.s.buckets[b].members
+        for m in members:
+            if not p.issue_after[m] <= self.waited_members:
+                raise ScheduleInvalidError(f"bucket {b} issues {m!r} before the wait of "
+                                           f"{sorted(p.issue_after[m] - self.waited_members)[:3]}, whose result it reads")
         cin = p.copy_in_ms(members)
         t_issue = self.t
         self.t += cin
@@ -767,3 +772,4 @@ class _Simulator:
         self._record(k, self._apply(b, mem_wait, trk_wait))
         self.bucket_times[b] = (self.bucket_times[b][0], self.streams.start(b), end, self.t)
         self.waited.add(b)
+        self.waited_members.update(members)
