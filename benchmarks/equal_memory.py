@@ -45,7 +45,8 @@ DEFAULT_MODELS = ("llama3-8b:8:64",)
 
 def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: tuple[str, ...] | None = None,
         gpus_per_node: int = 8, baselines: tuple[str, ...] | None = None, all_gather_stream: str = "shared",
-        kinds: tuple[str, ...] = ("forward", "backward")) -> tuple[list[Any], list[dict[str, Any]]]:
+        kinds: tuple[str, ...] = ("forward", "backward"), merge_all_reduces: bool = False
+        ) -> tuple[list[Any], list[dict[str, Any]]]:
     """All rows, and the JSON of every comparison."""
     from harness import equal_memory
     from models.capture import fake_process_group
@@ -69,7 +70,8 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
                     getattr(graphs, kind), graph=kind,
                     cluster=Cluster(n_gpus=world_size, gpus_per_node=min(gpus_per_node, world_size)),
                     cost_models=cost_models or equal_memory.COST_MODELS, baselines=baselines or equal_memory.BASELINES,
-                    solver=SolverOptions(time_limit_s=time_limit_s, all_gather_stream=all_gather_stream),
+                    solver=SolverOptions(time_limit_s=time_limit_s, all_gather_stream=all_gather_stream,
+                                         merge_all_reduces=merge_all_reduces),
                     solve_under=solve_under, on_row=_progress)
                 mine += comparison.rows
                 data.append({"model": spec, "time_s": time.perf_counter() - t0, **comparison.to_json()})
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                              "+ag-stream (its all-gathers on a second group of the same ranks)")
     parser.add_argument("--all-gather-stream", choices=("shared", "choose", "separate"), default="shared",
                         help="fsdp-sched's SolverOptions.all_gather_stream (default: shared)")
+    parser.add_argument("--merge-all-reduces", action="store_true",
+                        help="fsdp-sched's SolverOptions.merge_all_reduces (merged all-reduces round differently)")
     parser.add_argument("--kinds", nargs="+", choices=("forward", "backward"), default=["forward", "backward"],
                         help="the graphs compared (default: both)")
     parser.add_argument("--json", type=Path, help="also write the comparisons to this file")
@@ -116,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows, data = run(args.models, args.time_limit, args.solve_under,
                      tuple(args.cost_models) if args.cost_models else None, args.gpus_per_node,
-                     tuple(args.baselines) if args.baselines else None, args.all_gather_stream, tuple(args.kinds))
+                     tuple(args.baselines) if args.baselines else None, args.all_gather_stream, tuple(args.kinds),
+                     args.merge_all_reduces)
     if args.json:
         args.json.write_text(json.dumps(data, indent=1))
     print(f"\n{equal_memory.headline(rows)}\n({time.perf_counter() - t0:.0f} s)")

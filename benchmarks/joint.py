@@ -24,6 +24,7 @@ under the analytic and torch cost models (step ms and peaks). The comparison its
     python benchmarks/joint.py llama3-8b:2:64 --json joint2.json
     python benchmarks/joint.py llama3-8b:8:64 --sac          # selective activation checkpointing
     python benchmarks/joint.py llama3-debug:2:4 --no-reshard
+    python benchmarks/joint.py foreign:tied:8:64 foreign:sac:8:64   # graphs written without models/
 
 A model is ``preset:n_layers:world_size`` (any preset of :mod:`models.llama`). Prints one table
 per model (budget, B's and fsdp-sched's step and peak, the speedup and the solve time per cost
@@ -107,6 +108,9 @@ def run_spec(spec: str, *, sac: bool = False, reshard: bool = True, baselines: S
     from scheduler.costs.models import Cluster
     from scheduler.options import SolverOptions
 
+    solver = SolverOptions() if time_limit_s is None else SolverOptions(time_limit_s=time_limit_s)
+    if spec.startswith("foreign:"):
+        return _run_foreign(spec, baselines=baselines, cost_models=cost_models, solver=solver)
     preset, n_layers, world_size = parse_spec(spec)
     options = capture_options(sac=sac, reshard=reshard)
     label = spec + ("+sac" if sac else "" if options["reshard_after_forward"] else "+keep")
@@ -114,7 +118,6 @@ def run_spec(spec: str, *, sac: bool = False, reshard: bool = True, baselines: S
     joint = models.capture_joint_graph(preset, world_size=world_size, n_layers=n_layers, **options)
     n_nodes = len(joint.graph.graph.nodes)
     logger.info("%s: captured %d nodes in %.1f s", label, n_nodes, joint.trace_time_s)
-    solver = SolverOptions() if time_limit_s is None else SolverOptions(time_limit_s=time_limit_s)
     t0 = time.perf_counter()
     with fake_process_group(world_size):
         comparison = compare(joint.graph, graph=label, baselines=baselines, cost_models=cost_models,
@@ -122,6 +125,36 @@ def run_spec(spec: str, *, sac: bool = False, reshard: bool = True, baselines: S
                              on_row=_progress)
     return JointRun(spec=spec, label=label, world_size=world_size, capture_options=options, n_nodes=n_nodes,
                     capture_s=joint.trace_time_s, comparison=comparison, compare_s=time.perf_counter() - t0)
+
+
+def _run_foreign(spec: str, *, baselines: Sequence[str], cost_models: Sequence[str], solver: Any) -> JointRun:
+    """A joint graph of a style of ``tests/foreign_models.py`` (``foreign:style:n_layers:world_size``,
+    written without ``models/``, as wide as ``benchmarks/foreign.py`` makes it), compared as
+    :func:`run_spec` compares a preset's. One fake world from the capture on, so that the
+    style's own groups resolve when graphs are written back."""
+    from models.capture import fake_process_group
+    from scheduler.costs.models import Cluster
+
+    parts = spec.split(":")
+    if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():
+        raise SystemExit(f"model {spec!r}: expected foreign:style:n_layers:world_size, e.g. foreign:tied:8:64")
+    style, n_layers, world_size = parts[1], int(parts[2]), int(parts[3])
+    tests = str(REPO / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import foreign_models
+
+    with fake_process_group(world_size):
+        t0 = time.perf_counter()
+        captured = foreign_models.capture_joint(style, n_layers=n_layers, world_size=world_size, dim=2048)
+        capture_s = time.perf_counter() - t0
+        gm = captured.forward  # the joint graph (both fields hold it)
+        t0 = time.perf_counter()
+        comparison = compare(gm, graph=spec, baselines=baselines, cost_models=cost_models,
+                             cluster=Cluster(n_gpus=world_size, gpus_per_node=min(8, world_size)), solver=solver,
+                             on_row=_progress)
+    return JointRun(spec=spec, label=spec, world_size=world_size, capture_options={"style": style}, n_nodes=len(
+        gm.graph.nodes), capture_s=capture_s, comparison=comparison, compare_s=time.perf_counter() - t0)
 
 
 def _progress(row: Row) -> None:
@@ -187,7 +220,9 @@ def _s(v: float | None) -> str:
 # --------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS), help="preset:n_layers:world_size")
+    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
+                        help="preset:n_layers:world_size, or foreign:style:n_layers:world_size (a joint style of "
+                             "tests/foreign_models.py: tied, alternating, sac, tp, fp32)")
     parser.add_argument("--sac", action="store_true",
                         help="selective activation checkpointing per block (matmuls and attention saved)")
     parser.add_argument("--no-reshard", dest="reshard", action="store_false",

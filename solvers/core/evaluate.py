@@ -884,7 +884,9 @@ class _Timeline:
         return t, self.total_compute_ms + extra, exposed, comm
 
     def _run_shared(self, plan: Plan) -> tuple[float, float, float, dict[str, float]]:
-        """:meth:`run` where streams share a link (:class:`solvers.core.streams.Streams`)."""
+        """:meth:`run` where streams share a link (:class:`solvers.core.streams.Streams`): the
+        same walk, each end asked of the link model; :meth:`run` keeps its own inline FIFO
+        arithmetic because it prices almost every plan a search makes."""
         rts = self.compute_ms
         p = self.p
         split = frozenset(plan.split_groups)
