@@ -265,21 +265,25 @@ class Problem:
     def after_waits(self, buckets: Sequence[Bucket], after: Mapping[int, Iterable[int]], issue_at: Sequence[int],
                     wait_at: Sequence[int]) -> tuple[list[int], list[int]]:
         """Gaps of a plan placed by windows alone, made valid for collectives that read
-        another's result (``after``: bucket -> the buckets whose results it reads): a read
-        bucket that moves is waited no later than the reader is issued (issued no later too,
-        where its window allows; waited no earlier than its issue); a reader still issued before such a wait (the read bucket issued after it,
-        or fixed) is issued at that wait, and waited no earlier. Within the windows but where a
+        another's result (``after``: bucket -> the buckets whose results it reads): a reader is
+        issued at the wait of what it reads (and waited no earlier) where its window allows;
+        else a read bucket that moves is waited no later than the reader is issued (issued no
+        later too, where its window allows; waited no earlier than its issue), and a reader
+        still issued before such a wait is issued at it. Within the windows but where a
         bucket merges members of other windows; what is left invalid the checks refuse."""
         issue_at, wait_at = list(issue_at), list(wait_at)
         movable = [self.colls[bk.members[0]].movable for bk in buckets]
         lo = [max(self.colls[m].ready for m in bk.members) for bk in buckets]
+        hi = [min(self.colls[m].needed for m in bk.members) for bk in buckets]
         for _ in range(len(issue_at)):
             changed = False
             for b, ds in after.items():
                 for d in ds:
                     if d == b or wait_at[d] <= issue_at[b]:
                         continue
-                    if movable[d]:
+                    # the reader later where its window allows (the read bucket keeps its
+                    # overlap), else the read bucket waited (and issued) sooner
+                    if movable[d] and wait_at[d] > hi[b]:
                         if issue_at[d] > issue_at[b] >= lo[d]:
                             issue_at[d] = issue_at[b]
                         wait_at[d] = max(issue_at[d], issue_at[b])
