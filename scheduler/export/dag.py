@@ -962,20 +962,48 @@ def _jsonable(obj: Any) -> Any:
         return obj
     return str(obj)
 def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None, *,
-                    merge_all_reduces: bool = False) -> dict[str, Problem]:
-    """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order)."""
+                    merge_all_reduces: bool = False) -> "PricedProblems":
+    """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order): the
+    first at once, the others when one of them is first asked for (:class:`PricedProblems`)."""
     labels = list(models)
     dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster, merge_all_reduces=merge_all_reduces)
-    out = {labels[0]: Problem.from_dag(dag)}
-    priced = {compute_key(labels[0]): dag}
     fx_nodes = {n.name: n for n in gm.graph.nodes}
-    for label in labels[1:]:
-        other: nx.DiGraph = dag.copy()
-        other.graph = copy.deepcopy(dag.graph)
-        model = resolve_cost_model(models[label], cluster)
-        base = priced.get(compute_key(label))
-        annotate_costs(other, model if base is None else ComputeFrom(model, base), cluster or Cluster(),
-                       fx_nodes=fx_nodes)
-        priced.setdefault(compute_key(label), other)
-        out[label] = Problem.from_dag(other)
-    return out
+
+    def price_the_others() -> dict[str, Problem]:
+        out: dict[str, Problem] = {}
+        priced = {compute_key(labels[0]): dag}
+        for label in labels[1:]:
+            other: nx.DiGraph = dag.copy()
+            other.graph = copy.deepcopy(dag.graph)
+            model = resolve_cost_model(models[label], cluster)
+            base = priced.get(compute_key(label))
+            annotate_costs(other, model if base is None else ComputeFrom(model, base), cluster or Cluster(),
+                           fx_nodes=fx_nodes)
+            priced.setdefault(compute_key(label), other)
+            out[label] = Problem.from_dag(other)
+        return out
+
+    return PricedProblems(labels, Problem.from_dag(dag), price_the_others)
+
+
+class PricedProblems(Mapping):
+    """Label -> the graph's :class:`Problem` under that cost model, in the models' order. The
+    first is priced when made; the others together, the first time one of them is read: an
+    answer from the schedule cache reads only the first (its key is the first's export)."""
+
+    def __init__(self, labels: list[str], first: Problem, price_the_others: Any):
+        self._labels = labels
+        self._problems: dict[str, Problem] = {labels[0]: first}
+        self._price_the_others = price_the_others
+
+    def __getitem__(self, label: str) -> Problem:
+        if label not in self._problems and label in self._labels and self._price_the_others is not None:
+            self._problems.update(self._price_the_others())
+            self._price_the_others = None
+        return self._problems[label]
+
+    def __iter__(self):
+        return iter(self._labels)
+
+    def __len__(self) -> int:
+        return len(self._labels)
