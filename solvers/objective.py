@@ -31,7 +31,9 @@ class SearchConfig:
     #: deepest of ``start_aheads``, and kept only where they fit: a budget with room for several
     #: buckets in flight (a joint graph at the per-block plan's peak) is used by a deeper
     #: prefetch that the polish's moves of one issue at a time do not reach, while under a tight
-    #: budget they would crowd out of the fitting stage the plans it can move under the budget
+    #: budget they would crowd out of the fitting stage the plans it can move under the budget.
+    #: They are candidates but not the regret's references (the fastest start under each model):
+    #: far ahead under one model of the family, they would pull the worst case towards it
     start_deep_aheads: tuple[int, ...] = (4,)
     #: moves a start over the budget may take to get under it (each evaluates the buckets alive
     #: at the peak, delayed or waited sooner)

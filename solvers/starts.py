@@ -72,6 +72,7 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     # regular bucketings, chain after chain, each on top of the best of the chain before
     base = fsdp2_schedule(p)
     deepest = max(config.start_aheads)
+    deep_names: set[str] = set()
     for chain in sorted(p.chains, key=repr):
         found = []
         for r in regroupings(p, config.start_sizes, config.start_aheads):
@@ -89,10 +90,11 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
                     tried.pop()  # ``d``, the last tried: over the budget, not a start to move under it
                     break
                 found.append(d)
+                deep_names.add(d.name)
         if found:
-            _set_reference(objective, tried)
+            _set_reference(objective, [e for e in tried if e.name not in deep_names])
             base = min(found, key=lambda e: (not objective.fits(e), objective.key(e))).schedule
-    _set_reference(objective, tried)
+    _set_reference(objective, [e for e in tried if e.name not in deep_names])
     if objective.mem_budget_bytes is not None and config.fit_moves:
         # near misses first: delays fix a prefetch too many at the peak, not a bucket too large
         near = objective.mem_budget_bytes * (1 + config.near_miss_share)
@@ -106,7 +108,9 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
                 break
     smallest = min((e.peak_bytes for e in tried), default=None)
     fitting = sorted((e for e in tried if objective.fits(e)), key=objective.key)
-    _set_reference(objective, fitting or tried)
+    # the deep starts are candidates, not references: a prefetch deeper than any regular plan's
+    # is far ahead under one model of the family and would pull the regret towards that model
+    _set_reference(objective, [e for e in fitting or tried if e.name not in deep_names] or fitting or tried)
     fit_baselines = [e for e in fitting if e.name in baselines]
     objective.baseline_ms = ({label: max(_TINY_MS, min(e.step_ms(label) for e in fit_baselines))
                               for label in objective.labels} if fit_baselines else {})
