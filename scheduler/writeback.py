@@ -69,6 +69,7 @@ def apply_schedule(
     payload_order: PayloadOrder = "registration",
     control_deps: bool = False,
     bucket_mode: str = "default",
+    move_all_gathers: bool = True,
 ) -> "torch.fx.GraphModule":
     """Rewrite ``gm`` in place to run ``schedule``; returns ``gm`` (torch pass convention).
 
@@ -88,6 +89,10 @@ def apply_schedule(
             False). The pinned graph runs eagerly too, but it can no longer be re-exported.
         bucket_mode: torch's merge implementation (``"default"``: cat + copy into the bucket
             buffer; ``"custom_ops"``: torch's ``bucketing._pre_bucket_all_gather`` op).
+        move_all_gathers: move the all-gathers of the schedule's split groups to their second
+            group (step 3). False leaves them on their group: the choice among candidates judges
+            copies so (:func:`scheduler.check.written.write_and_judge`), so that a second group is
+            made only when a schedule is installed, which every rank does for the same schedule.
 
     Raises:
         ScheduleError: the schedule does not fit the graph (unknown node names, an order that
@@ -103,7 +108,7 @@ def apply_schedule(
         _check_merge_preconditions(problem, schedule, by_name)
     # groups are resolved (a new one made) before anything moves, so that a refusal leaves gm
     # untouched
-    seconds = {g: second_group(g) for g in schedule.split_groups}
+    seconds = {g: second_group(g) for g in schedule.split_groups} if move_all_gathers else {}
     _move_into_order(graph, order)
 
     with _memoized_merge_traces():  # buckets of one shape trace alike: trace each once
@@ -320,7 +325,8 @@ def second_group(group_name: str) -> str:
     """The name of a second process group of the same ranks as ``group_name``, made with
     ``torch.distributed.new_group(ranks, use_local_synchronization=True)`` the first time (only
     the group's own ranks take part, each once, in the order the schedule lists its split
-    groups: identical on every rank, whose schedules agree) and reused after.
+    groups: identical on every rank, whose schedules agree) and reused after. Only installing a
+    schedule makes one, never judging a candidate, so every rank makes the same ones.
 
     Raises:
         ScheduleError: no process group is initialised, or ``group_name`` does not resolve in it.

@@ -156,3 +156,34 @@ def test_written_split_without_merges_simulates_exactly(llama_debug_graphs):
         apply_schedule(gm, p, split)
         again = Problem.from_dag(export_dag(gm))
         assert simulate(again.dag, problem=again).step_ms == pytest.approx(predicted.step_ms, rel=1e-9)
+
+
+def test_judging_a_split_candidate_makes_no_group(llama_debug_graphs):
+    """Choosing among candidates writes copies with the all-gathers on their own group and
+    prices the split there: no process group is made until the chosen schedule is installed,
+    which every rank does for the same schedule (a group made on one rank alone would leave it
+    waiting for the others)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from models.capture import fake_process_group
+    from scheduler import export_dag
+    from scheduler.check.written import choose
+    from scheduler.writeback import apply_schedule
+
+    with fake_process_group(4):
+        gm = copy.deepcopy(llama_debug_graphs.backward)
+        p = Problem.from_dag(export_dag(gm))
+        schedule = HEURISTICS["fsdp2"](p).schedule.with_split(p.splittable_groups())
+        predicted = simulate(p.dag, schedule, problem=p)
+        groups_before = set(dist.distributed_c10d._world.pg_names.values())
+        chosen, _ = choose(gm, p, [("split", schedule)], None, cost_model=None, cluster=None,
+                           payload_order="registration", control_deps=False)
+        assert chosen.name == "split"
+        assert set(dist.distributed_c10d._world.pg_names.values()) == groups_before
+        assert chosen.figures.step_ms == pytest.approx(predicted.step_ms, rel=0.05)
+        apply_schedule(gm, p, chosen.schedule)
+        made = set(dist.distributed_c10d._world.pg_names.values()) - groups_before
+        again = Problem.from_dag(export_dag(gm))
+        assert made and {c.group_name for c in again.colls.values() if c.coll_type == "all_gather"} <= made

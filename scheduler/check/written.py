@@ -73,12 +73,15 @@ class Figures:
         return dataclasses.asdict(self)
 
 
-def judge_graph(gm: "torch.fx.GraphModule", cost_model: Any = None, cluster: Any = None) -> Figures:
+def judge_graph(gm: "torch.fx.GraphModule", cost_model: Any = None, cluster: Any = None,
+                split_groups: tuple[str, ...] = ()) -> Figures:
     """Judge ``gm`` as written: re-export it with ``cost_model`` on ``cluster`` and simulate it
     in its node order (step time, its peak by the execution model and by torch's tracker rules);
-    take its liveness peak."""
+    take its liveness peak. ``split_groups``: groups whose all-gathers the installed graph will
+    run on a second group (:attr:`Schedule.split_groups`), priced so although ``gm`` keeps them
+    on their group."""
     problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
-    sim = simulate(problem.dag, problem=problem)
+    sim = simulate(problem.dag, problem.traced_schedule().with_split(split_groups), problem=problem)
     return Figures(step_ms=sim.step_ms, peak_bytes=sim.peak_bytes, liveness_peak_bytes=liveness_peak(gm),
                    tracker_peak_bytes=sim.tracker_peak_bytes, n_collectives=sim.n_collectives,
                    exposed_comm_ms=sim.exposed_comm_ms)
@@ -126,11 +129,14 @@ class Candidate:
 def write_and_judge(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, *, cost_model: Any,
                     cluster: Any, payload_order: str, control_deps: bool) -> Figures:
     """``schedule`` written back on a copy of ``gm`` (without control dependencies: a pinned
-    graph cannot be re-exported, and pins change no order) and judged there."""
+    graph cannot be re-exported, and pins change no order; all-gathers left on their group: a
+    second group is made only at install, :func:`scheduler.writeback.second_group`) and judged
+    there, its split groups priced as split."""
     written = copy.deepcopy(gm)
     if schedule.digest() != problem.traced_schedule().digest():
-        apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False)
-    return judge_graph(written, cost_model, cluster)
+        apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False,
+                       move_all_gathers=False)
+    return judge_graph(written, cost_model, cluster, schedule.split_groups)
 
 
 def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[str, Schedule]],
