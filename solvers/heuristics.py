@@ -199,8 +199,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
                 f"bucket {b.members[:2]}...: positions ({b.issue_at}, {b.wait_at}) outside its window ({lo}, {hi})"
             )
     order_idx = {name: i for i, name in enumerate(problem.dag.graph["order"])}
-    bucket_of = {m: i for i, b in enumerate(plan) for m in b.members}
-    after = {i: {bucket_of[d] for m in b.members for d in problem.issue_after[m]} for i, b in enumerate(plan)}
+    after = problem.bucket_reads([b.members for b in plan])
     # a bucket that reads another's result is issued after that one's wait
     issue_at, wait_at = problem.after_waits([Bucket(b.members) for b in plan], after, [b.issue_at for b in plan],
                                             [b.wait_at for b in plan])

@@ -1021,7 +1021,8 @@ class Evaluator:
         ops = tuple((steps[k].kind == "issue", steps[k].ref, k - j) for j, k in enumerate(idx))
         members = tuple(b.members for b in schedule.buckets)
         templates = self._check(members, ops) if len(steps) - len(idx) == self.problem.n else None
-        if templates is not None and not set(schedule.split_groups) <= set(self.problem.splittable_groups()):
+        if templates is not None and schedule.split_groups and \
+                not set(schedule.split_groups) <= set(self.problem.splittable_groups()):
             templates = None  # the simulator says what is wrong with it
         return Plan(members, ops, templates is not None, schedule=schedule, templates=templates or (),
                     model=self.memory, split_groups=schedule.split_groups)
@@ -1045,8 +1046,11 @@ class Evaluator:
             return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
 
         ordered = sorted(entries, key=chain_key)
-        if self.after:  # issues after the waits of the results they read, as schedule_at moves them
-            ordered = self._clamped(ordered)
+        # the buckets whose results each reads (only those that read one)
+        after = {b: ds for b, ds in self.problem.bucket_reads([e[0].members for e in ordered]).items() if ds} \
+            if self.after else {}
+        if after:  # issues after the waits of the results they read, as schedule_at moves them
+            ordered = self._clamped(ordered, after)
         keys = []
         for b, (bk, i, w) in enumerate(ordered):
             if not (0 <= i <= w <= n):
@@ -1054,41 +1058,27 @@ class Evaluator:
             keys.append((i, 1, b, True))
             keys.append((w, 0 if i < w else 2, b, False))
         keys.sort()
-        if self.after:
-            keys = self._after_waits(ordered, keys)
+        if after:
+            keys = self._after_waits(keys, after)
         ops = tuple((is_issue, b, gap) for gap, _, b, is_issue in keys)
         members = tuple(e[0].members for e in ordered)
         templates = self._check(members, ops)
         return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
                     model=self.memory, split_groups=split_groups)
 
-    def _clamped(self, ordered: list) -> list:
+    def _clamped(self, ordered: list, after: Mapping[int, set[int]]) -> list:
         """``ordered`` entries with each issue no earlier than the waits of the buckets whose
-        results it reads (:meth:`Problem.after_waits`, as :meth:`Problem.schedule_at` does)."""
-        issue_after = self.problem.issue_after
-        bucket_of = {m: b for b, e in enumerate(ordered) for m in e[0].members}
-        after = {b: {bucket_of[d] for m in e[0].members for d in issue_after.get(m, ()) if d in bucket_of}
-                 for b, e in enumerate(ordered)}
-        after = {b: ds for b, ds in after.items() if ds}
-        if not after:
-            return ordered
+        results it reads (``after``; :meth:`Problem.after_waits`, as :meth:`Problem.schedule_at`
+        does)."""
         issue, wait = self.problem.after_waits([e[0] for e in ordered], after, [e[1] for e in ordered],
                                                [e[2] for e in ordered])
         return [e if (e[1], e[2]) == (i, w) else (e[0], i, w) for e, i, w in zip(ordered, issue, wait)]
 
-    def _after_waits(self, ordered, keys: list) -> list:
+    @staticmethod
+    def _after_waits(keys: list, after: Mapping[int, set[int]]) -> list:
         """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
-        reading the result of a bucket waited there in :func:`order_gap`'s order, as
-        :meth:`Problem.schedule_at` builds it."""
-        issue_after = self.problem.issue_after
-        bucket_of = {m: b for b, e in enumerate(ordered) for m in e[0].members}
-        after = {}
-        for b, e in enumerate(ordered):
-            ds = {bucket_of[d] for m in e[0].members for d in issue_after.get(m, ()) if d in bucket_of}
-            if ds:
-                after[b] = ds
-        if not after:
-            return keys
+        reading the result of a bucket waited there (``after``: bucket -> the buckets whose
+        results it reads) in :func:`order_gap`'s order, as :meth:`Problem.schedule_at` builds it."""
         out: list = []
         k = 0
         while k < len(keys):

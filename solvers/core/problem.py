@@ -256,11 +256,16 @@ class Problem:
         """The schedule of ``buckets`` issued and waited at these gaps
         (:meth:`Schedule.from_positions`), where every issue that reads another bucket's result
         follows that bucket's wait in a gap they share."""
-        bucket_of = {m: b for b, bk in enumerate(buckets) for m in bk.members}
-        after = {b: {bucket_of[d] for m in bk.members for d in self.issue_after.get(m, ()) if d in bucket_of}
-                 for b, bk in enumerate(buckets)}
+        after = self.bucket_reads([bk.members for bk in buckets])
         issue_at, wait_at = self.after_waits(buckets, after, issue_at, wait_at)
         return Schedule.from_positions(self.seq, buckets, issue_at, wait_at, after=after)
+
+    def bucket_reads(self, members: Sequence[Sequence[str]]) -> dict[int, set[int]]:
+        """Bucket -> the buckets whose results its issue reads (:attr:`issue_after`), for the
+        buckets of these ``members``; a set for every bucket, empty for most."""
+        bucket_of = {m: b for b, ms in enumerate(members) for m in ms}
+        return {b: {bucket_of[d] for m in ms for d in self.issue_after.get(m, ()) if d in bucket_of}
+                for b, ms in enumerate(members)}
 
     def after_waits(self, buckets: Sequence[Bucket], after: Mapping[int, Iterable[int]], issue_at: Sequence[int],
                     wait_at: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -272,6 +277,8 @@ class Problem:
         still issued before such a wait is issued at it. Within the windows but where a
         bucket merges members of other windows; what is left invalid the checks refuse."""
         issue_at, wait_at = list(issue_at), list(wait_at)
+        if not any(after.values()):  # no bucket reads another's result: nothing to move
+            return issue_at, wait_at
         movable = [self.colls[bk.members[0]].movable for bk in buckets]
         lo = [max(self.colls[m].ready for m in bk.members) for bk in buckets]
         hi = [min(self.colls[m].needed for m in bk.members) for bk in buckets]
@@ -607,8 +614,8 @@ def _bound_chains(p: Problem) -> None:
                                                           needed=x.traced_wait)
     for _ in range(len(colls)):  # chains of chains settle in as many rounds as they are long
         changed = False
-        for c_name, reads in p.issue_after.items():
-            for d_name in reads:
+        for c_name, ds in p.issue_after.items():
+            for d_name in ds:
                 c, d = colls[c_name], colls[d_name]
                 ready = d.traced_wait if not d.movable else d.ready
                 needed = c.traced_issue if not c.movable else c.needed

@@ -6,8 +6,8 @@ schedule *splits* (:attr:`solvers.core.schedule.Schedule.split_groups`), a secon
 of the same ranks (:func:`stream_of`): all-gathers then run beside that group's reduce-scatters
 instead of queueing behind them.
 
-Streams whose groups have the same ranks share one network link (:meth:`Problem.link_of
-<solvers.core.problem.Problem.link_of>`). The model of a shared link is processor sharing:
+Streams whose groups have the same ranks share one network link
+(:attr:`~solvers.core.problem.Problem.group_links`, :meth:`~solvers.core.problem.Problem.stream_links`). The model of a shared link is processor sharing:
 while ``k`` of its streams each have a collective in flight, each progresses at ``1 / k`` of the
 speed it has alone (its time alone is the cost model's). Two streams never move more data per
 second than one; what a second stream buys is that a short collective needed soon no longer
@@ -66,11 +66,6 @@ class Streams:
         self._end: dict[int, float] = {}
         self._start: dict[int, float] = {}
         self._on: dict[int, _Link] = {}
-
-    @property
-    def shared(self) -> bool:
-        """Whether any two streams share a link (else every end is known at issue)."""
-        return bool(self._links)
 
     def issue(self, b: int, stream: str, t: float, duration: float) -> None:
         """Queue bucket ``b`` on ``stream`` at compute time ``t``, for ``duration`` ms alone."""
