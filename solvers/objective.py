@@ -1,8 +1,9 @@
 """What the plan of :mod:`solvers.search` optimises and the values it is tuned by.
 
 :class:`SearchConfig` holds every tuning value of the plan; :class:`Objective` how a schedule is
-judged (step time under one cost model; with several, the worst-case regret, with a weighted
-penalty for a step slower than the best baseline's, :func:`solvers.polish.regret`) and whether
+judged (step time under one cost model; with several, first the slowdown against the best
+baseline under the strict models, then the worst-case regret, with a weighted penalty for a
+step slower than the best baseline's, :func:`solvers.polish.regret`) and whether
 it holds the budget; :class:`Evaluated` a schedule with its evaluation under every model. The
 stages (:mod:`solvers.starts`, :mod:`solvers.search`, :mod:`solvers.polish`) share them.
 """
@@ -63,6 +64,12 @@ class SearchConfig:
     #: large gain under one model must not be given up for a tiny one under another (0: the
     #: regret alone)
     baseline_weight: float = 10.0
+    #: the cost models under which a schedule must not be slower than the best baseline, before
+    #: anything else counts: the nominal models a user judges by (the family's unscaled ones).
+    #: Their slowdown against the baseline is the first term of the objective's key, so that a
+    #: regret under a scaled model, which the minimax leaves as the worst case, never buys a
+    #: loss to a baseline under one of them (labels absent from the objective are ignored)
+    strict_models: tuple[str, ...] = ("analytic", "torch")
     #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
     #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
     #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
@@ -91,6 +98,8 @@ class SearchConfig:
             raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
         if not self.baseline_weight >= 0:
             raise ValueError(f"baseline_weight must be >= 0, got {self.baseline_weight}")
+        if not isinstance(self.strict_models, tuple) or not all(isinstance(m, str) for m in self.strict_models):
+            raise ValueError(f"strict_models must be a tuple of cost model labels, got {self.strict_models!r}")
         if not self.evaluated_nodes_per_s > 0:
             raise ValueError(f"evaluated_nodes_per_s must be > 0, got {self.evaluated_nodes_per_s}")
 
@@ -123,9 +132,11 @@ class Objective:
         mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
         baseline_weight: :attr:`SearchConfig.baseline_weight`; with one model it has no use (the
             key is the step time) and is 0.
+        strict_models: :attr:`SearchConfig.strict_models`; with one model, none.
     """
 
-    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None, baseline_weight: float = 0.0):
+    def __init__(self, problems: Mapping[str, Problem], mem_budget_bytes: int | None, baseline_weight: float = 0.0,
+                 strict_models: tuple[str, ...] = ()):
         # the evaluator refuses no problem, and problems of different graphs
         self.evaluator = ModelEvaluator(problems)
         self.problems = dict(problems)
@@ -138,6 +149,7 @@ class Objective:
         #: the starts; a slowdown against it weighs :attr:`baseline_weight` more
         self.baseline_ms: dict[str, float] = {}
         self.baseline_weight = baseline_weight if len(self.labels) > 1 else 0.0
+        self.strict = tuple(label for label in self.labels if label in strict_models) if len(self.labels) > 1 else ()
         self.evaluations = 0
 
     def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
@@ -154,14 +166,17 @@ class Objective:
     def fits(self, e: Evaluated) -> bool:
         return self.mem_budget_bytes is None or e.peak_bytes <= self.mem_budget_bytes
 
-    def key(self, e: Evaluated) -> tuple[float, float]:
-        """Smaller is better: (worst-case regret, sum of regrets); with one model, the step time."""
+    def key(self, e: Evaluated) -> tuple[float, float, float]:
+        """Smaller is better: (slowdown against the best baseline under the strict models,
+        worst-case regret, sum of regrets); with one model, the step time."""
         if len(self.labels) == 1:
             t = e.step_ms(self.labels[0])
-            return (t, t)
+            return (0.0, t, t)
         regrets = [polishing.regret(e.step_ms(label), self.reference_ms[label], self.baseline_ms.get(label),
                                     self.baseline_weight) for label in self.labels]
-        return (max(regrets), sum(regrets))
+        loss = max((polishing.baseline_loss(e.step_ms(label), self.baseline_ms.get(label)) for label in self.strict),
+                   default=0.0)
+        return (loss, max(regrets), sum(regrets))
 
     def simulations_for(self, work_s: float, config: SearchConfig) -> int:
         """The polish's simulations (one model's evaluation of one neighbour, as

@@ -4,7 +4,8 @@ Formulation. One graph priced by each cost model ``m`` of a set ``M`` (a
 :class:`~solvers.core.problem.Problem` ``P_m`` each: same nodes, collectives and bytes, other
 times), a reference step time ``R_m > 0`` per model, a budget ``B``:
 
-    minimise    max_m  r_m(s)                    the worst-case regret (one model: the step time)
+    minimise    max_{m in S} max(0, t_m(s) / B_m - 1)   slower than a baseline under a strict model
+    then        max_m  r_m(s)                    the worst-case regret (one model: the step time)
     then        sum_m  r_m(s)                    ties: the total
     where       r_m(s) = t_m(s) / R_m - 1 + w * max(0, t_m(s) / B_m - 1)
     subject to  (1) ``s`` is a valid schedule of the graph: members of a bucket share a
@@ -14,12 +15,13 @@ times), a reference step time ``R_m > 0`` per model, a budget ``B``:
                     holds; it is the same under every model)
                 (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
 
-where ``B_m`` is the step time of the best baseline under model ``m`` and ``w`` a weight
-(:func:`regret`: being slower than a baseline under some model costs far more than regret
-against the fastest known schedule), ``t_m(s)`` the step time of ``s`` under ``P_m``, evaluated exactly
+where ``B_m`` is the step time of the best baseline under model ``m``, ``S`` the strict models
+(the nominal ones a user judges by: no regret elsewhere may buy a loss to a baseline under
+them) and ``w`` a weight (:func:`regret`: being slower than a baseline under some model costs
+far more than regret against the fastest known schedule), ``t_m(s)`` the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
-over ``B``, worst-case regret, total), compared in that order, and the result is refused when
+over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result is refused when
 the excess stays.
 
 Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
@@ -53,6 +55,11 @@ logger = logging.getLogger(__name__)
 
 #: a regret counts as lower only below the current one by more than this (float noise)
 _EPS = 1e-12
+
+
+def baseline_loss(step_ms: float, baseline_ms: float | None) -> float:
+    """How much slower than ``baseline_ms`` a step is (0 when not slower or no baseline)."""
+    return max(0.0, step_ms / baseline_ms - 1) if baseline_ms is not None else 0.0
 
 
 def regret(step_ms: float, reference_ms: float, baseline_ms: float | None = None, weight: float = 0.0) -> float:
@@ -112,7 +119,8 @@ class PolishResult:
 
 def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
            mem_budget_bytes: int | None = None, config: PolishConfig = PolishConfig(), *,
-           baseline_ms: Mapping[str, float] | None = None, baseline_weight: float = 0.0) -> PolishResult:
+           baseline_ms: Mapping[str, float] | None = None, baseline_weight: float = 0.0,
+           strict_models: Sequence[str] = ()) -> PolishResult:
     """Lower the worst-case regret of ``start`` across the models of ``problems`` (module
     docstring).
 
@@ -127,6 +135,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             memory the written graph holds); None: no limit.
         baseline_ms, baseline_weight: the best baseline's step per model and the weight of a
             slowdown against it (:func:`regret`); None or 0: the regret alone.
+        strict_models: labels under which a slowdown against ``baseline_ms`` comes first
+            (module docstring); none: the regret alone decides.
 
     Raises:
         ValueError: no problem, problems of different graphs, a reference missing or not > 0,
@@ -135,7 +145,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups)
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups,
+                     strict_models)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -154,8 +165,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             moves += 1
             unchanged = 0
             neighbours = _neighbours(search.p0, _entries(schedule), config)
-            logger.debug("polish move %d: excess %d B, worst regret %.4f (%d simulations)", moves, score[0],
-                         score[1], search.simulations)
+            logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d simulations)",
+                         moves, score[0], score[1], score[2], search.simulations)
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
@@ -180,7 +191,7 @@ class _Search:
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
                  mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
-                 baseline_weight: float = 0.0, split_groups: tuple[str, ...] = ()):
+                 baseline_weight: float = 0.0, split_groups: tuple[str, ...] = (), strict_models: Sequence[str] = ()):
         # the evaluator refuses no problem, and problems of different graphs
         self.evaluator = ModelEvaluator(problems)
         self.labels = list(problems)
@@ -192,14 +203,16 @@ class _Search:
         self.reference = {label: float(reference_ms[label]) for label in self.labels}
         self.baseline = dict(baseline_ms or {})
         self.baseline_weight = baseline_weight
+        self.strict = frozenset(label for label in strict_models if label in self.baseline)
         self.mem_budget_bytes = mem_budget_bytes
         self.simulations = 0
         #: the start's :attr:`Schedule.split_groups`, which every move keeps
         self.split_groups = split_groups
-        #: model labels, the one of largest regret first (rejects most neighbours at once)
+        #: model labels: a strict one the schedule loses to the baseline under, then the one of
+        #: largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
 
-    def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float]):
+    def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float, float]):
         """:meth:`evaluate` of the schedule of ``entries`` (:func:`solvers.entries.from_entries`)
         without building it: an accepted one is returned as its :class:`~solvers.core.evaluate.Plan`
         (:func:`_entries` reads it, :meth:`schedule_of` builds the schedule)."""
@@ -221,8 +234,9 @@ class _Search:
             return schedule.schedule or from_entries(self.p0, list(schedule.entries)).with_split(self.split_groups)
         return schedule
 
-    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float] | None):
-        """(schedule, (excess bytes over the budget, worst regret, total), evaluations by label)
+    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float, float] | None):
+        """(schedule, (excess bytes over the budget, strict slowdown, worst regret, total),
+        evaluations by label)
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
         None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
         the simulator's numbers, memory counted once) and stops at the first that rules it out;
@@ -230,7 +244,9 @@ class _Search:
         plan = schedule if isinstance(schedule, Plan) else self.evaluator.plan(schedule)
         evaluation = self.evaluator.lazy(plan)
         sims = {}
-        excess, worst, total = 0, -float("inf"), 0.0
+        # excess, loss and worst only grow as models are added: a partial score already worse
+        # than the bar in its first unequal term rules the schedule out
+        excess, loss, worst, total = 0, 0.0, -float("inf"), 0.0
         for label in self.order:
             try:
                 sim = evaluation(label)
@@ -240,17 +256,22 @@ class _Search:
                 self.simulations += 1
             if self.mem_budget_bytes is not None:
                 excess = max(excess, sim.peak_bytes - self.mem_budget_bytes, 0)
+            if label in self.strict:
+                loss = max(loss, baseline_loss(sim.step_ms, self.baseline[label]))
             r = self.regret(label, sim.step_ms)
-            if bar is not None and (excess > bar[0] or (excess == bar[0] and r > bar[1] + _EPS)):
+            if bar is not None and (excess > bar[0] or (excess == bar[0] and (
+                    loss > bar[1] + _EPS or (loss >= bar[1] - _EPS and r > bar[2] + _EPS)))):
                 return None
             sims[label] = sim
             worst, total = max(worst, r), total + r
         if bar is not None and excess == bar[0] and not (
-                worst < bar[1] - _EPS or (worst <= bar[1] + _EPS and total < bar[2] - _EPS)):
+                loss < bar[1] - _EPS or (loss <= bar[1] + _EPS and (
+                    worst < bar[2] - _EPS or (worst <= bar[2] + _EPS and total < bar[3] - _EPS)))):
             return None
         ratio = {label: self.regret(label, sims[label].step_ms) for label in self.labels}
-        self.order = sorted(self.labels, key=lambda label: -ratio[label])
-        return schedule, (excess, worst, total), sims
+        losing = {label for label in self.strict if baseline_loss(sims[label].step_ms, self.baseline[label]) > 0}
+        self.order = sorted(self.labels, key=lambda label: (label not in losing, -ratio[label]))
+        return schedule, (excess, loss, worst, total), sims
 
     def regret(self, label: str, step_ms: float) -> float:
         return regret(step_ms, self.reference[label], self.baseline.get(label), self.baseline_weight)

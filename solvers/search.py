@@ -196,7 +196,7 @@ def search(
     if all_gather_stream not in ALL_GATHER_STREAMS:
         raise ValueError(f"all_gather_stream={all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
     t0 = time.perf_counter()
-    objective = Objective(problems, mem_budget_bytes, config.baseline_weight)
+    objective = Objective(problems, mem_budget_bytes, config.baseline_weight, config.strict_models)
     primary = objective.labels[0]
     stages: list[StageRecord] = []
 
@@ -250,7 +250,8 @@ def search(
             result = polishing.polish(objective.problems, start.schedule, _polish_reference(objective),
                                       mem_budget_bytes, polishing.PolishConfig(max_simulations=share,
                                                                                steps=config.polish_steps),
-                                      baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight)
+                                      baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
+                                      strict_models=objective.strict)
             used += result.simulations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):

@@ -204,3 +204,23 @@ def test_the_budget_bounds_the_memory_the_graph_holds_not_torchs_tracker_rules()
     sim = simulate(p.dag, result.schedule, problem=p)
     assert sim.peak_bytes <= budget
     assert result.step_ms["m"] < traced.step_ms
+
+
+def test_polish_never_trades_a_strict_models_baseline_for_regret_elsewhere(forward_case):
+    """Started from the slow cluster's own solve, with a baseline 3 % slower than the fast
+    cluster's solve under "fast": left to the minimax, the polish stays slower than that
+    baseline on the fast cluster (its worst case is elsewhere); with "fast" strict, it first
+    gets as fast as the baseline there, and pays for it in regret."""
+    problems, budget, solved, reference = forward_case
+    start = solved["slow"]
+    own = {label: simulate(p.dag, s, problem=p).step_ms for (label, p), s in
+           zip(problems.items(), (solved["fast"], start))}
+    baseline = {"fast": own["fast"] * 1.03, "slow": own["slow"]}
+    assert simulate(problems["fast"].dag, start, problem=problems["fast"]).step_ms > baseline["fast"]
+    free = polish(problems, start, reference, budget, baseline_ms=baseline)
+    assert free.step_ms["fast"] > baseline["fast"]
+    strict = polish(problems, start, reference, budget, baseline_ms=baseline, strict_models=("fast",))
+    assert strict.step_ms["fast"] <= baseline["fast"]
+    assert strict.worst_regret >= free.worst_regret - 1e-12
+    for p in problems.values():
+        assert simulate(p.dag, strict.schedule, problem=p).peak_bytes <= budget

@@ -290,7 +290,8 @@ def test_several_models_minimise_the_worst_case_regret():
 
 
 def test_objective_key_is_the_regret_then_its_sum():
-    """Objective.key on hand-made evaluations (reference 10 ms and 20 ms)."""
+    """Objective.key on hand-made evaluations (reference 10 ms and 20 ms; no strict model, so
+    its first term is 0)."""
     problems = _two_clusters("forward", n_layers=1)
     objective = Objective(problems, None)
     objective.reference_ms = {"fast": 10.0, "slow": 20.0}
@@ -300,11 +301,34 @@ def test_objective_key_is_the_regret_then_its_sum():
         return dataclasses.replace(_evaluated_template(problems), sims=sims)
 
     a, b = evaluated(11.0, 20.0), evaluated(10.5, 21.0)  # regrets (10 %, 0) and (5 %, 5 %)
-    assert objective.key(a) == pytest.approx((0.10, 0.10))
-    assert objective.key(b) == pytest.approx((0.05, 0.10))
+    assert objective.key(a) == pytest.approx((0.0, 0.10, 0.10))
+    assert objective.key(b) == pytest.approx((0.0, 0.05, 0.10))
     assert objective.key(b) < objective.key(a)  # the faster under "fast" loses: its worst case is larger
-    single = Objective({"fast": problems["fast"]}, None)
-    assert single.key(dataclasses.replace(a, sims={"fast": _FakeSim(11.0)})) == (11.0, 11.0)
+    single = Objective({"fast": problems["fast"]}, None, strict_models=("fast",))
+    assert single.key(dataclasses.replace(a, sims={"fast": _FakeSim(11.0)})) == (0.0, 11.0, 11.0)
+
+
+def test_a_slowdown_under_a_strict_model_comes_before_any_regret():
+    """Under a strict model, a schedule slower than the best baseline ranks after every one
+    that is not, whatever their regrets; among those that lose, the smaller loss first; the
+    other models keep the weighted penalty alone."""
+    problems = _two_clusters("forward", n_layers=1)
+    objective = Objective(problems, None, baseline_weight=10.0, strict_models=("fast",))
+    objective.reference_ms = {"fast": 10.0, "slow": 20.0}
+    objective.baseline_ms = {"fast": 10.4, "slow": 20.5}
+
+    def evaluated(fast_ms: float, slow_ms: float):
+        sims = {"fast": _FakeSim(fast_ms), "slow": _FakeSim(slow_ms)}
+        return dataclasses.replace(_evaluated_template(problems), sims=sims)
+
+    tiny_loss = evaluated(10.401, 20.0)  # 0.01 % slower than the baseline under the strict "fast"
+    far = evaluated(10.0, 24.0)  # regret 20 % under "slow" (and 17 % slower than its baseline)
+    assert objective.key(far) < objective.key(tiny_loss)
+    assert objective.key(tiny_loss)[0] == pytest.approx(10.401 / 10.4 - 1)
+    assert objective.key(evaluated(10.401, 20.0)) < objective.key(evaluated(10.45, 20.0))
+    lenient = Objective(problems, None, baseline_weight=10.0)  # no strict model: the weight decides
+    lenient.reference_ms, lenient.baseline_ms = objective.reference_ms, objective.baseline_ms
+    assert lenient.key(tiny_loss) < lenient.key(far)
 
 
 def test_a_slowdown_against_the_best_baseline_weighs_more_than_regret():
