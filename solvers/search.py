@@ -38,11 +38,12 @@ evaluated again with the all-gathers of each group that also reduces on a second
 the work; the better schedule is kept. ``"separate"`` splits every start. The windows model one
 stream per group and keep the incumbent's split.
 
-The objective (:class:`Objective`): with one cost model, the step time; with several, the
-worst-case regret ``max_m r_m`` (then the sum), where ``r_m = t_m / R_m - 1`` against the
-fastest start's step ``R_m`` under model ``m``, plus :attr:`SearchConfig.baseline_weight` times
-the slowdown against the best baseline's step under ``m`` (:func:`solvers.polish.regret`). A schedule over the budget never replaces one that
-fits. Windows run with one model only: a window is solved under one model, and with several
+The objective (:class:`Objective`): with one cost model, the step time; with several, first
+the slowdown against the best baseline's step under the strict models
+(:attr:`SearchConfig.strict_models`), then the worst-case regret ``max_m r_m`` (then the sum),
+where ``r_m = t_m / R_m - 1`` against the fastest start's step ``R_m`` under model ``m``, plus
+:attr:`SearchConfig.baseline_weight` times the slowdown against the best baseline's step under
+``m`` (:func:`solvers.polish.regret`). A schedule over the budget never replaces one that fits. Windows run with one model only: a window is solved under one model, and with several
 its schedule trades that model against the others (on llama3-8b's graphs no window was ever
 kept under the family of six).
 
