@@ -1,9 +1,9 @@
 """What the plan of :mod:`solvers.search` optimises and the values it is tuned by.
 
 :class:`SearchConfig` holds every tuning value of the plan; :class:`Objective` how a schedule is
-judged (step time under one cost model; with several, first the slowdown against the best
-baseline under the strict models, then the worst-case regret, with a weighted penalty for a
-step slower than the best baseline's, :func:`solvers.polish.regret`) and whether
+judged (step time under one cost model; with several, the worst-case regret, with a weighted
+penalty for a step slower than the best baseline's, :func:`solvers.polish.regret`, and between
+finished schedules first the slowdown against the best baseline under the strict models) and whether
 it holds the budget; :class:`Evaluated` a schedule with its evaluation under every model. The
 stages (:mod:`solvers.starts`, :mod:`solvers.search`, :mod:`solvers.polish`) share them.
 """
@@ -66,10 +66,13 @@ class SearchConfig:
     baseline_weight: float = 10.0
     #: the cost models under which a schedule must not be slower than the best baseline, before
     #: anything else counts: the nominal models a user judges by (the family's unscaled ones).
-    #: Their slowdown against the baseline is the first term of the objective's key, so that a
+    #: Their slowdown against the baseline decides first between polished schedules, so that a
     #: regret under a scaled model, which the minimax leaves as the worst case, never buys a
     #: loss to a baseline under one of them (labels absent from the objective are ignored)
     strict_models: tuple[str, ...] = ("analytic", "torch")
+    #: share of the polish's work the ``strict`` stage gets at least, when every polished
+    #: schedule loses to a baseline under a strict model (and more where the polish left work)
+    strict_share: float = 0.25
     #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
     #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
     #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
@@ -98,6 +101,8 @@ class SearchConfig:
             raise ValueError(f"polish_steps must be positive gap distances, got {self.polish_steps}")
         if not self.baseline_weight >= 0:
             raise ValueError(f"baseline_weight must be >= 0, got {self.baseline_weight}")
+        if not 0 <= self.strict_share <= 1:
+            raise ValueError(f"strict_share must be in [0, 1], got {self.strict_share}")
         if not isinstance(self.strict_models, tuple) or not all(isinstance(m, str) for m in self.strict_models):
             raise ValueError(f"strict_models must be a tuple of cost model labels, got {self.strict_models!r}")
         if not self.evaluated_nodes_per_s > 0:
@@ -167,16 +172,25 @@ class Objective:
         return self.mem_budget_bytes is None or e.peak_bytes <= self.mem_budget_bytes
 
     def key(self, e: Evaluated) -> tuple[float, float, float]:
-        """Smaller is better: (slowdown against the best baseline under the strict models,
-        worst-case regret, sum of regrets); with one model, the step time."""
+        """What decides between finished schedules, smaller better: (:meth:`strict_loss`,
+        then :meth:`regret_key`)."""
+        return (self.strict_loss(e), *self.regret_key(e))
+
+    def regret_key(self, e: Evaluated) -> tuple[float, float]:
+        """What orders the starts and the polish's moves, smaller better: (worst-case regret,
+        sum of regrets); with one model, the step time."""
         if len(self.labels) == 1:
             t = e.step_ms(self.labels[0])
-            return (0.0, t, t)
+            return (t, t)
         regrets = [polishing.regret(e.step_ms(label), self.reference_ms[label], self.baseline_ms.get(label),
                                     self.baseline_weight) for label in self.labels]
-        loss = max((polishing.baseline_loss(e.step_ms(label), self.baseline_ms.get(label)) for label in self.strict),
+        return (max(regrets), sum(regrets))
+
+    def strict_loss(self, e: Evaluated) -> float:
+        """How much slower than the best baseline ``e`` is under its worst strict model (0: under
+        none)."""
+        return max((polishing.baseline_loss(e.step_ms(label), self.baseline_ms.get(label)) for label in self.strict),
                    default=0.0)
-        return (loss, max(regrets), sum(regrets))
 
     def simulations_for(self, work_s: float, config: SearchConfig) -> int:
         """The polish's simulations (one model's evaluation of one neighbour, as

@@ -93,12 +93,12 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
                 deep_names.add(d.name)
         if found:
             _set_reference(objective, [e for e in tried if e.name not in deep_names])
-            base = min(found, key=lambda e: (not objective.fits(e), objective.key(e))).schedule
+            base = min(found, key=lambda e: (not objective.fits(e), objective.regret_key(e))).schedule
     _set_reference(objective, [e for e in tried if e.name not in deep_names])
     if objective.mem_budget_bytes is not None and config.fit_moves:
         # near misses first: delays fix a prefetch too many at the peak, not a bucket too large
         near = objective.mem_budget_bytes * (1 + config.near_miss_share)
-        over = sorted((e for e in tried if not objective.fits(e)), key=lambda e: (e.peak_bytes > near, objective.key(e)))
+        over = sorted((e for e in tried if not objective.fits(e)), key=lambda e: (e.peak_bytes > near, objective.regret_key(e)))
         fitted = 0
         for e in over[:config.fit_starts * 4]:
             moved = fit_by_delays(p, e.schedule, objective.mem_budget_bytes, max_moves=config.fit_moves)
@@ -107,14 +107,14 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
             if fitted == config.fit_starts:
                 break
     smallest = min((e.peak_bytes for e in tried), default=None)
-    fitting = sorted((e for e in tried if objective.fits(e)), key=objective.key)
+    fitting = sorted((e for e in tried if objective.fits(e)), key=objective.regret_key)
     # the deep starts are candidates, not references: a prefetch deeper than any regular plan's
     # is far ahead under one model of the family and would pull the regret towards that model
     _set_reference(objective, [e for e in fitting or tried if e.name not in deep_names] or fitting or tried)
     fit_baselines = [e for e in fitting if e.name in baselines]
     objective.baseline_ms = ({label: max(_TINY_MS, min(e.step_ms(label) for e in fit_baselines))
                               for label in objective.labels} if fit_baselines else {})
-    fitting.sort(key=objective.key)
+    fitting.sort(key=objective.regret_key)
     return fitting, smallest
 
 

@@ -358,6 +358,30 @@ def test_a_slowdown_against_the_best_baseline_weighs_more_than_regret():
     assert regret(10.5, 10.0, None, 10.0) == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("kind,seed", [("forward", 0), ("backward", 1), ("backward", 2)])
+def test_the_search_loses_no_more_to_a_baseline_under_a_strict_model_than_its_best_start(kind, seed):
+    """At the traced peak, with both clusters strict: the answer is no slower than the best
+    baseline under each, relative to it, by more than the start (baselines included) that loses
+    least; so where one start loses nothing (a baseline fastest under both), the answer loses
+    nothing either."""
+    def priced(inter_node_gbps: float) -> Problem:
+        cluster = Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps)
+        return Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind=kind, world_size=64, seed=seed,
+                                              cluster=cluster))
+
+    problems = {"fast": priced(400.0), "slow": priced(25.0)}
+    p = problems["fast"]
+    budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
+    config = SearchConfig(strict_models=("fast", "slow"))
+    objective = Objective(problems, budget, config.baseline_weight, config.strict_models)
+    found, _ = starts(objective, config)
+    least = min(objective.strict_loss(e) for e in found)
+    result = search(problems, budget, backend=None, time_limit_s=1.0, config=config)
+    answer = objective.evaluate(result.schedule)
+    assert objective.strict_loss(answer) <= least + 1e-12
+    assert answer.peak_bytes <= budget
+
+
 @dataclasses.dataclass
 class _FakeSim:
     step_ms: float
