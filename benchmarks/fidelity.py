@@ -18,11 +18,13 @@ as a :class:`scheduler.costs.models.TableCostModel`), a training step is recorde
 ``torch.profiler`` on every rank after each timed step (CPU activity, ``record_shapes=True``;
 the profiled steps are not timed), and the rewritten forward and backward graphs that ran are priced by
 :class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input shapes as the profile
-timed it; unmatched nodes timed on this CPU by the measured model) with collectives from that
-table, then simulated in their order, once per profiled step; the median over the steps of the
-slowest rank's prediction is compared with the median of the measured steps (each step's
-slowest rank), and the means too. The share of compute time the trace
-priced is reported per rank.
+timed it; unmatched nodes timed on this CPU by the measured model; each collective by gloo's
+own time for it in the profiled step, else from that table), then simulated in their order,
+once per profiled step; the median over the steps of the slowest rank's prediction is
+compared with the median of the measured steps (each step's slowest rank), and the means too.
+The same prediction with every collective from the idle group's table is reported beside it
+(with more processes than cores, a collective waits for cores that compute holds, which the
+idle table cannot see). The share of compute time the trace priced is reported per rank.
 
 Run (a few minutes on 2 cores)::
 
@@ -265,15 +267,18 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
     per_step = []
     for trace in traces:
+        # collectives as the profiled step ran them, and as the table measured them on the idle group
         model = ProfileCostModel(trace, fallback=fallback, cluster=cluster)
-        pred, shares = [], []
+        idle = ProfileCostModel(model.trace, fallback=fallback, cluster=cluster, collectives=False)
+        pred, shares, pred_idle = [], [], 0.0
         for kind in ("forward", "backward"):
             dag = export_dag(graphs[kind], cost_model=model, cluster=cluster, name=kind)
             pred.append(simulate(dag).step_ms)
             cov = dag.graph["cost_coverage"]
             shares.append(cov["compute_matched_share"])
             assert not cov["fallback_groups"], f"collectives without a measured row: {cov['fallback_groups']}"
-        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares])
+            pred_idle += simulate(export_dag(graphs[kind], cost_model=idle, cluster=cluster, name=kind)).step_ms
+        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle])
     mine = torch.tensor(per_step, dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
@@ -284,6 +289,8 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any
         "profile_bw_ms": statistics.median(float(r[1]) for r in slowest),
         "profile_step_ms": statistics.median(float(r[2]) for r in slowest),
         "profile_step_ms_all": [float(r[2]) for r in slowest],
+        # the same with every collective priced by the idle group's table
+        "profile_idle_step_ms": statistics.median(max(float(t[i][5]) for t in every) for i in range(len(traces))),
         "profile_matched_share": [[float(t[0][3]), float(t[0][4])] for t in every],
     }
 
@@ -291,8 +298,9 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any
 def format_profile_table(rows: list[dict[str, Any]]) -> str:
     """Predicted from the profile against measured, as markdown (ms)."""
     lines = ["| solver | profile fw | measured fw | profile bw | measured bw | profile step | measured step | "
-             "error | mean: profile / measured | compute matched (fw / bw, per rank) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "error | mean: profile / measured | collectives from the idle table: step, error | "
+             "compute matched (fw / bw, per rank) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "profile_step_ms" not in r:
             continue
@@ -302,7 +310,9 @@ def format_profile_table(rows: list[dict[str, Any]]) -> str:
         share = "; ".join(f"{a:.0%} / {b:.0%}" for a, b in r["profile_matched_share"])
         lines.append(f"| {r['solver']} | {r['profile_fw_ms']:.1f} | {r['measured_fw_ms']:.1f} | {r['profile_bw_ms']:.1f} | "
                      f"{r['measured_bw_ms']:.1f} | {r['profile_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
-                     f"{err:+.1%} | {mean_p:.1f} / {mean_m:.1f} ({mean_p / mean_m - 1:+.1%}) | {share} |")
+                     f"{err:+.1%} | {mean_p:.1f} / {mean_m:.1f} ({mean_p / mean_m - 1:+.1%}) | "
+                     f"{r['profile_idle_step_ms']:.1f}, {r['profile_idle_step_ms'] / r['measured_step_ms'] - 1:+.1%} | "
+                     f"{share} |")
     return "\n".join(lines)
 
 

@@ -235,3 +235,80 @@ def test_a_bad_trace_says_why(tmp_path, content, needle):
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(ValueError, match="no such trace file"):
         resolve_cost_model(f"profile:{tmp_path / 'nope.json'}")
+
+
+#: (all-gather shard, reduce-scatter input) of the recorded collectives: (rows, cols) fp32
+_AG_SHARD, _RS_INPUT = (64, 32), (128, 32)
+
+
+def _record_collectives(rank, world_size, out_dir):
+    """One eager step of two all-gathers and a reduce-scatter on the real gloo group, under the
+    profiler (after a warm-up); rank 0 writes its Chrome trace and returns the path."""
+    import torch.distributed as dist
+
+    ops = torch.ops._c10d_functional
+    name = dist.group.WORLD.group_name
+    shard, grad = torch.ones(_AG_SHARD), torch.ones(_RS_INPUT)
+
+    def step():
+        for _ in range(2):
+            ops.wait_tensor(ops.all_gather_into_tensor(shard, world_size, name))
+        ops.wait_tensor(ops.reduce_scatter_tensor(grad, "sum", world_size, name))
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    path = f"{out_dir}/rank{rank}.json"
+    prof.export_chrome_trace(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gloo_trace(tmp_path_factory):
+    from gloo_harness import run_multiprocess
+
+    out = tmp_path_factory.mktemp("gloo_profile")
+    return run_multiprocess(_record_collectives, 2, str(out), timeout_s=120)[0]
+
+
+def _gloo_ms(path, names, dims):
+    """Mean duration (ms) of the trace's events of one of ``names`` on an input of ``dims``,
+    read from the JSON directly."""
+    durs = [ev["dur"] / 1e3 for ev in json.loads(open(path).read())["traceEvents"]
+            if ev.get("name") in names and (ev.get("args") or {}).get("Input Dims", [None])[0] == list(dims)]
+    assert durs, f"no {names} event on {dims} in the trace"
+    return sum(durs) / len(durs)
+
+
+def test_a_gloo_trace_prices_the_collectives_it_ran(gloo_trace, group_name):
+    """A trace of a real gloo group prices each collective of the same kind and per-rank input
+    bytes by gloo's own time for it in that step (a reduce-scatter by the all-reduce gloo ran
+    for it); other sizes, and every collective with ``collectives=False``, by the fallback. In
+    a graph exported with the model, the collective nodes carry those times."""
+    from scheduler.costs.models import GroupInfo
+
+    analytic = AnalyticCostModel(Cluster())
+    model = ProfileCostModel(gloo_trace, fallback=analytic)
+    idle = ProfileCostModel(gloo_trace, fallback=analytic, collectives=False)
+    group = GroupInfo(name="g", size=4)
+    ag_bytes, rs_bytes = 4 * _AG_SHARD[0] * _AG_SHARD[1], 4 * _RS_INPUT[0] * _RS_INPUT[1]
+    ag_ms = _gloo_ms(gloo_trace, ("gloo:all_gather",), _AG_SHARD)
+    rs_ms = _gloo_ms(gloo_trace, ("gloo:reduce_scatter", "gloo:all_reduce"), _RS_INPUT)
+    assert model.collective_ms("all_gather", ag_bytes, group) == pytest.approx(ag_ms)
+    assert model.collective_ms("reduce_scatter", rs_bytes, group) == pytest.approx(rs_ms)
+    assert idle.collective_ms("all_gather", ag_bytes, group) == analytic.collective_ms("all_gather", ag_bytes, group)
+    assert model.collective_ms("all_gather", 2 * ag_bytes, group) == \
+        analytic.collective_ms("all_gather", 2 * ag_bytes, group)
+    assert model.collective_matched("all_gather", group) and not idle.collective_matched("all_gather", group)
+
+    W, ops = 4, torch.ops._c10d_functional
+
+    def f(shard, grad):
+        a = ops.wait_tensor(ops.all_gather_into_tensor(shard, W, group_name))
+        g = ops.wait_tensor(ops.reduce_scatter_tensor(grad, "sum", W, group_name))
+        return a.sum() + g.sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.ones(_AG_SHARD), torch.ones(_RS_INPUT))
+    dag = export_dag(gm, cost_model=model)
+    priced = {a["coll_type"]: a["runtime_ms"] for _, a in dag.nodes(data=True) if a.get("kind") == "collective"}
+    assert priced == pytest.approx({"all_gather": ag_ms, "reduce_scatter": rs_ms})

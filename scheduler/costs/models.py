@@ -576,6 +576,11 @@ class ProfileCostModel:
     measurements too). :func:`annotate_costs` records the share of compute time that was
     matched in the DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage``).
 
+    A CPU trace of a gloo group also prices each collective it ran, of the same kind on the
+    same per-rank input bytes, by the time gloo took for it in that step
+    (:meth:`scheduler.costs.profiles.ProfileTrace.collective_ms`); other collectives go to
+    ``fallback``.
+
     Ranks that read their own traces price alike graphs differently: give every rank the same
     trace file (one rank's profile), or solve on one rank (``broadcast_from``), so that every
     rank gets the identical schedule.
@@ -584,11 +589,14 @@ class ProfileCostModel:
         trace: a :class:`~scheduler.costs.profiles.ProfileTrace` or the path of the Chrome trace
             JSON (``prof.export_chrome_trace(path)`` of a step profiled with
             ``record_shapes=True``).
+        collectives: price collectives from the trace where it ran them (False: all from
+            ``fallback``, e.g. to price them from a table measured on an idle group alone).
     """
 
     def __init__(self, trace: "ProfileTrace | str | Path", *, fallback: CostModel | None = None,
-                 cluster: Cluster | None = None, name: str | None = None):
+                 cluster: Cluster | None = None, name: str | None = None, collectives: bool = True):
         self.trace = trace if isinstance(trace, ProfileTrace) else ProfileTrace(trace)
+        self.collectives = bool(collectives)
         self.cluster = cluster or getattr(fallback, "cluster", None) or Cluster()
         self._fallback = fallback or AnalyticCostModel(self.cluster)
         self.name = name or f"profile:{self.trace.path}"
@@ -613,7 +621,8 @@ class ProfileCostModel:
         return self.trace.lookup_ms(fx_node)
 
     def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
-        return self._fallback.collective_ms(coll_type, payload_bytes, group)
+        ms = self.trace.collective_ms(coll_type, payload_bytes) if self.collectives else None
+        return ms if ms is not None else self._fallback.collective_ms(coll_type, payload_bytes, group)
 
     def copy_ms(self, nbytes: int) -> float:
         return self._fallback.copy_ms(nbytes)
@@ -625,7 +634,9 @@ class ProfileCostModel:
         return bool(_ask(self._fallback, "compute_matched", attrs, fx_node))
 
     def collective_matched(self, coll_type: str, group: GroupInfo) -> bool | None:
-        """The fallback's answer (collectives are its to price)."""
+        """True where the trace ran collectives of this kind, else the fallback's answer."""
+        if self.collectives and self.trace.has_collectives(coll_type):
+            return True
         return _ask(self._fallback, "collective_matched", coll_type, group)
 
 

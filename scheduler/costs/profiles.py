@@ -27,8 +27,15 @@ It builds on torch's profile-guided estimation
   arguments (``cat``, ``stack``), while the profile keys on the first input's dtype and lists
   tensor lists, and eager code may run an op on other strides than the traced graph does.
 
-Collective kernels are not priced from the trace here (the measured collective table is the
-supported source, :mod:`scheduler.costs.tables`).
+Collectives: a CPU trace of a gloo group holds each collective's run on gloo's worker thread
+(``gloo:all_gather``, ``gloo:all_reduce``, ... with the input's dims and dtype): its duration is
+what that collective took in the step that was recorded, with the cores shared with compute as
+they were, which a table measured on an idle group does not see. :meth:`ProfileTrace.collective_ms`
+answers by kind and per-rank input bytes (the convention of ``payload_bytes`` in
+:mod:`scheduler.costs.models`; gloo runs a reduce-scatter as an all-reduce of the full input, so
+a reduce-scatter is looked up among both). The events name no group: two groups running the
+same kind on the same bytes share one time. A GPU trace's NCCL kernels are not read here: the
+measured collective table is the source for them (:mod:`scheduler.costs.tables`).
 """
 
 from __future__ import annotations
@@ -94,6 +101,8 @@ class ProfileTrace:
                 f"{self.path}: no op events with input shapes; record the step with "
                 "torch.profiler.profile(record_shapes=True)"
                 + (" (and CUDA activity: a GPU trace times ops by their kernels)" if self.device == "gpu" else ""))
+        #: (kind, input bytes) -> mean ms of the trace's gloo collectives (CPU traces)
+        self._collectives = _gloo_collective_times(events) if self.device == "cpu" else {}
         by_shapes: dict[tuple, list[float]] = defaultdict(list)
         for rec in self._data.ops:
             by_shapes[(rec.op_name, rec.input_shapes)].append(rec.duration_us)
@@ -121,6 +130,51 @@ class ProfileTrace:
             return None
         us = self._by_shapes.get((name, shapes))
         return None if us is None else us / 1e3
+
+
+    def collective_ms(self, coll_type: str, payload_bytes: int) -> float | None:
+        """Mean time (ms) of the trace's gloo collectives of ``coll_type`` (``all_gather``,
+        ``reduce_scatter``, ``all_reduce``, ``all_to_all``) on ``payload_bytes`` of per-rank
+        input; None when the trace ran none such (module docstring)."""
+        for kind in _GLOO_KINDS.get(coll_type, ()):
+            ms = self._collectives.get((kind, int(payload_bytes)))
+            if ms is not None:
+                return ms
+        return None
+
+    def has_collectives(self, coll_type: str) -> bool:
+        """Whether the trace ran any gloo collective that can price ``coll_type``."""
+        return any(kind in _GLOO_KINDS.get(coll_type, ()) for kind, _ in self._collectives)
+
+
+#: the gloo collectives that price each kind of FX collective, in the order tried
+_GLOO_KINDS = {"all_gather": ("allgather",), "reduce_scatter": ("reducescatter", "allreduce"),
+               "all_reduce": ("allreduce",), "all_to_all": ("alltoall",)}
+#: bytes per element of the dtypes the profiler names in ``Input type``
+_ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int": 4, "long int": 8,
+             "signed char": 1, "unsigned char": 1, "short int": 2, "bool": 1}
+
+
+def _gloo_collective_times(events: list[Any]) -> dict[tuple[str, int], float]:
+    """(kind, per-rank input bytes) -> mean ms of the ``gloo:*`` collective events of a CPU
+    trace; the kind is the event's name after ``gloo:`` without underscores (``allgather``)."""
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for e in events:
+        if not (isinstance(e, dict) and str(e.get("name", "")).startswith("gloo:") and (e.get("dur") or 0) > 0):
+            continue
+        args = e.get("args") or {}
+        dims, types = args.get("Input Dims"), args.get("Input type")
+        if not (isinstance(dims, list) and dims and isinstance(dims[0], list) and isinstance(types, list) and types):
+            continue
+        size = _ITEMSIZE.get(str(types[0]))
+        if size is None or not all(isinstance(d, int) for d in dims[0]):
+            continue
+        n = size
+        for d in dims[0]:
+            n *= d
+        kind = e["name"][len("gloo:"):].replace("_", "").lower()
+        times[(kind, n)].append(float(e["dur"]) / 1e3)
+    return {k: sum(v) / len(v) for k, v in times.items()}
 
 
 def _is_collective_call(name: str) -> bool:
