@@ -243,7 +243,8 @@ _AG_SHARD, _RS_INPUT = (64, 32), (128, 32)
 
 def _record_collectives(rank, world_size, out_dir):
     """One eager step of two all-gathers and a reduce-scatter on the real gloo group, under the
-    profiler (after a warm-up); rank 0 writes its Chrome trace and returns the path."""
+    profiler (after a warm-up); every rank writes its Chrome trace and returns the path (rank 1
+    computes a while first, so that rank 0 waits for it inside each collective)."""
     import torch.distributed as dist
 
     ops = torch.ops._c10d_functional
@@ -252,6 +253,8 @@ def _record_collectives(rank, world_size, out_dir):
 
     def step():
         for _ in range(2):
+            if rank == 1:
+                torch.mm(torch.ones(256, 256), torch.ones(256, 256))
             ops.wait_tensor(ops.all_gather_into_tensor(shard, world_size, name))
         ops.wait_tensor(ops.reduce_scatter_tensor(grad, "sum", world_size, name))
 
@@ -268,7 +271,7 @@ def gloo_trace(tmp_path_factory):
     from gloo_harness import run_multiprocess
 
     out = tmp_path_factory.mktemp("gloo_profile")
-    return run_multiprocess(_record_collectives, 2, str(out), timeout_s=120)[0]
+    return run_multiprocess(_record_collectives, 2, str(out), timeout_s=120)
 
 
 def _gloo_ms(path, names, dims):
@@ -280,12 +283,37 @@ def _gloo_ms(path, names, dims):
     return sum(durs) / len(durs)
 
 
+def _gloo_events(path):
+    """(name, first input dims, start, duration ms) of the trace's gloo events, by start."""
+    evs = [ev for ev in json.loads(open(path).read())["traceEvents"] if str(ev.get("name", "")).startswith("gloo:")]
+    return sorted(((ev["name"], ev["args"]["Input Dims"][0], ev["ts"], ev["dur"] / 1e3) for ev in evs),
+                  key=lambda e: e[2])
+
+
+def test_with_its_peers_traces_each_collective_is_timed_on_the_rank_that_started_it_last(gloo_trace):
+    """Every rank ran the same collectives in the same order; each is timed by the rank that
+    started it last (it waited for no peer in it), whichever trace is read first."""
+    mine, peer = (_gloo_events(p) for p in gloo_trace)
+    assert [e[:2] for e in mine] == [e[:2] for e in peer]
+    last = [max(a, b, key=lambda e: e[2])[3] for a, b in zip(mine, peer)]
+    ag = [t for t, e in zip(last, mine) if e[0] == "gloo:all_gather"]
+    ag_bytes = 4 * _AG_SHARD[0] * _AG_SHARD[1]
+    for path, other in (gloo_trace, gloo_trace[::-1]):
+        trace = ProfileTrace(path, peer_traces=[other])
+        assert trace.collective_ms("all_gather", ag_bytes) == pytest.approx(sum(ag) / len(ag))
+    alone = ProfileTrace(gloo_trace[0])
+    assert alone.collective_ms("all_gather", ag_bytes) == pytest.approx(
+        _gloo_ms(gloo_trace[0], ("gloo:all_gather",), _AG_SHARD))
+
+
 def test_a_gloo_trace_prices_the_collectives_it_ran(gloo_trace, group_name):
     """A trace of a real gloo group prices each collective of the same kind and per-rank input
     bytes by gloo's own time for it in that step (a reduce-scatter by the all-reduce gloo ran
     for it); other sizes, and every collective with ``collectives=False``, by the fallback. In
     a graph exported with the model, the collective nodes carry those times."""
     from scheduler.costs.models import GroupInfo
+
+    gloo_trace = gloo_trace[0]
 
     analytic = AnalyticCostModel(Cluster())
     model = ProfileCostModel(gloo_trace, fallback=analytic)

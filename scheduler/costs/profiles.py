@@ -33,8 +33,12 @@ what that collective took in the step that was recorded, with the cores shared w
 they were, which a table measured on an idle group does not see. :meth:`ProfileTrace.collective_ms`
 answers by kind and per-rank input bytes (the convention of ``payload_bytes`` in
 :mod:`scheduler.costs.models`; gloo runs a reduce-scatter as an all-reduce of the full input, so
-a reduce-scatter is looked up among both). The events name no group: two groups running the
-same kind on the same bytes share one time. A GPU trace's NCCL kernels are not read here: the
+a reduce-scatter is looked up among both). A rank that issues a collective before its peers
+waits for them inside it: given the same step's traces of the other ranks (``peer_traces``),
+each collective is timed on the rank that started it last, which waited for no one (the
+collectives are matched across ranks by their order, as every rank issues them in the same
+order; traces whose sequences differ are not combined, with a warning). The events name no
+group: two groups running the same kind on the same bytes share one time. A GPU trace's NCCL kernels are not read here: the
 measured collective table is the source for them (:mod:`scheduler.costs.tables`).
 """
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +69,8 @@ class ProfileTrace:
         host_time: charge each op of a CPU trace the host time up to the next op too (see the
             module docstring); default True for a CPU trace, and a GPU trace never (its ops are
             timed by their kernels).
+        peer_traces: the same step's Chrome traces of the other ranks of the group, to time each
+            gloo collective on the rank that started it last (module docstring).
 
     Attributes:
         device: ``"gpu"`` when ops are timed by their kernels, ``"cpu"`` by their own events.
@@ -75,7 +82,7 @@ class ProfileTrace:
             ``record_shapes=True``).
     """
 
-    def __init__(self, path: str | Path, *, host_time: bool | None = None):
+    def __init__(self, path: str | Path, *, host_time: bool | None = None, peer_traces: "Sequence[str | Path]" = ()):
         from torch._inductor.fx_passes.profile_guided_estimation import ProfileData
 
         self.path = Path(path)
@@ -102,7 +109,13 @@ class ProfileTrace:
                 "torch.profiler.profile(record_shapes=True)"
                 + (" (and CUDA activity: a GPU trace times ops by their kernels)" if self.device == "gpu" else ""))
         #: (kind, input bytes) -> mean ms of the trace's gloo collectives (CPU traces)
-        self._collectives = _gloo_collective_times(events) if self.device == "cpu" else {}
+        self._collectives = {}
+        if self.device == "cpu":
+            runs = [_gloo_runs(events)]
+            for peer in peer_traces:
+                peer_events = _load_json(Path(peer)).get("traceEvents")
+                runs.append(_gloo_runs(peer_events if isinstance(peer_events, list) else []))
+            self._collectives = _collective_times(runs, self.path)
         by_shapes: dict[tuple, list[float]] = defaultdict(list)
         for rec in self._data.ops:
             by_shapes[(rec.op_name, rec.input_shapes)].append(rec.duration_us)
@@ -155,12 +168,14 @@ _ITEMSIZE = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "int":
              "signed char": 1, "unsigned char": 1, "short int": 2, "bool": 1}
 
 
-def _gloo_collective_times(events: list[Any]) -> dict[tuple[str, int], float]:
-    """(kind, per-rank input bytes) -> mean ms of the ``gloo:*`` collective events of a CPU
-    trace; the kind is the event's name after ``gloo:`` without underscores (``allgather``)."""
-    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+def _gloo_runs(events: list[Any]) -> list[tuple[str, int, float, float]]:
+    """The ``gloo:*`` collective events of a CPU trace, by start: (kind, per-rank input bytes,
+    start us, duration us); the kind is the name after ``gloo:`` without underscores
+    (``allgather``)."""
+    runs = []
     for e in events:
-        if not (isinstance(e, dict) and str(e.get("name", "")).startswith("gloo:") and (e.get("dur") or 0) > 0):
+        if not (isinstance(e, dict) and str(e.get("name", "")).startswith("gloo:") and (e.get("dur") or 0) > 0
+                and isinstance(e.get("ts"), (int, float))):
             continue
         args = e.get("args") or {}
         dims, types = args.get("Input Dims"), args.get("Input type")
@@ -172,8 +187,24 @@ def _gloo_collective_times(events: list[Any]) -> dict[tuple[str, int], float]:
         n = size
         for d in dims[0]:
             n *= d
-        kind = e["name"][len("gloo:"):].replace("_", "").lower()
-        times[(kind, n)].append(float(e["dur"]) / 1e3)
+        runs.append((e["name"][len("gloo:"):].replace("_", "").lower(), n, float(e["ts"]), float(e["dur"])))
+    runs.sort(key=lambda r: r[2])
+    return runs
+
+
+def _collective_times(runs: list[list[tuple[str, int, float, float]]], path: Path) -> dict[tuple[str, int], float]:
+    """(kind, bytes) -> mean ms over the collectives of ``runs`` (this rank's first, then its
+    peers'), each timed on the rank that started it last; this rank's own times where the
+    ranks' sequences of (kind, bytes) differ."""
+    mine = runs[0]
+    if len(runs) > 1 and any([r[:2] for r in other] != [r[:2] for r in mine] for other in runs[1:]):
+        logger.warning("%s: the peer traces ran other collectives than this one; collectives are timed on this "
+                       "rank alone", path)
+        runs = [mine]
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for i, (kind, n, _, _) in enumerate(mine):
+        last = max((run[i] for run in runs), key=lambda r: r[2])
+        times[(kind, n)].append(last[3] / 1e3)
     return {k: sum(v) / len(v) for k, v in times.items()}
 
 
