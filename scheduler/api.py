@@ -247,7 +247,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
                          stages=tuple(stages))
     f = chosen.figures
     report = dataclasses.replace(
-        report, criterion=_criterion(problems), cost_models=list(problems), verified=True,
+        report, criterion=_criterion(problems, solver), cost_models=list(problems), verified=True,
         chosen_candidate=chosen.name, reexported_step_ms=f.step_ms, reexported_peak_bytes=f.peak_bytes,
         liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
         verify_time_s=time.perf_counter() - t_choose, candidates=[c.summary() for c in judged])
@@ -295,11 +295,13 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     return result, notes
 
 
-def _criterion(problems: dict[str, Problem]) -> str:
+def _criterion(problems: dict[str, Problem], solver: SolverOptions) -> str:
     labels = list(problems)
     if len(labels) == 1:
         return f"fastest under {labels[0]}"
-    return f"least worst-case regret over {len(labels)} cost models ({', '.join(labels)})"
+    strict = [label for label in labels if label in solver.search.strict_models]
+    first = f"no slower than the best baseline under {' and '.join(strict)}, then " if strict else ""
+    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)})"
 
 
 def _check_traced_fits(problem: Problem, budget: int | None) -> None:
