@@ -224,6 +224,15 @@ def _opt(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _hit_parts(row: dict[str, Any]) -> str:
+    """`` (export a / cache b / write-back c)``: where the second call's time went."""
+    parts = {s["name"]: s["wall_s"] for s in row.get("cache_hit_stages") or []}
+    if not parts:
+        return ""
+    return " (" + " / ".join(f"{name} {parts[name]:.1f}" for name in ("export", "cache", "write-back")
+                             if name in parts) + ")"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| graph | kind | budget | export (s) | torch (s) | fsdp-sched (s) | ratio | cache fill (s) | "
@@ -235,7 +244,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['graph']} | {r['kind']} | {r['budget']:.1f}x | {r['export_s']:.2f} | {r['torch_s']:.2f} | "
             f"{r['fsdp_sched_s']:.1f} | {r['ratio']:.1f}x | {_opt(r['cache_fill_s'], '.1f')} | "
-            f"{_opt(r['cache_hit_s'], '.1f')} | {hit} | {_opt(r['reexported_step_ms'], '.3f')} vs "
+            f"{_opt(r['cache_hit_s'], '.1f')}{_hit_parts(r)} | {hit} | {_opt(r['reexported_step_ms'], '.3f')} vs "
             f"{r['torch_step_ms']:.3f} | {r['chosen_candidate'] or '-'} | "
             f"{r['solve_time_s']:.1f} / {r['verify_time_s']:.1f} | "
             f"{fmt_stages([(s['name'], s['wall_s']) for s in r['stages']])} |")

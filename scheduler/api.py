@@ -141,11 +141,14 @@ def optimize_schedule(
     src = _source_rank(group, agreement)
     answer: _Answer | None = None
     problem: Problem | None = None
+    exported: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
         budget = check_arguments(gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver,
                                  agreement=agreement, writeback=writeback)
+        t_export = time.perf_counter()
         problems = _export(gm, cost_model, cluster, solver)
+        exported = StageRecord(name="export", wall_s=time.perf_counter() - t_export).to_json()
         problem = next(iter(problems.values())) if problems else None
         if group is None or agreement.broadcast_from is None or _rank(group) == src:
             answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
@@ -158,7 +161,11 @@ def optimize_schedule(
     if group is not None:
         answer = _agree(group, src, answer, error, problem)
     assert answer is not None
+    t_install = time.perf_counter()
     _install(gm, problem, answer, writeback, group)
+    # what this call spent around the answer: a cache hit costs its export and its write-back
+    answer.report.stages = [*([exported] if exported is not None else []), *answer.report.stages,
+                            StageRecord(name="write-back", wall_s=time.perf_counter() - t_install).to_json()]
     answer.report.compile_id = _compile_id()
     gm.meta[REPORT_KEY] = answer.report
     gm.meta[SCHEDULE_KEY] = answer.schedule

@@ -94,8 +94,8 @@ class ScheduleReport:
     #: worst-case regret over the family, the default without a cost model); rows of ``candidates`` then
     #: carry ``worst_regret`` over the cost models that judged them (None: not compared)
     criterion: str = ""
-    #: the stages of the plan that ran, in order: the solve's (:attr:`SolveResult.stages`),
-    #: then the choice's (:mod:`scheduler.check.written`); each a
+    #: the stages of the call, in order: the export, the solve's (:attr:`SolveResult.stages`)
+    #: or the cache's lookup, the choice's (:mod:`scheduler.check.written`), the write-back; each a
     #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work_s,
     #: simulations, step_ms, gained_ms)
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)

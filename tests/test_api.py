@@ -86,7 +86,7 @@ def test_parse_bytes_rejects_non_positive(value):
 def test_optimize_schedule_rewrites_and_reports(pg):
     """The graph is rewritten in place, computes the same, and the report describes the graph
     as written: its figures are those of the chosen candidate, judged on its written graph,
-    and its stages are the plan's then the judging."""
+    and its stages are the export, the plan's, the judging, then the write-back."""
     gm = toy_graph(pg, 1)
     inputs = real_inputs()
     ref = gm(*inputs)
@@ -108,7 +108,7 @@ def test_optimize_schedule_rewrites_and_reports(pg):
     assert max(report.reexported_peak_bytes, report.liveness_peak_bytes) <= 2**30
     # the written graph, re-exported, is faster than the traced one too
     assert report.reexported_step_ms < report.step_ms_before
-    assert [s["name"] for s in report.stages] == ["starts", "windows", "polish", "judge"]
+    assert [s["name"] for s in report.stages] == ["export", "starts", "windows", "polish", "judge", "write-back"]
     assert ScheduleReport.from_json(json.loads(json.dumps(report.to_json()))) == report
     assert _same_outputs(gm, inputs, ref)
 
@@ -337,7 +337,7 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     second = toy_graph(pg, 1)
     optimize_schedule(second, None, cost_model=COSTS, solver=QUICK)
     r2 = second.meta[api.REPORT_KEY]
-    assert r2.cache_hit and [st["name"] for st in r2.stages] == ["cache"]
+    assert r2.cache_hit and [st["name"] for st in r2.stages] == ["export", "cache", "write-back"]
     assert r2.digest == r1.digest and graph_digest(second) == graph_digest(first)
     assert second.meta[api.SCHEDULE_KEY].digest() == first.meta[api.SCHEDULE_KEY].digest()
 
