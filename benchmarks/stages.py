@@ -11,7 +11,12 @@ estimators alone. Each mode runs the whole plan and the plan with one stage take
   ``start_aheads=(1,)``) besides the heuristics;
 * ``no fit``: no start over the budget moved under it (``fit_starts=0``);
 * ``no windows``: the CP-SAT windows get no work (``window_share=0``; the polish gets it all);
-* ``no polish``: the windows get all the work (``window_share=1``).
+* ``no polish``: the windows get all the work (``window_share=1``);
+* ``no strict``: no strict model (``strict_models=()``), so the stage that repairs a loss to a
+  baseline under the nominal models never runs.
+
+``--budget-of fsdp2`` solves at the peak of FSDP2-like's written graph instead of the traced
+peak (the budget of ``equal_memory.py``'s FSDP2-like rows).
 
 Every schedule is evaluated on the execution model under all six models; the table gives the
 step under the analytic and torch models, the worst regret over the six (against the fastest
@@ -20,6 +25,7 @@ figures are the model's, before write-back (the write-back is judged by ``equal_
 
     taskset -c 0 python benchmarks/stages.py                          # llama3-8b, 8 layers, 64 ranks
     taskset -c 0 python benchmarks/stages.py --graphs llama3-8b:32:64 --json stages32.json
+    taskset -c 0 python benchmarks/stages.py --kinds forward --budget-of fsdp2     # where strict runs
 """
 
 from __future__ import annotations
@@ -49,10 +55,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no fit": {"fit_starts": 0},
     "no windows": {"window_share": 0.0},
     "no polish": {"window_share": 1.0},
+    "no strict": {"strict_models": ()},
 }
 
 
-def run_graph(spec: str, kind: str) -> list[dict[str, Any]]:
+def run_graph(spec: str, kind: str, budget_of: str | None = None) -> list[dict[str, Any]]:
     import scheduler
     from models import capture_fsdp_graphs
     from scheduler.check.written import judge_graph
@@ -64,7 +71,12 @@ def run_graph(spec: str, kind: str) -> list[dict[str, Any]]:
     preset, n_layers, world_size = parse_model_spec(spec)
     ensure_fake_group(world_size)
     gm = getattr(capture_fsdp_graphs(preset, world_size=world_size, n_layers=n_layers), kind)
-    budget = judge_graph(gm).max_peak_bytes
+    if budget_of is None:
+        budget, where = judge_graph(gm).max_peak_bytes, ""
+    else:
+        from harness.judged import judge_baseline
+
+        budget, where = judge_baseline(gm, budget_of, ("analytic",)).max_peak_bytes, f" @{budget_of}"
     problems = export_problems(gm, scheduler.cost_model_family(), None)
     labels = list(problems)
     evaluator = ModelEvaluator(problems)
@@ -76,7 +88,7 @@ def run_graph(spec: str, kind: str) -> list[dict[str, Any]]:
             result = search(subset, budget, backend=CpSatBackend(), config=SearchConfig(**fields))
             cpu_s = time.process_time() - started
             steps = {label: e.step_ms for label, e in evaluator.evaluate(result.schedule).items()}
-            rows.append({"graph": f"{spec} {kind}", "mode": mode, "variant": variant, "cpu_s": cpu_s,
+            rows.append({"graph": f"{spec} {kind}{where}", "mode": mode, "variant": variant, "cpu_s": cpu_s,
                          "steps_ms": steps, "budget_bytes": budget,
                          "stages": [dataclasses.asdict(s) for s in result.stages]})
             logger.info("%s %s %s / %s: analytic %.2f ms, torch %.2f ms in %.1f s CPU", spec, kind, mode, variant,
@@ -88,11 +100,11 @@ def run_graph(spec: str, kind: str) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'graph':24} {'mode':9} {'variant':18} {'analytic ms':>11} {'torch ms':>9} {'worst regret':>12} {'CPU s':>6}"
+    header = f"{'graph':30} {'mode':9} {'variant':18} {'analytic ms':>11} {'torch ms':>9} {'worst regret':>12} {'CPU s':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['graph']:24} {r['mode']:9} {r['variant']:18} {r['steps_ms']['analytic']:11.3f} "
+        print(f"{r['graph']:30} {r['mode']:9} {r['variant']:18} {r['steps_ms']['analytic']:11.3f} "
               f"{r['steps_ms']['torch']:9.3f} {100 * r['worst_regret']:11.2f}% {r['cpu_s']:6.1f}")
 
 
@@ -100,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", nargs="+", default=["llama3-8b:8:64"], help="preset:n_layers:world_size")
     parser.add_argument("--kinds", nargs="+", choices=("forward", "backward"), default=["forward", "backward"])
+    parser.add_argument("--budget-of", choices=("fsdp2",), help="solve at this baseline's written peak "
+                        "(default: the traced peak)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    rows = [r for spec in args.graphs for kind in args.kinds for r in run_graph(spec, kind)]
+    rows = [r for spec in args.graphs for kind in args.kinds for r in run_graph(spec, kind, args.budget_of)]
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
