@@ -19,9 +19,9 @@ as a :class:`scheduler.costs.models.TableCostModel`), a training step is recorde
 the profiled steps are not timed), and the rewritten forward and backward graphs that ran are priced by
 :class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input shapes as the profile
 timed it; unmatched nodes timed on this CPU by the measured model; each collective by gloo's
-own time for it in the profiled step on the rank that started it last, else from that table),
-then simulated in their order, once per profiled step; the median over the steps of the
-slowest rank's prediction is compared with the median of the measured steps (each step's slowest rank), and the means too.
+own time for it in the profiled step, else from that table), then simulated in their order,
+once per profiled step; the median over the steps of the slowest rank's prediction is
+compared with the median of the measured steps (each step's slowest rank), and the means too.
 The same prediction with every collective from the idle group's table is reported beside it
 (with more processes than cores, a collective waits for cores that compute holds, which the
 idle table cannot see). The share of compute time the trace priced is reported per rank.
@@ -179,10 +179,7 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
             "compile_s": compile_s,
         })
         if cfg.profile:
-            dist.barrier(group)  # every rank's traces written: each collective is timed on its last rank
-            peers = [[Path(cfg.profile_dir) / f"{solver}-rank{r}-step{i}.json"
-                      for r in range(dist.get_world_size(group)) if r != rank] for i in range(len(trace_paths))]
-            rows[-1].update(_predict_from_profile(graphs, trace_paths, peers, table, cost, cluster, group))
+            rows[-1].update(_predict_from_profile(graphs, trace_paths, table, cost, cluster, group))
         if rank == 0:
             logger.info("%s: %s", solver, {k: v for k, v in rows[-1].items() if k != "measured_step_ms_all"})
     if rank == 0:
@@ -255,8 +252,8 @@ def _profile_step(compiled: Any, model: Any, tokens: Any, labels: Any, group: An
         return json.loads(Path(f"{d}/step.json").read_text())
 
 
-def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], peers: list[list[Path]], table: Any,
-                          measured: Any, cluster: Any, group: Any) -> dict[str, Any]:
+def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any, measured: Any, cluster: Any,
+                          group: Any) -> dict[str, Any]:
     """Per profiled step: the graphs that ran, simulated in their order under that step's
     profile of this rank (compute), the measured table (collectives) and the measured model
     (compute the trace did not time, copies); the slowest rank's prediction per step, their
@@ -266,14 +263,12 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], peers: lis
 
     from scheduler import export_dag, simulate
     from scheduler.costs.models import ProfileCostModel, TableCostModel
-    from scheduler.costs.profiles import ProfileTrace
 
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
     per_step = []
-    for trace, peer_traces in zip(traces, peers):
-        # collectives as the profiled step ran them (each on the rank that started it last), and
-        # as the table measured them on the idle group
-        model = ProfileCostModel(ProfileTrace(trace, peer_traces=peer_traces), fallback=fallback, cluster=cluster)
+    for trace in traces:
+        # collectives as the profiled step ran them, and as the table measured them on the idle group
+        model = ProfileCostModel(trace, fallback=fallback, cluster=cluster)
         idle = ProfileCostModel(model.trace, fallback=fallback, cluster=cluster, collectives=False)
         pred, shares, pred_idle = [], [], 0.0
         for kind in ("forward", "backward"):
