@@ -16,11 +16,11 @@ With ``--profile`` each solver's compiled step is also predicted from a profile 
 run: the collectives are timed on the same group by ``fsdp-sched measure`` (its CSV, read back
 as a :class:`scheduler.costs.models.TableCostModel`), a training step is recorded with
 ``torch.profiler`` on every rank after each timed step (CPU activity, ``record_shapes=True``;
-the profiled steps are not timed), and the rewritten forward and backward graphs that ran are priced by
-:class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input shapes as the profile
-timed it; unmatched nodes timed on this CPU by the measured model; each collective by gloo's
-own time for it in the profiled step, else from that table), then simulated in their order,
-once per profiled step; the median over the steps of the slowest rank's prediction is
+the profiled steps are not timed), and the rewritten forward and backward graphs that ran
+are priced by :class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input
+shapes as the profile timed it; unmatched nodes timed on this CPU by the measured model; each
+collective by gloo's own time for it in the profiled step, else from that table), then
+simulated in their order, once per profiled step; the median over the steps of the slowest rank's prediction is
 compared with the median of the measured steps (each step's slowest rank), and the means too.
 The same prediction with every collective from the idle group's table is reported beside it
 (with more processes than cores, a collective waits for cores that compute holds, which the

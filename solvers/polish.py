@@ -17,12 +17,13 @@ times), a reference step time ``R_m > 0`` per model, a budget ``B``:
 
 where ``B_m`` is the step time of the best baseline under model ``m``, ``S`` the strict models
 (the nominal ones a user judges by: no regret elsewhere may buy a loss to a baseline under
-them) and ``w`` a weight (:func:`regret`: being slower than a baseline under some model costs
-far more than regret against the fastest known schedule), ``t_m(s)`` the step time of ``s`` under ``P_m``, evaluated exactly
+them; none unless given) and ``w`` a weight (:func:`regret`: being slower than a baseline
+under some model costs far more than regret against the fastest known schedule), ``t_m(s)``
+the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
-over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result is refused when
-the excess stays.
+over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result
+is refused when the excess stays.
 
 Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
 buckets of a chain (all-gathers keep the earlier issue and wait, reduce-scatters the later);

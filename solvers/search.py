@@ -232,7 +232,8 @@ def search(
             found = split
         elif split:
             split_best = split[0]
-    best = found[0] if split_best is None or objective.regret_key(found[0]) <= objective.regret_key(split_best) else split_best
+    best = found[0] if split_best is None or objective.regret_key(found[0]) <= objective.regret_key(split_best) \
+        else split_best
     stages.append(_stage("starts", t, 0.0, objective.evaluations, best, primary, best))
 
     left_s = time_limit_s

@@ -38,20 +38,23 @@ waits for them inside it: given the same step's traces of the other ranks (``pee
 each collective is timed on the rank that started it last, which waited for no one (the
 collectives are matched across ranks by their order, as every rank issues them in the same
 order; traces whose sequences differ are not combined, with a warning). The events name no
-group: two groups running the same kind on the same bytes share one time. A GPU trace's NCCL kernels are not read here: the
-measured collective table is the source for them (:mod:`scheduler.costs.tables`).
+group: two groups running the same kind on the same bytes share one time. A GPU trace's NCCL
+kernels are not read here: the measured collective table is the source for them
+(:mod:`scheduler.costs.tables`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch.fx
 
 logger = logging.getLogger(__name__)
@@ -184,10 +187,8 @@ def _gloo_runs(events: list[Any]) -> list[tuple[str, int, float, float]]:
         size = _ITEMSIZE.get(str(types[0]))
         if size is None or not all(isinstance(d, int) for d in dims[0]):
             continue
-        n = size
-        for d in dims[0]:
-            n *= d
-        runs.append((e["name"][len("gloo:"):].replace("_", "").lower(), n, float(e["ts"]), float(e["dur"])))
+        runs.append((e["name"][len("gloo:"):].replace("_", "").lower(), size * math.prod(dims[0]), float(e["ts"]),
+                     float(e["dur"])))
     runs.sort(key=lambda r: r[2])
     return runs
 
