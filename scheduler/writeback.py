@@ -45,7 +45,10 @@ the simulator prices as one copy-in and one copy-out per bucket: a ``cat`` and a
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import logging
+import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -411,6 +414,7 @@ class _TraceMemo:
         #: fake mode -> key -> traced GraphModule (a fake mode's traces go when it does: the
         #: traced nodes carry its FakeTensors, which must not meet another mode's)
         self.by_mode: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+        #: traces reused, and traces made (keyed or not)
         self.hits = 0
         self.misses = 0
 
@@ -428,7 +432,7 @@ class _TraceMemo:
                 if not all(isinstance(x, int) for x in (*shape, *stride)):
                     return None
                 parts.append(("T", shape, stride, leaf.dtype, str(leaf.device)))
-            elif isinstance(leaf, (int, float, str, bool, torch.dtype)) or leaf is None:
+            elif isinstance(leaf, (int, float, str, bool, torch.dtype, torch.device)) or leaf is None:
                 parts.append((type(leaf).__name__, leaf))
             else:
                 return None
@@ -445,18 +449,21 @@ _MEMO = _TraceMemo()
 
 @contextlib.contextmanager
 def _memoized_merge_traces():
-    """torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`) while merging."""
+    """While merging: torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`), and its
+    ``_populate_node_meta`` run once per bucket (:func:`_shared_node_meta`)."""
     import torch.utils._pytree as pytree
     from torch._dynamo.utils import detect_fake_mode
     from torch._inductor.fx_passes import bucketing
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     original = bucketing._trace
+    original_meta = bucketing._populate_node_meta
 
     def trace(fn: Any, inps: Any) -> Any:
         mode = detect_fake_mode(inps)
         key = _TraceMemo.key(fn, inps) if mode is not None else None
         if key is None:
+            _MEMO.misses += 1
             return original(fn, inps)
         traces = _MEMO.by_mode.setdefault(mode, {})
         if key not in traces:
@@ -471,10 +478,31 @@ def _memoized_merge_traces():
         return traced
 
     bucketing._trace = trace
+    bucketing._populate_node_meta = functools.partial(_shared_node_meta, original_meta)
     try:
         yield
     finally:
         bucketing._trace = original
+        bucketing._populate_node_meta = original_meta
+
+
+def _shared_node_meta(populate: Any, bucket_nodes: list["torch.fx.Node"], new_nodes: list["torch.fx.Node"]
+                      ) -> None:
+    """torch's ``_populate_node_meta(bucket_nodes, new_nodes)`` (``populate``) run once, on a
+    stand-in node, what it wrote there given to every new node. It gives every new node the same
+    record, built from the bucket's members alone, but builds it afresh per node: a provenance
+    entry per member and new node, each formatting its member's op, which on a bucket of many
+    members costs more than the merge itself. Each node gets its own containers of the same
+    (read-only) entries. Should torch's function need more of a node than its ``meta``, it runs
+    as torch calls it."""
+    stand_in = types.SimpleNamespace(meta={})
+    try:
+        populate(bucket_nodes, [stand_in])
+    except AttributeError:
+        populate(bucket_nodes, new_nodes)
+        return
+    for n in new_nodes:
+        n.meta.update({k: copy.copy(v) for k, v in stand_in.meta.items()})
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A reused trace must still give every merged bucket storages of its own: torch's 
 (and inductor) tell storages apart by their FakeTensors, so two buckets sharing one fake
 storage would be counted as one storage, alive from the first bucket's issue to the second's
 last reader. The outcome checked: on a graph whose blocks give several merged buckets of one
-shape, torch's tracker count of the written graph equals the simulator's prediction of it, and
-the graph is the same as written without reusing traces.
+shape, torch's tracker count of the written graph equals the simulator's prediction of it, the
+graph and its nodes' records (module stacks, stack traces, provenance) are the same as written by
+torch's own functions unchanged, and each bucket shape is traced once, reduce-scatters included.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ def test_buckets_of_one_shape_keep_storages_of_their_own(graphs, kind):
     p = Problem.from_dag(scheduler.export_dag(gm))
     schedule = fsdp2_schedule(p)  # one bucket per block: the blocks' buckets have one shape
     merged = [b for b in schedule.buckets if len(b.members) > 1]
-    shapes = {tuple(p.colls[m].payload_bytes for m in b.members) for b in merged}
+    shapes = {(p.colls[b.members[0]].coll_type, *(p.colls[m].payload_bytes for m in b.members)) for b in merged}
     assert len(merged) > len(shapes), "the schedule must hold several merged buckets of one shape"
 
     predicted = simulate(p.dag, schedule, problem=p).tracker_peak_bytes
     reused = copy.deepcopy(gm)
+    misses = writeback._MEMO.misses
     writeback.apply_schedule(reused, p, schedule)
     assert writeback._MEMO.hits > 0
+    assert writeback._MEMO.misses - misses <= len(shapes)
     assert torch_tracker_peak(reused) == predicted
 
     fresh = copy.deepcopy(gm)
@@ -51,3 +54,19 @@ def test_buckets_of_one_shape_keep_storages_of_their_own(graphs, kind):
         writeback.apply_schedule(fresh, p, schedule)
     assert graph_digest(fresh) == graph_digest(reused)
     assert torch_tracker_peak(fresh) == predicted
+    assert node_records(fresh) == node_records(reused)
+
+
+def node_records(gm):
+    """Each node's records that torch's merge writes, provenance as (name, pass, chain) trees."""
+    def source(s):
+        return (s.name, s.target, s.pass_name, [a.name for a in s.action], [source(f) for f in s.from_node])
+
+    out = {}
+    for n in gm.graph.nodes:
+        meta = {k: v for k, v in n.meta.items()
+                if k in ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom")
+                or k.startswith("bucketing_")}
+        meta["from_node"] = [source(s) for s in n.meta.get("from_node", ())]
+        out[n.name] = repr(meta)
+    return out
