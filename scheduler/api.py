@@ -43,7 +43,7 @@ from scheduler.costs.models import Cluster, resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report
-from scheduler.writeback import apply_schedule
+from scheduler.writeback import apply_schedule, copy_graph
 from solvers.core import (
     InfeasibleBudgetError,
     Problem,
@@ -411,7 +411,7 @@ def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answe
     given); on a group, every rank restores its graph when any rank's write-back failed."""
     write = answer.schedule is not None and problem is not None and \
         answer.schedule.digest() != problem.traced_schedule().digest()
-    backup = _copy_graph(gm.graph) if write and group is not None else None
+    backup = copy_graph(gm.graph) if write and group is not None else None
     error: BaseException | None = None
     try:
         if answer.schedule is not None and problem is None:
@@ -455,20 +455,6 @@ def _unchanged_report(problem: Problem | None, *, budget: int | None, requested:
                           peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
                           exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
                           lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes))
-
-
-def _copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
-    """A copy of ``graph`` with the same node names and meta (to restore it)."""
-    import copy
-
-    import torch.fx
-
-    out = torch.fx.Graph()
-    out._codegen = copy.deepcopy(graph._codegen)
-    value, output_node = out.graph_copy(graph, {}, return_output_node=True)
-    new_output = out.output(value, type_expr=output_node.type)
-    new_output.meta = dict(output_node.meta)
-    return out
 
 
 def _is_options(value: Any, cls: type) -> bool:

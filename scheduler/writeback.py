@@ -316,6 +316,31 @@ def _merge_bucket(
 
 
 #: torch's merge function (``torch._inductor.fx_passes.bucketing``) of each collective type
+def copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
+    """A copy of ``graph`` with the same node names, each node's ``meta`` a shallow copy (its
+    values, FakeTensors included, shared: a write-back sets meta entries, never changes their
+    values), to restore a graph or to write a schedule on a copy."""
+    import torch.fx
+
+    out = torch.fx.Graph()
+    out._codegen = copy.deepcopy(graph._codegen)
+    value, output_node = out.graph_copy(graph, {}, return_output_node=True)
+    new_output = out.output(value, type_expr=output_node.type)
+    new_output.meta = dict(output_node.meta)
+    return out
+
+
+def copy_module(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
+    """A GraphModule over :func:`copy_graph` of ``gm``'s graph, sharing ``gm``'s attributes and
+    a shallow copy of its ``meta``: a copy to write a candidate schedule on, far cheaper than a
+    deep copy."""
+    import torch.fx
+
+    out = torch.fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
+    out.meta = dict(gm.meta)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # 3. streams
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ traced order) is the answer, with the reason in the report.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.check.judge import liveness_peak
 from scheduler.export.dag import export_dag
-from scheduler.writeback import apply_schedule, require_group_for_merges
+from scheduler.writeback import apply_schedule, copy_module, require_group_for_merges
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes, simulate
 
 if TYPE_CHECKING:
@@ -132,7 +131,7 @@ def write_and_judge(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sche
     graph cannot be re-exported, and pins change no order; all-gathers left on their group: a
     second group is made only at install, :func:`scheduler.writeback.second_group`) and judged
     there, its split groups priced as split."""
-    written = copy.deepcopy(gm)
+    written = copy_module(gm)
     if schedule.digest() != problem.traced_schedule().digest():
         apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False,
                        move_all_gathers=False)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from functools import cached_property
 
@@ -457,6 +458,12 @@ class Problem:
         return Schedule(tuple(Bucket((c,)) for c in names), tuple(steps_nodes))
 
     def lower_bound_ms(self) -> float:
+        """Analytic lower bound on the simulated step time of *any* valid schedule (ms);
+        computed once per problem (:attr:`_lower_bound_ms`)."""
+        return self._lower_bound_ms
+
+    @cached_property
+    def _lower_bound_ms(self) -> float:
         """Analytic lower bound on the simulated step time of *any* valid schedule (ms).
 
         ``P[g]`` is the compute of the nodes before gap ``g``; a collective adds at least its
@@ -510,12 +517,19 @@ class Problem:
         events = sorted([(c.needed, 0, c.name) for c in colls]
                         + [(cs[k].needed, 1, (g, k)) for g, cs in streams.items() for k in range(len(cs))],
                         key=lambda e: (e[0], e[1], str(e[2])))
-        start: dict[str, float] = {}  # collective -> least start of its transfer
+        start: dict[str, float] = {}  # collective -> least start of its transfer (set once)
+        # per stream, the running minima of its collectives' starts and epilogues, extended as
+        # far as asked: a stream's first k are asked for in increasing k
+        least: dict[str, list[tuple[float, float]]] = {g: [] for g in streams}
 
         def first_k(g: str, k: int) -> tuple[float, float]:
             """(least end of the transfers of stream g's first k + 1, least epilogue among them)."""
-            cs = streams[g][:k + 1]
-            return min(start[c.name] for c in cs) + busy[g][k], min(c.epilogue_ms for c in cs)
+            mins = least[g]
+            while len(mins) <= k:
+                c = streams[g][len(mins)]
+                s0, e0 = mins[-1] if mins else (math.inf, math.inf)
+                mins.append((min(s0, start[c.name]), min(e0, c.epilogue_ms)))
+            return mins[k][0] + busy[g][k], mins[k][1]
 
         bounds = [prefix[n] + sum(work.values())]
         delay, e = 0.0, 0
@@ -563,8 +577,16 @@ class Problem:
     def _chain_payloads(self, c: Collective) -> tuple[int, int]:
         """(smallest positive payload, total payload) of ``c``'s chain: the range of a merged
         bucket's payload (one of all-zero payloads aside)."""
-        pays = [self.colls[m].payload_bytes for m in self.chains[c.key]]
-        return min((x for x in pays if x > 0), default=0), sum(pays)
+        return self._chain_payload_range[c.key]
+
+    @cached_property
+    def _chain_payload_range(self) -> dict[tuple, tuple[int, int]]:
+        """Chain key -> (smallest positive payload, total payload) of its members."""
+        out = {}
+        for key, members in self.chains.items():
+            pays = [self.colls[m].payload_bytes for m in members]
+            out[key] = (min((x for x in pays if x > 0), default=0), sum(pays))
+        return out
 
     def _least_comm_ms(self, c: Collective) -> float:
         """The least communication time of a bucket holding ``c`` (ms): its own time alone, or
