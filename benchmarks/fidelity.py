@@ -19,9 +19,10 @@ as a :class:`scheduler.costs.models.TableCostModel`), a training step is recorde
 the profiled steps are not timed), and the rewritten forward and backward graphs that ran
 are priced by :class:`scheduler.costs.models.ProfileCostModel` (each node's op on its input
 shapes as the profile timed it; unmatched nodes timed on this CPU by the measured model; each
-collective by gloo's own time for it in the profiled step, else from that table), then
-simulated in their order, once per profiled step; the median over the steps of the slowest rank's prediction is
-compared with the median of the measured steps (each step's slowest rank), and the means too.
+collective by gloo's own time for it in the profiled step on the rank that started it last,
+every rank's trace read, else from that table), then simulated in their order, once per
+profiled step; the median over the steps of the slowest rank's prediction is compared with the
+median of the measured steps (each step's slowest rank), and the means too.
 The same prediction with every collective from the idle group's table is reported beside it
 (with more processes than cores, a collective waits for cores that compute holds, which the
 idle table cannot see). The share of compute time the trace priced is reported per rank.
@@ -179,7 +180,11 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
             "compile_s": compile_s,
         })
         if cfg.profile:
-            rows[-1].update(_predict_from_profile(graphs, trace_paths, table, cost, cluster, group))
+            dist.barrier(group)  # every rank's traces written: each collective is timed on its last rank
+            peers = [[Path(cfg.profile_dir) / f"{solver}-rank{r}-step{i}.json"
+                      for r in range(dist.get_world_size(group)) if r != rank] for i in range(len(trace_paths))]
+            per_step = _on_every_rank(group, _predict_from_profile, graphs, trace_paths, peers, table, cost, cluster)
+            rows[-1].update(_slowest_predictions(per_step, group))
         if rank == 0:
             logger.info("%s: %s", solver, {k: v for k, v in rows[-1].items() if k != "measured_step_ms_all"})
     if rank == 0:
@@ -252,23 +257,39 @@ def _profile_step(compiled: Any, model: Any, tokens: Any, labels: Any, group: An
         return json.loads(Path(f"{d}/step.json").read_text())
 
 
-def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any, measured: Any, cluster: Any,
-                          group: Any) -> dict[str, Any]:
-    """Per profiled step: the graphs that ran, simulated in their order under that step's
-    profile of this rank (compute), the measured table (collectives) and the measured model
-    (compute the trace did not time, copies); the slowest rank's prediction per step, their
-    median, and every rank's matched share (first step)."""
-    import torch
+def _on_every_rank(group: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, its failure on any rank raised on every rank (named), so that no rank waits
+    in a later collective for one that has failed."""
     import torch.distributed as dist
 
+    try:
+        out, error = fn(*args), None
+    except Exception as e:  # noqa: BLE001  (told to every rank, then raised)
+        out, error = None, f"{type(e).__name__}: {e}"
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        raise RuntimeError(f"the profile's prediction failed on rank(s) {sorted(failed)}: {failed}")
+    return out
+
+
+def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], peers: list[list[Path]], table: Any,
+                          measured: Any, cluster: Any) -> list[list[float]]:
+    """Per profiled step: the graphs that ran, simulated in their order under that step's
+    profile of this rank (compute), the measured table (collectives) and the measured model
+    (compute the trace did not time, copies), on this rank: per step, [forward, backward, step,
+    forward and backward matched shares, step with the idle table's collectives] (ms)."""
     from scheduler import export_dag, simulate
     from scheduler.costs.models import ProfileCostModel, TableCostModel
+    from scheduler.costs.profiles import ProfileTrace
 
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
     per_step = []
-    for trace in traces:
-        # collectives as the profiled step ran them, and as the table measured them on the idle group
-        model = ProfileCostModel(trace, fallback=fallback, cluster=cluster)
+    for trace, peer_traces in zip(traces, peers):
+        # collectives as the profiled step ran them (each on the rank that started it last), and
+        # as the table measured them on the idle group
+        model = ProfileCostModel(ProfileTrace(trace, peer_traces=peer_traces), fallback=fallback, cluster=cluster)
         idle = ProfileCostModel(model.trace, fallback=fallback, cluster=cluster, collectives=False)
         pred, shares, pred_idle = [], [], 0.0
         for kind in ("forward", "backward"):
@@ -279,18 +300,27 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], table: Any
             assert not cov["fallback_groups"], f"collectives without a measured row: {cov['fallback_groups']}"
             pred_idle += simulate(export_dag(graphs[kind], cost_model=idle, cluster=cluster, name=kind)).step_ms
         per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle])
+    return per_step
+
+
+def _slowest_predictions(per_step: list[list[float]], group: Any) -> dict[str, Any]:
+    """Every rank's per-step predictions (:func:`_predict_from_profile`) gathered: the slowest
+    rank's per step, their median, and every rank's matched share (first step)."""
+    import torch
+    import torch.distributed as dist
+
     mine = torch.tensor(per_step, dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     # per step, the slowest rank's prediction (as the measured step is its slowest rank's)
-    slowest = [max((t[i] for t in every), key=lambda row: float(row[2])) for i in range(len(traces))]
+    slowest = [max((t[i] for t in every), key=lambda row: float(row[2])) for i in range(len(per_step))]
     return {
         "profile_fw_ms": statistics.median(float(r[0]) for r in slowest),
         "profile_bw_ms": statistics.median(float(r[1]) for r in slowest),
         "profile_step_ms": statistics.median(float(r[2]) for r in slowest),
         "profile_step_ms_all": [float(r[2]) for r in slowest],
         # the same with every collective priced by the idle group's table
-        "profile_idle_step_ms": statistics.median(max(float(t[i][5]) for t in every) for i in range(len(traces))),
+        "profile_idle_step_ms": statistics.median(max(float(t[i][5]) for t in every) for i in range(len(per_step))),
         "profile_matched_share": [[float(t[0][3]), float(t[0][4])] for t in every],
     }
 
