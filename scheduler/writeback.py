@@ -315,7 +315,6 @@ def _merge_bucket(
     new_coll.meta["fsdp_sched_members"] = [n.name for n in colls]
 
 
-#: torch's merge function (``torch._inductor.fx_passes.bucketing``) of each collective type
 def copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
     """A copy of ``graph`` with the same node names, each node's ``meta`` a shallow copy (its
     values, FakeTensors included, shared: a write-back sets meta entries, never changes their
@@ -412,6 +411,7 @@ def _split_all_gathers(graph: "torch.fx.Graph", seconds: dict[str, str]) -> int:
     return moved
 
 
+#: torch's merge function (``torch._inductor.fx_passes.bucketing``) of each collective type
 _MERGE_FUNCTIONS = {
     "all_gather": "merge_all_gather_bucket",
     "reduce_scatter": "merge_reduce_scatter_bucket",
@@ -531,7 +531,7 @@ def _shared_node_meta(populate: Any, bucket_nodes: list["torch.fx.Node"], new_no
 
 
 # --------------------------------------------------------------------------------------------
-# 3. control dependencies
+# 4. control dependencies
 # --------------------------------------------------------------------------------------------
 def pin_order(gm: "torch.fx.GraphModule") -> int:
     """Pin ``gm``'s current order of collectives, waits and extern compute with control

@@ -519,7 +519,7 @@ class Problem:
                         key=lambda e: (e[0], e[1], str(e[2])))
         start: dict[str, float] = {}  # collective -> least start of its transfer (set once)
         # per stream, the running minima of its collectives' starts and epilogues, extended as
-        # far as asked: a stream's first k are asked for in increasing k
+        # far as asked (a start is set once, before any first k holding it is asked for)
         least: dict[str, list[tuple[float, float]]] = {g: [] for g in streams}
 
         def first_k(g: str, k: int) -> tuple[float, float]:
