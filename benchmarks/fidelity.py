@@ -22,7 +22,10 @@ shapes as the profile timed it; unmatched nodes timed on this CPU by the measure
 collective by gloo's own time for it in the profiled step on the rank that started it last,
 every rank's trace read, else from that table), then simulated in their order, once per
 profiled step; the median over the steps of the slowest rank's prediction is compared with the
-median of the measured steps (each step's slowest rank), and the means too.
+median of the measured steps (each step's slowest rank), and the means too. Beside it, every
+rank's trace of the step at once: each rank priced by its own trace, the ranks run in lockstep
+at the collectives (:func:`scheduler.simulate_ranks`: a collective starts when the last rank
+reaches it), which a single rank's simulation cannot see.
 The same prediction with every collective from the idle group's table is reported beside it
 (with more processes than cores, a collective waits for cores that compute holds, which the
 idle table cannot see). The share of compute time the trace priced is reported per rank.
@@ -181,9 +184,11 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
         })
         if cfg.profile:
             dist.barrier(group)  # every rank's traces written: each collective is timed on its last rank
-            peers = [[Path(cfg.profile_dir) / f"{solver}-rank{r}-step{i}.json"
-                      for r in range(dist.get_world_size(group)) if r != rank] for i in range(len(trace_paths))]
-            per_step = _on_every_rank(group, _predict_from_profile, graphs, trace_paths, peers, table, cost, cluster)
+            world = dist.get_world_size(group)
+            every_rank = [[Path(cfg.profile_dir) / f"{solver}-rank{r}-step{i}.json" for r in range(world)]
+                          for i in range(len(trace_paths))]
+            per_step = _on_every_rank(group, _predict_from_profile, graphs, every_rank, rank, world, table, cost,
+                                      cluster)
             rows[-1].update(_slowest_predictions(per_step, group))
         if rank == 0:
             logger.info("%s: %s", solver, {k: v for k, v in rows[-1].items() if k != "measured_step_ms_all"})
@@ -274,22 +279,32 @@ def _on_every_rank(group: Any, fn: Any, *args: Any) -> Any:
     return out
 
 
-def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], peers: list[list[Path]], table: Any,
+def _predict_from_profile(graphs: dict[str, Any], traces: list[list[Path]], rank: int, world: int, table: Any,
                           measured: Any, cluster: Any) -> list[list[float]]:
-    """Per profiled step: the graphs that ran, simulated in their order under that step's
-    profile of this rank (compute), the measured table (collectives) and the measured model
-    (compute the trace did not time, copies), on this rank: per step, [forward, backward, step,
-    forward and backward matched shares, step with the idle table's collectives] (ms)."""
-    from scheduler import export_dag, simulate
+    """Per profiled step (``traces[i]``: every rank's trace of step i): the graphs that ran,
+    simulated in their order under that step's profile of this rank (compute), the measured
+    table (collectives) and the measured model (compute the trace did not time, copies), on this
+    rank: per step, [forward, backward, step, forward and backward matched shares, step with the
+    idle table's collectives, step of every rank in lockstep] (ms). The lockstep step
+    (:func:`scheduler.simulate_ranks`: each rank priced by its own trace, each collective
+    started when the last rank reaches it) is worked out by one rank per step, in turn (NaN on
+    the others)."""
+    from scheduler import export_dag, simulate, simulate_ranks
     from scheduler.costs.models import ProfileCostModel, TableCostModel
     from scheduler.costs.profiles import ProfileTrace
+    from solvers.core import Problem
 
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
+
+    def model_of(paths: list[Path], r: int) -> Any:
+        # collectives as the profiled step ran them, each on the rank that started it last
+        trace = ProfileTrace(paths[r], peer_traces=[p for q, p in enumerate(paths) if q != r])
+        return ProfileCostModel(trace, fallback=fallback, cluster=cluster)
+
     per_step = []
-    for trace, peer_traces in zip(traces, peers):
-        # collectives as the profiled step ran them (each on the rank that started it last), and
-        # as the table measured them on the idle group
-        model = ProfileCostModel(ProfileTrace(trace, peer_traces=peer_traces), fallback=fallback, cluster=cluster)
+    for i, paths in enumerate(traces):
+        model = model_of(paths, rank)
+        # and every collective as the table measured it on the idle group
         idle = ProfileCostModel(model.trace, fallback=fallback, cluster=cluster, collectives=False)
         pred, shares, pred_idle = [], [], 0.0
         for kind in ("forward", "backward"):
@@ -299,7 +314,13 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[Path], peers: lis
             shares.append(cov["compute_matched_share"])
             assert not cov["fallback_groups"], f"collectives without a measured row: {cov['fallback_groups']}"
             pred_idle += simulate(export_dag(graphs[kind], cost_model=idle, cluster=cluster, name=kind)).step_ms
-        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle])
+        lockstep = float("nan")
+        if i % world == rank:
+            models = [model if r == rank else model_of(paths, r) for r in range(world)]
+            lockstep = sum(max(res.step_ms for res in simulate_ranks(
+                [Problem.from_dag(export_dag(graphs[kind], cost_model=m, cluster=cluster, name=kind)) for m in models]))
+                for kind in ("forward", "backward"))
+        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle, lockstep])
     return per_step
 
 
@@ -322,15 +343,17 @@ def _slowest_predictions(per_step: list[list[float]], group: Any) -> dict[str, A
         # the same with every collective priced by the idle group's table
         "profile_idle_step_ms": statistics.median(max(float(t[i][5]) for t in every) for i in range(len(per_step))),
         "profile_matched_share": [[float(t[0][3]), float(t[0][4])] for t in every],
+        # every rank's trace at once, the ranks in lockstep at the collectives (one rank per step)
+        "profile_lockstep_step_ms": statistics.median(float(every[i % len(every)][i][6]) for i in range(len(per_step))),
     }
 
 
 def format_profile_table(rows: list[dict[str, Any]]) -> str:
     """Predicted from the profile against measured, as markdown (ms)."""
     lines = ["| solver | profile fw | measured fw | profile bw | measured bw | profile step | measured step | "
-             "error | mean: profile / measured | collectives from the idle table: step, error | "
-             "compute matched (fw / bw, per rank) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "error | mean: profile / measured | every rank in lockstep: step, error | "
+             "collectives from the idle table: step, error | compute matched (fw / bw, per rank) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "profile_step_ms" not in r:
             continue
@@ -341,6 +364,7 @@ def format_profile_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['solver']} | {r['profile_fw_ms']:.1f} | {r['measured_fw_ms']:.1f} | {r['profile_bw_ms']:.1f} | "
                      f"{r['measured_bw_ms']:.1f} | {r['profile_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
                      f"{err:+.1%} | {mean_p:.1f} / {mean_m:.1f} ({mean_p / mean_m - 1:+.1%}) | "
+                     f"{r['profile_lockstep_step_ms']:.1f}, {r['profile_lockstep_step_ms'] / r['measured_step_ms'] - 1:+.1%} | "
                      f"{r['profile_idle_step_ms']:.1f}, {r['profile_idle_step_ms'] / r['measured_step_ms'] - 1:+.1%} | "
                      f"{share} |")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "annotate_costs": "scheduler.costs.models",
     "MeasuredCostModel": "scheduler.costs.measure",
     "simulate": "solvers.core.simulator",
+    "simulate_ranks": "solvers.core.simulator",
     "SimResult": "solvers.core.simulator",
     "ScheduleInvalidError": "solvers.core.simulator",
     "validate_schedule": "solvers.core.validator",

@@ -232,3 +232,54 @@ def test_bucket_exposure_adds_up_to_exposed_comm():
         assert sim.exposed_comm_ms > 0
         assert sum(sim.bucket_exposed_ms.values()) == pytest.approx(sim.exposed_comm_ms)
         assert all(v > 0 for v in sim.bucket_exposed_ms.values())
+
+
+def _two_phases(c1_ms: float, c2_ms: float):
+    """x --> c1 --> m1[1 ms] <-- AG1[2 ms]; m1 --> c2 --> m2[1 ms] <-- AG2[2 ms], as traced
+    (each all-gather issued right before it is needed); one rank's costs."""
+    b = DagBuilder()
+    b.add_input("x", size_bytes=100)
+    b.add_input("primals_1", size_bytes=25, releasable=False)
+    b.add_input("primals_2", size_bytes=25, releasable=False)
+    c1 = b.add_compute("c1", "x", runtime_ms=c1_ms, size_bytes=100)
+    w1 = b.add_collective("ag1", "primals_1", runtime_ms=2.0, size_bytes=100)
+    m1 = b.add_compute("m1", c1, w1, runtime_ms=1.0, size_bytes=100)
+    c2 = b.add_compute("c2", m1, runtime_ms=c2_ms, size_bytes=100)
+    w2 = b.add_collective("ag2", "primals_2", runtime_ms=2.0, size_bytes=100)
+    b.add_compute("m2", c2, w2, runtime_ms=1.0, size_bytes=100)
+    b.add_output("m2")
+    return Problem.from_dag(b.build())
+
+
+def test_ranks_wait_for_the_last_one_at_each_collective():
+    """Rank 0 is slow before the first all-gather, rank 1 before the second. Alone each takes
+    3 + 2 + 1 + 1 + 2 + 1 = 10 ms. In lockstep AG1 starts when rank 0 issues it (3) and ends at
+    5, AG2 when rank 1 issues it (5 + 1 + 3 = 9) and ends at 11: both ranks take 12 ms."""
+    from solvers.core.simulator import simulate_ranks
+
+    ranks = [_two_phases(3.0, 1.0), _two_phases(1.0, 3.0)]
+    alone = [simulate(p.dag, problem=p).step_ms for p in ranks]
+    assert alone == [pytest.approx(10.0), pytest.approx(10.0)]
+    together = simulate_ranks(ranks)
+    assert [r.step_ms for r in together] == [pytest.approx(12.0), pytest.approx(12.0)]
+    assert [r.bucket_times[1][1:3] for r in together] == [(9.0, 11.0), (9.0, 11.0)]
+    # the rank that came early waited: its exposed time grew by what it waited
+    assert together[0].exposed_comm_ms == pytest.approx(2.0 + 4.0)
+
+
+def test_ranks_with_equal_costs_run_as_one():
+    from solvers.core.simulator import simulate_ranks
+
+    dag, p, sched = _two_ags("1")
+    one = simulate(dag, sched, problem=p)
+    for r in simulate_ranks([p, Problem.from_dag(dag)], sched):
+        assert (r.step_ms, r.peak_bytes, r.bucket_times) == (one.step_ms, one.peak_bytes, one.bucket_times)
+
+
+def test_ranks_must_run_the_same_graph():
+    from solvers.core.simulator import simulate_ranks
+
+    with pytest.raises(ValueError, match="not the graph of rank 0"):
+        simulate_ranks([_two_phases(1.0, 1.0), Problem.from_dag(_one_ag(1.0))])
+    with pytest.raises(ValueError, match="at least one rank"):
+        simulate_ranks([])

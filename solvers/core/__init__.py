@@ -21,7 +21,7 @@ from solvers.core.schedule import (
     StageRecord,
     Step,
 )
-from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
+from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate, simulate_ranks
 from solvers.core.units import US_PER_MS, fmt_bytes, fmt_ms, parse_bytes
 from solvers.core.validator import validate_schedule
 
@@ -43,5 +43,6 @@ __all__ = [
     "fmt_ms",
     "parse_bytes",
     "simulate",
+    "simulate_ranks",
     "validate_schedule",
 ]

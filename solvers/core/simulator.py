@@ -62,13 +62,16 @@ import logging
 import weakref
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 from solvers.core.problem import Collective, Problem, merge_cat_bytes
 from solvers.core.schedule import Schedule
 from solvers.core.streams import Streams, stream_of
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +185,44 @@ def simulate(dag: nx.DiGraph, schedule: Schedule | None = None, *, problem: Prob
     schedule = schedule or problem.traced_schedule()
     _check_shape(problem, schedule)
     return _Simulator(problem, schedule).run()
+
+
+def simulate_ranks(problems: "Sequence[Problem]", schedule: Schedule | None = None) -> list[SimResult]:
+    """Simulate ``schedule`` (default: the traced order) on every rank of a group at once, each
+    rank with its own costs: ``problems[r]`` is the same graph priced for rank ``r`` (by that
+    rank's profile, say). The ranks run in lockstep at the collectives: a collective starts
+    once every rank has issued it and the collective before it on its stream has ended on every
+    rank, so a rank that reaches it early waits for the last one, as a real group does. A
+    single-rank simulation of any one rank (:func:`simulate`) sees none of that waiting. Each
+    rank's collective time is its own problem's. Returns each rank's result; the group's step
+    is the largest ``step_ms``.
+
+    Raises:
+        ValueError: no problem, problems of different graphs, or streams that share a network
+            link (two groups of the same ranks, or a split schedule: their processor sharing is
+            not synchronised across ranks).
+        ScheduleInvalidError: as :func:`simulate`.
+    """
+    if not problems:
+        raise ValueError("simulate_ranks needs the problem of at least one rank")
+    first = problems[0]
+    schedule = schedule or first.traced_schedule()
+    for r, p in enumerate(problems):
+        if p.seq != first.seq or list(p.colls) != list(first.colls):
+            raise ValueError(f"the problem of rank {r} is not the graph of rank 0: every rank must run the same graph")
+        _check_shape(p, schedule)
+    sims = [_Simulator(p, schedule) for p in problems]
+    if any(sim.streams.shared for sim in sims):
+        raise ValueError("simulate_ranks does not synchronise streams that share a network link (two groups of "
+                         "the same ranks, or a split schedule): simulate each rank alone")
+    for k, step in enumerate(schedule.steps):
+        for sim in sims:
+            sim.step(k, step)
+        if step.kind == "issue":
+            start = max(sim.streams.start(step.ref) for sim in sims)
+            for sim in sims:
+                sim.streams.hold(step.ref, start)
+    return [sim.result() for sim in sims]
 
 
 def _check_shape(problem: Problem, schedule: Schedule) -> None:
@@ -639,6 +680,7 @@ class _Simulator:
         self.bucket_exposed: dict[int, float] = {}
         self.memory: list[tuple[float, int]] = [(0.0, self.mem.total)]
         self.peak, self.peak_step = self.mem.total, -1
+        self.tracker_peak_step = -1
         self.step_live: list[int] = []
         self.issued: set[int] = set()
         self.waited: set[int] = set()
@@ -656,18 +698,25 @@ class _Simulator:
         self.step_live.append(live)
 
     def run(self) -> SimResult:
-        tracker_peak_step = -1
         for k, step in enumerate(self.s.steps):
-            before = self.trk.peak
-            if step.kind == "node":
-                self._run_node(k, step.ref)
-            elif step.kind == "issue":
-                self._issue(k, step.ref)
-            else:
-                self._wait(k, step.ref)
-            if self.trk.peak > before:
-                tracker_peak_step = k
-            self.memory.append((self.t, self.mem.total))
+            self.step(k, step)
+        return self.result()
+
+    def step(self, k: int, step: Any) -> None:
+        """Run step ``k`` of the schedule."""
+        before = self.trk.peak
+        if step.kind == "node":
+            self._run_node(k, step.ref)
+        elif step.kind == "issue":
+            self._issue(k, step.ref)
+        else:
+            self._wait(k, step.ref)
+        if self.trk.peak > before:
+            self.tracker_peak_step = k
+        self.memory.append((self.t, self.mem.total))
+
+    def result(self) -> SimResult:
+        """The run's result, after its last step."""
         missing = set(range(len(self.s.buckets))) - self.waited
         if missing:
             raise ScheduleInvalidError(f"buckets {sorted(missing)[:5]} are never waited on")
@@ -683,7 +732,7 @@ class _Simulator:
             memory=self.memory,
             n_collectives=len(self.s.buckets),
             tracker_peak_bytes=self.trk.peak,
-            tracker_peak_step=tracker_peak_step,
+            tracker_peak_step=self.tracker_peak_step,
             step_live_bytes=self.step_live,
             bucket_exposed_ms=self.bucket_exposed,
             schedule=self.s,

@@ -66,6 +66,8 @@ class Streams:
         self._end: dict[int, float] = {}
         self._start: dict[int, float] = {}
         self._on: dict[int, _Link] = {}
+        #: bucket -> its stream (streams alone on their link)
+        self._stream: dict[int, str] = {}
 
     def issue(self, b: int, stream: str, t: float, duration: float) -> None:
         """Queue bucket ``b`` on ``stream`` at compute time ``t``, for ``duration`` ms alone."""
@@ -75,9 +77,25 @@ class Streams:
             start = t if t >= free else free
             self._start[b] = start
             self._end[b] = self.free[stream] = start + duration
+            self._stream[b] = stream
         else:
             link.add(b, stream, t, duration)
             self._on[b] = link
+
+    @property
+    def shared(self) -> bool:
+        """Whether any two streams share a link."""
+        return bool(self._links)
+
+    def hold(self, b: int, start: float) -> None:
+        """Start bucket ``b``, the last issued, no earlier than ``start`` (its stream alone on its
+        link): when the other ranks of its group are ready later (lockstep ranks). It keeps its
+        duration, and its stream stays busy until it ends."""
+        if b in self._on:
+            raise ValueError(f"bucket {b} runs on a shared link; it cannot be held")
+        if start > self._start[b]:
+            self._end[b] = self.free[self._stream[b]] = start + (self._end[b] - self._start[b])
+            self._start[b] = start
 
     def end(self, b: int) -> float:
         """When bucket ``b`` completes."""
