@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from solvers.core.problem import Collective, Problem, merge_cat_bytes
-from solvers.core.schedule import Schedule
+from solvers.core.schedule import Schedule, Step
 from solvers.core.streams import Streams, stream_of
 
 if TYPE_CHECKING:
@@ -702,7 +702,7 @@ class _Simulator:
             self.step(k, step)
         return self.result()
 
-    def step(self, k: int, step: Any) -> None:
+    def step(self, k: int, step: Step) -> None:
         """Run step ``k`` of the schedule."""
         before = self.trk.peak
         if step.kind == "node":
