@@ -7,6 +7,8 @@ last reader. The outcome checked: on a graph whose blocks give several merged bu
 shape, torch's tracker count of the written graph equals the simulator's prediction of it, the
 graph and its nodes' records (module stacks, stack traces, provenance) are the same as written by
 torch's own functions unchanged, and each bucket shape is traced once, reduce-scatters included.
+Judging a candidate, written on a copy that shares the graph's FakeTensors, leaves the graph as
+it was.
 """
 
 from __future__ import annotations
@@ -70,3 +72,27 @@ def node_records(gm):
         meta["from_node"] = [source(s) for s in n.meta.get("from_node", ())]
         out[n.name] = repr(meta)
     return out
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_judging_a_candidate_leaves_the_graph_as_it_was(graphs, kind):
+    """Candidates are written on a copy that shares the graph's FakeTensors and meta values
+    (writeback.copy_module), not on a deep copy: the graph judged from must come out unchanged,
+    its nodes, their order and every meta entry (the same objects), provenance included."""
+    from scheduler.check.written import write_and_judge
+
+    gm = copy.deepcopy(getattr(graphs, kind))
+    p = Problem.from_dag(scheduler.export_dag(gm))
+    schedule = fsdp2_schedule(p)
+    assert any(len(b.members) > 1 for b in schedule.buckets)
+
+    def snapshot():
+        records = node_records(gm)
+        return [(n.name, n.op, {k: id(v) for k, v in n.meta.items()}, records[n.name]) for n in gm.graph.nodes]
+
+    before, digest, code = snapshot(), graph_digest(gm), gm.code
+    figures = write_and_judge(gm, p, schedule, cost_model=None, cluster=None, payload_order="registration",
+                              control_deps=False)
+    assert figures.n_collectives < len(p.colls)  # the copy was written: buckets merged
+    assert snapshot() == before
+    assert (graph_digest(gm), gm.code) == (digest, code)
