@@ -283,3 +283,19 @@ def test_ranks_must_run_the_same_graph():
         simulate_ranks([_two_phases(1.0, 1.0), Problem.from_dag(_one_ag(1.0))])
     with pytest.raises(ValueError, match="at least one rank"):
         simulate_ranks([])
+    # a split schedule's two streams (all-gathers beside reduce-scatters) share the group's link:
+    # not synchronised across ranks
+    b = DagBuilder()
+    b.add_input("x", size_bytes=100)
+    b.add_input("primals_1", size_bytes=25, releasable=False)
+    g = b.add_compute("g", "x", runtime_ms=1.0, size_bytes=100)
+    rs = b.add_collective("rs", g, coll_type="reduce_scatter", runtime_ms=2.0, payload_bytes=100, size_bytes=25)
+    w = b.add_collective("ag", "primals_1", runtime_ms=2.0, size_bytes=100)
+    b.add_compute("mm", rs, w, runtime_ms=1.0, size_bytes=100)
+    b.add_output("mm")
+    dag = b.build()
+    p = Problem.from_dag(dag)
+    split = p.traced_schedule().with_split(["0"])
+    assert simulate(dag, split, problem=p).step_ms > 0  # one rank alone is simulated
+    with pytest.raises(ValueError, match="share a network link"):
+        simulate_ranks([p, p], split)
