@@ -245,6 +245,12 @@ def search(
         left_s = max(0.0, left_s - spent)
         stages.append(_stage("windows", t, spent, objective.evaluations - n0, best, primary, before))
 
+    def polish(start: Evaluated, simulations: int, strict_models: tuple[str, ...] = ()) -> polishing.PolishResult:
+        return polishing.polish(objective.problems, start.schedule, _polish_reference(objective), mem_budget_bytes,
+                                polishing.PolishConfig(max_simulations=simulations, steps=config.polish_steps),
+                                baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
+                                strict_models=strict_models)
+
     n_polish = objective.simulations_for(left_s, config)
     if n_polish >= 2 * len(objective.labels):
         t, before = time.perf_counter(), best
@@ -260,10 +266,7 @@ def search(
             share = (n_polish - used) // (len(froms) - k)
             if share < 2 * len(objective.labels):
                 continue
-            result = polishing.polish(objective.problems, start.schedule, _polish_reference(objective),
-                                      mem_budget_bytes, polishing.PolishConfig(max_simulations=share,
-                                                                               steps=config.polish_steps),
-                                      baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight)
+            result = polish(start, share)
             used += result.simulations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
@@ -276,12 +279,7 @@ def search(
             # every strict model loses nothing), the best polished one on a tie (module docstring)
             t, before = time.perf_counter(), best
             share = max(n_polish - used, int(n_polish * config.strict_share))
-            start = min([best, *found], key=objective.key)
-            result = polishing.polish(objective.problems, start.schedule, _polish_reference(objective),
-                                      mem_budget_bytes, polishing.PolishConfig(max_simulations=share,
-                                                                               steps=config.polish_steps),
-                                      baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                                      strict_models=objective.strict)
+            result = polish(min([best, *found], key=objective.key), share, objective.strict)
             e = objective.evaluate(result.schedule, "strict")
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
                 best = e

@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str, Schedule]] = ()
            ) -> tuple[list[Evaluated], int | None]:
-    """Every start that fits the budget, best first (:meth:`Objective.key`; ties keep the order
-    tried), and the smallest peak of all starts, fitting or not (bytes; None when none was
+    """Every start that fits the budget, best first (:meth:`Objective.regret_key`; ties keep the
+    order tried), and the smallest peak of all starts, fitting or not (bytes; None when none was
     valid). Sets ``objective.reference_ms``.
 
     The starts are evaluated as they are first; then the :attr:`SearchConfig.fit_starts` best
@@ -98,7 +98,8 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     if objective.mem_budget_bytes is not None and config.fit_moves:
         # near misses first: delays fix a prefetch too many at the peak, not a bucket too large
         near = objective.mem_budget_bytes * (1 + config.near_miss_share)
-        over = sorted((e for e in tried if not objective.fits(e)), key=lambda e: (e.peak_bytes > near, objective.regret_key(e)))
+        over = sorted((e for e in tried if not objective.fits(e)),
+                      key=lambda e: (e.peak_bytes > near, objective.regret_key(e)))
         fitted = 0
         for e in over[:config.fit_starts * 4]:
             moved = fit_by_delays(p, e.schedule, objective.mem_budget_bytes, max_moves=config.fit_moves)
