@@ -113,8 +113,10 @@ class ProfileTrace:
                 + (" (and CUDA activity: a GPU trace times ops by their kernels)" if self.device == "gpu" else ""))
         #: (kind, input bytes) -> mean ms of the trace's gloo collectives (CPU traces)
         self._collectives = {}
+        #: the trace's own gloo collective runs (:func:`_gloo_runs`; CPU traces)
+        self._runs = _gloo_runs(events) if self.device == "cpu" else []
         if self.device == "cpu":
-            runs = [_gloo_runs(events)]
+            runs = [self._runs]
             for peer in peer_traces:
                 peer_events = _load_json(Path(peer)).get("traceEvents")
                 runs.append(_gloo_runs(peer_events if isinstance(peer_events, list) else []))
@@ -125,6 +127,17 @@ class ProfileTrace:
         self._by_shapes = {k: sum(v) / len(v) for k, v in by_shapes.items()}
         logger.info("%s: %d %s op calls, %d distinct (op, shapes)", self.path, self.n_ops, self.device,
                     len(self._by_shapes))
+
+    @classmethod
+    def of_group(cls, paths: "Sequence[str | Path]", *, host_time: bool | None = None) -> list["ProfileTrace"]:
+        """Every rank's trace of one step (``paths[r]``: rank r's), each read once, each timing
+        its gloo collectives on the rank that started them last, as ``ProfileTrace(paths[r],
+        peer_traces=<the others>)`` does."""
+        traces = [cls(p, host_time=host_time) for p in paths]
+        for t in traces:
+            if t.device == "cpu":
+                t._collectives = _collective_times([t._runs, *(u._runs for u in traces if u is not t)], t.path)
+        return traces
 
     def lookup_ms(self, fx_node: "torch.fx.Node") -> float | None:
         """Mean profiled time (ms) of the node's op on its input shapes; None when the trace
