@@ -263,17 +263,16 @@ def _profile_step(compiled: Any, model: Any, tokens: Any, labels: Any, group: An
 
 
 def _on_every_rank(group: Any, fn: Any, *args: Any) -> Any:
-    """``fn(*args)``, its failure on any rank raised on every rank (named), so that no rank waits
-    in a later collective for one that has failed."""
-    import torch.distributed as dist
+    """``fn(*args)``, its failure on any rank raised on every rank (named, through
+    :func:`scheduler.integrate.consensus.agree_on_outcome`), so that no rank waits in a later
+    collective for one that has failed."""
+    from scheduler.integrate.consensus import agree_on_outcome
 
     try:
         out, error = fn(*args), None
     except Exception as e:  # noqa: BLE001  (told to every rank, then raised)
-        out, error = None, f"{type(e).__name__}: {e}"
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = {r: e for r, e in enumerate(errors) if e is not None}
+        out, error = None, e
+    failed = agree_on_outcome(error, group=group)
     if failed:
         raise RuntimeError(f"the profile's prediction failed on rank(s) {sorted(failed)}: {failed}")
     return out
@@ -295,32 +294,38 @@ def _predict_from_profile(graphs: dict[str, Any], traces: list[list[Path]], rank
     from solvers.core import Problem
 
     fallback = TableCostModel(collectives=table.collectives, fallback=measured, cluster=cluster)
+    kinds = ("forward", "backward")
 
-    def model_of(paths: list[Path], r: int) -> Any:
-        # collectives as the profiled step ran them, each on the rank that started it last
-        trace = ProfileTrace(paths[r], peer_traces=[p for q, p in enumerate(paths) if q != r])
-        return ProfileCostModel(trace, fallback=fallback, cluster=cluster)
+    def problems_of(trace: Any) -> dict[str, Problem]:
+        model = ProfileCostModel(trace, fallback=fallback, cluster=cluster)
+        return {kind: Problem.from_dag(export_dag(graphs[kind], cost_model=model, cluster=cluster, name=kind))
+                for kind in kinds}
 
     per_step = []
     for i, paths in enumerate(traces):
-        model = model_of(paths, rank)
+        # collectives as the profiled step ran them, each on the rank that started it last; every
+        # rank's trace is read once where this rank works out the step in lockstep
+        lockstep = i % world == rank
+        every_trace = ProfileTrace.of_group(paths) if lockstep else None
+        trace = every_trace[rank] if every_trace else ProfileTrace(paths[rank], peer_traces=[p for q, p in enumerate(paths)
+                                                                                  if q != rank])
+        mine = problems_of(trace)
         # and every collective as the table measured it on the idle group
-        idle = ProfileCostModel(model.trace, fallback=fallback, cluster=cluster, collectives=False)
+        idle = ProfileCostModel(trace, fallback=fallback, cluster=cluster, collectives=False)
         pred, shares, pred_idle = [], [], 0.0
-        for kind in ("forward", "backward"):
-            dag = export_dag(graphs[kind], cost_model=model, cluster=cluster, name=kind)
-            pred.append(simulate(dag).step_ms)
-            cov = dag.graph["cost_coverage"]
+        for kind in kinds:
+            p = mine[kind]
+            pred.append(simulate(p.dag, problem=p).step_ms)
+            cov = p.dag.graph["cost_coverage"]
             shares.append(cov["compute_matched_share"])
             assert not cov["fallback_groups"], f"collectives without a measured row: {cov['fallback_groups']}"
             pred_idle += simulate(export_dag(graphs[kind], cost_model=idle, cluster=cluster, name=kind)).step_ms
-        lockstep = float("nan")
-        if i % world == rank:
-            models = [model if r == rank else model_of(paths, r) for r in range(world)]
-            lockstep = sum(max(res.step_ms for res in simulate_ranks(
-                [Problem.from_dag(export_dag(graphs[kind], cost_model=m, cluster=cluster, name=kind)) for m in models]))
-                for kind in ("forward", "backward"))
-        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle, lockstep])
+        together = float("nan")
+        if every_trace:
+            ranks = [mine if r == rank else problems_of(t) for r, t in enumerate(every_trace)]
+            together = sum(max(res.step_ms for res in simulate_ranks([problems[kind] for problems in ranks]))
+                           for kind in kinds)
+        per_step.append([pred[0], pred[1], pred[0] + pred[1], *shares, pred_idle, together])
     return per_step
 
 
