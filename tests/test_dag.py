@@ -550,3 +550,29 @@ def test_multi_output_file_round_trips_unchanged(multi_output, tmp_path):
     path.write_text(json.dumps(multi_output))
     save_dag(load_dag(path), again)
     assert json.loads(again.read_text()) == multi_output
+
+
+def test_submodules_and_unread_inputs_export_without_meta_val(group_name):
+    """A graph may hold code as data (flex attention's score and mask functions are get_attr
+    nodes of submodules) and, traced by make_fx with int arguments, placeholders that carry no
+    meta['val'] and are never read. Neither holds memory the step uses: both export as inputs
+    of 0 bytes, while a read placeholder without meta['val'] is still refused."""
+    gm = _trace(group_name)
+    graph = gm.graph
+    gm.add_submodule("score_mod", torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    first = next(iter(graph.nodes))
+    with graph.inserting_before(first):
+        unread = graph.placeholder("arg0_1")
+    with graph.inserting_after(first):
+        code = graph.get_attr("score_mod")
+    gm.recompile()
+    dag = export_dag(gm)
+    assert dag.nodes[unread.name]["kind"] == dag.nodes[code.name]["kind"] == "input"
+    assert dag.nodes[unread.name]["size_bytes"] == dag.nodes[code.name]["size_bytes"] == 0
+    assert simulate(dag, Problem.from_dag(dag).traced_schedule()).peak_bytes == \
+        simulate(export_dag(_trace(group_name)), Problem.from_dag(export_dag(_trace(group_name))).traced_schedule()).peak_bytes
+
+    read = next(n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+    del read.meta["val"]
+    with pytest.raises(DagError, match=read.name):
+        export_dag(gm)

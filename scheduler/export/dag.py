@@ -397,9 +397,27 @@ def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.No
     )
 
 
+def _get_attr_value(node: "torch.fx.Node") -> Any:
+    """What a get_attr node reads from its graph module (None when it cannot be resolved)."""
+    value: Any = node.graph.owning_module
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def _may_return_tensor(node: "torch.fx.Node") -> bool:
     """False for call_function nodes that return no tensor (``aten._assert_scalar``,
-    ``torch._check`` and SymInt arithmetic of data-dependent sizes carry no meta['val'])."""
+    ``torch._check`` and SymInt arithmetic of data-dependent sizes carry no meta['val']), for
+    get_attr nodes of submodules and for inputs nothing reads."""
+    import torch
+
+    if node.op == "get_attr":
+        # a submodule (flex attention's score and mask functions) is code, not data
+        return not isinstance(_get_attr_value(node), torch.nn.Module)
+    if node.op == "placeholder" and not node.users:
+        # make_fx gives an int argument a placeholder without meta['val']; unread, it holds
+        # nothing the step uses
+        return False
     if node.op != "call_function":
         return True
     schema = getattr(node.target, "_schema", None)
