@@ -325,17 +325,18 @@ def test_model_evaluator_refuses_problems_of_other_graphs():
 # --------------------------------------------------------------------------------------------
 # schedules the fast path does not take, graphs it does not cover: still the simulator's numbers
 # --------------------------------------------------------------------------------------------
-def test_schedule_outside_its_window_gets_the_simulators_numbers():
-    """A reduce-scatter issued before its gradient exists is no valid schedule; the cheap check
-    sends it to the simulator, so the numbers stay the simulator's."""
+def test_schedule_outside_its_window_is_refused_by_both():
+    """A reduce-scatter issued before its gradient exists is no valid schedule: the simulator
+    refuses it (no clock of a node run before its input means anything), and so does the
+    evaluator, so no stage of the search can rank it."""
     problem = Problem.from_dag(make_fsdp_dag(n_layers=3, graph_kind="backward"))
     rs = next(c for c in problem.colls.values() if c.coll_type == "reduce_scatter" and c.ready > 0)
     entries = [(b, i, w) for b, i, w in _entries(problem.traced_schedule()) if b.members != (rs.name,)]
     early = from_entries(problem, entries + [(Bucket((rs.name,)), 0, rs.ready)])
-    ev = Evaluator(problem)
-    assert not ev.plan(early).fast
-    assert_same(simulate(problem.dag, early, problem=problem), ev.evaluate(early))
-    assert ev.fallbacks == 1
+    with pytest.raises(ScheduleInvalidError, match="outside the window"):
+        simulate(problem.dag, early, problem=problem)
+    with pytest.raises(ScheduleInvalidError, match="outside the window"):
+        Evaluator(problem).evaluate(early)
 
 
 def test_wait_before_issue_is_refused_as_by_the_simulator():

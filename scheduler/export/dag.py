@@ -105,6 +105,9 @@ _COLLECTIVES = {
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
 }
+#: collectives the scheduler may move (a bucket of torch's merge writes all_gather_into_tensor_out,
+#: which only a re-export of a written graph holds, in place)
+MOVABLE_COLLECTIVES = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"})
 _CAST_OPS = {"convert_element_type", "_to_copy", "to"}
 #: ops whose output shares its input's storage although their schema does not mark them as
 #: views (aten._unsafe_view: a view that autograd does not track as one)
@@ -466,9 +469,10 @@ def _collective_attrs(node: "torch.fx.Node", packet: str, val_of: "_ValOf") -> d
         "wait": None,
         "prologue": [],
         "epilogue": [],
-        # gradient all-reduces (DDP, HSDP's replicate group) move like reduce-scatters; other
-        # all-reduces (tensor parallel) are part of the computation and stay
-        "movable": bool(role == "fsdp" and packet in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")),
+        # every collective the execution model prices moves within its data dependencies:
+        # tensor- and expert-parallel ones too (they are merged only when FSDP's: see
+        # solvers.core.problem.Collective.mergeable)
+        "movable": packet in MOVABLE_COLLECTIVES,
     }
 
 

@@ -38,6 +38,10 @@ from solvers.core.units import fit_line
 #: casts that torch's ``merge_all_gather_bucket`` folds into a bucket's copy-in when they feed
 #: an all-gather and have no other user (``bucketing.has_mergeable_all_gather_convert_dtype``)
 FOLDED_CAST_OPS = frozenset({"convert_element_type", "_to_copy"})
+#: collective types the schedule moves (within their data dependencies)
+MOVABLE_TYPES = frozenset({"all_gather", "reduce_scatter", "all_reduce", "all_to_all_single"})
+#: collective types torch's merge functions can merge into a bucket
+MERGEABLE_TYPES = frozenset({"all_gather", "reduce_scatter", "all_reduce"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +169,9 @@ class Problem:
             # the collective issued, so the collective keeps its traced place
             users = tuple(v for v in dag.successors(name) if v != wait)
             readers = tuple(v for v in users if nodes[v].get("external_wait"))
-            if len(readers) < len(users):
+            # the graph's output reads the collective's tensor only once the step ends, after
+            # every wait (a forward returns it for the backward); it constrains nothing
+            if any(v not in readers and nodes[v]["kind"] != "output" for v in users):
                 movable = False
             needed = n
             for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
@@ -199,7 +205,7 @@ class Problem:
                 prologue_ms=prologue_ms,
                 epilogue=epilogue,
                 epilogue_ms=sum(float(nodes[e]["runtime_ms"]) for e in epilogue),
-                movable=movable and a["coll_type"] in ("all_gather", "reduce_scatter", "all_reduce"),
+                movable=movable and a["coll_type"] in MOVABLE_TYPES,
                 ready=ready,
                 needed=needed,
                 traced_issue=t_issue,
@@ -209,8 +215,7 @@ class Problem:
                 merge_read_bytes=merge_read_bytes,
                 folded_cast=folded_cast,
                 folded_cast_ms=folded_cast_ms,
-                # merged all-reduces sum in another order (scheduler.export.dag.export_dag)
-                mergeable=not users and (a["coll_type"] != "all_reduce" or bool(dag.graph.get("merge_all_reduces"))),
+                mergeable=_mergeable(dag, a, users),
                 result_readers=readers,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
@@ -612,24 +617,36 @@ class Problem:
         return min(c.runtime_ms, _merged_inf(m, lo, hi, per_byte=True) * c.payload_bytes)
 
 
+def _mergeable(dag: nx.DiGraph, a: dict, users: tuple[str, ...]) -> bool:
+    """Whether torch's merge functions may take the collective of DAG attributes ``a`` into a
+    bucket: an all-gather, a reduce-scatter or (with the DAG's ``merge_all_reduces``: a merged
+    all-reduce sums in another order) an all-reduce whose wait is its only user. Tensor-parallel
+    ones too: a backward's all-gathers of saved activations are ready at its start, like
+    parameters; the windows decide which buckets can be issued."""
+    if users or a["coll_type"] not in MERGEABLE_TYPES:
+        return False
+    return a["coll_type"] != "all_reduce" or bool(dag.graph.get("merge_all_reduces"))
+
+
 def _bound_chains(p: Problem) -> None:
     """Windows of collectives whose issue reads another's result (:meth:`Problem.issue_after`),
-    in place. Only HSDP's chains move (an all-reduce of a reduce-scatter's result); the others
-    stay where traced. Of a chain that moves, the reader ``c`` is issued
+    in place. A chain moves where what is read is a reduce-scatter's result (HSDP: an
+    all-reduce of it), which is made at its wait; other collectives that read another's result
+    stay where traced, with what they read (an all-gather's or all-reduce's result is made at its
+    issue: the evaluator's memory templates do not hold it). Of a chain that moves, the reader
+    ``c`` is issued
     no earlier than the one read, ``d``, can be waited, and ``d`` is waited no later than ``c``
     is needed (where ``c`` stays where traced: no later than its traced issue). Each schedule
     still issues ``c`` after ``d``'s wait (the evaluator and the validator check it)."""
     colls = p.colls
-    # Chains move as HSDP's do: an all-reduce of a reduce-scatter's result. Other collectives
-    # that read another's result stay where traced, with what they read: two chains whose
-    # collectives read each other's results (or one chain reading itself) could put a reader and
-    # what it reads in one bucket, or each bucket after the other's wait
+    # Two chains whose collectives read each other's results (or one chain reading itself) stay
+    # where traced too: a bucket could then hold a reader and what it reads, or each of two
+    # buckets wait for the other
     reads = {(colls[c].key, colls[d].key) for c, ds in p.issue_after.items() for d in ds}
     for c_name, ds in p.issue_after.items():
         for d_name in ds:
             c, d = colls[c_name], colls[d_name]
-            if (c.coll_type, d.coll_type) != ("all_reduce", "reduce_scatter") or c.key == d.key \
-                    or (d.key, c.key) in reads:
+            if d.coll_type != "reduce_scatter" or c.key == d.key or (d.key, c.key) in reads:
                 for name, x in ((c_name, c), (d_name, d)):
                     if x.movable:
                         colls[name] = dataclasses.replace(x, movable=False, ready=x.traced_issue,
