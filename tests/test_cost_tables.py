@@ -231,6 +231,46 @@ def test_nccl_tests_without_a_rank_list_needs_the_group(tmp_path):
         read_nccl_tests(nameless, group_size=8, nodes=1)
 
 
+
+def test_a_log_of_two_programs_reads_each_run_as_its_own_collective(tmp_path):
+    """reduce_scatter_perf's output followed by all_gather_perf's in one file (as people paste
+    them): each run is its own collective, with its own sizes, times and input bytes."""
+    hosts = ["gpu-node-017", "gpu-node-018"]
+    path = tmp_path / "both.log"
+    path.write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum")
+                    + nccl_tests_stdout("all_gather_perf", 16, hosts, AG_RESULTS))
+    model = TableCostModel.from_file(path, cluster=H100)
+    assert model.collectives.keys() == [("all_gather", 16, 2), ("reduce_scatter", 16, 2)]
+    group = GroupInfo("dp", 16, tuple(range(16)))
+    for size, t_us in AG_RESULTS:
+        assert model.collective_ms("all_gather", size // 16, group) == pytest.approx(t_us / 1e3, rel=1e-9)
+    for size, t_us in RS_RESULTS:
+        assert model.collective_ms("reduce_scatter", size, group) == pytest.approx(t_us / 1e3, rel=1e-9)
+
+
+def test_a_log_of_two_programs_with_one_collective_named_is_refused(tmp_path):
+    """``collective=`` names one collective: a file of two runs is refused, naming the line where
+    the second run starts, rather than read as one."""
+    text = (nccl_tests_stdout("reduce_scatter_perf", 8, ["n1"], RS_RESULTS[:2], redop="sum")
+            + nccl_tests_stdout("all_gather_perf", 8, ["n1"], AG_RESULTS[:2]))
+    second = next(i for i, ln in enumerate(text.splitlines()) if "starting: all_gather_perf" in ln) + 1
+    with pytest.raises(CostTableError, match=rf"log:{second}\b.*all_gather_perf"):
+        read_nccl_tests(text, "log", collective="reduce_scatter")
+
+
+def test_a_result_line_cut_short_is_named(tmp_path):
+    """The last result line of a log cut mid-write ("... -1  54" where the run printed 5461.3)
+    has too few columns: refused naming the line, never read as 0.054 ms."""
+    text = nccl_tests_stdout("all_gather_perf", 8, ["n1"], AG_RESULTS[:3])
+    lines = text.splitlines()
+    cut = next(i for i, ln in enumerate(lines) if ln.strip().startswith(str(256 * MiB)))
+    lines[cut] = lines[cut][:lines[cut].index("5461.3") + 2]
+    path = tmp_path / "cut.log"
+    path.write_text("\n".join(lines[:cut + 1]))
+    with pytest.raises(CostTableError, match=rf"{path}:{cut + 1}: .*6 fields.*13"):
+        TableCostModel.from_file(path)
+
+
 # --- bad files ----------------------------------------------------------------------------------
 HEADER = "collective,group_size,nodes,input_bytes,ms"
 
