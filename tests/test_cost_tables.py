@@ -359,6 +359,41 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
     assert simulate(export_dag(copy.deepcopy(gm0), cost_model=f"table:{full}")).step_ms > 2 * simulate(analytic).step_ms
 
 
+
+def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tmp_path, caplog):
+    """A table measured on 16 ranks over 2 nodes prices none of a graph whose group is 4 ranks on
+    one node: once per optimisation (not once per candidate judged), a WARNING says how much it
+    priced, what the file has and what the graph needs. A table of the graph's own group is
+    silent."""
+    import copy
+    import logging
+
+    from test_writeback import toy_graph
+
+    from scheduler import SolverOptions, export_dag, optimize_schedule
+
+    hosts = ["gpu-node-017", "gpu-node-018"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ag.log").write_text(nccl_tests_stdout("all_gather_perf", 16, hosts, AG_RESULTS))
+    (other / "rs.log").write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum"))
+    gm0 = toy_graph(group_name, 4)
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{other}", solver=SolverOptions(time_limit_s=1))
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    message = record.getMessage()
+    assert str(other) in message and "0 of 5 collectives" in message
+    assert "16 ranks over 2 nodes" in message and "4 ranks over 1 node" in message
+
+    own = tmp_path / "own.csv"
+    payloads = {a["coll_type"]: a["payload_bytes"] for _, a in export_dag(gm0).nodes(data=True)
+                if a["kind"] == "collective"}
+    own.write_text("\n".join([HEADER] + [f"{c},4,1,{b},0.5" for c, b in payloads.items()]) + "\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{own}", solver=SolverOptions(time_limit_s=1))
+    assert not [r for r in caplog.records if r.name == "scheduler.costs.models"]
+
 def test_inductor_pass_cache_key_follows_the_table_file(csv_path):
     """The inductor pass's uuid (the key of inductor's FX graph cache) changes when the table
     a "table:PATH" name reads changes, so a cached graph scheduled with old times is not

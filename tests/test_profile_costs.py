@@ -259,6 +259,26 @@ def test_a_deeply_nested_trace_is_refused_naming_the_file(tmp_path):
     with pytest.raises(ProfileTraceError, match=f"{path}.*nested too deeply"):
         ProfileTrace(path)
 
+
+def test_a_profile_of_another_model_warns_how_much_it_priced(group_name, tmp_path, caplog):
+    """A trace of other shapes prices none of the graph's compute: a WARNING says so (0 % of
+    compute time matched), naming the file and the largest nodes it did not price."""
+    import copy
+    import logging
+
+    from test_writeback import toy_graph
+
+    from scheduler import SolverOptions, optimize_schedule
+
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"traceEvents": [_op("aten::mm", 0, 30, dims=((3, 5), (5, 7)))]}))
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(toy_graph(group_name, 4)), None, cost_model=f"profile:{path}",
+                          solver=SolverOptions(time_limit_s=1))
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    message = record.getMessage()
+    assert str(path) in message and "0.0% of compute time" in message and "mm" in message
+
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(ValueError, match="no such trace file"):
         resolve_cost_model(f"profile:{tmp_path / 'nope.json'}")

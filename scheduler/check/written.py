@@ -79,7 +79,8 @@ def judge_graph(gm: "torch.fx.GraphModule", cost_model: Any = None, cluster: Any
     take its liveness peak. ``split_groups``: groups whose all-gathers the installed graph will
     run on a second group (:attr:`Schedule.split_groups`), priced so although ``gm`` keeps them
     on their group."""
-    problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
+    # the traced graph's export said what the cost model priced from its data
+    problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster, coverage_check=None))
     sim = simulate(problem.dag, problem.traced_schedule().with_split(split_groups), problem=problem)
     return Figures(step_ms=sim.step_ms, peak_bytes=sim.peak_bytes, liveness_peak_bytes=liveness_peak(gm),
                    tracker_peak_bytes=sim.tracker_peak_bytes, n_collectives=sim.n_collectives,
