@@ -11,6 +11,7 @@ Graphs: llama3-debug (1 and 2 blocks) on 4 fake ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -127,6 +128,27 @@ def test_returned_graph_is_the_judged_one(llama):
     assert figures.max_peak_bytes <= budget
     assert [c["name"] for c in report.candidates][-1] == report.chosen_candidate
     assert all(c["dropped"] is not None for c in report.candidates[:-1])
+
+
+def test_the_traced_candidate_is_the_graph_itself_judged_as_it_is(backward, monkeypatch):
+    """Every written copy of the graph counts a little more memory than the graph (the count
+    disagreement that refused a budget equal to a torchtitan backward's own peak): a budget equal
+    to the graph's own peak by the counts that judge candidates still chooses the traced order,
+    which is the graph itself, judged as it is."""
+    import scheduler.check.written as written
+
+    gm, problem, fsdp2, _, traced = backward
+    real = written.judge_graph
+
+    def judge(graph, *args):
+        figures = real(graph, *args)
+        return figures if graph is gm else dataclasses.replace(
+            figures, liveness_peak_bytes=figures.liveness_peak_bytes + (16 << 20))
+
+    monkeypatch.setattr(written, "judge_graph", judge)
+    chosen, candidates = choose(gm, problem, [("fsdp2", fsdp2)], traced.max_peak_bytes, **WRITE)
+    assert chosen.name == "traced" and chosen.figures.max_peak_bytes == traced.max_peak_bytes
+    assert candidates[0].dropped is not None
 
 
 # --------------------------------------------------------------------------------------------
