@@ -60,6 +60,7 @@ from solvers.core import (
     Problem,
     Schedule,
     ScheduleError,
+    ScheduleInvalidError,
     SolveResult,
     SolveStatus,
     StageRecord,
@@ -496,7 +497,10 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
     if schedule.split_groups and solver.all_gather_stream == "shared":
         raise ScheduleError(f"{source} puts the all-gathers of group(s) {list(schedule.split_groups)} on a second "
                             "process group, and all_gather_stream='shared' keeps every collective on its own group")
-    validate_schedule(problem, schedule, mem_budget_bytes=budget)
+    try:
+        validate_schedule(problem, schedule, mem_budget_bytes=budget)
+    except ScheduleInvalidError as e:
+        raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
     t_judge = time.perf_counter()
     chosen = Candidate(name=said["chosen_candidate"] or said["solver"], schedule=schedule)
     chosen.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,

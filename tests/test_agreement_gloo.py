@@ -127,26 +127,54 @@ def _budgets_body(rank: int, world_size: int) -> dict[str, Any]:
     budget = smallest if rank == world_size - 1 else None
     gm = optimize_schedule(toy_graph(group_name, world_size), budget, cost_model=COSTS, solver=quick)
     report = gm.meta[api.REPORT_KEY]
+
+    # the check of a received schedule alone: the ranks solve with their own budgets (the budget
+    # round still runs, its answer ignored), so the last rank receives rank 0's schedule
+    from scheduler.check.written import graph_digest
+    from scheduler.integrate import consensus
+
+    real = consensus.agree_on_budget
+
+    def own_budgets(mem_budget_bytes, **kw):
+        real(mem_budget_bytes, **kw)
+        return consensus.BudgetAgreement(mem_budget_bytes=mem_budget_bytes)
+
+    consensus.agree_on_budget = own_budgets
+    try:
+        unagreed = toy_graph(group_name, world_size)
+        before = graph_digest(unagreed)
+        optimize_schedule(unagreed, budget, cost_model=COSTS, solver=quick)
+    finally:
+        consensus.agree_on_budget = real
+    kept = unagreed.meta[api.REPORT_KEY]
     # a merged all-gather writes each rank's own slice offsets: the ranks' graphs are compared by
     # the schedule written
     return {"budget": budget, "smallest": smallest, "peak": liveness_peak(gm), "schedule": report.digest,
             "status": report.status, "report_budget": report.mem_budget_bytes, "notes": report.notes,
             "solved_peak": optimize_schedule(toy_graph(group_name, world_size), None, cost_model=COSTS, solver=quick,
                                              agreement=AgreementOptions(enabled=False)).meta[api.REPORT_KEY]
-            .peak_bytes_after}
+            .peak_bytes_after,
+            "unagreed": {"status": kept.status, "changed": graph_digest(unagreed) != before, "notes": kept.notes}}
 
 
 @pytest.mark.slow
 def test_ranks_with_different_budgets_install_one_schedule_that_holds_each():
     """Rank 0 without a budget would solve a schedule over rank 1's budget; every rank solves
     with the smallest budget instead, so the one schedule every rank installs holds rank 1's
-    (never a silent breach, never divergent graphs)."""
+    (never a silent breach, never divergent graphs). Without the budget round, rank 1 checks the
+    schedule it receives against its own budget, and every rank keeps its graph with the
+    reason."""
     first, last = run_multiprocess(_budgets_body, 2, timeout_s=300, threads_per_process=1)
     assert first["solved_peak"] > last["budget"]  # without agreeing on the budget, rank 0's schedule breaks it
     assert first["schedule"] == last["schedule"] and first["status"] == last["status"] != "unchanged"
     assert last["peak"] <= last["budget"] and first["peak"] == last["peak"]
     assert first["report_budget"] == last["report_budget"] == last["budget"]
     assert any("budgets differ" in n for n in first["notes"])
+    # without that round, the last rank checks rank 0's schedule against its own budget: it does
+    # not hold, and every rank keeps its graph, saying why
+    for r in (first, last):
+        assert r["unagreed"]["status"] == "unchanged" and not r["unagreed"]["changed"], r["unagreed"]
+        assert any(f"budget {last['budget']} B" in n for n in r["unagreed"]["notes"]), r["unagreed"]
 
 
 def _between_rounds_body(rank: int, world_size: int, cache_root: str) -> dict[str, dict[str, Any]]:
