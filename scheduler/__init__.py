@@ -27,6 +27,7 @@ _EXPORTS = {
     "TorchCostModel": "scheduler.costs.models",
     "TableCostModel": "scheduler.costs.models",
     "ProfileCostModel": "scheduler.costs.models",
+    "CoverageCheck": "scheduler.costs.models",
     "CollectiveTable": "scheduler.costs.tables",
     "annotate_costs": "scheduler.costs.models",
     "MeasuredCostModel": "scheduler.costs.measure",

@@ -2,7 +2,9 @@
 
 One :func:`optimize_schedule` call is a straight line:
 
-1. **check** every argument (options are checked when built), alike on every rank;
+1. **check** every argument (options are checked when built), alike on every rank; on a group
+   of ranks, agree on the budget: every rank solves with the smallest of the ranks' budgets
+   (:func:`scheduler.integrate.consensus.agree_on_budget`);
 2. **export** the graph once and price it under the cost model, or, when none is given, under
    the family of plausible models (:func:`scheduler.costs.family.cost_models`);
 3. **solve** (:mod:`solvers.search`: starts, CP-SAT windows, polish), or take the answer from
@@ -15,12 +17,19 @@ One :func:`optimize_schedule` call is a straight line:
    (:mod:`scheduler.integrate.consensus`);
 6. **install** it into ``gm`` (the ranks agree that every rank did, or all restore their graph).
 
+An answer this rank did not solve, a cache entry or the schedule another rank sent, is taken as
+a fresh candidate of this graph (:func:`_given`): validated on this graph's problem, within this
+rank's own budget and these options, written and judged, its report made on this graph; a cache
+entry that does not hold is a miss with a warning, a received schedule that does not hold
+keeps every rank's graph as traced.
+
 The report (:class:`scheduler.report.ScheduleReport`) is stored at ``gm.meta[REPORT_KEY]``:
 before and after, the written graph's figures, the candidates and the stages of the plan.
 
 Failure policy: a budget that no schedule reaches raises
 :class:`solvers.core.schedule.InfeasibleBudgetError` naming the smallest peak found (a budget
-that large admits that schedule); a solver that fails is replaced by the best start that fits
+that large admits that schedule), unless the graph as traced holds it by the counts that judge
+every candidate: then that graph is the answer, left unchanged with a note; a solver that fails is replaced by the best start that fits
 (``SolverOptions.fallback``), reported as status ``"fallback"``; on a group of ranks, a failure
 on some ranks leaves every rank's graph as traced, and a failure on all raises on all.
 """
@@ -29,26 +38,29 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 from scheduler.integrate import cache, consensus
-from scheduler.check.written import choose
+from scheduler.check.written import Candidate, choose, write_and_judge
 from scheduler.costs.family import cost_models
 from scheduler.export.dag import export_problems
 from scheduler.costs.models import Cluster, resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
-from scheduler.report import ScheduleReport, make_report
+from scheduler.report import ScheduleReport, make_report, read_provenance
 from scheduler.writeback import apply_schedule, copy_graph
 from solvers.core import (
     InfeasibleBudgetError,
     Problem,
     Schedule,
     ScheduleError,
+    ScheduleInvalidError,
     SolveResult,
     SolveStatus,
     StageRecord,
@@ -86,13 +98,10 @@ class _Answer:
         return self.schedule.digest() if self.schedule is not None else _NOTHING
 
     def to_json(self) -> dict[str, Any]:
+        """What the cache stores and the source rank sends; read back by :func:`_given`, which
+        keeps only the schedule and how it was found (:data:`scheduler.report.PROVENANCE_FIELDS`)."""
         return {"schedule": self.schedule.to_json() if self.schedule is not None else None,
                 "report": self.report.to_json()}
-
-    @staticmethod
-    def from_json(data: dict[str, Any]) -> "_Answer":
-        schedule = Schedule.from_json(data["schedule"]) if data["schedule"] is not None else None
-        return _Answer(schedule, ScheduleReport.from_json(data["report"]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,31 +147,56 @@ def optimize_schedule(
     t0 = time.perf_counter()
     group = consensus.agreement_group(agreement.group) if _is_options(agreement, AgreementOptions) and \
         agreement.enabled else None
-    src = _source_rank(group, agreement)
+    src = 0
     answer: _Answer | None = None
     problem: Problem | None = None
     exported: dict[str, Any] | None = None
     error: BaseException | None = None
+    budget: int | None = None
+    own_budget: int | None = None
+    notes: list[str] = []
+    problems: Mapping[str, Problem] = {}
     try:
-        budget = check_arguments(gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver,
-                                 agreement=agreement, writeback=writeback)
-        t_export = time.perf_counter()
-        problems = _export(gm, cost_model, cluster, solver)
-        exported = StageRecord(name="export", wall_s=time.perf_counter() - t_export).to_json()
-        problem = next(iter(problems.values())) if problems else None
-        if group is None or agreement.broadcast_from is None or _rank(group) == src:
-            answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
-                                       writeback=writeback, t0=t0)
+        budget = own_budget = check_arguments(gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver,
+                                              agreement=agreement, writeback=writeback)
+        src = _source_rank(group, agreement)
     except Exception as e:
         if group is None:
             raise
         error = e  # every rank must learn of it, or the others wait in the agreement forever
-        logger.warning("fsdp-sched: the pass failed on this rank (%s: %s)", type(e).__name__, e)
     if group is not None:
-        answer = _agree(group, src, answer, error, problem)
-    assert answer is not None
+        # the first collective of the agreement: from here to the last, a failure on this rank
+        # is told to every rank, never raised on this rank alone
+        try:
+            agreed = consensus.agree_on_budget(budget, failed=error is not None, src=src, group=group)
+            budget, notes = agreed.mem_budget_bytes, agreed.notes
+            if agreed.problem is not None and error is None:
+                error = ValueError(agreed.problem)
+        except Exception as e:
+            error = error or e
+    if error is None:
+        try:
+            t_export = time.perf_counter()
+            problems = _export(gm, cost_model, cluster, solver)
+            exported = StageRecord(name="export", wall_s=time.perf_counter() - t_export).to_json()
+            problem = next(iter(problems.values())) if problems else None
+            if group is None or agreement.broadcast_from is None or _rank(group) == src:
+                answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+                                           writeback=writeback, t0=t0)
+                answer.report.notes += notes
+        except Exception as e:
+            if group is None:
+                raise
+            error = e
+    if error is not None:
+        logger.warning("fsdp-sched: the pass failed on this rank (%s: %s)", type(error).__name__, error)
     t_install = time.perf_counter()
-    _install(gm, problem, answer, writeback, group)
+    if group is None:
+        assert answer is not None
+        _install(gm, problem, answer, writeback)
+    else:
+        answer = _agree_and_install(gm, group, src, answer, error, problems, own_budget, cost_model=cost_model,
+                                    cluster=cluster, solver=solver, writeback=writeback, t0=t0)
     # what this call spent around the answer: a cache hit costs its export and its write-back
     answer.report.stages = [*([exported] if exported is not None else []), *answer.report.stages,
                             StageRecord(name="write-back", wall_s=time.perf_counter() - t_install).to_json()]
@@ -215,7 +249,7 @@ def _export(gm: "torch.fx.GraphModule", cost_model: Any, cluster: Cluster | None
         return {}
 
 
-def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], budget: int | None, *,
+def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], budget: int | None, *,
                       cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions,
                       t0: float) -> _Answer:
     """Steps 3 and 4 of the module docstring on this rank: the schedule to install and its
@@ -230,34 +264,30 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
                                                notes=["the graph has no collectives: left unchanged"]))
     graph_key = _graph_key(problems, solver, writeback)
     key = _cache_key(graph_key, budget)
-    hit = _cached(problem, key, budget)
+    hit = _cached(gm, problems, key, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+                  writeback=writeback)
     if hit is not None:
         return hit
     # what was installed for this graph at a budget as small or smaller fits this one: a start,
     # so that more memory never gives a slower step
     smaller = tuple(s for b, s in _INSTALLED.get(graph_key, []) if budget is None or (b is not None and b <= budget))
-    result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller))
-    ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
-                                                     for i, s in enumerate(result.alternatives)]
-    t_choose = time.perf_counter()
-    chosen, judged = choose(gm, problem, ranked, budget, cost_model=cost_model, cluster=cluster,
-                            payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    try:
+        result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller))
+        ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
+                                                         for i, s in enumerate(result.alternatives)]
+        t_choose = time.perf_counter()
+        chosen, judged = choose(gm, problem, ranked, budget, cost_model=cost_model, cluster=cluster,
+                                payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    except InfeasibleBudgetError as e:
+        return _traced_answer(gm, problems, budget, e, cost_model=cost_model, cluster=cluster, solver=solver,
+                              writeback=writeback, t0=t0)
     if chosen.name != ranked[0][0]:
         notes.append(f"the search's schedule did not hold the budget on its written graph; installed {chosen.name}")
     stages = list(result.stages) + [StageRecord(name="judge", wall_s=time.perf_counter() - t_choose,
                                                 simulations=len(judged), step_ms=chosen.figures.step_ms)]
-    sim = validate_schedule(problem, chosen.schedule)
-    report = make_report(problem, simulate(problem.dag, problem.traced_schedule(), problem=problem), sim,
-                         graph_name=str(problem.dag.graph.get("name", "graph")), mem_budget_bytes=budget, t0=t0,
-                         solver=result.solver, requested=solver.solver_name, status=result.status.value,
-                         best_bound=result.best_bound_ms, notes=notes, fell_back=result.status == SolveStatus.FALLBACK,
-                         stages=tuple(stages))
-    f = chosen.figures
-    report = dataclasses.replace(
-        report, criterion=_criterion(problems, solver), cost_models=list(problems), verified=True,
-        chosen_candidate=chosen.name, reexported_step_ms=f.step_ms, reexported_peak_bytes=f.peak_bytes,
-        liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
-        verify_time_s=time.perf_counter() - t_choose, candidates=[c.summary() for c in judged])
+    report = _report(problems, chosen, judged, budget, solver=solver, found_by=result.solver,
+                     status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
+                     fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose)
     answer = _Answer(chosen.schedule, report)
     if key is not None:
         cache.store(key, answer.to_json())
@@ -265,6 +295,55 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
         _INSTALLED.setdefault(graph_key, []).append((budget, chosen.schedule))
         del _INSTALLED[graph_key][:-_INSTALLED_PER_GRAPH]
     return answer
+
+
+def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], budget: int | None,
+                   refusal: InfeasibleBudgetError, *, cost_model: Any, cluster: Any, solver: SolverOptions,
+                   writeback: WriteBackOptions, t0: float) -> _Answer:
+    """The graph as traced, when no schedule was found within ``budget`` but the traced graph
+    holds it by the counts that judge every candidate (:attr:`Figures.max_peak_bytes` of the
+    graph itself): a budget the graph itself holds is never refused, whatever count the search
+    or a written copy disagreed by. Else ``refusal`` is raised again."""
+    problem = next(iter(problems.values()))
+    t_judge = time.perf_counter()
+    traced = Candidate(name="traced", schedule=problem.traced_schedule())
+    try:
+        traced.figures = write_and_judge(gm, problem, traced.schedule, cost_model=cost_model, cluster=cluster,
+                                         payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    except (ScheduleError, ValueError, RuntimeError) as e:  # its peak unknown: the refusal stands
+        raise refusal from e
+    if budget is not None and traced.figures.max_peak_bytes > budget:
+        raise refusal
+    note = (f"no rewritten schedule was found within the budget ({refusal}); the graph as traced holds it (peak "
+            f"{fmt_bytes(traced.figures.max_peak_bytes)} by {traced.figures.decided_by}) and is left unchanged")
+    logger.warning("fsdp-sched: %s", note)
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+                          step_ms=traced.figures.step_ms)]
+    report = _report(problems, traced, [traced], budget, solver=solver, found_by="traced",
+                     status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*_fixed_collective_notes(problem), note],
+                     fell_back=True, stages=stages, t0=t0, t_judge=t_judge)
+    return _Answer(traced.schedule, report)
+
+
+def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Candidate], budget: int | None, *,
+            solver: SolverOptions, found_by: str, status: str, best_bound: float | None, notes: list[str],
+            fell_back: bool, stages: list[StageRecord], t0: float, t_judge: float,
+            criterion: str | None = None) -> ScheduleReport:
+    """The report of ``chosen`` (judged on its written graph) on this graph: every figure
+    computed here, from the schedule on this graph's problem and from its written graph."""
+    problem = next(iter(problems.values()))
+    sim = validate_schedule(problem, chosen.schedule)
+    report = make_report(problem, simulate(problem.dag, problem.traced_schedule(), problem=problem), sim,
+                         graph_name=str(problem.dag.graph.get("name", "graph")), mem_budget_bytes=budget, t0=t0,
+                         solver=found_by, requested=solver.solver_name, status=status, best_bound=best_bound,
+                         notes=notes, fell_back=fell_back, stages=tuple(stages))
+    f = chosen.figures
+    return dataclasses.replace(
+        report, criterion=criterion if criterion is not None else _criterion(problems, solver),
+        cost_models=list(problems), verified=True, chosen_candidate=chosen.name, reexported_step_ms=f.step_ms,
+        reexported_peak_bytes=f.peak_bytes, liveness_peak_bytes=f.liveness_peak_bytes,
+        tracker_peak_bytes=f.tracker_peak_bytes, verify_time_s=time.perf_counter() - t_judge,
+        candidates=[c.summary() for c in judged])
 
 
 def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptions) -> tuple[SolveResult, list[str]]:
@@ -364,20 +443,22 @@ _INSTALLED: dict[str, list[tuple[int | None, Schedule]]] = {}
 _INSTALLED_PER_GRAPH = 8
 
 
-def _cached(problem: Problem, key: str | None, budget: int | None) -> _Answer | None:
-    """The cached answer under ``key``; None on a miss or on an entry that does not fit
-    ``problem`` (ignored with a warning)."""
+def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, budget: int | None, *,
+            cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions) -> _Answer | None:
+    """The cached answer under ``key``, checked on this graph like a fresh candidate
+    (:func:`_given`); None on a miss, and with a warning naming the entry when it cannot be
+    read or does not hold on this graph, budget and options. Never raises: an entry is data
+    from disk, perhaps stale, edited by hand or of another graph."""
     t0 = time.perf_counter()
     entry = cache.load(key) if key is not None else None
     if entry is None:
         return None
     try:
-        answer = _Answer.from_json(entry)
-        if answer.schedule is not None:
-            validate_schedule(problem, answer.schedule, mem_budget_bytes=budget)
-    except (KeyError, TypeError, ValueError, ScheduleError) as e:
-        logger.warning("fsdp-sched: schedule cache entry %s ignored: it does not fit this graph (%s: %s)", key[:16],
-                       type(e).__name__, e)
+        answer = _given(gm, problems, entry, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+                        writeback=writeback, source=f"schedule cache entry {key[:16]}", t0=t0)
+    except Exception as e:  # a bad entry is a miss: the graph is solved and the entry overwritten
+        logger.warning("fsdp-sched: schedule cache entry %s ignored: it does not hold on this graph (%s: %s)",
+                       cache.entry_path(key), type(e).__name__, e)
         return None
     answer.report.cache_hit = True
     answer.report.stages = [StageRecord(name="cache", wall_s=time.perf_counter() - t0).to_json()]
@@ -385,60 +466,140 @@ def _cached(problem: Problem, key: str | None, budget: int | None) -> _Answer | 
     return answer
 
 
+def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: Any, budget: int | None, *,
+           cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions, source: str,
+           t0: float) -> _Answer:
+    """An answer this rank did not solve (a cache entry, another rank's: :meth:`_Answer.to_json`)
+    taken as a fresh candidate of this graph: its schedule validated on this graph's problem
+    within ``budget`` and these options, written on a copy and judged there, and its report made
+    here from those figures. Only how the schedule was found
+    (:data:`scheduler.report.PROVENANCE_FIELDS`, each checked) is kept from the stored report.
+
+    Raises:
+        ValueError, ScheduleError (and whatever a bad ``data`` makes fail): the answer does not
+        hold on this graph; the message says why.
+    """
+    problem = next(iter(problems.values()), None)
+    if not isinstance(data, dict):
+        raise ValueError(f"{source} is {type(data).__name__}, not a JSON object with 'schedule' and 'report'")
+    said = read_provenance(data.get("report"))
+    raw = data.get("schedule")
+    if problem is None or not problem.colls:
+        if raw is not None:
+            raise ScheduleError(f"{source} holds a schedule, and this rank's graph has no collectives to schedule; "
+                                "every rank must trace the identical graph")
+        return _Answer(None, _unchanged_report(problem, budget=budget, requested=said["requested_solver"],
+                                               notes=said["notes"]))
+    if raw is None:
+        raise ScheduleError(f"{source} holds no schedule, and this graph has {len(problem.colls)} collectives to "
+                            "schedule")
+    schedule = Schedule.from_json(raw)
+    if schedule.split_groups and solver.all_gather_stream == "shared":
+        raise ScheduleError(f"{source} puts the all-gathers of group(s) {list(schedule.split_groups)} on a second "
+                            "process group, and all_gather_stream='shared' keeps every collective on its own group")
+    try:
+        validate_schedule(problem, schedule, mem_budget_bytes=budget)
+    except ScheduleInvalidError as e:
+        raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
+    t_judge = time.perf_counter()
+    chosen = Candidate(name=said["chosen_candidate"] or said["solver"], schedule=schedule)
+    chosen.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
+                                     payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    if budget is not None and chosen.figures.max_peak_bytes > budget:
+        raise ScheduleError(f"{source}: its written graph peaks at {fmt_bytes(chosen.figures.max_peak_bytes)} "
+                            f"({chosen.figures.max_peak_bytes} B) by {chosen.figures.decided_by}, over the budget "
+                            f"{fmt_bytes(budget)} ({budget} B)")
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+                          step_ms=chosen.figures.step_ms)]
+    report = _report(problems, chosen, [chosen], budget, solver=solver, found_by=said["solver"],
+                     status=said["status"], best_bound=said["best_bound_ms"], notes=said["notes"],
+                     fell_back=said["fell_back"], stages=stages, t0=t0, t_judge=t_judge, criterion=said["criterion"])
+    report.requested_solver = said["requested_solver"]
+    return _Answer(schedule, report)
+
+
 # --------------------------------------------------------------------------------------------
 # agreement and install
 # --------------------------------------------------------------------------------------------
-def _agree(group: Any, src: int, answer: _Answer | None, error: BaseException | None,
-           problem: Problem | None) -> _Answer:
-    """One answer on every rank of ``group`` (:func:`scheduler.integrate.consensus.agree_on_schedule`):
-    this rank's, the source rank's, or the graph left as traced when any rank failed."""
-    agreed = consensus.agree_on_schedule(answer, answer.report.to_json() if answer else None, error, group=group,
-                                         src=src, decode=_Answer.from_json)
-    if agreed.action == "raise":
+def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer: _Answer | None,
+                       error: BaseException | None, problems: Mapping[str, Problem], own_budget: int | None, *,
+                       cost_model: Any, cluster: Any, solver: Any, writeback: Any, t0: float) -> _Answer:
+    """Rounds 1 and 2 of :mod:`scheduler.integrate.consensus` around the write-back: one
+    answer on every rank of ``group`` (this rank's, or the source rank's checked on this graph
+    within this rank's own budget ``own_budget``), written back on every rank, or on none.
+
+    Everything between the two rounds runs under one guard: a failure on this rank (decoding or
+    checking the received answer, writing back) is told to every rank in round 2, and every
+    rank keeps its graph as traced."""
+    problem = next(iter(problems.values()), None)
+    agreed = consensus.agree_on_schedule(answer, error, group=group, src=src)
+    if agreed.action == "raise":  # every rank failed: each raises, none waits
         if error is not None:
             raise error
         raise ScheduleError(f"rank {src} failed to solve the schedule: {agreed.failures.get(src)}")
-    if agreed.action == "skip":
-        return _Answer(None, _unchanged_report(problem, budget=None, requested="-", notes=agreed.notes))
-    chosen: _Answer = agreed.schedule
-    chosen.report.notes += agreed.notes
-    return chosen
-
-
-def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answer, writeback: WriteBackOptions,
-             group: Any) -> None:
-    """Write ``answer`` into ``gm``'s own graph (an inductor pass must change the graph it was
-    given); on a group, every rank restores its graph when any rank's write-back failed."""
-    write = answer.schedule is not None and problem is not None and \
-        answer.schedule.digest() != problem.traced_schedule().digest()
-    backup = copy_graph(gm.graph) if write and group is not None else None
-    error: BaseException | None = None
+    backup = None
+    failure: BaseException | None = agreed.error
+    chosen: _Answer | None = None
     try:
-        if answer.schedule is not None and problem is None:
-            raise ScheduleError("a schedule was agreed on but this rank's graph has no collectives to schedule; "
-                                "every rank must trace the identical graph")
-        if write:
-            apply_schedule(gm, problem, answer.schedule, payload_order=writeback.payload_order,
-                           control_deps=writeback.control_deps)
+        if failure is not None:
+            raise failure
+        if agreed.action == "skip":
+            chosen = _Answer(None, _unchanged_report(problem, budget=own_budget, requested="-", notes=agreed.notes))
+        else:
+            if agreed.adopted_from is None:
+                chosen = agreed.schedule
+            else:
+                chosen = _given(gm, problems, json.loads(agreed.received), own_budget, cost_model=cost_model,
+                                cluster=cluster, solver=solver, writeback=writeback,
+                                source=f"the schedule of rank {agreed.adopted_from}", t0=t0)
+            chosen.report.notes += agreed.notes
+            if _writes(problem, chosen):
+                backup = copy_graph(gm.graph)
+                apply_schedule(gm, problem, chosen.schedule, payload_order=writeback.payload_order,
+                               control_deps=writeback.control_deps)
     except Exception as e:
-        if group is None:
-            raise
-        error = e
-        logger.warning("fsdp-sched: writing the schedule back failed on this rank (%s: %s)", type(e).__name__, e)
-    if group is None:
-        return
-    failures = consensus.agree_on_outcome(error, group=group)
+        failure = e
+        logger.warning("fsdp-sched: taking or writing back the agreed schedule failed on this rank (%s: %s)",
+                       type(e).__name__, e)
+    failures = consensus.agree_on_outcome(failure, group=group)
     if not failures:
-        return
+        assert chosen is not None
+        return chosen
     if backup is not None:
         gm.graph = backup  # the graph as it was, on every rank (names and meta kept)
     rank = min(failures)
-    note = (f"the schedule was not written back on any rank: writing it back failed on rank(s) {sorted(failures)} "
-            f"(rank {rank}: {failures[rank]}); every rank keeps the graph as traced")
+    note = (f"the schedule was not written back on any rank: taking or writing it back failed on rank(s) "
+            f"{sorted(failures)} (rank {rank}: {failures[rank]}); every rank keeps the graph as traced")
     logger.warning("fsdp-sched: %s", note)
-    answer.schedule = None
-    answer.report = _unchanged_report(problem, budget=answer.report.mem_budget_bytes, requested=answer.report.solver,
-                                      notes=[note])
+    requested = solver.solver_name if _is_options(solver, SolverOptions) else "-"
+    try:
+        return _Answer(None, _unchanged_report(problem, budget=own_budget, requested=requested, notes=[note]))
+    except Exception:  # after the last round: this rank must return as the others do
+        return _Answer(None, _unchanged_report(None, budget=own_budget, requested=requested, notes=[note]))
+
+
+def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answer, writeback: WriteBackOptions
+             ) -> None:
+    """Write ``answer`` into ``gm``'s own graph (an inductor pass must change the graph it was
+    given), without a process group to agree with."""
+    if _writes(problem, answer):
+        apply_schedule(gm, problem, answer.schedule, payload_order=writeback.payload_order,
+                       control_deps=writeback.control_deps)
+
+
+def _writes(problem: Problem | None, answer: _Answer) -> bool:
+    """Whether installing ``answer`` changes the graph.
+
+    Raises:
+        ScheduleError: a schedule for a graph without collectives (the ranks traced different
+            graphs).
+    """
+    if answer.schedule is None:
+        return False
+    if problem is None:
+        raise ScheduleError("a schedule was agreed on but this rank's graph has no collectives to schedule; "
+                            "every rank must trace the identical graph")
+    return answer.schedule.digest() != problem.traced_schedule().digest()
 
 
 def _unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]
@@ -470,7 +631,11 @@ def _source_rank(group: Any, agreement: Any) -> int:
 
     if not 0 <= agreement.broadcast_from < dist.get_world_size():
         return 0
-    return dist.get_group_rank(group, agreement.broadcast_from)
+    try:
+        return dist.get_group_rank(group, agreement.broadcast_from)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"broadcast_from={agreement.broadcast_from} is not a rank of the agreement group "
+                         f"({type(e).__name__}: {e}); name a global rank of AgreementOptions.group") from None
 
 
 def _rank(group: Any) -> int:

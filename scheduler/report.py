@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
 from solvers.core.problem import Problem
-from solvers.core.schedule import Schedule
+from solvers.core.schedule import Schedule, SolveStatus
 from solvers.core.simulator import SimResult
 from solvers.core.units import fmt_bytes, fmt_ms
 
@@ -212,6 +213,45 @@ class ScheduleReport:
             lines.append(f"  costs: {g['coll_type']} on group {g['group_name']} ({g['group_size']} ranks, "
                          f"{g['nodes']} node(s)) has no measured row: priced by the fallback model")
         return lines
+
+
+#: report fields that say how a schedule was found, kept when the schedule is taken from the
+#: schedule cache or from another rank (:func:`read_provenance`); every other field describes a
+#: graph and is computed again on the graph the schedule is installed in
+PROVENANCE_FIELDS = ("solver", "requested_solver", "status", "best_bound_ms", "fell_back", "notes", "criterion",
+                     "chosen_candidate")
+
+
+def read_provenance(data: Any) -> dict[str, Any]:
+    """The :data:`PROVENANCE_FIELDS` of a report read back as JSON (a cache entry's, another
+    rank's), each checked: what is read here is later formatted and compared.
+
+    Raises:
+        ValueError: ``data`` is not a JSON object, or a field is missing or of the wrong type
+            (the message names it).
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"the report is {type(data).__name__}, not a JSON object")
+    checks = {
+        "solver": ("a string", lambda v: isinstance(v, str)),
+        "requested_solver": ("a string", lambda v: isinstance(v, str)),
+        "status": (f"one of {[s.value for s in SolveStatus]}", lambda v: v in {s.value for s in SolveStatus}),
+        "best_bound_ms": ("a finite number >= 0 (ms)", lambda v: isinstance(v, (int, float))
+                          and not isinstance(v, bool) and math.isfinite(v) and v >= 0),
+        "fell_back": ("true or false", lambda v: isinstance(v, bool)),
+        "notes": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)),
+        "criterion": ("a string", lambda v: isinstance(v, str)),
+        "chosen_candidate": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    }
+    out = {}
+    for name in PROVENANCE_FIELDS:
+        accepted, valid = checks[name]
+        if name not in data:
+            raise ValueError(f"the report has no field {name!r} ({accepted})")
+        if not valid(data[name]):
+            raise ValueError(f"the report's field {name!r} is {data[name]!r:.60}; expected {accepted}")
+        out[name] = list(data[name]) if name == "notes" else data[name]
+    return out
 
 
 def _fmt_opt_bytes(n: int | None) -> str:

@@ -11,6 +11,7 @@ Graphs: llama3-debug (1 and 2 blocks) on 4 fake ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -128,6 +129,57 @@ def test_returned_graph_is_the_judged_one(llama):
     assert [c["name"] for c in report.candidates][-1] == report.chosen_candidate
     assert all(c["dropped"] is not None for c in report.candidates[:-1])
 
+
+
+def test_the_traced_candidate_is_the_graph_itself_judged_as_it_is(backward, monkeypatch):
+    """Every written copy of the graph counts a little more memory than the graph (the count
+    disagreement that refused a budget equal to a torchtitan backward's own peak): a budget equal
+    to the graph's own peak by the counts that judge candidates still chooses the traced order,
+    which is the graph itself, judged as it is."""
+    import scheduler.check.written as written
+
+    gm, problem, fsdp2, _, traced = backward
+    real = written.judge_graph
+
+    def judge(graph, *args):
+        figures = real(graph, *args)
+        return figures if graph is gm else dataclasses.replace(
+            figures, liveness_peak_bytes=figures.liveness_peak_bytes + (16 << 20))
+
+    monkeypatch.setattr(written, "judge_graph", judge)
+    chosen, candidates = choose(gm, problem, [("fsdp2", fsdp2)], traced.max_peak_bytes, **WRITE)
+    assert chosen.name == "traced" and chosen.figures.max_peak_bytes == traced.max_peak_bytes
+    assert candidates[0].dropped is not None
+
+
+def test_a_budget_the_traced_graph_holds_is_never_refused_when_the_search_finds_none(llama, monkeypatch):
+    """The search's count says no schedule fits (its export counts 16 MiB more than the graph
+    holds, as a count disagreement would) while the traced graph holds the budget by the
+    counts that judge every candidate: the graph as traced is the answer, installed unchanged
+    with a note and status "fallback", never an error. Below the traced graph's own peak the
+    refusal stands."""
+    import scheduler.export.dag as dag_module
+
+    gm0 = llama.backward
+    own = judge_graph(gm0).max_peak_bytes
+    real = dag_module.export_dag
+
+    def over_counting(graph, **kw):
+        dag = real(graph, **kw)
+        first_input = next(n for n, a in dag.nodes(data=True) if a["kind"] == "input" and not a["releasable"])
+        dag.nodes[first_input]["size_bytes"] += 16 << 20
+        return dag
+
+    monkeypatch.setattr(dag_module, "export_dag", over_counting)
+    gm = copy.deepcopy(gm0)
+    optimize_schedule(gm, own, cost_model="analytic", agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
+    report = gm.meta[REPORT_KEY]
+    assert graph_digest(gm) == graph_digest(gm0) and judge_graph(gm).max_peak_bytes <= own
+    assert report.status == "fallback" and report.fell_back and report.chosen_candidate == "traced"
+    assert any("left unchanged" in n for n in report.notes)
+    with pytest.raises(InfeasibleBudgetError):
+        optimize_schedule(copy.deepcopy(gm0), own - 1, cost_model="analytic", agreement=ALONE,
+                          solver=SolverOptions(time_limit_s=1.0))
 
 # --------------------------------------------------------------------------------------------
 # the cost models

@@ -231,6 +231,46 @@ def test_nccl_tests_without_a_rank_list_needs_the_group(tmp_path):
         read_nccl_tests(nameless, group_size=8, nodes=1)
 
 
+
+def test_a_log_of_two_programs_reads_each_run_as_its_own_collective(tmp_path):
+    """reduce_scatter_perf's output followed by all_gather_perf's in one file (as people paste
+    them): each run is its own collective, with its own sizes, times and input bytes."""
+    hosts = ["gpu-node-017", "gpu-node-018"]
+    path = tmp_path / "both.log"
+    path.write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum")
+                    + nccl_tests_stdout("all_gather_perf", 16, hosts, AG_RESULTS))
+    model = TableCostModel.from_file(path, cluster=H100)
+    assert model.collectives.keys() == [("all_gather", 16, 2), ("reduce_scatter", 16, 2)]
+    group = GroupInfo("dp", 16, tuple(range(16)))
+    for size, t_us in AG_RESULTS:
+        assert model.collective_ms("all_gather", size // 16, group) == pytest.approx(t_us / 1e3, rel=1e-9)
+    for size, t_us in RS_RESULTS:
+        assert model.collective_ms("reduce_scatter", size, group) == pytest.approx(t_us / 1e3, rel=1e-9)
+
+
+def test_a_log_of_two_programs_with_one_collective_named_is_refused(tmp_path):
+    """``collective=`` names one collective: a file of two runs is refused, naming the line where
+    the second run starts, rather than read as one."""
+    text = (nccl_tests_stdout("reduce_scatter_perf", 8, ["n1"], RS_RESULTS[:2], redop="sum")
+            + nccl_tests_stdout("all_gather_perf", 8, ["n1"], AG_RESULTS[:2]))
+    second = next(i for i, ln in enumerate(text.splitlines()) if "starting: all_gather_perf" in ln) + 1
+    with pytest.raises(CostTableError, match=rf"log:{second}\b.*all_gather_perf"):
+        read_nccl_tests(text, "log", collective="reduce_scatter")
+
+
+def test_a_result_line_cut_short_is_named(tmp_path):
+    """The last result line of a log cut mid-write ("... -1  54" where the run printed 5461.3)
+    has too few columns: refused naming the line, never read as 0.054 ms."""
+    text = nccl_tests_stdout("all_gather_perf", 8, ["n1"], AG_RESULTS[:3])
+    lines = text.splitlines()
+    cut = next(i for i, ln in enumerate(lines) if ln.strip().startswith(str(256 * MiB)))
+    lines[cut] = lines[cut][:lines[cut].index("5461.3") + 2]
+    path = tmp_path / "cut.log"
+    path.write_text("\n".join(lines[:cut + 1]))
+    with pytest.raises(CostTableError, match=rf"{path}:{cut + 1}: .*6 fields.*13"):
+        TableCostModel.from_file(path)
+
+
 # --- bad files ----------------------------------------------------------------------------------
 HEADER = "collective,group_size,nodes,input_bytes,ms"
 
@@ -318,6 +358,41 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
         assert report.cost_coverage["fallback_groups"] == fallback
     assert simulate(export_dag(copy.deepcopy(gm0), cost_model=f"table:{full}")).step_ms > 2 * simulate(analytic).step_ms
 
+
+
+def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tmp_path, caplog):
+    """A table measured on 16 ranks over 2 nodes prices none of a graph whose group is 4 ranks on
+    one node: once per optimisation (not once per candidate judged), a WARNING says how much it
+    priced, what the file has and what the graph needs. A table of the graph's own group is
+    silent."""
+    import copy
+    import logging
+
+    from test_writeback import toy_graph
+
+    from scheduler import SolverOptions, export_dag, optimize_schedule
+
+    hosts = ["gpu-node-017", "gpu-node-018"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ag.log").write_text(nccl_tests_stdout("all_gather_perf", 16, hosts, AG_RESULTS))
+    (other / "rs.log").write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum"))
+    gm0 = toy_graph(group_name, 4)
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{other}", solver=SolverOptions(time_limit_s=1))
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    message = record.getMessage()
+    assert str(other) in message and "0 of 5 collectives" in message
+    assert "16 ranks over 2 nodes" in message and "4 ranks over 1 node" in message
+
+    own = tmp_path / "own.csv"
+    payloads = {a["coll_type"]: a["payload_bytes"] for _, a in export_dag(gm0).nodes(data=True)
+                if a["kind"] == "collective"}
+    own.write_text("\n".join([HEADER] + [f"{c},4,1,{b},0.5" for c, b in payloads.items()]) + "\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{own}", solver=SolverOptions(time_limit_s=1))
+    assert not [r for r in caplog.records if r.name == "scheduler.costs.models"]
 
 def test_inductor_pass_cache_key_follows_the_table_file(csv_path):
     """The inductor pass's uuid (the key of inductor's FX graph cache) changes when the table

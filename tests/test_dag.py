@@ -355,6 +355,11 @@ CORRUPTIONS: list[tuple[str, object, str]] = _generated_corruptions() + [
     ("comm_model-unknown-entry-attribute", _comm("all_gather", "gamma_ms", 1.0), "gamma_ms"),
     # other graph attributes
     ("process_groups-size-negative", lambda d: d["graph"]["process_groups"][_group(d)].update(size=-1), "size"),
+    ("process_groups-size-zero", lambda d: d["graph"]["process_groups"][_group(d)].update(size=0), "size"),
+    ("group_size-zero", _set(AG, "group_size", 0), "group_size"),
+    ("group_size-not-its-groups", lambda d: _node(d, AG).update(group_size=_node(d, AG)["group_size"] + 1),
+     "group_size"),
+    ("process_groups-ranks-not-size", lambda d: d["graph"]["process_groups"][_group(d)].update(ranks=[0]), "ranks"),
     ("process_groups-ranks-string", lambda d: d["graph"]["process_groups"][_group(d)].update(ranks="0-3"), "ranks"),
     ("cluster-missing", lambda d: d["graph"].pop("cluster"), "cluster"),
     ("cluster-n_gpus-string", lambda d: d["graph"]["cluster"].update(n_gpus="64"), "n_gpus"),

@@ -233,6 +233,31 @@ def test_measure_writes_a_table_on_a_gloo_group(tmp_path, world_size):
     _assert_no_children_left()
 
 
+
+def _measure_into_body(rank: int, world_size: int, out: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from scheduler.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["-q", "measure", "--out", out, "--sizes", "4KiB", "--repeats", "1", "--warmup", "1",
+                       "--collectives", "all_gather"])
+    return status, err.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_table_that_cannot_be_written_is_one_line_and_exit_2_on_every_rank():
+    """``--out /dev/full`` (every write fails: no space left): every rank ends with status 2 and
+    one line naming the file; none raises, none waits for a rank that failed."""
+    per_rank = run_multiprocess(_measure_into_body, 2, "/dev/full", timeout_s=120)
+    for status, err in per_rank:
+        lines = [ln for ln in err.splitlines() if ln.startswith("fsdp-sched")]
+        assert status == 2 and len(lines) == 1 and "/dev/full" in lines[0], per_rank
+    _assert_no_children_left()
+
 @pytest.mark.slow
 def test_measure_under_torchrun_initialises_its_own_group(tmp_path):
     """Launched by torchrun (no group initialised): the command makes a gloo group from the

@@ -232,6 +232,53 @@ def test_a_bad_trace_says_why(tmp_path, content, needle):
         resolve_cost_model(f"profile:{path}")
 
 
+
+@pytest.mark.parametrize("event, needle", [
+    ({**_op("aten::mm", 0, 30), "dur": "30"}, "'dur'"),
+    ({**_op("aten::mm", 0, 30), "ts": [0]}, "'ts'"),
+    ({**_op("aten::mm", 0, 30), "args": [1, 2]}, "'args'"),
+    ({**_op("aten::mm", 0, 30), "name": ["aten::mm"]}, "'name'"),
+    ({"name": "gloo:all_gather", "ph": "X", "ts": 0, "dur": "5", "args": {}}, "'dur'"),
+    ({"name": "gloo:all_gather", "ph": "X", "ts": 0, "dur": 5, "args": [1]}, "'args'"),
+    (7, "not an event object"),
+])
+def test_a_malformed_event_names_the_file_and_the_event(tmp_path, event, needle):
+    """An event torch.profiler would never write (a duration as a string, args as a list, ...)
+    is the library's error naming the file and the event, not a TypeError from deep inside."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"traceEvents": [_op("aten::mm", 0, 30, dims=((4, 4), (4, 4))), event]}))
+    for read in (lambda: ProfileTrace(path), lambda: resolve_cost_model(f"profile:{path}")):
+        with pytest.raises(ProfileTraceError) as info:
+            read()
+        assert str(path) in str(info.value) and "traceEvents[1]" in str(info.value) and needle in str(info.value)
+
+
+def test_a_deeply_nested_trace_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"traceEvents": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ProfileTraceError, match=f"{path}.*nested too deeply"):
+        ProfileTrace(path)
+
+
+def test_a_profile_of_another_model_warns_how_much_it_priced(group_name, tmp_path, caplog):
+    """A trace of other shapes prices none of the graph's compute: a WARNING says so (0 % of
+    compute time matched), naming the file and the largest nodes it did not price."""
+    import copy
+    import logging
+
+    from test_writeback import toy_graph
+
+    from scheduler import SolverOptions, optimize_schedule
+
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"traceEvents": [_op("aten::mm", 0, 30, dims=((3, 5), (5, 7)))]}))
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+        optimize_schedule(copy.deepcopy(toy_graph(group_name, 4)), None, cost_model=f"profile:{path}",
+                          solver=SolverOptions(time_limit_s=1))
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    message = record.getMessage()
+    assert str(path) in message and "0.0% of compute time" in message and "mm" in message
+
 def test_a_missing_trace_is_named(tmp_path):
     with pytest.raises(ValueError, match="no such trace file"):
         resolve_cost_model(f"profile:{tmp_path / 'nope.json'}")

@@ -79,7 +79,8 @@ def judge_graph(gm: "torch.fx.GraphModule", cost_model: Any = None, cluster: Any
     take its liveness peak. ``split_groups``: groups whose all-gathers the installed graph will
     run on a second group (:attr:`Schedule.split_groups`), priced so although ``gm`` keeps them
     on their group."""
-    problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster))
+    # the traced graph's export said what the cost model priced from its data
+    problem = Problem.from_dag(export_dag(gm, cost_model=cost_model, cluster=cluster, coverage_check=None))
     sim = simulate(problem.dag, problem.traced_schedule().with_split(split_groups), problem=problem)
     return Figures(step_ms=sim.step_ms, peak_bytes=sim.peak_bytes, liveness_peak_bytes=liveness_peak(gm),
                    tracker_peak_bytes=sim.tracker_peak_bytes, n_collectives=sim.n_collectives,
@@ -130,11 +131,14 @@ def write_and_judge(gm: "torch.fx.GraphModule", problem: Problem, schedule: Sche
     """``schedule`` written back on a copy of ``gm`` (without control dependencies: a pinned
     graph cannot be re-exported, and pins change no order; all-gathers left on their group: a
     second group is made only at install, :func:`scheduler.writeback.second_group`) and judged
-    there, its split groups priced as split."""
+    there, its split groups priced as split. The traced order is ``gm`` itself, judged as it is
+    (nothing written, no copy): installing it changes nothing, so its figures are the graph's
+    own peak by the counts that judge every candidate."""
+    if schedule.digest() == problem.traced_schedule().digest():
+        return judge_graph(gm, cost_model, cluster)
     written = copy_module(gm)
-    if schedule.digest() != problem.traced_schedule().digest():
-        apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False,
-                       move_all_gathers=False)
+    apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False,
+                   move_all_gathers=False)
     return judge_graph(written, cost_model, cluster, schedule.split_groups)
 
 

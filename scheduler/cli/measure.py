@@ -14,6 +14,7 @@ else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -91,16 +92,34 @@ def cmd_measure(args: argparse.Namespace) -> int:
             rows += table.rows
         # every rank has its own groups' tables; rank 0 writes its own
         table = CollectiveTable(rows)
+        failure = [_write_table(table, args.out) if dist.get_rank() == 0 else None]
+        # in place of a barrier: every rank learns whether the table was written, so that a
+        # rank 0 that could not write it is not the only one to stop
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise CliError(failure[0])
         if dist.get_rank() == 0:
-            text = table.to_csv(args.out)
             if not args.quiet:
-                print(text, end="")
+                print(table.to_csv(), end="")
             print(f"wrote {args.out} ({sum(len(p) for p in table.points.values())} rows)")
-        dist.barrier()
     finally:
         if owned:
             dist.destroy_process_group()
     return 0
+
+
+def _write_table(table: CollectiveTable, out: str) -> str | None:
+    """Write ``table`` to ``out``; None when written, else the line that says why not (a
+    partial regular file is removed: a CSV cut inside a number would read as another time)."""
+    try:
+        table.to_csv(out)
+    except OSError as e:
+        path = Path(out)
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                path.unlink()
+        return f"cannot write the table to {out}: {e.strerror or e}; give --out a file on a writable disk with space"
+    return None
 
 
 def _groups(mesh: tuple[int, ...] | None, world: int) -> list:

@@ -52,6 +52,7 @@ import networkx as nx
 
 from scheduler.costs.tables import CollectiveTable, CostTableError
 from scheduler.costs.profiles import ProfileTrace, ProfileTraceError
+from solvers.core.units import fmt_ms
 
 if TYPE_CHECKING:
     import torch.fx
@@ -450,6 +451,27 @@ def torch_nccl_topology(cluster: Cluster, group: GroupInfo) -> Any:
     return stack
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoverageCheck:
+    """When a cost model that prices from its own data (a measured table, a profile) priced too
+    little of a graph from it, :func:`annotate_costs` logs a WARNING saying how much it priced
+    and why the rest was left to its fallback: the process groups (size, nodes) the graph needs
+    and those the data has, or the largest compute nodes it did not price. A file measured on
+    other groups or profiled from another model otherwise falls back to the analytic model in
+    silence (only the report's ``cost_coverage`` shows it)."""
+
+    #: least share of the graph's collectives (by count) the data must price
+    min_collective_share: float = 0.5
+    #: least share of the graph's compute time the data must price
+    min_compute_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("min_collective_share", "min_compute_share"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name}={value!r} must be a share in [0, 1]")
+
+
 class TableCostModel:
     """User-supplied costs: measured collective times, a compute table and/or callables.
 
@@ -563,6 +585,11 @@ class TableCostModel:
             return said
         return bool(said)
 
+    def collective_keys(self) -> list[tuple[str, int, int]]:
+        """(collective, group size, nodes) of every key the measured data holds (for messages)."""
+        own = self.collectives.keys() if self.collectives is not None else []
+        return sorted({*own, *(_ask(self._fallback, "collective_keys") or ())})
+
 
 class ProfileCostModel:
     """Compute times from a torch.profiler trace of one training step.
@@ -638,6 +665,14 @@ class ProfileCostModel:
         if self.collectives and self.trace.has_collectives(coll_type):
             return True
         return _ask(self._fallback, "collective_matched", coll_type, group)
+
+    def collective_keys(self) -> list[tuple[str, int, int]]:
+        """The fallback's measured keys (the trace's collectives name no group)."""
+        return list(_ask(self._fallback, "collective_keys") or ())
+
+
+def _ranks_over(size: int, nodes: int) -> str:
+    return f"{size} ranks over {nodes} node{'s' if nodes != 1 else ''}"
 
 
 def _ask(model: Any, method: str, *args: Any) -> Any:
@@ -833,8 +868,13 @@ def annotate_costs(
     cluster: Cluster,
     *,
     fx_nodes: Mapping[str, Any] | None = None,
+    coverage_check: CoverageCheck | None = None,
 ) -> nx.DiGraph:
     """Put ``runtime_ms`` on every node and the bucket cost model on the graph (in place).
+
+    With ``coverage_check``, a model that priced less of the graph from its own data than the
+    check's shares is named in a WARNING (:class:`CoverageCheck`); None: no check (a graph
+    exported again after a write-back, whose coverage was checked on the traced one).
 
     Also prices merged collectives, per (collective type, process group): the line
     ``alpha + beta * payload`` through the model's times at the smallest and at the summed
@@ -895,6 +935,9 @@ def annotate_costs(
         dag.graph.pop("cost_coverage", None)
     else:
         dag.graph["cost_coverage"] = summary
+    if coverage_check is not None:
+        for line in coverage.shortfalls(coverage_check, getattr(cost_model, "name", type(cost_model).__name__)):
+            logger.warning("fsdp-sched: %s", line)
     return dag
 
 
@@ -906,6 +949,7 @@ class _Coverage:
 
     def __init__(self, cost_model: CostModel, cluster: Cluster):
         self.cluster = cluster
+        self._model = cost_model
         self._compute = getattr(cost_model, "compute_matched", None)
         self._collective = getattr(cost_model, "collective_matched", None)
         self.compute_ms = 0.0
@@ -913,6 +957,11 @@ class _Coverage:
         self.compute_said = False
         self.collective_said = False
         self.fallback_groups: dict[tuple[str, str], dict[str, Any]] = {}
+        #: collectives the model said of, and those it priced from its data
+        self.n_collectives = 0
+        self.n_matched = 0
+        #: (ms, node name, target) of compute nodes the fallback priced
+        self.unmatched: list[tuple[float, str, str]] = []
 
     def compute(self, attrs: Mapping[str, Any], fx_node: Any, runtime_ms: float) -> None:
         self.compute_ms += runtime_ms
@@ -921,16 +970,45 @@ class _Coverage:
             self.compute_said = True
             if said:
                 self.matched_ms += runtime_ms
+            else:
+                self.unmatched.append((runtime_ms, str(attrs.get("name")), str(attrs.get("target"))))
 
     def collective(self, coll_type: str, group: GroupInfo) -> None:
         said = self._collective(coll_type, group) if callable(self._collective) else None
         if said is None:
             return
         self.collective_said = True
+        self.n_collectives += 1
+        self.n_matched += bool(said)
         if not said:
             self.fallback_groups.setdefault((group.name, coll_type), {
                 "group_name": group.name, "coll_type": coll_type, "group_size": group.size,
                 "nodes": group.n_nodes(self.cluster)})
+
+    def shortfalls(self, check: CoverageCheck, model_name: str) -> list[str]:
+        """One line per share below ``check``'s: how much the model priced from its data and
+        why it priced no more."""
+        lines = []
+        if self.collective_said and self.n_matched < check.min_collective_share * self.n_collectives:
+            needs = "; ".join(f"{g['coll_type']} on group {g['group_name']!r}: {_ranks_over(g['group_size'], g['nodes'])}"
+                              for g in self.fallback_groups.values())
+            keys = _ask(self._model, "collective_keys") or []
+            has = "; ".join(f"{c} on {_ranks_over(n, nodes)}" for c, n, nodes in keys) or "no collective rows"
+            lines.append(
+                f"cost model {model_name!r} priced {self.n_matched} of {self.n_collectives} collectives "
+                f"({self.n_matched / self.n_collectives:.0%}) from its data, less than "
+                f"CoverageCheck.min_collective_share {check.min_collective_share:.0%}; its fallback prices the "
+                f"rest. The graph needs {needs}; the data has {has}: measure the table on the job's own "
+                "groups (fsdp-sched measure)")
+        share = self.matched_ms / self.compute_ms if self.compute_ms > 0 else None
+        if self.compute_said and share is not None and share < check.min_compute_share:
+            largest = sorted(self.unmatched, reverse=True)[:3]
+            lines.append(
+                f"cost model {model_name!r} priced {share:.1%} of compute time from its data, less than "
+                f"CoverageCheck.min_compute_share {check.min_compute_share:.0%}; its fallback prices the rest. "
+                f"Not priced, the largest: {', '.join(f'{n} ({t}, {fmt_ms(ms)})' for ms, n, t in largest)}: "
+                "was the profile recorded from this model, at these shapes, with record_shapes=True?")
+        return lines
 
     def summary(self) -> dict[str, Any] | None:
         """``cost_coverage`` of the DAG: ``compute_ms`` (all compute), ``compute_matched_ms``

@@ -89,21 +89,27 @@ class ProfileTrace:
         from torch._inductor.fx_passes.profile_guided_estimation import ProfileData
 
         self.path = Path(path)
-        data = _load_json(self.path)
-        events = data.get("traceEvents")
-        if not isinstance(events, list):
-            raise ProfileTraceError(f"{self.path}: not a Chrome trace (no 'traceEvents' list); export it with "
-                                    "torch.profiler's prof.export_chrome_trace(path)")
-        self.device = "gpu" if any(isinstance(e, dict) and e.get("cat") == "kernel" for e in events) else "cpu"
+        events = _trace_events(self.path)
+        self.device = "gpu" if any(e.get("cat") == "kernel" for e in events) else "cpu"
         self.host_time = False
         self._data = ProfileData()
         if self.device == "gpu":
             # torch's parser: each CPU op timed by the kernels launched under it
-            self._data.load(str(self.path))
+            try:
+                self._data.load(str(self.path))
+            except Exception as e:  # the events are checked; what torch's parser refuses besides is named here
+                raise ProfileTraceError(f"{self.path}: torch's trace parser cannot read it ({type(e).__name__}: {e}); "
+                                        "give the Chrome trace torch.profiler exports, unedited") from None
         else:
             self.host_time = True if host_time is None else bool(host_time)
-            for ev, us in _cpu_op_times(events, self.host_time):
-                self._data._parse_op(str(ev.get("name", "")), ev.get("args") or {}, us)
+            for i, ev, us in _cpu_op_times(events, self.host_time):
+                try:
+                    self._data._parse_op(ev.get("name", ""), ev.get("args") or {}, us)
+                except Exception as e:  # torch's parser reads the shapes and types in args
+                    raise ProfileTraceError(
+                        f"{self.path}: traceEvents[{i}] ({_show(ev.get('name'))}): torch's op parser cannot read its "
+                        f"args ({type(e).__name__}: {e}); give the Chrome trace torch.profiler exports, unedited"
+                    ) from None
             self._data._build_indices()
         self.n_ops = len(self._data.ops)
         if self.n_ops == 0:
@@ -118,8 +124,7 @@ class ProfileTrace:
         if self.device == "cpu":
             runs = [self._runs]
             for peer in peer_traces:
-                peer_events = _load_json(Path(peer)).get("traceEvents")
-                runs.append(_gloo_runs(peer_events if isinstance(peer_events, list) else []))
+                runs.append(_gloo_runs(_trace_events(Path(peer))))
             self._collectives = _collective_times(runs, self.path)
         by_shapes: dict[tuple, list[float]] = defaultdict(list)
         for rec in self._data.ops:
@@ -231,14 +236,15 @@ def _is_wait(name: str) -> bool:
     return name.endswith("wait_tensor") or name.endswith("::wait")
 
 
-def _cpu_op_times(events: list[Any], host_time: bool) -> list[tuple[dict[str, Any], float]]:
-    """Every CPU op event with the time (us) it is charged: its duration, plus with
-    ``host_time`` the host time after it up to the next op under the same parent (see the
-    module docstring)."""
+def _cpu_op_times(events: list[Any], host_time: bool) -> list[tuple[int, dict[str, Any], float]]:
+    """Every CPU op event, with its index in ``events`` and the time (us) it is charged: its
+    duration, plus with ``host_time`` the host time after it up to the next op under the same
+    parent (see the module docstring)."""
+    index = {id(e): i for i, e in enumerate(events)}
     ops = [e for e in events if isinstance(e, dict) and e.get("cat") == "cpu_op" and (e.get("dur") or 0) > 0
            and isinstance(e.get("ts"), (int, float))]
     if not host_time:
-        return [(e, float(e["dur"])) for e in ops]
+        return [(index[id(e)], e, float(e["dur"])) for e in ops]
     charged = {id(e): float(e["dur"]) for e in ops}
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for e in ops:
@@ -264,7 +270,49 @@ def _cpu_op_times(events: list[Any], host_time: bool) -> list[tuple[dict[str, An
                 nxt = ops_at_level[i + 1]["ts"] if i + 1 < len(ops_at_level) else parent_end
                 blocked = sum(w["dur"] for w in waits if end <= w["ts"] < nxt)
                 charged[id(k)] += max(0.0, nxt - end - blocked)
-    return [(e, charged[id(e)]) for e in ops]
+    return [(index[id(e)], e, charged[id(e)]) for e in ops]
+
+
+#: event fields this module reads, and what torch.profiler writes in them
+_EVENT_FIELDS = {"name": ("a string", lambda v: isinstance(v, str)),
+                 "cat": ("a string", lambda v: isinstance(v, str)),
+                 "ts": ("a number (us)", lambda v: _is_number(v)),
+                 "dur": ("a number (us)", lambda v: _is_number(v)),
+                 "args": ("an object", lambda v: isinstance(v, dict))}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _trace_events(path: Path) -> list[dict[str, Any]]:
+    """The ``traceEvents`` of the Chrome trace in ``path``, each an object whose fields this
+    module reads have the types torch.profiler writes: what is read later never meets a value
+    it cannot compare or index.
+
+    Raises:
+        ProfileTraceError: the file cannot be read, is not a Chrome trace, or an event is
+            malformed (the message names the file, the event and the field).
+    """
+    events = _load_json(path).get("traceEvents")
+    if not isinstance(events, list):
+        raise ProfileTraceError(f"{path}: not a Chrome trace (no 'traceEvents' list); export it with "
+                                "torch.profiler's prof.export_chrome_trace(path)")
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ProfileTraceError(f"{path}: traceEvents[{i}] is not an event object but {_show(e)}; give the "
+                                    "Chrome trace torch.profiler exports, unedited")
+        for field, (accepted, valid) in _EVENT_FIELDS.items():
+            if field in e and not valid(e[field]):
+                raise ProfileTraceError(
+                    f"{path}: traceEvents[{i}] ({_show(e.get('name'))}) has {field!r} {_show(e[field])}; expected "
+                    f"{accepted}, as torch.profiler writes it")
+    return events
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -279,6 +327,9 @@ def _load_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ProfileTraceError(f"{path}: not JSON (line {e.lineno}, column {e.colno}: {e.msg}); give the "
                                 "Chrome trace that torch.profiler exports") from None
+    except RecursionError:
+        raise ProfileTraceError(f"{path}: its JSON is nested too deeply to be a Chrome trace; give the trace "
+                                "torch.profiler exports") from None
     if not isinstance(data, dict):
         raise ProfileTraceError(f"{path}: not a Chrome trace (a JSON {type(data).__name__}, not an object)")
     return data

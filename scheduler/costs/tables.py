@@ -298,6 +298,15 @@ _NCCL_DATA = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\w+)\s+(\S+)\s+(-?\d+)\s+([0-9.eE
 #: "#  Rank  3 Group  0 Pid  4242 on    node-1 device  3 [0000:1b:00] NVIDIA H100 80GB HBM3"
 _NCCL_RANK = re.compile(r"^#\s*Rank\s+(\d+)\s+Group\s+(\d+)\s+Pid\s+(\d+)\s+on\s+(\S+)\s+device", re.M)
 _NCCL_PROGRAM = re.compile(r"\b(" + "|".join(NCCL_TESTS_PROGRAMS) + r")\b")
+#: the first line of a run: "# Collective test starting: all_gather_perf" (nccl-tests 2.11 on),
+#: else its parameter line "# nThread 1 nGpus 1 minBytes ..."
+_NCCL_RUN_START = re.compile(r"^\s*#\s*Collective test starting:\s*(\S+)")
+_NCCL_PARAMETERS = re.compile(r"^\s*#\s*nThread\b")
+#: the column header of the result table: "#  size  count  type  redop  root  time  algbw ..."
+_NCCL_COLUMNS = re.compile(r"^\s*#\s*size\s+count\s+type\b")
+#: columns of a result line without a column header: size, count, type, redop, root, then
+#: time, algbw, busbw, #wrong out of place and again in place
+NCCL_TESTS_COLUMNS = 13
 #: launcher prefixes such as mpirun's --tag-output ("[1,0]<stdout>:")
 _LAUNCHER_PREFIX = re.compile(r"^\[[^\]]*\]<stdout>:", re.M)
 
@@ -310,14 +319,17 @@ def read_nccl_tests(
     group_size: int | None = None,
     nodes: int | None = None,
 ) -> list[CollectiveRow]:
-    """Rows of the stdout of one nccl-tests run.
+    """Rows of the stdout of nccl-tests runs: one run, or several one after the other (the
+    output of ``reduce_scatter_perf`` followed by that of ``all_gather_perf``, as people paste
+    them), each read as its own collective. A run starts at its "# Collective test starting:
+    PROGRAM" line (nccl-tests 2.11 on), else at its "# nThread ..." parameter line.
 
-    The program (hence the collective) is read from the output ("# Collective test starting:
-    all_gather_perf", or any mention of the program, such as the command line saved with it)
-    unless ``collective`` is given. The group is every rank the run lists under "# Using
-    devices" ("#  Rank  r Group g Pid p on HOST device d ..."): ``group_size`` is how many
-    ranks, ``nodes`` how many distinct hosts; give them when the list is missing or was cut
-    ("..." when a process drives many GPUs).
+    A run's program (hence its collective) is read from its starting line, else from any
+    mention of a program in it (such as the command line saved with it), unless
+    ``collective`` is given (then the text must hold one run). The group is every rank the run
+    lists under "# Using devices" ("#  Rank  r Group g Pid p on HOST device d ..."):
+    ``group_size`` is how many ranks, ``nodes`` how many distinct hosts; give them when the
+    list is missing or was cut ("..." when a process drives many GPUs).
 
     Each result line gives the out-of-place time (us; functional collectives write a new
     output tensor). Its ``size`` column is ``max(send bytes, receive bytes)`` of one rank
@@ -330,44 +342,87 @@ def read_nccl_tests(
     - ``all_reduce_perf``: ``size``;
     - ``alltoall_perf``: ``size`` (the whole send buffer, ``size / group_size`` to each peer).
 
-    Rows of a dtype sweep (``-d all``) share sizes: their times are merged to the median.
+    A result line must have every column of the run's column header
+    (:data:`NCCL_TESTS_COLUMNS` without one): a line cut short, as the last line of a log
+    truncated mid-write, would otherwise be read with a cut time. Rows of a dtype sweep
+    (``-d all``) share sizes: their times are merged to the median.
 
     Raises:
-        CostTableError: the program, the group size or the node count cannot be told, or a
-            result line is malformed (named by its line number).
+        CostTableError: a run whose program, group size or node count cannot be told, a run
+            without result lines, several runs with ``collective`` given, or a malformed or
+            short result line (named by its line number).
     """
-    text = _LAUNCHER_PREFIX.sub("", text)
+    lines = _LAUNCHER_PREFIX.sub("", text).splitlines()
+    runs = _nccl_runs(lines)
+    if collective is not None and len(runs) > 1:
+        starts = ", ".join(f"line {first + 1}" + (f" ({p})" if p else "") for first, _, p in runs)
+        raise CostTableError(
+            f"{source}:{runs[1][0] + 1}: the output holds {len(runs)} nccl-tests runs ({starts}) and "
+            f"collective={collective!r} names one; leave collective= out (each run is read as its own program) or "
+            "split the file")
+    rows: list[CollectiveRow] = []
+    for first, last, program in runs:
+        rows += _read_nccl_run(lines, first, last, program, source, collective, group_size, nodes)
+    return rows
+
+
+def _nccl_runs(lines: list[str]) -> list[tuple[int, int, str | None]]:
+    """(first line index, end index, program named by its starting line or None) of every run
+    in ``lines``; text before the first run's start belongs to it (a saved command line)."""
+    marks = [(i, m.group(1)) for i, ln in enumerate(lines) if (m := _NCCL_RUN_START.match(ln))]
+    if not marks:
+        marks = [(i, None) for i, ln in enumerate(lines) if _NCCL_PARAMETERS.match(ln)]
+    if not marks:
+        return [(0, len(lines), None)]
+    firsts = [0] + [i for i, _ in marks[1:]]
+    ends = [i for i, _ in marks[1:]] + [len(lines)]
+    return [(f, e, p) for f, e, (_, p) in zip(firsts, ends, marks)]
+
+
+def _read_nccl_run(lines: list[str], first: int, end: int, program: str | None, source: str,
+                   collective: str | None, group_size: int | None, nodes: int | None) -> list[CollectiveRow]:
+    """Rows of one run, ``lines[first:end]`` (arguments as :func:`read_nccl_tests`')."""
+    text = "\n".join(lines[first:end])
+    at = f"{source}:{first + 1}" if first else source
     if collective is None:
-        m = _NCCL_PROGRAM.search(text)
-        if m is None:
-            raise CostTableError(
-                f"{source}: cannot tell which nccl-tests program wrote this output (no "
-                f"{' / '.join(NCCL_TESTS_PROGRAMS)} in it); pass collective= ({', '.join(COLLECTIVES)})")
-        collective = NCCL_TESTS_PROGRAMS[m.group(1)]
+        named = sorted({m.group(1) for m in _NCCL_PROGRAM.finditer(text)})
+        if program not in NCCL_TESTS_PROGRAMS:
+            if len(named) != 1:
+                raise CostTableError(
+                    f"{at}: cannot tell which nccl-tests program wrote this output ("
+                    + (f"it mentions {' and '.join(named)}" if named else
+                       f"no {' / '.join(NCCL_TESTS_PROGRAMS)} in it") + f"); pass collective= ({', '.join(COLLECTIVES)})")
+            program = named[0]
+        collective = NCCL_TESTS_PROGRAMS[program]
     if collective not in COLLECTIVES:
         raise CostTableError(f"{source}: collective={collective!r}; expected one of {', '.join(COLLECTIVES)}")
     ranks = {int(m.group(1)): m.group(4) for m in _NCCL_RANK.finditer(text)}
-    cut = any(ln.rstrip().endswith("...") for ln in text.splitlines() if ln.lstrip().startswith("#"))
+    cut = any(ln.rstrip().endswith("...") for ln in lines[first:end] if ln.lstrip().startswith("#"))
     if group_size is None:
         if not ranks or cut:
             raise CostTableError(
-                f"{source}: the output does not list every rank under '# Using devices'"
+                f"{at}: the output does not list every rank under '# Using devices'"
                 + (" (the list was cut)" if cut else "") + "; pass group_size= and nodes=")
         group_size = len(ranks)
     if nodes is None:
         if not ranks or cut or len(ranks) != group_size:
-            raise CostTableError(f"{source}: cannot count the nodes from the rank list; pass nodes=")
+            raise CostTableError(f"{at}: cannot count the nodes from the rank list; pass nodes=")
         nodes = len(set(ranks.values()))
+    columns = NCCL_TESTS_COLUMNS
     rows = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+    for lineno in range(first + 1, end + 1):
+        line = lines[lineno - 1].strip()
+        if _NCCL_COLUMNS.match(line):
+            columns = len(line.lstrip("#").split())
         if not line or line.startswith("#") or not line[0].isdigit():
             continue
         where = f"{source}:{lineno}"
         parts = line.split()
-        if len(parts) < 6:
-            raise CostTableError(f"{where}: a result line with {len(parts)} fields; expected size, count, type, "
-                                 "redop, root, time, ...")
+        if len(parts) < columns:
+            raise CostTableError(
+                f"{where}: a result line with {len(parts)} fields; expected {columns} (size, count, type, redop, "
+                "root, then time, algbw, busbw, #wrong out of place and in place): the line was cut short (a log "
+                "truncated while it was written?); delete it or run the test again")
         size = _int_field(parts[0], "size", where)
         try:
             time_us = float(parts[5])
@@ -382,6 +437,7 @@ def read_nccl_tests(
             continue
         rows.append(CollectiveRow(collective, group_size, nodes, input_bytes, time_us / 1e3, where))
     if not rows:
-        raise CostTableError(f"{source}: no result lines (size count type redop root time ...) in the output")
-    logger.info("%s: %d %s rows on %d ranks over %d node(s)", source, len(rows), collective, group_size, nodes)
+        raise CostTableError(f"{at}: no result lines (size count type redop root time ...) in the output"
+                             + (f" of {program}" if program else ""))
+    logger.info("%s: %d %s rows on %d ranks over %d node(s)", at, len(rows), collective, group_size, nodes)
     return rows

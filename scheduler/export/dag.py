@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler.costs.family import ComputeFrom, compute_key
-from scheduler.costs.models import Cluster, CostModel, annotate_costs, resolve_cost_model
+from scheduler.costs.models import Cluster, CostModel, CoverageCheck, annotate_costs, resolve_cost_model
 from solvers.core.problem import Problem
 from scheduler.export.schema import KINDS, SCHEMA, SCHEMA_VERSION, UNMODELLED_COLLECTIVES, DagError, check_dag_json
 
@@ -124,6 +124,7 @@ def export_dag(
     cluster: "Cluster | None" = None,
     name: str | None = None,
     merge_all_reduces: bool = False,
+    coverage_check: CoverageCheck | None = CoverageCheck(),
 ) -> nx.DiGraph:
     """Export an FX graph to the cost-annotated DAG described in the module docstring.
 
@@ -141,6 +142,8 @@ def export_dag(
             an order set by where the element lies in the buffer, so one all-reduce of a
             concatenation rounds differently from separate ones (bitwise equal on 2 ranks, not
             on more), while a merged reduce-scatter's results are bitwise those of its members.
+        coverage_check: a WARNING when a cost model that prices from a file priced too little
+            of the graph from it (:class:`scheduler.costs.models.CoverageCheck`); None: no check.
 
     Raises:
         DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
@@ -177,7 +180,7 @@ def export_dag(
     _mark_epilogues(dag)
     _resolve_aliases(dag)
     _annotate_structure(dag, gm)
-    annotate_costs(dag, cost_model, cluster, fx_nodes=fx_nodes)
+    annotate_costs(dag, cost_model, cluster, fx_nodes=fx_nodes, coverage_check=coverage_check)
     logger.info(
         "exported %s: %d nodes, %d collectives",
         dag.graph["name"],

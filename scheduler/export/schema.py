@@ -164,6 +164,18 @@ COMM_ENTRY = {
                            "times finite >= 0", _is_comm_table)),
 }
 PROCESS_GROUP = {"size": COUNT, "ranks": nullable(list_of(COUNT))}
+#: collectives the schedule moves and prices by their group's size (the others keep their
+#: place; an exporter that cannot resolve their group records its size as 0)
+MODELLED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _process_groups_problem(groups: dict) -> str | None:
+    """A group whose rank list is not as long as its size."""
+    for name, g in groups.items():
+        if g["ranks"] is not None and len(g["ranks"]) != g["size"]:
+            return (f"group {name!r} lists {len(g['ranks'])} ranks but has size={g['size']!r}; expected one rank "
+                    "per member of the group")
+    return None
 
 
 def _dataclass_table(cls: type) -> dict[str, Attr]:
@@ -227,7 +239,8 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "name": STR,
     "graph_kind": STR,
     "order": list_of(NAME),
-    "process_groups": record("a JSON object: group name -> {size, ranks}", PROCESS_GROUP, keyed=STR),
+    "process_groups": record("a JSON object: group name -> {size, ranks}", PROCESS_GROUP, keyed=STR,
+                             then=_process_groups_problem),
     "cluster": record("a cluster record (scheduler.costs.models.Cluster.to_json())", _dataclass_table(Cluster),
                       then=_cluster_problem),
     "cost_model": STR,
@@ -604,6 +617,15 @@ def _check_collective(fail: _Fail, owner: str, name: str, a: Mapping[str, Any], 
     if a["group_name"] not in graph["process_groups"]:
         fail(f"{owner}: group_name={a['group_name']!r} is not listed in graph attribute 'process_groups' "
              f"({_show(sorted(graph['process_groups']))})")
+    if a["coll_type"] in MODELLED_COLLECTIVES:
+        # the cost models divide by the group's size and the write-back passes it to torch
+        group_size = graph["process_groups"][a["group_name"]]["size"]
+        if a["group_size"] < 1:
+            fail(f"{owner}: group_size={a['group_size']!r}; expected the number of ranks of process group "
+                 f"{a['group_name']!r} (>= 1): re-export the graph with its process group initialised")
+        if a["group_size"] != group_size:
+            fail(f"{owner}: group_size={a['group_size']!r}, but graph attribute 'process_groups' gives group "
+                 f"{a['group_name']!r} size={group_size!r}; expected them equal")
     for attr in ("prologue", "epilogue"):
         for m in a.get(attr) or ():
             ma = nodes.get(m)

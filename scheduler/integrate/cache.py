@@ -142,6 +142,18 @@ def load(key: str, directory: Path | None = None) -> dict | None:
     return entry["payload"]
 
 
+def entry_path(key: str, directory: Path | None = None) -> Path | None:
+    """Where the entry of ``key`` lives in ``directory`` (default :func:`cache_dir`), for
+    messages; None when caching is off.
+
+    Raises:
+        ValueError: ``key`` is not a key from :func:`cache_key`.
+    """
+    _check_key(key)
+    directory = cache_dir() if directory is None else Path(directory)
+    return None if directory is None else directory / f"{key}.json"
+
+
 def store(key: str, payload: dict, directory: Path | None = None) -> Path | None:
     """Write ``payload`` under ``key`` atomically, with :data:`FORMAT_VERSION` and the key;
     returns the entry's path. None when caching is off (no ``directory`` and no
