@@ -7,16 +7,22 @@ that a GPU flash kernel never has. These ops keep the traced graph faithful inst
 - ``fsdp_sched::flash_attn(q, k, v, causal, scale) -> (out, lse)``
 - ``fsdp_sched::flash_attn_backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``
 
-Layout follows flash-attention: q is (batch, seq, n_heads, head_dim), k and v are
-(batch, seq, n_kv_heads, head_dim) with ``n_heads % n_kv_heads == 0`` (grouped-query
-attention), ``lse`` is the fp32 log-sum-exp of the scaled scores, (batch, n_heads, seq),
-which flash attention saves for backward.
+Layout follows flash-attention: q is (batch, seq, n_heads, head_dim), k is
+(batch, seq, n_kv_heads, head_dim) and v is (batch, seq, n_kv_heads, v_head_dim) with
+``n_heads % n_kv_heads == 0`` (grouped-query attention); the output is
+(batch, seq, n_heads, v_head_dim). ``v_head_dim`` may differ from ``head_dim``, as in
+DeepSeek-V3's multi-head latent attention (192-wide queries and keys, 128-wide values).
+``lse`` is the fp32 log-sum-exp of the scaled scores, (batch, n_heads, seq), which flash
+attention saves for backward.
 
 The CPU kernels are plain math (fp32 accumulation), for real multi-process numerics tests.
 
-FLOPs (registered with ``torch.utils.flop_counter``):
-- forward: two matmuls (Q K^T and P V), ``4 * b * h * s_q * s_k * d``;
-- backward: five matmuls (recomputed Q K^T, dV, dP, dQ, dK), 2.5x the forward;
+FLOPs (registered with ``torch.utils.flop_counter``; ``d`` the query/key head width, ``d_v``
+the value head width):
+- forward: two matmuls (Q K^T and P V), ``2 * b * h * s_q * s_k * (d + d_v)``
+  (``4 * b * h * s_q * s_k * d`` when ``d_v == d``);
+- backward: five matmuls (recomputed Q K^T, dQ and dK over ``d``; dV and dP over ``d_v``),
+  ``2 * b * h * s_q * s_k * (3 d + 2 d_v)``: 2.5x the forward when ``d_v == d``;
 - ``causal=True`` counts half of that (``CAUSAL_FLOP_FRACTION``): flash kernels skip the
   fully masked key blocks, so a causal attention does about half the work (the FlashAttention-2
   paper reports causal throughput on this basis). torch's own SDPA formula does not halve.
@@ -32,7 +38,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 # Fraction of the dense attention FLOPs a causal flash kernel performs (masked blocks skipped).
 CAUSAL_FLOP_FRACTION = 0.5
-# Backward / forward FLOP ratio of flash attention: 5 matmuls against 2.
+# Backward / forward FLOP ratio of flash attention when values are as wide as keys: 5 matmuls against 2.
 BACKWARD_FLOP_RATIO = 2.5
 
 
@@ -59,14 +65,21 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> t
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, n_heads).float())
-    # same layout as the fake kernel (empty_like): compiled graphs view the output with its strides
-    return torch.empty_like(q).copy_(out), lse
+    # same layout as the fake kernel: compiled graphs view the output with its strides
+    return _empty_out(q, v).copy_(out), lse
+
+
+def _empty_out(q: Tensor, v: Tensor) -> Tensor:
+    """The attention output, uninitialised: like q, with v's head width."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @flash_attn.register_fake
 def _flash_attn_fake(q, k, v, causal, scale):
     b, s, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=torch.float32)
+    return _empty_out(q, v), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("fsdp_sched::flash_attn_backward", mutates_args=())
@@ -113,11 +126,23 @@ def _backward(ctx, dout, dlse):
 flash_attn.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_flops(q_shape, k_shape, causal: bool) -> int:
-    """Forward FLOPs of attention for q (b, s_q, h, d) and k (b, s_k, h_kv, d)."""
+def attention_flops(q_shape, k_shape, causal: bool, v_shape=None) -> int:
+    """Forward FLOPs of attention for q (b, s_q, h, d), k (b, s_k, h_kv, d) and v
+    (b, s_k, h_kv, d_v) (None: ``d_v == d``)."""
     b, s_q, h, d = q_shape
     s_k = k_shape[1]
-    dense = 4 * b * h * s_q * s_k * d
+    d_v = d if v_shape is None else v_shape[-1]
+    dense = 2 * b * h * s_q * s_k * (d + d_v)
+    return int(dense * CAUSAL_FLOP_FRACTION) if causal else dense
+
+
+def attention_backward_flops(q_shape, k_shape, causal: bool, v_shape=None) -> int:
+    """Backward FLOPs of attention (module docstring): Q K^T, dQ and dK over the query/key width,
+    dV and dP over the value width."""
+    b, s_q, h, d = q_shape
+    s_k = k_shape[1]
+    d_v = d if v_shape is None else v_shape[-1]
+    dense = 2 * b * h * s_q * s_k * (3 * d + 2 * d_v)
     return int(dense * CAUSAL_FLOP_FRACTION) if causal else dense
 
 
@@ -130,12 +155,12 @@ def _register_flops() -> None:
 
     @register_flop_formula(fwd)
     def _fwd_flops(q_shape, k_shape, v_shape, causal, scale, *args, out_shape=None, **kwargs) -> int:
-        return attention_flops(q_shape, k_shape, causal)
+        return attention_flops(q_shape, k_shape, causal, v_shape)
 
     @register_flop_formula(bwd)
-    def _bwd_flops(dout_shape, q_shape, k_shape, *args, out_shape=None, **kwargs) -> int:
-        causal = args[3]
-        return int(attention_flops(q_shape, k_shape, causal) * BACKWARD_FLOP_RATIO)
+    def _bwd_flops(dout_shape, q_shape, k_shape, v_shape, out_shape_, lse_shape, causal, *args, out_shape=None,
+                   **kwargs) -> int:
+        return attention_backward_flops(q_shape, k_shape, causal, v_shape)
 
 
 _register_flops()

@@ -127,6 +127,33 @@ def test_flash_attn_flop_formula():
     assert counter.get_total_flops() == fwd * BACKWARD_FLOP_RATIO
 
 
+def _sdpa_scaled(q, k, v, scale):
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale).transpose(1, 2)
+
+
+def test_flash_attn_with_narrower_values_matches_sdpa_and_counts_flops():
+    """MLA's widths: queries and keys 12 wide, values 8: the output is as wide as the values,
+    equal to SDPA's (values and gradients); FLOPs 2bhs^2(d + d_v) forward and
+    2bhs^2(3d + 2d_v) backward, halved for the causal mask."""
+    torch.manual_seed(0)
+    b, s, h, d, dv = 2, 10, 3, 12, 8
+    q, k = (torch.randn(b, s, h, d, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, s, h, dv, requires_grad=True)
+    with FlopCounterMode(display=False) as fwd_counter:
+        out, _ = flash_attn(q, k, v, True, 0.3)
+    ref = _sdpa_scaled(q, k, v, 0.3)
+    assert out.shape == (b, s, h, dv)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    with FlopCounterMode(display=False) as bwd_counter:
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    for x, y in zip(got, torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(x, y)
+    assert fwd_counter.get_total_flops() == 2 * b * h * s * s * (d + dv) * CAUSAL_FLOP_FRACTION
+    assert bwd_counter.get_total_flops() == 2 * b * h * s * s * (3 * d + 2 * dv) * CAUSAL_FLOP_FRACTION
+
+
 # --------------------------------------------------------------------------------------------
 # loss
 
