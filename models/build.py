@@ -12,10 +12,11 @@ from models.fsdp import FSDPOptions, parallelize
 from models.llama import LlamaConfig, Transformer, get_config
 
 
-def split_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split keyword options into (FSDPOptions fields, LlamaConfig overrides); TypeError if unknown."""
+def split_options(options: dict[str, Any], config_type: type = LlamaConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword options into (FSDPOptions fields, overrides of ``config_type``'s fields);
+    TypeError if unknown."""
     fsdp_fields = {f.name for f in dataclasses.fields(FSDPOptions)}
-    cfg_fields = {f.name for f in dataclasses.fields(LlamaConfig)} - {"name"}
+    cfg_fields = {f.name for f in dataclasses.fields(config_type)} - {"name"}
     unknown = set(options) - fsdp_fields - cfg_fields
     if unknown:
         raise TypeError(f"unknown options {sorted(unknown)}; FSDP options: {sorted(fsdp_fields)}, "

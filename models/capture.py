@@ -9,7 +9,8 @@ on meta tensors, which moves no data and allocates nothing.
 Annotations written on the captured graphs:
 
 - ``node.meta["fsdp_role"]``: ``"fsdp"`` on parameter all-gathers / reduce-scatters and their
-  ``wait_tensor``; ``"tp"`` on tensor-parallel collectives (activation all-reduces) and waits.
+  ``wait_tensor``; ``"tp"`` on tensor-parallel collectives (activation all-reduces) and waits;
+  ``"other"`` on expert-parallel all-to-alls (MoE token exchange) and waits.
 - ``node.meta["fsdp_fqn"]``: the parameter's FQN in the user's module namespace (e.g.
   ``"layers.0.attention.wq.weight"``), on every FSDP collective and its wait.
 - ``node.meta["fsdp_param_index"]``: that parameter's index in ``model.named_parameters()``
@@ -45,6 +46,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from models.build import split_options
 from models.fsdp import FSDPOptions, dp_group_names, mesh_for, parallelize
 from models.llama import LlamaConfig, Transformer, get_config
+from models.moe import PRESETS as MOE_PRESETS
+from models.moe import MoEConfig, MoETransformer, moe_meshes, parallelize_moe
+from models.moe import get_config as get_moe_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,9 @@ _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_REDUCE = _c10d.all_reduce.default
+ALL_TO_ALL = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
-COLLECTIVES = frozenset({ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, _c10d.all_to_all_single.default})
+COLLECTIVES = frozenset({ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL})
 
 # Ops a parameter passes through between its placeholder and its collective (or between a
 # collective's wait and a graph output): dtype casts and views, nothing that mixes tensors.
@@ -83,7 +88,7 @@ class CapturedGraphs:
     """aot_autograd forward graph (inputs: primals; outputs: loss, then saved values)."""
     backward: fx.GraphModule
     """aot_autograd backward graph (inputs: saved values, tangents; outputs: input grads)."""
-    config: LlamaConfig
+    config: LlamaConfig | MoEConfig
     """Model configuration traced."""
     options: FSDPOptions
     """Parallelism options traced."""
@@ -225,7 +230,8 @@ class _Annotator:
 
     def _mark_param(self, collective: fx.Node, fqn: str | None) -> None:
         fsdp = fqn is not None and _group_name(collective) in self.dp_group_names
-        _mark(collective, "fsdp" if fsdp else "tp", fqn, self.index_of.get(fqn) if fqn else None)
+        role = "fsdp" if fsdp else "other" if collective.target is ALL_TO_ALL else "tp"
+        _mark(collective, role, fqn, self.index_of.get(fqn) if fqn else None)
 
     def annotate_forward(self, gm: fx.GraphModule) -> None:
         for node in gm.graph.nodes:
@@ -272,18 +278,25 @@ class _Annotator:
 
 
 def capture_config(name: str, *, world_size: int, n_layers: int | None = None,
-                   **options: Any) -> tuple[LlamaConfig, FSDPOptions]:
+                   **options: Any) -> tuple[LlamaConfig | MoEConfig, FSDPOptions]:
     """The model config and FSDP options of a capture (:func:`capture_fsdp_graphs`,
-    :func:`models.joint.capture_joint_graph`) from its arguments.
+    :func:`models.joint.capture_joint_graph`) from its arguments: a LLaMA preset
+    (:data:`models.llama.PRESETS`) or a MoE preset (:data:`models.moe.PRESETS`), whose config
+    fields ``options`` may override.
 
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
-    fsdp_kwargs, cfg_kwargs = split_options(options)
-    config = get_config(name, n_layers=n_layers, **cfg_kwargs)
+    config_type, get = (MoEConfig, get_moe_config) if name in MOE_PRESETS else (LlamaConfig, get_config)
+    fsdp_kwargs, cfg_kwargs = split_options(options, config_type)
+    config = get(name, n_layers=n_layers, **cfg_kwargs)
     fsdp_options = FSDPOptions(**fsdp_kwargs)
     if world_size < 2:
         raise ValueError(f"FSDP capture needs world_size >= 2, got {world_size}")
     return config, fsdp_options
+
+
+class _StepTraced(Exception):
+    """Raised by the compiled forward of a capture that must not run (module docstring)."""
 
 
 def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = None,
@@ -292,26 +305,45 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
 
     ``options`` are :class:`models.fsdp.FSDPOptions` fields (``param_dtype`` (default bf16),
     ``reduce_dtype``, ``reshard_after_forward`` (default True), ``activation_checkpointing``,
-    ``tp_size``) and :class:`models.llama.LlamaConfig` overrides (``seq_len``, ``batch_size``,
-    ``loss_chunks``, ...). The world size counts all ranks (dp * tp). Uses no tensor memory
-    at any size: parameters and activations live on the meta device.
+    ``tp_size``) and overrides of the preset's config (:class:`models.llama.LlamaConfig`:
+    ``seq_len``, ``batch_size``, ``loss_chunks``, ...; :class:`models.moe.MoEConfig` for the
+    MoE presets, such as ``"dsv3-16b"``: also ``ep_size``). The world size counts all ranks
+    (dp * tp). Uses no tensor memory at any size: parameters and activations live on the meta
+    device.
+
+    A MoE preset is sharded by :func:`models.moe.parallelize_moe` (FSDP x expert parallelism;
+    it supports neither tensor parallelism, HSDP / DDP nor activation checkpointing). Its
+    all-to-alls' split sizes are read from data (``.tolist()``), which meta tensors do not hold:
+    the step is traced (dynamo, aot_autograd, both graphs partitioned and compiled) but never
+    run, and ``example_inputs`` hold the fake inputs the compilers received.
 
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
     config, fsdp_options = capture_config(name, world_size=world_size, n_layers=n_layers, **options)
+    moe = isinstance(config, MoEConfig)
     start = time.perf_counter()
     logger.info("capturing %s (%d layers) on a fake group of %d ranks, %s",
                 config.name, config.n_layers, world_size, fsdp_options)
     torch._dynamo.reset()  # each capture compiles a fresh model: avoid recompile limits / stale caches
     with fake_process_group(world_size):
-        mesh = mesh_for(world_size, fsdp_options)
-        with torch.device("meta"):
-            model = Transformer(config)
-        parallelize(model, mesh, fsdp_options)
+        if moe:
+            meshes = moe_meshes(world_size, config.ep_size)
+            with torch.device("meta"):
+                model = MoETransformer(config)
+            parallelize_moe(model, meshes, fsdp_options)
+            fsdp_groups = [meshes.dp.get_group().group_name]
+            if meshes.efsdp is not None:
+                fsdp_groups.append(meshes.efsdp.get_group().group_name)
+        else:
+            mesh = mesh_for(world_size, fsdp_options)
+            with torch.device("meta"):
+                model = Transformer(config)
+            parallelize(model, mesh, fsdp_options)
+            fsdp_groups = dp_group_names(mesh, fsdp_options)
         named = list(model.named_parameters())
         param_fqns = [_user_fqn(n) for n, _ in named]
         fqn_by_id = {id(p): _user_fqn(n) for n, p in named}
-        annotator = _Annotator(param_fqns, dp_group_names(mesh, fsdp_options))
+        annotator = _Annotator(param_fqns, fsdp_groups)
         captured: dict[str, Any] = {}
 
         def backend(gm: fx.GraphModule, example_inputs):
@@ -326,7 +358,7 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
                 annotator.map_forward_placeholders(fw_gm, fqns, shapes)
                 annotator.annotate_forward(fw_gm)
                 captured["forward"], captured["forward_inputs"] = fw_gm, list(fw_inputs)
-                return fw_gm
+                return _refuse_to_run if moe else fw_gm
 
             def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
                 logger.info("backward graph: %d nodes (%.1f s)", len(bw_gm.graph.nodes),
@@ -342,8 +374,18 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         tokens = torch.empty((config.batch_size, config.seq_len), dtype=torch.long, device="meta")
         labels = torch.empty((config.batch_size, config.seq_len), dtype=torch.long, device="meta")
-        loss = compiled(tokens, labels)
-        loss.backward()
+        if moe:
+            # split sizes read from data become unbacked symbols; the backward is compiled with
+            # the forward, since the step never runs
+            with torch._dynamo.config.patch(capture_scalar_outputs=True), \
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                try:
+                    compiled(tokens, labels)
+                except _StepTraced:
+                    pass
+        else:
+            loss = compiled(tokens, labels)
+            loss.backward()
     torch._dynamo.reset()
     elapsed = time.perf_counter() - start
     logger.info("captured %s in %.1f s", config.name, elapsed)
@@ -355,6 +397,10 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
         example_inputs={"forward": captured["forward_inputs"], "backward": captured["backward_inputs"]},
         trace_time_s=elapsed,
     )
+
+
+def _refuse_to_run(*args: Any) -> Any:
+    raise _StepTraced
 
 
 def _local_shape(x: Any) -> torch.Size | None:

@@ -149,14 +149,14 @@ def mesh_for(world_size: int, options: FSDPOptions, device_type: str = "cpu") ->
     with the first one's groups while :func:`dp_group_names` named its own."""
     key = (world_size, options.tp_size, device_type, options.dp_mode, options.replicate_size)
     mesh = _MESHES.get(key)
-    if mesh is not None and _groups_alive(mesh):
+    if mesh is not None and groups_alive(mesh):
         return mesh
     mesh = _MESHES[key] = make_mesh(world_size, options.tp_size, device_type, dp_mode=options.dp_mode,
                                     replicate_size=options.replicate_size)
     return mesh
 
 
-def _groups_alive(mesh: DeviceMesh) -> bool:
+def groups_alive(mesh: DeviceMesh) -> bool:
     """Whether every group of ``mesh`` still resolves to itself (its world was not torn down)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 

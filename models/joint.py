@@ -362,6 +362,10 @@ def capture_joint_graph(name: str, *, world_size: int, n_layers: int | None = No
     Raises ValueError for an unknown preset or world_size < 2, TypeError for unknown options.
     """
     config, fsdp_options = capture_config(name, world_size=world_size, n_layers=n_layers, **options)
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"capture_joint_graph traces the LLaMA presets; {name!r} is a MoE preset, whose "
+                         "split sizes are read from data: capture it with models.capture_fsdp_graphs "
+                         "(partitioned forward and backward graphs)")
     start = time.perf_counter()
     with fake_process_group(world_size):
         mesh = mesh_for(world_size, fsdp_options)

@@ -311,14 +311,20 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy (fp32 scalar) of predicting ``labels`` (b, s) from ``tokens`` (b, s)."""
-        h = self.hidden(tokens)
-        weight = self.output.weight  # read once: every read of a sharded weight is an all-gather
-        chunks = self.config.loss_chunks
-        if chunks == 1:
-            total = _chunk_loss_sum(h, weight, labels)
-        else:
-            total = h.new_zeros((), dtype=torch.float32)
-            for h_c, l_c in zip(h.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
-                # recomputed in backward: only one chunk's fp32 logits is ever alive
-                total = total + checkpoint(_chunk_loss_sum, h_c, weight, l_c, use_reentrant=False)
-        return total / labels.numel()
+        return mean_loss(self.hidden(tokens), self.output.weight, labels, self.config.loss_chunks)
+
+
+def mean_loss(h: Tensor, weight: Tensor, labels: Tensor, chunks: int) -> Tensor:
+    """Mean next-token cross-entropy (fp32 scalar) of the output projection ``weight`` applied
+    to the final hidden states ``h`` (b, s, dim), in ``chunks`` chunks of the sequence.
+
+    ``weight`` is read once by the caller: every read of a sharded weight is an all-gather.
+    """
+    if chunks == 1:
+        total = _chunk_loss_sum(h, weight, labels)
+    else:
+        total = h.new_zeros((), dtype=torch.float32)
+        for h_c, l_c in zip(h.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
+            # recomputed in backward: only one chunk's fp32 logits is ever alive
+            total = total + checkpoint(_chunk_loss_sum, h_c, weight, l_c, use_reentrant=False)
+    return total / labels.numel()
