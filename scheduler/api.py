@@ -401,14 +401,18 @@ def _check_traced_fits(problem: Problem, budget: int | None) -> None:
 
 
 def _fixed_collective_notes(problem: Problem) -> list[str]:
-    """A note naming the collectives left where traced (unmodelled types such as all_to_all,
-    or ones pinned by a dependency on another collective)."""
-    fixed = [c for c in problem.colls.values() if not c.movable]
-    if not fixed:
-        return []
-    names = ", ".join(f"{c.name} ({c.coll_type})" for c in fixed[:5]) + (", ..." if len(fixed) > 5 else "")
-    logger.info("fsdp-sched: %d collective(s) left in place, not scheduled: %s", len(fixed), names)
-    return [f"{len(fixed)} collective(s) left in place, not scheduled (unmodelled or pinned): {names}"]
+    """A note per reason some collectives keep their traced place (their names, the first few
+    of each)."""
+    by_reason: dict[str, list[str]] = {}
+    for c in problem.colls.values():
+        if not c.movable:
+            by_reason.setdefault(c.fixed_reason or "not movable", []).append(c.name)
+    notes = []
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        notes.append(f"{len(names)} collective(s) left in place ({shown}): {reason}")
+        logger.info("fsdp-sched: %s", notes[-1])
+    return notes
 
 
 # --------------------------------------------------------------------------------------------
