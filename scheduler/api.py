@@ -3,8 +3,9 @@
 One :func:`optimize_schedule` call is a straight line:
 
 1. **check** every argument (options are checked when built), alike on every rank;
-2. **export** the graph once and price it under the cost model, or, when none is given, under
-   the family of plausible models (:func:`scheduler.costs.family.cost_models`);
+2. **export** the graph once and price it under the family of the cost model: what a given file
+   measured is fixed, the rest priced by each plausible model (:func:`scheduler.costs.family.cost_models`;
+   a model that fixes every component alone);
 3. **solve** (:mod:`solvers.search`: starts, CP-SAT windows, polish), or take the answer from
    the schedule cache (:mod:`scheduler.integrate.cache`) when the identical graph, budget and options
    were solved before;
@@ -37,7 +38,7 @@ import networkx as nx
 
 from scheduler.integrate import cache, consensus
 from scheduler.check.written import choose
-from scheduler.costs.family import cost_models
+from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.export.dag import export_problems
 from scheduler.costs.models import Cluster, resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
@@ -117,9 +118,13 @@ def optimize_schedule(
         mem_budget: peak-memory budget, bytes or a string like ``"40GiB"``; None: no limit.
             The written graph holds it by the execution model's count and a liveness count
             (torch's MemoryTracker rules are reported: :mod:`scheduler.check.written`).
-        cost_model: a cost model or its name (``"analytic"``, ``"torch"``, ...); that model
-            alone decides. None (default): the schedule with the least worst-case regret over
-            the family of plausible models (:func:`scheduler.costs.family.cost_models`).
+        cost_model: None (default), a name or spec (:class:`scheduler.costs.models.CostSpec`:
+            ``"torch"``, ``"table:PATH"``, ``"compute:torch+table:PATH"``, ...), or a cost
+            model object. The schedule has the least worst-case regret over the family of the
+            spec (:mod:`scheduler.costs.family`): what a file measured is fixed in every member,
+            a component the spec names no model for is priced by each plausible model (None:
+            nothing is fixed). A spec that fixes every component, and an object, is one model
+            that alone decides.
         cluster: the topology (:class:`scheduler.Cluster`; default 64 H100, 8 per node).
         solver: how to solve (:class:`scheduler.options.SolverOptions`).
         agreement: how ranks agree (:class:`scheduler.options.AgreementOptions`).
@@ -254,7 +259,8 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: dict[str, Problem], 
                          stages=tuple(stages))
     f = chosen.figures
     report = dataclasses.replace(
-        report, criterion=_criterion(problems, solver), cost_models=list(problems), verified=True,
+        report, criterion=_criterion(problems, solver, cost_model), cost_models=list(problems),
+        cost_sources=merged_cost_sources({label: problems[label].dag for label in problems}), verified=True,
         chosen_candidate=chosen.name, reexported_step_ms=f.step_ms, reexported_peak_bytes=f.peak_bytes,
         liveness_peak_bytes=f.liveness_peak_bytes, tracker_peak_bytes=f.tracker_peak_bytes,
         verify_time_s=time.perf_counter() - t_choose, candidates=[c.summary() for c in judged])
@@ -302,13 +308,15 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     return result, notes
 
 
-def _criterion(problems: dict[str, Problem], solver: SolverOptions) -> str:
+def _criterion(problems: dict[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
     labels = list(problems)
     if len(labels) == 1:
         return f"fastest under {labels[0]}"
     strict = [label for label in labels if label in solver.search.strict_models]
     first = f"no slower than the best baseline under {' and '.join(strict)}, then " if strict else ""
-    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)})"
+    fixed = fixed_parts(cost_model)
+    shared = f", each with {fixed} and the rest priced by its own model" if fixed else ""
+    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)}){shared}"
 
 
 def _check_traced_fits(problem: Problem, budget: int | None) -> None:
@@ -346,7 +354,8 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
-               "cost_models": list(problems), "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
+               "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
+               "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
     return cache.cache_key("", mem_budget_bytes=None, options=options)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from typing import Any
 
+from scheduler.costs.family import merged_cost_sources
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule
 from solvers.core.simulator import SimResult
@@ -109,6 +110,12 @@ class ScheduleReport:
     #: coll_type, group_size, nodes per group priced by the fallback); empty for a model that
     #: does not say (analytic, torch)
     cost_coverage: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: where each cost component's prices came from over the cost models judged
+    #: (:func:`scheduler.costs.family.merged_cost_sources`): per component (``part``:
+    #: ``"compute"``, ``"collectives"`` of one ``group_name`` and ``coll_type``, ``"copies"``),
+    #: its ``items``, the ``measured`` sources (``source``, ``items``, ``share`` of the time) and
+    #: the ``rest`` (``items``, ``sources``: one name fixed, several the models hedged over)
+    cost_sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def stage_wall_s(self) -> dict[str, float]:
         """Stage name -> wall time (s), stages of one name summed."""
@@ -202,7 +209,10 @@ class ScheduleReport:
 
 
     def _coverage_lines(self) -> list[str]:
-        """What the cost model priced from its data, what its fallback priced."""
+        """Where each cost component came from (:attr:`cost_sources`; for reports without
+        them, what the cost model priced from its data and what its fallback priced)."""
+        if self.cost_sources:
+            return [f"  costs: {_source_line(r)}" for r in self.cost_sources]
         cov = self.cost_coverage
         lines = []
         if cov.get("compute_matched_share") is not None:
@@ -212,6 +222,28 @@ class ScheduleReport:
             lines.append(f"  costs: {g['coll_type']} on group {g['group_name']} ({g['group_size']} ranks, "
                          f"{g['nodes']} node(s)) has no measured row: priced by the fallback model")
         return lines
+
+
+def _source_line(r: dict[str, Any]) -> str:
+    """One :attr:`ScheduleReport.cost_sources` record: ``"compute (120 nodes): profile:p.json
+    priced 100 (93.1% of the time); 20 by analytic | torch"``; names joined by ``|`` are the
+    models the family hedges over, a single name is the one that priced all of it."""
+    if r["part"] == "copies":
+        return f"bucket copies: {' | '.join(r['rest']['sources'])}"
+    if r["part"] == "compute":
+        what = f"compute ({r['items']} nodes)"
+    else:
+        what = (f"{r['coll_type']} on group {r['group_name']!r} ({r['group_size']} ranks on {r['nodes']} "
+                f"node{'s' if r['nodes'] != 1 else ''}, {r['items']} collectives)")
+    rest = r["rest"]
+    parts = [f"{m['source']} priced " + (f"all {m['items']}" if len(r["measured"]) == 1 and not rest["items"] else
+                                         f"{m['items']}" + ("" if m["share"] is None else
+                                                            f" ({m['share']:.1%} of the time)"))
+             for m in r["measured"]]
+    if rest["items"]:
+        by = " | ".join(rest["sources"])
+        parts.append(f"{rest['items']} by {by}" if r["measured"] else by)
+    return f"{what}: {'; '.join(parts)}"
 
 
 def _fmt_opt_bytes(n: int | None) -> str:
@@ -265,6 +297,7 @@ def make_report(
         graph_kind=str(problem.dag.graph.get("graph_kind", "unknown")),
         stages=[st.to_json() for st in stages],
         cost_coverage=dict(problem.dag.graph.get("cost_coverage") or {}),
+        cost_sources=merged_cost_sources({"model": problem.dag}),
         **after_fields(problem, after, bound),
     )
 

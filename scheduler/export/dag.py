@@ -11,6 +11,8 @@ Graph attributes (``dag.graph``):
     process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
     cluster (dict): the :class:`scheduler.costs.models.Cluster` the costs were computed for.
     cost_model (str): name of the cost model.
+    cost_sources (dict): what priced each cost component (compute, each group's collectives,
+        bucket copies) and whether it was measured (:func:`scheduler.costs.models.annotate_costs`).
     comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
         "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
         ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model; the
@@ -982,26 +984,39 @@ def _jsonable(obj: Any) -> Any:
 def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None, *,
                     merge_all_reduces: bool = False) -> "PricedProblems":
     """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order): the
-    first at once, the others when one of them is first asked for (:class:`PricedProblems`)."""
+    first at once, the others when one of them is first asked for (:class:`PricedProblems`).
+    A family (:class:`scheduler.costs.family.CostModelFamily`) first leaves out the members
+    that would price this graph as another does (:meth:`~scheduler.costs.family.CostModelFamily.needed`)."""
     labels = list(models)
     dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster, merge_all_reduces=merge_all_reduces)
+    needed = getattr(models, "needed", None)
+    if callable(needed):  # a family leaves out the members that price this graph alike
+        models = needed(dag)
+        labels = list(models)
+        dag.graph["cost_model"] = _model_name(models[labels[0]])
+    key_of = getattr(models, "compute_key", compute_key)
     fx_nodes = {n.name: n for n in gm.graph.nodes}
+    priced_on = Cluster.from_json(dag.graph["cluster"])
 
     def price_the_others() -> dict[str, Problem]:
         out: dict[str, Problem] = {}
-        priced = {compute_key(labels[0]): dag}
+        priced = {key_of(labels[0]): dag}
         for label in labels[1:]:
             other: nx.DiGraph = dag.copy()
             other.graph = copy.deepcopy(dag.graph)
             model = resolve_cost_model(models[label], cluster)
-            base = priced.get(compute_key(label))
-            annotate_costs(other, model if base is None else ComputeFrom(model, base), cluster or Cluster(),
-                           fx_nodes=fx_nodes)
-            priced.setdefault(compute_key(label), other)
+            base = priced.get(key_of(label))
+            annotate_costs(other, model if base is None else ComputeFrom(model, base), priced_on, fx_nodes=fx_nodes)
+            priced.setdefault(key_of(label), other)
             out[label] = Problem.from_dag(other)
         return out
 
-    return PricedProblems(labels, Problem.from_dag(dag), price_the_others)
+    return PricedProblems(labels, Problem.from_dag(dag), price_the_others,
+                          model_names={label: _model_name(models[label]) for label in labels})
+
+
+def _model_name(model: Any) -> str:
+    return model if isinstance(model, str) else str(getattr(model, "name", type(model).__name__))
 
 
 class PricedProblems(Mapping):
@@ -1009,8 +1024,12 @@ class PricedProblems(Mapping):
     first is priced when made; the others together, the first time one of them is read: an
     answer from the schedule cache reads only the first (its key is the first's export)."""
 
-    def __init__(self, labels: list[str], first: Problem, price_the_others: Any):
+    def __init__(self, labels: list[str], first: Problem, price_the_others: Any,
+                 model_names: Mapping[str, str] | None = None):
         self._labels = labels
+        #: label -> the name of the model that priced it (a family's members are named by
+        #: their spec and label), known before the others are priced
+        self.model_names = dict(model_names or {label: label for label in labels})
         self._problems: dict[str, Problem] = {labels[0]: first}
         self._price_the_others = price_the_others
 
