@@ -40,7 +40,7 @@ from scheduler.integrate import cache, consensus
 from scheduler.check.written import choose
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.export.dag import export_problems
-from scheduler.costs.models import Cluster, resolve_cost_model
+from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology, resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report
@@ -125,7 +125,10 @@ def optimize_schedule(
             a component the spec names no model for is priced by each plausible model (None:
             nothing is fixed). A spec that fixes every component, and an object, is one model
             that alone decides.
-        cluster: the topology (:class:`scheduler.Cluster`; default 64 H100, 8 per node).
+        cluster: the hardware (:class:`scheduler.Cluster`; default H100s, 8 per node). The
+            world and each group's ranks are the graph's own (its process groups); a cluster
+            whose ``n_gpus`` differs from the graph's world is used as given, with a warning
+            and a note in the report (``n_gpus`` prices nothing).
         solver: how to solve (:class:`scheduler.options.SolverOptions`).
         agreement: how ranks agree (:class:`scheduler.options.AgreementOptions`).
         writeback: how to write back (:class:`scheduler.options.WriteBackOptions`).
@@ -155,9 +158,14 @@ def optimize_schedule(
         problems = _export(gm, cost_model, cluster, solver)
         exported = StageRecord(name="export", wall_s=time.perf_counter() - t_export).to_json()
         problem = next(iter(problems.values())) if problems else None
+        topology_note = cluster_disagreement(graph_topology(problem.dag), cluster) if problem is not None else None
+        if topology_note is not None:
+            logger.warning("fsdp-sched: %s", topology_note)
         if group is None or agreement.broadcast_from is None or _rank(group) == src:
             answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
                                        writeback=writeback, t0=t0)
+            if topology_note is not None:
+                answer.report.notes.append(topology_note)
     except Exception as e:
         if group is None:
             raise

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from scheduler.costs.family import merged_cost_sources
+from scheduler.costs.models import graph_topology, topology_line
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule
 from solvers.core.simulator import SimResult
@@ -116,6 +117,9 @@ class ScheduleReport:
     #: its ``items``, the ``measured`` sources (``source``, ``items``, ``share`` of the time) and
     #: the ``rest`` (``items``, ``sources``: one name fixed, several the models hedged over)
     cost_sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the topology the graph was priced on (:func:`scheduler.costs.models.graph_topology`):
+    #: ``world_size``, ``gpus_per_node``, ``n_gpus`` and per group its ranks and the nodes they span
+    topology: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def stage_wall_s(self) -> dict[str, float]:
         """Stage name -> wall time (s), stages of one name summed."""
@@ -179,6 +183,8 @@ class ScheduleReport:
                 f"issue-to-wait: {_spread(self.rs_wait_distance)}"
             )
         lines += self._verification_lines()
+        if self.topology:
+            lines.append(f"  topology: {topology_line(self.topology)}")
         lines += self._coverage_lines()
         if self.fell_back:
             lines.append(f"  fell back from {self.requested_solver} to {self.solver}")
@@ -298,6 +304,7 @@ def make_report(
         stages=[st.to_json() for st in stages],
         cost_coverage=dict(problem.dag.graph.get("cost_coverage") or {}),
         cost_sources=merged_cost_sources({"model": problem.dag}),
+        topology=graph_topology(problem.dag),
         **after_fields(problem, after, bound),
     )
 

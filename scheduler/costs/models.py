@@ -107,9 +107,15 @@ class Cluster:
 
     Defaults: 64 H100 SXM GPUs, 8 per node, NVLink4 within a node, one 400 Gb/s InfiniBand NIC
     per GPU between nodes (DESIGN.md, public figures).
+
+    The world and the ranks of each process group come from the graph (the groups it names,
+    :func:`graph_topology`); a group is priced by the nodes its ranks span on
+    ``gpus_per_node``. ``n_gpus`` prices nothing: without a cluster, the export takes the
+    graph's world; a given cluster whose ``n_gpus`` is not the graph's world is used as it is,
+    and ``optimize_schedule`` warns and notes it in the report.
     """
 
-    #: number of GPUs in the job
+    #: number of GPUs in the job (the graph's world when the export makes the cluster)
     n_gpus: int = 64
     #: GPUs per node (NVLink domain)
     gpus_per_node: int = 8
@@ -183,6 +189,46 @@ class GroupInfo:
         if self.ranks:
             return len({r // cluster.gpus_per_node for r in self.ranks})
         return max(1, math.ceil(self.size / cluster.gpus_per_node))
+
+
+def graph_topology(dag: nx.DiGraph) -> dict[str, Any]:
+    """The topology ``dag`` was priced on: ``world_size`` (the ranks its process groups live in;
+    None: unknown), ``gpus_per_node`` and ``n_gpus`` (its cluster's), and per process group
+    (``groups``) ``group_name``, ``size``, ``ranks_known`` (False: priced as ``size``
+    consecutive ranks) and ``nodes``, the nodes its ranks span (:meth:`GroupInfo.n_nodes`)."""
+    cluster = Cluster.from_json(dag.graph["cluster"]) if dag.graph.get("cluster") else Cluster()
+    groups = []
+    for name, g in sorted((dag.graph.get("process_groups") or {}).items()):
+        gi = GroupInfo(name, int(g["size"]), tuple(g["ranks"]) if g.get("ranks") else None)
+        groups.append({"group_name": name, "size": gi.size, "ranks_known": gi.ranks is not None,
+                       "nodes": gi.n_nodes(cluster)})
+    return {"world_size": dag.graph.get("world_size"), "gpus_per_node": cluster.gpus_per_node,
+            "n_gpus": cluster.n_gpus, "groups": groups}
+
+
+def topology_line(topology: Mapping[str, Any]) -> str:
+    """``"64 ranks, 8 per node; group '0': 8 ranks on 8 nodes; group '1': 8 ranks on 1 node"``
+    of a :func:`graph_topology` record."""
+    world = topology.get("world_size")
+    head = f"{world} ranks" if world else "world size unknown"
+    parts = [f"{head}, {topology['gpus_per_node']} per node"]
+    for g in topology.get("groups", ()):
+        where = f"{g['nodes']} node{'s' if g['nodes'] != 1 else ''}"
+        guess = "" if g["ranks_known"] else " (ranks unknown: taken as consecutive)"
+        parts.append(f"group {g['group_name']!r}: {g['size']} ranks on {where}{guess}")
+    return "; ".join(parts)
+
+
+def cluster_disagreement(topology: Mapping[str, Any], cluster: Cluster | None) -> str | None:
+    """Why a ``cluster`` the user gave does not fit the graph (its ``n_gpus`` is not the
+    graph's world), or None. Not an error: no price reads ``n_gpus``; each group is priced by
+    the nodes its own ranks span on ``gpus_per_node``."""
+    world = topology.get("world_size")
+    if cluster is None or not world or cluster.n_gpus == world:
+        return None
+    return (f"cluster.n_gpus={cluster.n_gpus} but the graph's process groups live in a world of {world} ranks: "
+            f"each group is priced by the nodes its ranks span at {cluster.gpus_per_node} GPUs per node "
+            f"(n_gpus prices nothing); pass Cluster(n_gpus={world}, ...) to silence this")
 
 
 class CostModel(Protocol):

@@ -8,7 +8,11 @@ Graph attributes (``dag.graph``):
     name (str), graph_kind (str): ``"forward"``, ``"backward"``, ``"joint"`` (forward, loss
         and backward in one graph: make_fx of a training step) or ``"unknown"``.
     order (list[str]): node names in graph (execution) order.
-    process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
+    process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}: the ranks
+        from the initialised process group in which the group's name resolves (None where it
+        does not: the group is then priced as ``size`` consecutive ranks).
+    world_size (int | None): ranks of the world the groups live in (the initialised default
+        group's size, else one more than the largest rank named); None when unknown.
     cluster (dict): the :class:`scheduler.costs.models.Cluster` the costs were computed for.
     cost_model (str): name of the cost model.
     cost_sources (dict): what priced each cost component (compute, each group's collectives,
@@ -132,7 +136,9 @@ def export_dag(
         cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
             ``"torch"``; see :func:`scheduler.costs.models.resolve_cost_model`); default the analytic
             model on ``cluster``.
-        cluster: topology; default :class:`scheduler.costs.models.Cluster` (64 H100, 8 per node).
+        cluster: topology; default :class:`scheduler.costs.models.Cluster` with the graph's
+            world (``world_size``: H100s, 8 per node). Each group is priced by the nodes its
+            ranks span on the cluster's ``gpus_per_node``.
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
         merge_all_reduces: whether a schedule may merge the graph's gradient all-reduces (DDP,
             HSDP's replicate group) into buckets (``dag.graph["merge_all_reduces"]``). They are
@@ -148,7 +154,7 @@ def export_dag(
     """
     import torch
 
-    cluster = cluster or Cluster()
+    given_cluster = cluster
     cost_model = resolve_cost_model(cost_model, cluster)
     graph_kind = str(getattr(gm, "meta", {}).get("fsdp_graph_kind", "unknown"))
     dag = nx.DiGraph(
@@ -172,6 +178,9 @@ def export_dag(
     dag.graph["order"] = order
 
     _link_collectives(dag, fx_nodes)
+    dag.graph["world_size"] = _world_size(dag)
+    # the cluster's world is the graph's (what the process groups say), unless one is given
+    cluster = given_cluster or Cluster(n_gpus=dag.graph["world_size"] or Cluster.n_gpus)
     _mark_prologues(dag)
     _mark_epilogues(dag)
     _resolve_aliases(dag)
@@ -607,6 +616,20 @@ def _mark_unwaited_collective(dag: nx.DiGraph, name: str) -> None:
     a["movable"] = False
     logger.warning("collective %r (%s) has no wait_tensor in this graph: kept in place, its "
                    "communication time is not modelled", name, a["target"])
+
+
+def _world_size(dag: nx.DiGraph) -> int | None:
+    """Ranks of the world the graph's process groups live in: the initialised default group's
+    size, else one more than the largest rank a group names; None when neither is known."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # no usable process group: the ranks recorded say what they can
+        pass
+    ranks = [r for g in dag.graph["process_groups"].values() for r in (g.get("ranks") or ())]
+    return max(ranks) + 1 if ranks else None
 
 
 def _group_ranks(group_name: str) -> list[int] | None:

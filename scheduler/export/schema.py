@@ -257,6 +257,7 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "cost_sources": optional(Attr("a cost sources record {compute: [{source, measured, nodes, ms}], collectives: "
                                   "[{group_name, coll_type, group_size, nodes, source, measured, count, ms}], "
                                   "copies: {source}} (scheduler.costs.models.annotate_costs)", _is_cost_sources)),
+    "world_size": optional(nullable(COUNT)),
     "merge_all_reduces": optional(BOOL),
 }
 
