@@ -290,3 +290,18 @@ def test_the_family_of_no_spec_is_the_default_family():
     assert isinstance(family, CostModelFamily) and list(family) == LABELS6
     assert isinstance(family["torch bw-30%"], TorchCostModel)
     assert family["torch bw-30%"].cluster.inter_node_gbps == pytest.approx(0.7 * H100.inter_node_gbps)
+
+
+def test_the_files_of_a_composed_spec_key_the_caches(tmp_path):
+    """The inductor pass keys its cache on the files a spec reads: a composed spec's table and
+    trace are both named, and a rewritten table changes the key."""
+    from scheduler.costs.models import cost_model_files
+
+    csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02"])
+    trace = tmp_path / "p.json"
+    trace.write_text("{}")
+    files = cost_model_files(f"compute:torch+profile:{trace}+table:{csv}")
+    assert sorted(f[0] for f in files) == sorted([str(csv.resolve()), str(trace.resolve())])
+    csv.write_text(csv.read_text() + f"all_gather,{W},1,4096,0.03\n")
+    assert cost_model_files(f"compute:torch+profile:{trace}+table:{csv}") != files
+    assert cost_model_files("torch") == [] and cost_model_files("compute:fast") == []
