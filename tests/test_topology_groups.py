@@ -115,3 +115,15 @@ def test_a_cluster_of_another_world_is_named_not_obeyed(groups, caplog):
         assert any("n_gpus=16" in r.getMessage() for r in caplog.records) == (n_gpus == 16)
         steps[n_gpus] = report.step_ms_before
     assert steps[16] == steps[WORLD]
+
+
+def test_a_group_whose_ranks_are_unknown_is_said_to_be_taken_as_consecutive():
+    """A DAG without a process group behind it (ranks None, world unknown): 16 ranks taken as
+    consecutive span 2 nodes, and the line says it is a guess."""
+    import networkx as nx
+
+    dag = nx.DiGraph(process_groups={"dp": {"size": 16, "ranks": None}}, cluster=Cluster().to_json())
+    topo = graph_topology(dag)
+    assert topo["groups"] == [{"group_name": "dp", "size": 16, "ranks_known": False, "nodes": 2}]
+    assert topology_line(topo) == ("world size unknown, 8 per node; group 'dp': 16 ranks on 2 nodes "
+                                   "(ranks unknown: taken as consecutive)")
