@@ -97,6 +97,10 @@ def _row(graph: str, budget_name: str, budget: int | None, contenders: dict[str,
             "compile_s": j.compile_s, "step_ms": {m: f.step_ms for m, f in j.figures.items()},
             "collectives": next(iter(j.figures.values())).n_collectives if j.ok else None,
             "chosen": getattr(report, "chosen_candidate", None), "notes": list(getattr(report, "notes", []) or []),
+            # schedules of the search that write-back refused (each one a schedule the DAG
+            # allowed and the graph did not)
+            "not_written": sum(1 for c in (getattr(report, "candidates", None) or [])
+                               if str(c.get("dropped") or "").startswith("not written back")),
         }
     return out
 
@@ -156,7 +160,9 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
                            for n in (*TORCH_PASSES, PRODUCT_DEFAULT, PRODUCT_TABLE))
         colls = " / ".join("-" if n not in c or c[n]["collectives"] is None else str(c[n]["collectives"])
                            for n in (*TORCH_PASSES, PRODUCT_DEFAULT, PRODUCT_TABLE))
-        chosen = ", ".join(f"{c[n]['chosen']}" for n in (PRODUCT_DEFAULT, PRODUCT_TABLE) if n in c)
+        chosen = ", ".join(f"{c[n]['chosen']}" + (f" ({c[n]['not_written']} not written back)"
+                                                     if c[n].get("not_written") else "")
+                           for n in (PRODUCT_DEFAULT, PRODUCT_TABLE) if n in c)
         out.append(f"  {r['graph']} {r['budget']}: {times} s; {colls}; {chosen}")
     return "\n".join(out)
 

@@ -42,6 +42,7 @@ _EXPORTS = {
     "parse_bytes": "solvers.core.units",
     "backend": "scheduler.integrate.compile",
     "inductor_post_grad_pass": "scheduler.integrate.compile",
+    "graph_trainer_pass": "scheduler.integrate.graph_trainer",
     "apply_schedule": "scheduler.writeback",
     "cost_model_family": "scheduler.costs.family",
     "SolverOptions": "scheduler.options",

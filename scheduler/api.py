@@ -5,8 +5,9 @@ One :func:`optimize_schedule` call is a straight line:
 1. **check** every argument (options are checked when built), alike on every rank; on a group
    of ranks, agree on the budget: every rank solves with the smallest of the ranks' budgets
    (:func:`scheduler.integrate.consensus.agree_on_budget`);
-2. **export** the graph once and price it under the cost model, or, when none is given, under
-   the family of plausible models (:func:`scheduler.costs.family.cost_models`);
+2. **export** the graph once and price it under the family of the cost model: what a given file
+   measured is fixed, the rest priced by each plausible model (:func:`scheduler.costs.family.cost_models`;
+   a model that fixes every component alone);
 3. **solve** (:mod:`solvers.search`: starts, CP-SAT windows, polish), or take the answer from
    the schedule cache (:mod:`scheduler.integrate.cache`) when the identical graph, budget and options
    were solved before;
@@ -48,9 +49,9 @@ import networkx as nx
 
 from scheduler.integrate import cache, consensus
 from scheduler.check.written import Candidate, choose, write_and_judge
-from scheduler.costs.family import cost_models
+from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.export.dag import export_problems
-from scheduler.costs.models import Cluster, resolve_cost_model
+from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology, resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report, read_provenance
@@ -126,10 +127,17 @@ def optimize_schedule(
         mem_budget: peak-memory budget, bytes or a string like ``"40GiB"``; None: no limit.
             The written graph holds it by the execution model's count and a liveness count
             (torch's MemoryTracker rules are reported: :mod:`scheduler.check.written`).
-        cost_model: a cost model or its name (``"analytic"``, ``"torch"``, ...); that model
-            alone decides. None (default): the schedule with the least worst-case regret over
-            the family of plausible models (:func:`scheduler.costs.family.cost_models`).
-        cluster: the topology (:class:`scheduler.Cluster`; default 64 H100, 8 per node).
+        cost_model: None (default), a name or spec (:class:`scheduler.costs.models.CostSpec`:
+            ``"torch"``, ``"table:PATH"``, ``"compute:torch+table:PATH"``, ...), or a cost
+            model object. The schedule has the least worst-case regret over the family of the
+            spec (:mod:`scheduler.costs.family`): what a file measured is fixed in every member,
+            a component the spec names no model for is priced by each plausible model (None:
+            nothing is fixed). A spec that fixes every component, and an object, is one model
+            that alone decides.
+        cluster: the hardware (:class:`scheduler.Cluster`; default H100s, 8 per node). The
+            world and each group's ranks are the graph's own (its process groups); a cluster
+            whose ``n_gpus`` differs from the graph's world is used as given, with a warning
+            and a note in the report (``n_gpus`` prices nothing).
         solver: how to solve (:class:`scheduler.options.SolverOptions`).
         agreement: how ranks agree (:class:`scheduler.options.AgreementOptions`).
         writeback: how to write back (:class:`scheduler.options.WriteBackOptions`).
@@ -180,6 +188,10 @@ def optimize_schedule(
             problems = _export(gm, cost_model, cluster, solver)
             exported = StageRecord(name="export", wall_s=time.perf_counter() - t_export).to_json()
             problem = next(iter(problems.values())) if problems else None
+            topology_note = cluster_disagreement(graph_topology(problem.dag), cluster) if problem is not None else None
+            if topology_note is not None:
+                logger.warning("fsdp-sched: %s", topology_note)
+                notes = [*notes, topology_note]
             if group is None or agreement.broadcast_from is None or _rank(group) == src:
                 answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
                                            writeback=writeback, t0=t0)
@@ -287,7 +299,8 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                                                 simulations=len(judged), step_ms=chosen.figures.step_ms)]
     report = _report(problems, chosen, judged, budget, solver=solver, found_by=result.solver,
                      status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
-                     fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose)
+                     fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose,
+                     cost_model=cost_model)
     answer = _Answer(chosen.schedule, report)
     if key is not None:
         cache.store(key, answer.to_json())
@@ -321,14 +334,14 @@ def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], 
                           step_ms=traced.figures.step_ms)]
     report = _report(problems, traced, [traced], budget, solver=solver, found_by="traced",
                      status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*_fixed_collective_notes(problem), note],
-                     fell_back=True, stages=stages, t0=t0, t_judge=t_judge)
+                     fell_back=True, stages=stages, t0=t0, t_judge=t_judge, cost_model=cost_model)
     return _Answer(traced.schedule, report)
 
 
 def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Candidate], budget: int | None, *,
             solver: SolverOptions, found_by: str, status: str, best_bound: float | None, notes: list[str],
             fell_back: bool, stages: list[StageRecord], t0: float, t_judge: float,
-            criterion: str | None = None) -> ScheduleReport:
+            criterion: str | None = None, cost_model: Any = None) -> ScheduleReport:
     """The report of ``chosen`` (judged on its written graph) on this graph: every figure
     computed here, from the schedule on this graph's problem and from its written graph."""
     problem = next(iter(problems.values()))
@@ -339,8 +352,9 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
                          notes=notes, fell_back=fell_back, stages=tuple(stages))
     f = chosen.figures
     return dataclasses.replace(
-        report, criterion=criterion if criterion is not None else _criterion(problems, solver),
-        cost_models=list(problems), verified=True, chosen_candidate=chosen.name, reexported_step_ms=f.step_ms,
+        report, criterion=criterion if criterion is not None else _criterion(problems, solver, cost_model),
+        cost_models=list(problems), cost_sources=merged_cost_sources({label: problems[label].dag for label in problems}),
+        verified=True, chosen_candidate=chosen.name, reexported_step_ms=f.step_ms,
         reexported_peak_bytes=f.peak_bytes, liveness_peak_bytes=f.liveness_peak_bytes,
         tracker_peak_bytes=f.tracker_peak_bytes, verify_time_s=time.perf_counter() - t_judge,
         candidates=[c.summary() for c in judged])
@@ -381,13 +395,15 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     return result, notes
 
 
-def _criterion(problems: dict[str, Problem], solver: SolverOptions) -> str:
+def _criterion(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
     labels = list(problems)
     if len(labels) == 1:
         return f"fastest under {labels[0]}"
     strict = [label for label in labels if label in solver.search.strict_models]
     first = f"no slower than the best baseline under {' and '.join(strict)}, then " if strict else ""
-    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)})"
+    fixed = fixed_parts(cost_model)
+    shared = f", each with {fixed} and the rest priced by its own model" if fixed else ""
+    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)}){shared}"
 
 
 def _check_traced_fits(problem: Problem, budget: int | None) -> None:
@@ -401,14 +417,18 @@ def _check_traced_fits(problem: Problem, budget: int | None) -> None:
 
 
 def _fixed_collective_notes(problem: Problem) -> list[str]:
-    """A note naming the collectives left where traced (unmodelled types such as all_to_all,
-    or ones pinned by a dependency on another collective)."""
-    fixed = [c for c in problem.colls.values() if not c.movable]
-    if not fixed:
-        return []
-    names = ", ".join(f"{c.name} ({c.coll_type})" for c in fixed[:5]) + (", ..." if len(fixed) > 5 else "")
-    logger.info("fsdp-sched: %d collective(s) left in place, not scheduled: %s", len(fixed), names)
-    return [f"{len(fixed)} collective(s) left in place, not scheduled (unmodelled or pinned): {names}"]
+    """A note per reason some collectives keep their traced place (their names, the first few
+    of each)."""
+    by_reason: dict[str, list[str]] = {}
+    for c in problem.colls.values():
+        if not c.movable:
+            by_reason.setdefault(c.fixed_reason or "not movable", []).append(c.name)
+    notes = []
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        notes.append(f"{len(names)} collective(s) left in place ({shown}): {reason}")
+        logger.info("fsdp-sched: %s", notes[-1])
+    return notes
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +445,8 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
-               "cost_models": list(problems), "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
+               "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
+               "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
     return cache.cache_key("", mem_budget_bytes=None, options=options)
 
 

@@ -52,8 +52,9 @@ class SolverOptions:
     merge_all_reduces: bool = False
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
-    #: bandwidth factors of the family of cost models judged when no cost model is given
-    #: (:func:`scheduler.costs.family.cost_model_family`); empty: analytic and torch as given only
+    #: bandwidth factors of the family of cost models (:mod:`scheduler.costs.family`): the
+    #: collectives no file measured and no spec names a model for are also priced on the
+    #: cluster's bandwidths times each; empty: analytic and torch as given only
     bandwidth_scales: tuple[float, ...] = (0.7, 1.3)
     #: ``hook(problem, schedule) -> Schedule | None`` called on the solved schedule before the
     #: ranks agree: a returned schedule replaces it (validated); it may raise. For edits of a

@@ -65,7 +65,8 @@ class SearchConfig:
     #: regret alone)
     baseline_weight: float = 10.0
     #: the cost models under which a schedule must not be slower than the best baseline, before
-    #: anything else counts: the nominal models a user judges by (the family's unscaled ones).
+    #: anything else counts: the nominal models a user judges by (the family's unscaled ones,
+    #: labelled so in every family: under a table they take the table's times too).
     #: Their slowdown against the baseline decides first between polished schedules, so that a
     #: regret under a scaled model, which the minimax leaves as the worst case, never buys a
     #: loss to a baseline under one of them (labels absent from the objective are ignored)

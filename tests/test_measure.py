@@ -105,6 +105,22 @@ def test_op_that_raises_falls_back(tmp_path, monkeypatch):
     assert model.stats["fallbacks"] == 1
 
 
+def test_sources_say_what_was_timed_and_what_fell_back(tmp_path, monkeypatch):
+    """A timed matmul is measured (its source names the device), an op that cannot run is
+    the fallback's, and the report's coverage counts them so."""
+    model = MeasuredCostModel("cpu", cache_dir=tmp_path)
+    mm = mm_node(8)
+    model.compute_ms(COMPUTE_ATTRS, mm)
+    assert model.compute_matched(COMPUTE_ATTRS, mm) is True
+    assert model.compute_source(COMPUTE_ATTRS, mm) == f"measured on {model.device_name}"
+    other = mm_node(16)
+    monkeypatch.setattr(model, "_time_node", lambda node: 1 / 0)
+    model.compute_ms(COMPUTE_ATTRS, other)
+    assert model.compute_matched(COMPUTE_ATTRS, other) is False
+    assert model.compute_source(COMPUTE_ATTRS, other) == "analytic"
+    assert model.collective_source("all_gather", GroupInfo("g", 2, (0, 1))) == "analytic"
+
+
 def test_collective_uses_fit_of_matching_group_size(tmp_path):
     fit = {
         "group_name": "0", "group_size": 2,

@@ -54,9 +54,9 @@ def budget_arg(text: str) -> str | int:
 
 
 def cost_model_arg(text: str) -> str:
-    """``--cost-model``: a name (analytic, torch) or a file-backed model (table:PATH,
-    profile:PATH, profile:TRACE+table:PATH), checked now (files read) so that a bad name or
-    file fails before any model is traced."""
+    """``--cost-model``: a name (analytic, torch) or a spec of parts (table:PATH,
+    profile:PATH, compute:torch+table:PATH, ...: :class:`scheduler.costs.models.CostSpec`),
+    checked now (files read) so that a bad name or file fails before any model is traced."""
     from scheduler.costs.models import resolve_cost_model
 
     try:

@@ -42,7 +42,8 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
                         "alpha-beta), torch (torch's own roofline and NCCL estimators), "
                         "table:PATH (collective times measured: a CSV from `fsdp-sched measure` or nccl-tests "
                         "output), profile:PATH (compute times from a torch.profiler Chrome trace of one step), "
-                        "or profile:TRACE+table:PATH; a DAG file keeps the costs it was traced with; without it, "
+                        "or parts joined by '+' (compute:torch+table:PATH, profile:TRACE+table:PATH); open parts "
+                        "are priced by the analytic model; a DAG file keeps the costs it was traced with; without it, "
                         "solve --robust judges under a family of models")
 
 

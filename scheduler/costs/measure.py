@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from scheduler.costs.tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
-from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo, source_of
 from solvers.core.units import fit_line
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,29 @@ class MeasuredCostModel:
     def collective_matched(self, coll_type: str, group: GroupInfo) -> bool:
         """Whether a fit prices ``coll_type`` on ``group`` (else the fallback does)."""
         return bool(self._fits(coll_type, group))
+
+    def compute_matched(self, attrs: Mapping[str, Any], fx_node: "torch.fx.Node | None" = None) -> bool:
+        """Whether the node's time was measured (timed now or read from the timing cache);
+        asked after :meth:`compute_ms` priced it, so it times nothing itself."""
+        if fx_node is None:
+            return False
+        try:
+            return self._signature(fx_node) in self._cache
+        except _Unsupported:
+            return False
+
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: "torch.fx.Node | None" = None) -> str:
+        if self.compute_matched(attrs, fx_node):
+            return f"{self.name} on {self.device_name}"
+        return source_of(self.fallback, "compute_source", attrs, fx_node)
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        if self.collective_matched(coll_type, group):
+            return f"{self.name} on its group"
+        return source_of(self.fallback, "collective_source", coll_type, group)
+
+    def copy_source(self) -> str:
+        return f"{self.name} on {self.device_name}"
 
     def _fits(self, coll_type: str, group: GroupInfo) -> list[Mapping[str, Any]]:
         nodes = group.n_nodes(self.cluster)

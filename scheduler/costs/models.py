@@ -23,8 +23,14 @@ Models here:
   (:mod:`scheduler.costs.profiles`), falling back to another model.
 - :class:`scheduler.costs.measure.MeasuredCostModel`: timed on the current device (see that module).
 
-:func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`,
-``"table:PATH"`` / ``"profile:PATH"``, or an object) into a model.
+:class:`ComposedCostModel` takes each cost component from another model: compute (and bucket
+copies) from one, collectives from another.
+
+:func:`resolve_cost_model` turns what a user passes (None, a name of :data:`COST_MODELS`, a spec
+of parts such as ``"table:PATH"``, ``"profile:PATH"`` or ``"compute:torch+table:PATH"``
+(:class:`CostSpec`), or an object) into a model. What a file measures is fixed; a component the
+spec names no model for is open (one model prices it here: the analytic one; the family of
+:mod:`scheduler.costs.family` prices it by each plausible model).
 
 Topology: a process group is priced by the nodes its ranks span (:meth:`GroupInfo.n_nodes`:
 from the group's real ranks, recorded at export from the initialised process group, and the
@@ -34,7 +40,10 @@ every model here (torch's NCCL estimator included, :func:`torch_nccl_topology`).
 Models that price some nodes from data and leave the rest to a fallback say which
 (``compute_matched(attrs, fx_node)``, ``collective_matched(coll_type, group)``);
 :func:`annotate_costs` then records ``dag.graph["cost_coverage"]``: the share of compute time
-matched and the process groups whose collectives the fallback priced.
+matched and the process groups whose collectives the fallback priced. Models may also say what
+priced each part (``compute_source(attrs, fx_node)``, ``collective_source(coll_type, group)``,
+``copy_source()``: the name of a model or a file; the model's ``name`` when it does not say):
+:func:`annotate_costs` records them per component in ``dag.graph["cost_sources"]``.
 """
 
 from __future__ import annotations
@@ -99,9 +108,15 @@ class Cluster:
 
     Defaults: 64 H100 SXM GPUs, 8 per node, NVLink4 within a node, one 400 Gb/s InfiniBand NIC
     per GPU between nodes (DESIGN.md, public figures).
+
+    The world and the ranks of each process group come from the graph (the groups it names,
+    :func:`graph_topology`); a group is priced by the nodes its ranks span on
+    ``gpus_per_node``. ``n_gpus`` prices nothing: without a cluster, the export takes the
+    graph's world; a given cluster whose ``n_gpus`` is not the graph's world is used as it is,
+    and ``optimize_schedule`` warns and notes it in the report.
     """
 
-    #: number of GPUs in the job
+    #: number of GPUs in the job (the graph's world when the export makes the cluster)
     n_gpus: int = 64
     #: GPUs per node (NVLink domain)
     gpus_per_node: int = 8
@@ -177,6 +192,46 @@ class GroupInfo:
         return max(1, math.ceil(self.size / cluster.gpus_per_node))
 
 
+def graph_topology(dag: nx.DiGraph) -> dict[str, Any]:
+    """The topology ``dag`` was priced on: ``world_size`` (the ranks its process groups live in;
+    None: unknown), ``gpus_per_node`` and ``n_gpus`` (its cluster's), and per process group
+    (``groups``) ``group_name``, ``size``, ``ranks_known`` (False: priced as ``size``
+    consecutive ranks) and ``nodes``, the nodes its ranks span (:meth:`GroupInfo.n_nodes`)."""
+    cluster = Cluster.from_json(dag.graph["cluster"]) if dag.graph.get("cluster") else Cluster()
+    groups = []
+    for name, g in sorted((dag.graph.get("process_groups") or {}).items()):
+        gi = GroupInfo(name, int(g["size"]), tuple(g["ranks"]) if g.get("ranks") else None)
+        groups.append({"group_name": name, "size": gi.size, "ranks_known": gi.ranks is not None,
+                       "nodes": gi.n_nodes(cluster)})
+    return {"world_size": dag.graph.get("world_size"), "gpus_per_node": cluster.gpus_per_node,
+            "n_gpus": cluster.n_gpus, "groups": groups}
+
+
+def topology_line(topology: Mapping[str, Any]) -> str:
+    """``"64 ranks, 8 per node; group '0': 8 ranks on 8 nodes; group '1': 8 ranks on 1 node"``
+    of a :func:`graph_topology` record."""
+    world = topology.get("world_size")
+    head = f"{world} ranks" if world else "world size unknown"
+    parts = [f"{head}, {topology['gpus_per_node']} per node"]
+    for g in topology.get("groups", ()):
+        where = f"{g['nodes']} node{'s' if g['nodes'] != 1 else ''}"
+        guess = "" if g["ranks_known"] else " (ranks unknown: taken as consecutive)"
+        parts.append(f"group {g['group_name']!r}: {g['size']} ranks on {where}{guess}")
+    return "; ".join(parts)
+
+
+def cluster_disagreement(topology: Mapping[str, Any], cluster: Cluster | None) -> str | None:
+    """Why a ``cluster`` the user gave does not fit the graph (its ``n_gpus`` is not the
+    graph's world), or None. Not an error: no price reads ``n_gpus``; each group is priced by
+    the nodes its own ranks span on ``gpus_per_node``."""
+    world = topology.get("world_size")
+    if cluster is None or not world or cluster.n_gpus == world:
+        return None
+    return (f"cluster.n_gpus={cluster.n_gpus} but the graph's process groups live in a world of {world} ranks: "
+            f"each group is priced by the nodes its ranks span at {cluster.gpus_per_node} GPUs per node "
+            f"(n_gpus prices nothing); pass Cluster(n_gpus={world}, ...) to silence this")
+
+
 class CostModel(Protocol):
     name: str
 
@@ -248,12 +303,27 @@ class AnalyticCostModel:
     Compute: ``max(flops / (peak * flops_efficiency), bytes / (hbm * hbm_efficiency)) +
     kernel_overhead``; bf16/fp16 ops use the tensor-core peak, others the fp32 (TF32) peak.
     Views and ops without FLOPs or bytes cost nothing.
+
+    ``name`` (default ``"analytic"``) names the model's collectives in the report's sources (a
+    member of a family on scaled bandwidths is ``"analytic bw-30%"``); its compute and copies
+    are ``"analytic"`` whatever the network.
     """
 
     name = "analytic"
 
-    def __init__(self, cluster: Cluster | None = None):
+    def __init__(self, cluster: Cluster | None = None, *, name: str | None = None):
         self.cluster = cluster or Cluster()
+        if name is not None:
+            self.name = name
+
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: Any = None) -> str:
+        return "analytic"
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        return self.name
+
+    def copy_source(self) -> str:
+        return "analytic"
 
     def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
         flops = attrs.get("flops", 0) or 0
@@ -305,9 +375,20 @@ class TorchCostModel:
 
     name = "torch"
 
-    def __init__(self, cluster: Cluster | None = None):
+    def __init__(self, cluster: Cluster | None = None, *, name: str | None = None):
         self.cluster = cluster or Cluster()
         self._fallback = AnalyticCostModel(self.cluster)
+        if name is not None:
+            self.name = name
+
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: Any = None) -> str:
+        return "torch"
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        return self.name
+
+    def copy_source(self) -> str:
+        return "torch"
 
     def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
         if fx_node is not None and moves_no_data(fx_node):
@@ -510,6 +591,9 @@ class TableCostModel:
         self.collectives = collectives
         self._fallback = fallback or AnalyticCostModel(self.cluster)
         self.name = name
+        #: what the report names the parts this model prices itself by (``name`` as given: a
+        #: family renames its members, not their sources)
+        self.source = name
 
     @classmethod
     def from_file(
@@ -589,6 +673,23 @@ class TableCostModel:
         """(collective, group size, nodes) of every key the measured data holds (for messages)."""
         own = self.collectives.keys() if self.collectives is not None else []
         return sorted({*own, *(_ask(self._fallback, "collective_keys") or ())})
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: Any = None) -> str:
+        """:attr:`source` for a node of the compute table, else the fallback's source."""
+        if self._own_compute_ms(attrs) is not None:
+            return self.source
+        return source_of(self._fallback, "compute_source", attrs, fx_node)
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        """:attr:`source` for a collective of the callable or a row of the table, else the
+        fallback's source."""
+        if self._collective is not None or (
+                self.collectives is not None
+                and self.collectives.covers(coll_type, group.size, group.n_nodes(self.cluster))):
+            return self.source
+        return source_of(self._fallback, "collective_source", coll_type, group)
+
+    def copy_source(self) -> str:
+        return source_of(self._fallback, "copy_source")
 
 
 class ProfileCostModel:
@@ -627,6 +728,8 @@ class ProfileCostModel:
         self.cluster = cluster or getattr(fallback, "cluster", None) or Cluster()
         self._fallback = fallback or AnalyticCostModel(self.cluster)
         self.name = name or f"profile:{self.trace.path}"
+        #: what the report names the parts this model prices itself by (see TableCostModel)
+        self.source = self.name
 
     @classmethod
     def from_file(cls, path: str | Path, *, cluster: Cluster | None = None,
@@ -673,6 +776,18 @@ class ProfileCostModel:
 
 def _ranks_over(size: int, nodes: int) -> str:
     return f"{size} ranks over {nodes} node{'s' if nodes != 1 else ''}"
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: Any = None) -> str:
+        if self._profiled_ms(attrs, fx_node) is not None:
+            return self.source
+        return source_of(self._fallback, "compute_source", attrs, fx_node)
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        if self.collectives and self.trace.has_collectives(coll_type):
+            return self.source
+        return source_of(self._fallback, "collective_source", coll_type, group)
+
+    def copy_source(self) -> str:
+        return source_of(self._fallback, "copy_source")
 
 
 def _ask(model: Any, method: str, *args: Any) -> Any:
@@ -681,14 +796,250 @@ def _ask(model: Any, method: str, *args: Any) -> Any:
     return fn(*args) if callable(fn) else None
 
 
+def source_of(model: Any, method: str, *args: Any) -> str:
+    """What priced a part (``method``: ``"compute_source"``, ``"collective_source"`` or
+    ``"copy_source"``): the model's answer, or its ``name`` for a model that does not say."""
+    said = _ask(model, method, *args)
+    return str(said) if said is not None else str(getattr(model, "name", type(model).__name__))
+
+
+class ComposedCostModel:
+    """A cost model made of parts of others: compute from one model, collectives from another,
+    bucket copies from the compute side (or from ``copies``).
+
+    Each part is a cost model object or anything :func:`resolve_cost_model` takes (a name or a
+    spec): ``ComposedCostModel(compute="torch", collectives="table:colls.csv")`` prices compute
+    by torch's roofline and collectives by the measured table (a group without a row by the
+    table's fallback, the analytic model). The spec ``"compute:torch+table:colls.csv"``
+    (:class:`CostSpec`) names a model of the same parts.
+
+    What priced each part (:func:`annotate_costs`' ``cost_sources``) and what was measured
+    (``compute_matched`` / ``collective_matched``) are each part's own answers.
+
+    Args:
+        compute: prices compute nodes (and, unless ``copies`` is given, bucket copies).
+        collectives: prices collectives.
+        copies: prices the copies into and out of bucket buffers (default: ``compute``'s:
+            they are kernels on the compute stream).
+        cluster: the topology names and specs are resolved on (default :class:`Cluster`).
+        name: the model's name (default: from its parts).
+    """
+
+    def __init__(self, *, compute: Any, collectives: Any, copies: Any = None, cluster: Cluster | None = None,
+                 name: str | None = None):
+        self.cluster = cluster or Cluster()
+        self.compute = resolve_cost_model(compute, self.cluster)
+        self.collectives = resolve_cost_model(collectives, self.cluster)
+        self.copies = self.compute if copies is None else resolve_cost_model(copies, self.cluster)
+        self.name = name or f"{_model_name(self.compute)} compute + {_model_name(self.collectives)} collectives"
+
+    def compute_ms(self, attrs: Mapping[str, Any], fx_node: Any = None) -> float:
+        return self.compute.compute_ms(attrs, fx_node)
+
+    def collective_ms(self, coll_type: str, payload_bytes: int, group: GroupInfo) -> float:
+        return self.collectives.collective_ms(coll_type, payload_bytes, group)
+
+    def copy_ms(self, nbytes: int) -> float:
+        return self.copies.copy_ms(nbytes)
+
+    def compute_matched(self, attrs: Mapping[str, Any], fx_node: Any = None) -> bool | None:
+        return _ask(self.compute, "compute_matched", attrs, fx_node)
+
+    def collective_matched(self, coll_type: str, group: GroupInfo) -> bool | None:
+        return _ask(self.collectives, "collective_matched", coll_type, group)
+
+    def compute_source(self, attrs: Mapping[str, Any], fx_node: Any = None) -> str:
+        return source_of(self.compute, "compute_source", attrs, fx_node)
+
+    def collective_source(self, coll_type: str, group: GroupInfo) -> str:
+        return source_of(self.collectives, "collective_source", coll_type, group)
+
+    def copy_source(self) -> str:
+        return source_of(self.copies, "copy_source")
+
+
+def _model_name(model: Any) -> str:
+    return str(getattr(model, "name", type(model).__name__))
+
+
+# --------------------------------------------------------------------------------------------
+# cost model specs
+# --------------------------------------------------------------------------------------------
 #: cost models that can be named: ``export_dag(gm, cost_model="torch")``
 COST_MODELS: dict[str, type] = {"analytic": AnalyticCostModel, "torch": TorchCostModel}
-#: cost models named with a file: ``"table:PATH"`` (measured collective times,
-#: :meth:`TableCostModel.from_file`) and ``"profile:PATH"`` (compute times from a torch.profiler
-#: trace, :class:`ProfileCostModel`); ``"profile:TRACE+table:CSV"`` takes both
+#: parts of a spec that name a file (:class:`CostSpec`): ``"table:PATH"`` (measured collective
+#: times, :meth:`TableCostModel.from_file`) and ``"profile:PATH"`` (compute times from a
+#: torch.profiler trace, :class:`ProfileCostModel`)
 FILE_COST_MODELS = ("table", "profile")
-_FILE_SPEC = re.compile(r"^\s*(table|profile)\s*:", re.IGNORECASE)
-_FILE_SPEC_SPLIT = re.compile(r"\+(?=\s*(?:table|profile)\s*:)", re.IGNORECASE)
+#: parts of a spec that name the model of one cost component (:class:`CostSpec`)
+PART_COST_MODELS = ("compute", "collectives")
+#: where a spec splits into parts: a ``+`` followed by a part's keyword (a path may hold ``+``)
+_SPEC_SPLIT = re.compile(
+    r"\+(?=\s*(?:(?:table|profile|compute|collectives)\s*:|(?:analytic|torch)\s*(?:\+|$)))", re.IGNORECASE)
+_SPEC_GRAMMAR = ("'analytic' or 'torch' (the whole model), 'compute:analytic|torch', 'collectives:analytic|torch', "
+                 "'table:PATH' (measured collective times: a CSV or nccl-tests output) or 'profile:PATH' (a "
+                 "torch.profiler trace), joined by '+'")
+
+
+def scale_bandwidth(cluster: Cluster, factor: float) -> Cluster:
+    """``cluster`` with its intra- and inter-node bus bandwidths multiplied by ``factor``."""
+    return dataclasses.replace(cluster, intra_node_gbps=cluster.intra_node_gbps * factor,
+                               inter_node_gbps=cluster.inter_node_gbps * factor)
+
+
+def family_label(base: str, factor: float = 1.0) -> str:
+    """``"analytic"`` for the cluster as given, ``"analytic bw-30%"`` for bandwidths x 0.7."""
+    return base if factor == 1.0 else f"{base} bw{factor - 1:+.0%}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostSpec:
+    """A cost model spec (:func:`parse_cost_spec`): where each cost component comes from.
+
+    A spec is parts joined by ``+`` (keywords in any case, blanks around parts ignored):
+
+    - ``analytic`` / ``torch``: that model prices compute, bucket copies and collectives;
+    - ``compute:analytic`` / ``compute:torch``: that model prices compute and bucket copies;
+    - ``collectives:analytic`` / ``collectives:torch``: that model prices collectives;
+    - ``table:PATH``: measured collective times (a CSV, nccl-tests output or a directory of
+      them, :class:`TableCostModel`) price the collectives of the groups they have rows for;
+      the other collectives are priced by the collectives model;
+    - ``profile:PATH``: a torch.profiler trace (:class:`ProfileCostModel`) prices the compute
+      nodes it timed (and the collectives of a gloo group it ran); the other nodes are priced by
+      the compute model.
+
+    Each kind at most once; a whole model and a part of the same component conflict
+    (``"torch+compute:analytic"``). Examples: ``"table:colls.csv"``,
+    ``"compute:torch+table:colls.csv"``, ``"profile:step.json+table:colls.csv"``,
+    ``"torch+table:colls.csv"`` (torch's estimators for everything the table does not cover).
+
+    A component the spec names no model for (compute without ``compute:`` or a whole model;
+    collectives without ``collectives:`` or a whole model) is open: what a file measured is
+    fixed, the rest is uncertain. :func:`resolve_cost_model` prices an open component by the
+    analytic model (one model); ``optimize_schedule`` judges every schedule under the family of
+    the spec (:func:`scheduler.costs.family.cost_models`), which prices it by each plausible
+    model (analytic and torch's estimators; collectives also on scaled bandwidths).
+    """
+
+    #: the model of compute and bucket copies (a name of :data:`COST_MODELS`), None: open
+    compute: str | None = None
+    #: the model of collectives (a name of :data:`COST_MODELS`), None: open
+    collectives: str | None = None
+    #: the collective table's path
+    table: str | None = None
+    #: the profiler trace's path
+    profile: str | None = None
+    #: the spec as written, blanks around it removed (a lone model name in lower case)
+    text: str = ""
+
+    @property
+    def open_parts(self) -> tuple[str, ...]:
+        """The components no model is named for: ``"compute"``, ``"collectives"``."""
+        return tuple(part for part, model in (("compute", self.compute), ("collectives", self.collectives))
+                     if model is None)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The paths the spec reads."""
+        return tuple(p for p in (self.table, self.profile) if p is not None)
+
+
+def parse_cost_spec(text: str) -> CostSpec:
+    """The :class:`CostSpec` of ``text`` (its grammar there).
+
+    Raises:
+        ValueError: a part that is no model name, keyword or file part, a file part without a
+            path, a kind given twice or a component named twice; the message names the part
+            and lists the valid parts.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"cost model {text!r} names nothing; valid names are {sorted(COST_MODELS)}, or a spec of "
+                         f"{_SPEC_GRAMMAR}")
+    fields: dict[str, str] = {}
+    given: dict[str, str] = {}  # field -> the part that set it, for the error of a second one
+
+    def put(field: str, value: str, part: str) -> None:
+        if field in fields:
+            what = f"two {field} files" if field in FILE_COST_MODELS else f"the {field} model twice"
+            raise ValueError(f"cost model {text!r} names {what} ({given[field]!r} and {part!r}); give one "
+                             + ("(a table may be a directory)" if field == "table" else "model per component"))
+        fields[field], given[field] = value, part
+
+    for raw in _SPEC_SPLIT.split(text.strip()):
+        part = raw.strip()
+        kind, colon, value = part.partition(":")
+        kind = kind.strip().lower()
+        if not colon:
+            if kind not in COST_MODELS:
+                within = f" in {text!r}" if part != text.strip() else ""
+                raise ValueError(f"unknown cost model {part!r}{within}; valid names are "
+                                 f"{sorted(COST_MODELS)}, or a spec of {_SPEC_GRAMMAR}; or pass a cost model object "
+                                 "with compute_ms, collective_ms and copy_ms")
+            put("compute", kind, part)
+            put("collectives", kind, part)
+        elif kind in PART_COST_MODELS:
+            name = value.strip().lower()
+            if name not in COST_MODELS:
+                raise ValueError(f"cost model {text!r}: {part!r} names no model of {kind}; write {kind}:NAME with "
+                                 f"NAME one of {sorted(COST_MODELS)}")
+            put(kind, name, part)
+        elif kind in FILE_COST_MODELS:
+            if not value.strip():
+                raise ValueError(f"cost model {text!r} names no file after {kind!r}:; write {kind}:PATH")
+            put(kind, value.strip(), part)
+        else:
+            raise ValueError(f"cost model {text!r}: {part!r} is not a part of a spec; valid names are "
+                             f"{sorted(COST_MODELS)}, or a spec of {_SPEC_GRAMMAR}")
+    stripped = text.strip()
+    lone = stripped.lower() if stripped.lower() in COST_MODELS else stripped
+    return CostSpec(text=lone, **fields)
+
+
+def spec_cost_model(spec: CostSpec, cluster: Cluster | None = None, *, hedge: str = "analytic",
+                    bandwidth_factor: float = 1.0, name: str | None = None) -> CostModel:
+    """The model of ``spec`` on ``cluster`` (default :class:`Cluster`) whose open components
+    (:attr:`CostSpec.open_parts`) are priced by the model ``hedge`` (a name of
+    :data:`COST_MODELS`), its collectives on the cluster's bandwidths times
+    ``bandwidth_factor``: one member of the spec's family (:mod:`scheduler.costs.family`); the
+    defaults give :func:`resolve_cost_model`'s model. Its ``name`` is ``name``, else the spec's
+    text.
+
+    Files are read once per content: a spec resolved again (every rank, every candidate
+    judged, every member of a family) reuses what was read while the file's size and
+    modification time are unchanged.
+
+    Raises:
+        ValueError: an unknown ``hedge``, or a file that cannot be read
+            (:class:`~scheduler.costs.tables.CostTableError`,
+            :class:`~scheduler.costs.profiles.ProfileTraceError`; the message names the spec,
+            the file, the line and the field).
+    """
+    cluster = cluster or Cluster()
+    if hedge not in COST_MODELS:
+        raise ValueError(f"hedge={hedge!r} must be one of {sorted(COST_MODELS)}")
+    if spec.compute is None and spec.collectives is None:
+        base: CostModel = COST_MODELS[hedge](scale_bandwidth(cluster, bandwidth_factor),
+                                             name=family_label(hedge, bandwidth_factor))
+    elif spec.compute == spec.collectives:
+        base = COST_MODELS[spec.compute](cluster)
+    else:
+        collectives = (COST_MODELS[spec.collectives](cluster) if spec.collectives is not None else
+                       COST_MODELS[hedge](scale_bandwidth(cluster, bandwidth_factor),
+                                          name=family_label(hedge, bandwidth_factor)))
+        base = ComposedCostModel(compute=COST_MODELS[spec.compute or hedge](cluster), collectives=collectives,
+                                 cluster=cluster)
+    model: Any = base
+    try:
+        if spec.table is not None:
+            model = TableCostModel(collectives=_read_cached("table", spec.table), fallback=model, cluster=cluster,
+                                   name=f"table:{spec.table}")
+        if spec.profile is not None:
+            model = ProfileCostModel(_read_cached("profile", spec.profile), fallback=model, cluster=cluster,
+                                     name=f"profile:{spec.profile}")
+    except (CostTableError, ProfileTraceError) as e:
+        raise type(e)(f"cost model {spec.text!r}: {e}") from None
+    model.name = name or spec.text or model.name
+    return model
 
 
 def resolve_cost_model(spec: "CostModel | str | None", cluster: Cluster | None = None) -> CostModel:
@@ -696,96 +1047,43 @@ def resolve_cost_model(spec: "CostModel | str | None", cluster: Cluster | None =
 
     Args:
         spec: None (the analytic model), a name of :data:`COST_MODELS` (``"analytic"``,
-            ``"torch"``; case and surrounding blanks ignored), a file-backed name
-            (:data:`FILE_COST_MODELS`, see :func:`cost_model_from_files`: ``"table:PATH"``,
-            ``"profile:PATH"`` or ``"profile:TRACE+table:CSV"``), or a cost model object (any
-            object with ``compute_ms``, ``collective_ms`` and ``copy_ms``), returned as is.
+            ``"torch"``; case and surrounding blanks ignored), a spec of parts
+            (:class:`CostSpec`: ``"table:PATH"``, ``"profile:PATH"``,
+            ``"compute:torch+table:PATH"``, ...; a component it leaves open is priced by the
+            analytic model: :func:`spec_cost_model`), or a cost model object (any object with
+            ``compute_ms``, ``collective_ms`` and ``copy_ms``), returned as is.
 
     Raises:
-        ValueError: an unknown name, a file that cannot be read (the message names the file,
-            the line and the field), or an object that is not a cost model; the message lists
-            the valid names.
+        ValueError: an unknown name or a bad spec, a file that cannot be read (the message
+            names the file, the line and the field), or an object that is not a cost model;
+            the message lists the valid names.
     """
     cluster = cluster or Cluster()
     if spec is None:
         return AnalyticCostModel(cluster)
     if isinstance(spec, str):
-        if _FILE_SPEC.match(spec):
-            return cost_model_from_files(spec, cluster)
-        cls = COST_MODELS.get(spec.strip().lower())
-        if cls is None:
-            raise ValueError(
-                f"unknown cost model {spec!r}; valid names are {sorted(COST_MODELS)}, 'table:PATH' (measured "
-                "collective times: a CSV or nccl-tests output) and 'profile:PATH' (a torch.profiler trace), or "
-                "pass a cost model object with compute_ms, collective_ms and copy_ms"
-            )
-        return cls(cluster)
+        return spec_cost_model(parse_cost_spec(spec), cluster)
     missing = [m for m in ("compute_ms", "collective_ms", "copy_ms") if not callable(getattr(spec, m, None))]
     if missing:
         raise ValueError(
             f"cost_model {spec!r} is not a cost model (it lacks {', '.join(missing)}); pass one of the "
-            f"names {sorted(COST_MODELS)}, 'table:PATH', 'profile:PATH', or an object with compute_ms, "
+            f"names {sorted(COST_MODELS)}, a spec of {_SPEC_GRAMMAR}, or an object with compute_ms, "
             "collective_ms and copy_ms"
         )
     return spec
 
 
-def cost_model_from_files(spec: str, cluster: Cluster | None = None) -> CostModel:
-    """The model a file-backed name stands for, on ``cluster``:
-
-    - ``"table:PATH"``: :meth:`TableCostModel.from_file` (collectives measured, the rest
-      analytic);
-    - ``"profile:PATH"``: :class:`ProfileCostModel` (compute from the trace, the rest
-      analytic);
-    - ``"profile:TRACE+table:PATH"`` (either order): compute from the trace, collectives
-      from the table, the rest analytic.
-
-    Files are read once per content: a name resolved again (every rank, every candidate
-    judged) reuses what was read while the file's size and modification time are unchanged.
-    The model's ``name`` is ``spec`` without surrounding blanks.
-
-    Raises:
-        ValueError: a part that names no file, the same kind twice, or a file that cannot be
-            read (:class:`~scheduler.costs.tables.CostTableError`,
-            :class:`~scheduler.costs.profiles.ProfileTraceError`).
-    """
-    cluster = cluster or Cluster()
-    text = spec.strip()
-    paths: dict[str, str] = {}
-    for part in _FILE_SPEC_SPLIT.split(text):
-        kind, _, path = part.partition(":")
-        kind, path = kind.strip().lower(), path.strip()
-        if kind not in FILE_COST_MODELS:
-            raise ValueError(f"cost model {spec!r}: {part!r} is not 'table:PATH' or 'profile:PATH'")
-        if not path:
-            raise ValueError(f"cost model {spec!r} names no file after {kind!r}:; write {kind}:PATH")
-        if kind in paths:
-            raise ValueError(f"cost model {spec!r} names two {kind} files; give one (a table may be a directory)")
-        paths[kind] = path
-    model: CostModel = AnalyticCostModel(cluster)
-    try:
-        if "table" in paths:
-            model = TableCostModel(collectives=_read_cached("table", paths["table"]), fallback=model,
-                                   cluster=cluster, name=f"table:{paths['table']}")
-        if "profile" in paths:
-            model = ProfileCostModel(_read_cached("profile", paths["profile"]), fallback=model, cluster=cluster,
-                                     name=f"profile:{paths['profile']}")
-    except (CostTableError, ProfileTraceError) as e:
-        raise type(e)(f"cost model {spec!r}: {e}") from None
-    model.name = text  # type: ignore[attr-defined]
-    return model
-
-
 def cost_model_files(spec: Any) -> list[list[Any]]:
-    """``[[path, size, mtime_ns], ...]`` of the files a file-backed cost model name reads
-    (empty for anything else): for caches keyed by the cost model's name, which must change
-    when a file does."""
-    if not isinstance(spec, str) or not _FILE_SPEC.match(spec):
+    """``[[path, size, mtime_ns], ...]`` of the files a cost model spec reads (empty for
+    anything else): for caches keyed by the cost model's name, which must change when a file
+    does."""
+    try:
+        paths = parse_cost_spec(spec).files if isinstance(spec, str) else ()
+    except ValueError:
         return []
     out = []
-    for part in _FILE_SPEC_SPLIT.split(spec.strip()):
-        key = _file_key(part.partition(":")[2].strip()) or ()
-        out += [[path, size, mtime] for path, mtime, size in key]
+    for path in paths:
+        out += [[p, size, mtime] for p, mtime, size in _file_key(path) or ()]
     return out
 
 
@@ -885,6 +1183,10 @@ def annotate_costs(
     estimate is concave in the payload, so the line alone under-prices a block-sized bucket by
     up to 20 % there, and the prediction would disagree with the re-exported graph.
 
+    Records where each price came from: ``dag.graph["cost_sources"]`` (every model:
+    :meth:`_Coverage.sources`) and ``dag.graph["cost_coverage"]`` (models that say what they
+    measured: :meth:`_Coverage.summary`).
+
     Raises:
         ValueError: the cost model returned NaN, a negative or a missing time.
     """
@@ -904,7 +1206,7 @@ def annotate_costs(
                 a["runtime_ms"] = _check_ms(
                     cost_model.collective_ms(a["coll_type"], a["payload_bytes"], gi), f"collective {n!r}"
                 )
-                coverage.collective(a["coll_type"], gi)
+                coverage.collective(a["coll_type"], gi, a["runtime_ms"])
                 keys.setdefault(f"{a['coll_type']}|{a['group_name']}", []).append(a["payload_bytes"])
             else:
                 a["runtime_ms"] = 0.0
@@ -938,6 +1240,7 @@ def annotate_costs(
     if coverage_check is not None:
         for line in coverage.shortfalls(coverage_check, getattr(cost_model, "name", type(cost_model).__name__)):
             logger.warning("fsdp-sched: %s", line)
+    dag.graph["cost_sources"] = coverage.sources(source_of(cost_model, "copy_source"))
     return dag
 
 
@@ -949,7 +1252,7 @@ class _Coverage:
 
     def __init__(self, cost_model: CostModel, cluster: Cluster):
         self.cluster = cluster
-        self._model = cost_model
+        self.model = cost_model
         self._compute = getattr(cost_model, "compute_matched", None)
         self._collective = getattr(cost_model, "collective_matched", None)
         self.compute_ms = 0.0
@@ -962,6 +1265,10 @@ class _Coverage:
         self.n_matched = 0
         #: (ms, node name, target) of compute nodes the fallback priced
         self.unmatched: list[tuple[float, str, str]] = []
+        #: (source, measured) -> [nodes, ms] of compute
+        self.compute_by_source: dict[tuple[str, bool], list[Any]] = {}
+        #: (group, collective type, source, measured) -> [collectives, ms, group size, nodes]
+        self.collectives_by_source: dict[tuple[str, str, str, bool], list[Any]] = {}
 
     def compute(self, attrs: Mapping[str, Any], fx_node: Any, runtime_ms: float) -> None:
         self.compute_ms += runtime_ms
@@ -972,9 +1279,18 @@ class _Coverage:
                 self.matched_ms += runtime_ms
             else:
                 self.unmatched.append((runtime_ms, str(attrs.get("name")), str(attrs.get("target"))))
+        entry = self.compute_by_source.setdefault(
+            (source_of(self.model, "compute_source", attrs, fx_node), bool(said)), [0, 0.0])
+        entry[0] += 1
+        entry[1] += runtime_ms
 
-    def collective(self, coll_type: str, group: GroupInfo) -> None:
+    def collective(self, coll_type: str, group: GroupInfo, runtime_ms: float = 0.0) -> None:
         said = self._collective(coll_type, group) if callable(self._collective) else None
+        entry = self.collectives_by_source.setdefault(
+            (group.name, coll_type, source_of(self.model, "collective_source", coll_type, group), bool(said)),
+            [0, 0.0, group.size, group.n_nodes(self.cluster)])
+        entry[0] += 1
+        entry[1] += runtime_ms
         if said is None:
             return
         self.collective_said = True
@@ -992,7 +1308,7 @@ class _Coverage:
         if self.collective_said and self.n_matched < check.min_collective_share * self.n_collectives:
             needs = "; ".join(f"{g['coll_type']} on group {g['group_name']!r}: {_ranks_over(g['group_size'], g['nodes'])}"
                               for g in self.fallback_groups.values())
-            keys = _ask(self._model, "collective_keys") or []
+            keys = _ask(self.model, "collective_keys") or []
             has = "; ".join(f"{c} on {_ranks_over(n, nodes)}" for c, n, nodes in keys) or "no collective rows"
             lines.append(
                 f"cost model {model_name!r} priced {self.n_matched} of {self.n_collectives} collectives "
@@ -1027,3 +1343,19 @@ class _Coverage:
             "fallback_groups": ([self.fallback_groups[k] for k in sorted(self.fallback_groups)]
                                 if self.collective_said else None),
         }
+
+    def sources(self, copy_source: str) -> dict[str, Any]:
+        """``cost_sources`` of the DAG, for any model: what priced each cost component.
+        ``compute``: one record per source (``source``: the model or file that priced the
+        nodes, ``measured``: whether from measured data, ``nodes``, ``ms``); ``collectives``: one
+        record per process group, collective type and source (``group_name``, ``coll_type``,
+        ``group_size``, ``nodes``: the nodes its ranks span, ``source``, ``measured``,
+        ``count``, ``ms``); ``copies``: ``{"source": ...}`` of the bucket copies."""
+        compute = [{"source": src, "measured": measured, "nodes": n, "ms": ms}
+                   for (src, measured), (n, ms) in sorted(self.compute_by_source.items(), key=lambda kv: (not kv[0][1], kv[0][0]))]
+        collectives = [{"group_name": g, "coll_type": c, "group_size": size, "nodes": nodes, "source": src,
+                        "measured": measured, "count": n, "ms": ms}
+                       for (g, c, src, measured), (n, ms, size, nodes) in sorted(
+                           self.collectives_by_source.items(), key=lambda kv: (kv[0][0], kv[0][1], not kv[0][3],
+                                                                                  kv[0][2]))]
+        return {"compute": compute, "collectives": collectives, "copies": {"source": copy_source}}

@@ -8,9 +8,15 @@ Graph attributes (``dag.graph``):
     name (str), graph_kind (str): ``"forward"``, ``"backward"``, ``"joint"`` (forward, loss
         and backward in one graph: make_fx of a training step) or ``"unknown"``.
     order (list[str]): node names in graph (execution) order.
-    process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}.
+    process_groups (dict): group name -> {"size": int, "ranks": list[int] | None}: the ranks
+        from the initialised process group in which the group's name resolves (None where it
+        does not: the group is then priced as ``size`` consecutive ranks).
+    world_size (int | None): ranks of the world the groups live in (the initialised default
+        group's size, else one more than the largest rank named); None when unknown.
     cluster (dict): the :class:`scheduler.costs.models.Cluster` the costs were computed for.
     cost_model (str): name of the cost model.
+    cost_sources (dict): what priced each cost component (compute, each group's collectives,
+        bucket copies) and whether it was measured (:func:`scheduler.costs.models.annotate_costs`).
     comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
         "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
         ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model; the
@@ -134,7 +140,9 @@ def export_dag(
         cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
             ``"torch"``; see :func:`scheduler.costs.models.resolve_cost_model`); default the analytic
             model on ``cluster``.
-        cluster: topology; default :class:`scheduler.costs.models.Cluster` (64 H100, 8 per node).
+        cluster: topology; default :class:`scheduler.costs.models.Cluster` with the graph's
+            world (``world_size``: H100s, 8 per node). Each group is priced by the nodes its
+            ranks span on the cluster's ``gpus_per_node``.
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
         merge_all_reduces: whether a schedule may merge the graph's gradient all-reduces (DDP,
             HSDP's replicate group) into buckets (``dag.graph["merge_all_reduces"]``). They are
@@ -152,7 +160,7 @@ def export_dag(
     """
     import torch
 
-    cluster = cluster or Cluster()
+    given_cluster = cluster
     cost_model = resolve_cost_model(cost_model, cluster)
     graph_kind = str(getattr(gm, "meta", {}).get("fsdp_graph_kind", "unknown"))
     dag = nx.DiGraph(
@@ -176,6 +184,9 @@ def export_dag(
     dag.graph["order"] = order
 
     _link_collectives(dag, fx_nodes)
+    dag.graph["world_size"] = _world_size(dag)
+    # the cluster's world is the graph's (what the process groups say), unless one is given
+    cluster = given_cluster or Cluster(n_gpus=dag.graph["world_size"] or Cluster.n_gpus)
     _mark_prologues(dag)
     _mark_epilogues(dag)
     _resolve_aliases(dag)
@@ -614,6 +625,20 @@ def _mark_unwaited_collective(dag: nx.DiGraph, name: str) -> None:
                    "communication time is not modelled", name, a["target"])
 
 
+def _world_size(dag: nx.DiGraph) -> int | None:
+    """Ranks of the world the graph's process groups live in: the initialised default group's
+    size, else one more than the largest rank a group names; None when neither is known."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except Exception:  # no usable process group: the ranks recorded say what they can
+        pass
+    ranks = [r for g in dag.graph["process_groups"].values() for r in (g.get("ranks") or ())]
+    return max(ranks) + 1 if ranks else None
+
+
 def _group_ranks(group_name: str) -> list[int] | None:
     try:
         import torch.distributed as dist
@@ -989,26 +1014,39 @@ def _jsonable(obj: Any) -> Any:
 def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], cluster: Cluster | None, *,
                     merge_all_reduces: bool = False) -> "PricedProblems":
     """``gm`` exported once and priced by each of ``models`` (label -> Problem, in order): the
-    first at once, the others when one of them is first asked for (:class:`PricedProblems`)."""
+    first at once, the others when one of them is first asked for (:class:`PricedProblems`).
+    A family (:class:`scheduler.costs.family.CostModelFamily`) first leaves out the members
+    that would price this graph as another does (:meth:`~scheduler.costs.family.CostModelFamily.needed`)."""
     labels = list(models)
     dag = export_dag(gm, cost_model=models[labels[0]], cluster=cluster, merge_all_reduces=merge_all_reduces)
+    needed = getattr(models, "needed", None)
+    if callable(needed):  # a family leaves out the members that price this graph alike
+        models = needed(dag)
+        labels = list(models)
+        dag.graph["cost_model"] = _model_name(models[labels[0]])
+    key_of = getattr(models, "compute_key", compute_key)
     fx_nodes = {n.name: n for n in gm.graph.nodes}
+    priced_on = Cluster.from_json(dag.graph["cluster"])
 
     def price_the_others() -> dict[str, Problem]:
         out: dict[str, Problem] = {}
-        priced = {compute_key(labels[0]): dag}
+        priced = {key_of(labels[0]): dag}
         for label in labels[1:]:
             other: nx.DiGraph = dag.copy()
             other.graph = copy.deepcopy(dag.graph)
             model = resolve_cost_model(models[label], cluster)
-            base = priced.get(compute_key(label))
-            annotate_costs(other, model if base is None else ComputeFrom(model, base), cluster or Cluster(),
-                           fx_nodes=fx_nodes)
-            priced.setdefault(compute_key(label), other)
+            base = priced.get(key_of(label))
+            annotate_costs(other, model if base is None else ComputeFrom(model, base), priced_on, fx_nodes=fx_nodes)
+            priced.setdefault(key_of(label), other)
             out[label] = Problem.from_dag(other)
         return out
 
-    return PricedProblems(labels, Problem.from_dag(dag), price_the_others)
+    return PricedProblems(labels, Problem.from_dag(dag), price_the_others,
+                          model_names={label: _model_name(models[label]) for label in labels})
+
+
+def _model_name(model: Any) -> str:
+    return model if isinstance(model, str) else str(getattr(model, "name", type(model).__name__))
 
 
 class PricedProblems(Mapping):
@@ -1016,8 +1054,12 @@ class PricedProblems(Mapping):
     first is priced when made; the others together, the first time one of them is read: an
     answer from the schedule cache reads only the first (its key is the first's export)."""
 
-    def __init__(self, labels: list[str], first: Problem, price_the_others: Any):
+    def __init__(self, labels: list[str], first: Problem, price_the_others: Any,
+                 model_names: Mapping[str, str] | None = None):
         self._labels = labels
+        #: label -> the name of the model that priced it (a family's members are named by
+        #: their spec and label), known before the others are priced
+        self.model_names = dict(model_names or {label: label for label in labels})
         self._problems: dict[str, Problem] = {labels[0]: first}
         self._price_the_others = price_the_others
 

@@ -232,6 +232,23 @@ COST_COVERAGE = {
                                          and all(FALLBACK_GROUP[k].test(g[k]) for k in g) for g in v))),
 }
 
+def _is_cost_sources(v: Any) -> bool:
+    """``{"compute": [...], "collectives": [...], "copies": {"source": ...}}``
+    (:func:`scheduler.costs.models.annotate_costs`)."""
+    def rec(r: Any, fields: Mapping[str, Attr]) -> bool:
+        return _is_record(r) and set(r) == set(fields) and all(fields[k].test(r[k]) for k in r)
+
+    return (_is_record(v) and set(v) == {"compute", "collectives", "copies"}
+            and isinstance(v["compute"], list) and all(rec(r, COMPUTE_SOURCE) for r in v["compute"])
+            and isinstance(v["collectives"], list) and all(rec(r, COLLECTIVE_SOURCE) for r in v["collectives"])
+            and rec(v["copies"], {"source": STR}))
+
+
+#: what priced a cost component (:func:`scheduler.costs.models.annotate_costs`)
+COMPUTE_SOURCE = {"source": STR, "measured": BOOL, "nodes": COUNT, "ms": TIME_MS}
+COLLECTIVE_SOURCE = {"group_name": STR, "coll_type": STR, "group_size": COUNT, "nodes": COUNT, "source": STR,
+                     "measured": BOOL, "count": COUNT, "ms": TIME_MS}
+
 #: ``dag.graph``
 GRAPH_ATTRS: dict[str, Attr] = {
     "schema": Attr(repr(SCHEMA), lambda v: v == SCHEMA),
@@ -250,6 +267,10 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "copy_ms_fixed": TIME_MS,
     "structure": optional(record("a structure summary (scheduler.export.structure)", STRUCTURE)),
     "cost_coverage": optional(record("a cost coverage record (scheduler.costs.models.annotate_costs)", COST_COVERAGE)),
+    "cost_sources": optional(Attr("a cost sources record {compute: [{source, measured, nodes, ms}], collectives: "
+                                  "[{group_name, coll_type, group_size, nodes, source, measured, count, ms}], "
+                                  "copies: {source}} (scheduler.costs.models.annotate_costs)", _is_cost_sources)),
+    "world_size": optional(nullable(COUNT)),
     "merge_all_reduces": optional(BOOL),
 }
 

@@ -88,6 +88,8 @@ class Collective:
     #: collective's only user, so one waited by several ``wait_tensor`` nodes stays alone
     #: (it may still move)
     mergeable: bool = True
+    #: why the collective keeps its traced place (None: it moves)
+    fixed_reason: str | None = None
     #: the further ``wait_tensor`` nodes on the collective: they return its result, so they
     #: run only after its wait. Other users of the collective node (a ``sym_size`` of its
     #: output, a view of it) read no result; they keep the collective where traced
@@ -148,6 +150,7 @@ class Problem:
                 continue
             prologue = tuple(a.get("prologue") or ())
             movable = bool(a.get("movable"))
+            why: list[str] = [] if movable else [f"{a['target']} is not scheduled (it writes into a buffer it is given)"]
             # ready: after the producers of the prologue's (or the collective's) inputs
             heads = [prologue[0]] if prologue else [name]
             ready = 0
@@ -160,6 +163,7 @@ class Problem:
                         pass  # another collective's result: bounded by its window (_bound_chains)
                     elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
                         movable = False  # depends on another collective: keep it where traced
+                        why.append(f"its input {u!r} depends on another collective outside a chain")
             wait = a["wait"]
             epilogue = tuple(a.get("epilogue") or ())
             # readers of the result: those of the wait (or the epilogue's end), and the further
@@ -171,8 +175,10 @@ class Problem:
             readers = tuple(v for v in users if nodes[v].get("external_wait"))
             # the graph's output reads the collective's tensor only once the step ends, after
             # every wait (a forward returns it for the backward); it constrains nothing
-            if any(v not in readers and nodes[v]["kind"] != "output" for v in users):
+            early = [v for v in users if v not in readers and nodes[v]["kind"] != "output"]
+            if early:
                 movable = False
+                why.append(f"{early[0]!r} ({nodes[early[0]]['target']}) reads its output before its wait")
             needed = n
             for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
                 if v in pos:
@@ -181,6 +187,7 @@ class Problem:
                     pass  # a collective reads it: bounded by that one's window below
                 elif nodes[v]["kind"] != "output":
                     movable = False
+                    why.append(f"its result is read by {v!r}, which runs with another collective's wait")
             t_issue, t_wait = traced_gap[name], traced_gap[wait]
             if not movable:
                 ready, needed = t_issue, t_wait
@@ -206,6 +213,8 @@ class Problem:
                 epilogue=epilogue,
                 epilogue_ms=sum(float(nodes[e]["runtime_ms"]) for e in epilogue),
                 movable=movable and a["coll_type"] in MOVABLE_TYPES,
+                fixed_reason=None if movable and a["coll_type"] in MOVABLE_TYPES else
+                ("; ".join(dict.fromkeys(why)) or f"{a['coll_type']} is not a type the schedule moves"),
                 ready=ready,
                 needed=needed,
                 traced_issue=t_issue,
@@ -634,9 +643,8 @@ def _bound_chains(p: Problem) -> None:
     all-reduce of it), which is made at its wait; other collectives that read another's result
     stay where traced, with what they read (an all-gather's or all-reduce's result is made at its
     issue: the evaluator's memory templates do not hold it). Of a chain that moves, the reader
-    ``c`` is issued
-    no earlier than the one read, ``d``, can be waited, and ``d`` is waited no later than ``c``
-    is needed (where ``c`` stays where traced: no later than its traced issue). Each schedule
+    ``c`` is issued no earlier than the one read, ``d``, can be waited, and ``d`` is waited no
+    later than ``c`` is needed (where ``c`` stays where traced: no later than its traced issue). Each schedule
     still issues ``c`` after ``d``'s wait (the evaluator and the validator check it)."""
     colls = p.colls
     # Two chains whose collectives read each other's results (or one chain reading itself) stay
@@ -647,9 +655,12 @@ def _bound_chains(p: Problem) -> None:
         for d_name in ds:
             c, d = colls[c_name], colls[d_name]
             if d.coll_type != "reduce_scatter" or c.key == d.key or (d.key, c.key) in reads:
+                why = (f"{c_name!r} reads the result of {d_name!r}, a {d.coll_type} (only a reduce-scatter's result "
+                       "is made at its wait)" if d.coll_type != "reduce_scatter" else
+                       f"{c_name!r} reads the result of {d_name!r} and their chains read each other")
                 for name, x in ((c_name, c), (d_name, d)):
                     if x.movable:
-                        colls[name] = dataclasses.replace(x, movable=False, ready=x.traced_issue,
+                        colls[name] = dataclasses.replace(x, movable=False, fixed_reason=why, ready=x.traced_issue,
                                                           needed=x.traced_wait)
     for _ in range(len(colls)):  # chains of chains settle in as many rounds as they are long
         changed = False
