@@ -106,8 +106,9 @@ def test_written_schedule_validates_and_runs(meshes, case):
     all-reduce's result) beside FSDP re-gathers; ``saving_forward``: a forward that returns
     every gathered weight (``AG_dp -> wait -> mm``, the wait also an output). Without a budget
     the search merges or moves collectives; its schedule is the one installed (no fallback to
-    the traced graph), it validates on the traced graph's problem, and the written graph lints
-    and runs, returning what the traced graph returns (shapes and dtypes)."""
+    the traced graph), it validates on the traced graph's problem, every collective that keeps
+    its traced place is named in a report note with its reason, and the written graph lints and
+    runs, returning what the traced graph returns (shapes and dtypes)."""
     g, _ = meshes
     fn, inputs = {"norm_grads": (pg.norm_grads_backward, pg.norm_grads_inputs),
                   "saving_forward": (pg.saving_forward, pg.saving_inputs)}[case]
@@ -118,6 +119,10 @@ def test_written_schedule_validates_and_runs(meshes, case):
     problem = Problem.from_dag(export_dag(gm, cost_model="analytic"))
     assert schedule.digest() != problem.traced_schedule().digest()
     validate_schedule(problem, schedule)
+    # what keeps its traced place (the chains of norm_grads) is named in a note with its reason
+    for c in problem.colls.values():
+        if not c.movable:
+            assert c.fixed_reason and any(c.fixed_reason in n for n in report.notes if "left in place" in n), c
     written.graph.lint()
     real = inputs(g)
     assert [(t.shape, t.dtype) for t in _runs(written, real)] == [(t.shape, t.dtype) for t in _runs(gm, real)]
