@@ -72,7 +72,8 @@ def judge_graph_kind(gm: Any, kind: str, cost_models: tuple[str, ...], budgets: 
     """Every contender on one graph, at each budget of ``budgets`` (module docstring)."""
     from harness.judged import judge_baseline, judge_product
 
-    base = {name: judge_baseline(gm, name, cost_models, keep_graph=True) for name in (*TORCH_PASSES, *HEURISTIC_BASELINES)}
+    base = {name: judge_baseline(gm, name, cost_models, keep_graph=True)
+            for name in (*TORCH_PASSES, *HEURISTIC_BASELINES)}
     by_group = {name: collectives_by_group(j.graph) if j.graph is not None else None for name, j in base.items()}
     for j in base.values():
         j.graph = None

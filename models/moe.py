@@ -67,7 +67,7 @@ from torch.nn.utils.parametrize import register_parametrization
 
 from models.attention import flash_attn
 from models.fsdp import FSDPOptions, ReplicateParametrization, groups_alive, mesh_for
-from models.llama import INIT_STD, RMSNorm, apply_rope, mean_loss, rope_tables
+from models.llama import RMSNorm, apply_rope, mean_loss, rope_tables
 
 _c10d = torch.ops._c10d_functional
 
@@ -387,18 +387,6 @@ class MoETransformer(nn.Module):
         cos, sin = rope_tables(cfg.qk_rope_head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Deterministic init from ``seed`` (CPU generator): normal(0, INIT_STD) for weights,
-        ones for norm weights."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            value = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * INIT_STD
-            p.copy_(value.to(p.dtype))
-        cos, sin = rope_tables(self.config.qk_rope_head_dim, self.config.seq_len, self.config.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
 
     def forward(self, tokens: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy (fp32 scalar) of predicting ``labels`` (b, s) from ``tokens`` (b, s)."""

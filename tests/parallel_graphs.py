@@ -30,7 +30,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 _c10d = torch.ops._c10d_functional

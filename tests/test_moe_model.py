@@ -132,10 +132,10 @@ def test_tokens_travel_by_all_to_all_with_split_sizes_read_from_data(captured):
 
 
 def test_graphs_export_schedule_at_the_traced_peak_and_run_torchs_pass(captured):
-    """Both graphs export (the experts' grouped matmuls with their FLOPs), fsdp-sched installs a schedule at each graph's traced peak (never
-    over it), and torch's overlap scheduler runs on each with its pre-bucketing. (Without it,
-    torch's pass finds cyclic extra dependencies in these small graphs; the 16B graphs take both
-    variants, below.)"""
+    """Both graphs export (the experts' grouped matmuls with their FLOPs), fsdp-sched installs a
+    schedule at each graph's traced peak (never over it), and torch's overlap scheduler runs on
+    each with its pre-bucketing. (Without it, torch's pass finds cyclic extra dependencies in
+    these small graphs; the 16B graphs take both variants, below.)"""
     from harness.baselines import torch_overlap_schedule
     from scheduler import export_dag, optimize_schedule
     from scheduler.api import REPORT_KEY

@@ -52,9 +52,10 @@ def _rank_run(rank: int, world_size: int) -> dict[str, Any]:
         optimize_schedule(written, judge_graph(gm, "analytic").max_peak_bytes, cost_model="analytic",
                           solver=SolverOptions(time_limit_s=2.0))
         after = written(*inputs)
+        gathers = ("all_gather_into_tensor", "all_gather_into_tensor_out")
         dp_gathers = [sum(1 for n in m.graph.nodes if n.op == "call_function"
-                          and getattr(n.target, "_opname", None) in ("all_gather_into_tensor", "all_gather_into_tensor_out")
-                          and n.args[-1] == g.dp) for m in (gm, written)]
+                          and getattr(n.target, "_opname", None) in gathers and n.args[-1] == g.dp)
+                      for m in (gm, written)]
         out[kind] = {
             "equal": [bool(torch.equal(a, b)) for a, b in zip(traced, after)],
             "n_outputs": (len(traced), len(after)),
