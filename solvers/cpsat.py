@@ -119,7 +119,7 @@ class CpSatModel:
                 n = x.name
                 self.brk[n] = m.NewBoolVar(f"brk_{n}")
                 self.I[n] = m.NewIntVar(x.lo, x.hi, f"I_{n}")
-                if x.coll_type == "reduce_scatter":
+                if not x.waited_at_need:
                     self.W[n] = m.NewIntVar(x.wlo, x.whi, f"W_{n}")
                 self.C[n] = m.NewIntVar(0, H, f"C_{n}")
                 self.X[n] = m.NewIntVar(0, H, f"X_{n}")
@@ -140,7 +140,7 @@ class CpSatModel:
                     m.Add(self.I[n] == self.I[prev]).OnlyEnforceIf(b.Not())
                     m.Add(self.C[n] == self.C[prev]).OnlyEnforceIf(b.Not())
                     m.Add(self.I[n] >= self.I[prev])
-                    if x.coll_type == "reduce_scatter":
+                    if not x.waited_at_need:
                         m.Add(self.W[n] == self.W[prev]).OnlyEnforceIf(b.Not())
                         m.Add(self.W[n] >= self.W[prev])
                     if q is not None:
@@ -178,7 +178,7 @@ class CpSatModel:
         self.z: dict[str, dict[int, object]] = {}
         for x in self.data.member.values():
             n = x.name
-            if x.coll_type == "all_gather":
+            if x.waited_at_need:
                 m.Add(self.U[x.need] >= self.X[n])
                 continue
             m.Add(self.W[n] >= self.I[n])
@@ -267,7 +267,7 @@ class CpSatModel:
         transient: dict[int, list] = defaultdict(list)
         for x in d.member.values():
             y = self.y[x.name]
-            if x.coll_type == "all_gather":
+            if x.waited_at_need:
                 for a in range(x.lo, x.need):
                     terms[a].append(x.out_bytes * y[a])
                 continue

@@ -217,7 +217,7 @@ class MilpModel:
         self.LF: dict[str, int] = {}
         for n, mem in self.member.items():
             self.ES[n] = self.est[mem.lo]
-            self.LF[n] = self.ub_U[mem.need if mem.coll_type == "all_gather" else mem.whi]
+            self.LF[n] = self.ub_U[mem.wait_end]
 
     def _add_variables(self) -> None:
         d, B = self.data, self.cat
@@ -237,7 +237,7 @@ class MilpModel:
                 self.X[n] = self._var(f"X_{n}", self.ES[n], lf)
                 self.R[n] = self._var(f"R_{n}", mem.d_us, max(mem.d_us, total_d))
                 self.y[n] = {a: self._var(f"y_{n}_{a}", 0, 1, B) for a in range(mem.lo, mem.hi)}
-                if mem.coll_type == "reduce_scatter":
+                if not mem.waited_at_need:
                     self.z[n] = {a: self._var(f"z_{n}_{a}", 0, 1, B) for a in range(mem.wlo, mem.whi)}
                 for a in range(mem.lo, mem.hi - 1):
                     self.lp += (self.y[n][a] <= self.y[n][a + 1], f"ymono_{n}_{a}")
@@ -293,7 +293,7 @@ class MilpModel:
                     for a in range(min(prev.lo, mem.lo), max(prev.hi, mem.hi)):
                         self._add(self.yv(n, a), "<=", self.yv(pn, a), f"imono_{n}_{a}")
                         self._add(self.yv(pn, a) - self.yv(n, a), "<=", b, f"isame_{n}_{a}")
-                    if mem.coll_type == "reduce_scatter":
+                    if not mem.waited_at_need:
                         for a in range(min(prev.wlo, mem.wlo), max(prev.whi, mem.whi)):
                             self._add(self.zv(n, a), "<=", self.zv(pn, a), f"wmono_{n}_{a}")
                             self._add(self.zv(pn, a) - self.zv(n, a), "<=", b, f"wsame_{n}_{a}")
@@ -335,7 +335,7 @@ class MilpModel:
         """(4) all-gathers: U_{need} >= X_k; reduce-scatters: z_{k,a} <= y_{k,a} (W_k >= I_k),
         U_a >= X_k - M (1 - z_{k,a}) for a in [wlo, whi), U_{whi} >= X_k."""
         for n, mem in self.member.items():
-            if mem.coll_type == "all_gather":
+            if mem.waited_at_need:
                 self._add(self.U[mem.need], ">=", self.X[n], f"wait_{n}")
                 continue
             for a in range(min(mem.lo, mem.wlo), max(mem.hi, mem.whi)):
@@ -445,7 +445,7 @@ class MilpModel:
         d = self.data
         terms: dict[int, list] = defaultdict(list)
         for n, mem in self.member.items():
-            if mem.coll_type == "all_gather":
+            if mem.waited_at_need:
                 for a in range(mem.lo, mem.need):
                     terms[a].append(mem.out_bytes * self.yv(n, a))
             else:

@@ -172,9 +172,15 @@ class Member:
     charge: int = 0  #: anchor charged with the merge copies
 
     @property
+    def waited_at_need(self) -> bool:
+        """An all-gather is waited where it is first needed; every other collective (a
+        reduce-scatter, an all-reduce, an all-to-all) has a wait window of its own."""
+        return self.coll_type == "all_gather"
+
+    @property
     def wait_end(self) -> int:
         """The last anchor at which k's bucket may be waited."""
-        return self.whi if self.coll_type == "reduce_scatter" else self.need
+        return self.need if self.waited_at_need else self.whi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +334,7 @@ class ModelData:
                         lo = max(lo, min(ti, hi) - radius)
                         hi = min(hi, max(ti + radius, reach, lo))
                 x = Member(name=name, chain=ci, idx=k, coll_type=coll_type, lo=lo, hi=hi, need=need_a)
-                if coll_type == "reduce_scatter":
+                if not x.waited_at_need:
                     x.wlo = lo
                     x.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
                     if radius is not None:
@@ -427,7 +433,7 @@ class ModelData:
         ("wait", ...) for reduce-scatters."""
         x, x2 = self.member[k], self.member[k2]
         out = [("issue", (x.lo, x.hi), (x2.lo, x2.hi))]
-        if x.coll_type == "reduce_scatter":
+        if not x.waited_at_need:
             out.append(("wait", (x.wlo, x.whi), (x2.wlo, x2.whi)))
         return out
 
@@ -448,14 +454,14 @@ class ModelData:
                 i = min(min(x.hi for x in ms), max(max(x.lo for x in ms), A.at_or_before(issue_gap[b])))
                 for x in ms:
                     issue[x.name] = i
-                    if x.coll_type == "reduce_scatter":
+                    if not x.waited_at_need:
                         wait[x.name] = min(min(y.whi for y in ms), max(max(y.wlo for y in ms), i,
                                                                         A.at_or_before(wait_gap[b])))
         else:
             for x in self.member.values():
                 b = bucket_of[x.name]
                 issue[x.name] = min(x.hi, max(x.lo, A.at_or_before(issue_gap[b])))
-                if x.coll_type == "reduce_scatter":
+                if not x.waited_at_need:
                     wait[x.name] = min(x.whi, max(x.wlo, A.at_or_before(wait_gap[b])))
         brk: dict[str, int] = {}
         for chain in self.chains:

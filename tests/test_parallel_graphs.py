@@ -174,9 +174,6 @@ def test_moe_all_to_alls_stay_in_their_windows(meshes):
     written.graph.lint()
 
 
-@pytest.mark.xfail(strict=True, reason="solvers/cpsat.py CpSatModel makes wait variables only for "
-                   "reduce-scatters and constrains every non-all-gather member as one: a movable "
-                   "all-to-all in a window raises KeyError, and the search falls back to its best start")
 def test_moe_graph_is_solved_by_the_search_not_a_fallback(meshes):
     """The MoE graph above, at its traced peak: every stage of the search runs (the solve's
     status is not a fallback to the best start after a failure)."""
@@ -186,9 +183,6 @@ def test_moe_graph_is_solved_by_the_search_not_a_fallback(meshes):
     assert report.status != "fallback", report.notes
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="scheduler/export/dag.py _static_vals hands _substitute plain int hints of "
-                          "the backed sizes: the all-to-all's input rows, expr.xreplace(...) is an int")
 def test_moe_graph_with_dynamic_batch_exports(meshes):
     """The MoE graph traced with dynamic input sizes (a recompile for a new batch size) beside
     the unbacked split sizes: it exports, the all-to-alls' sizes estimated."""

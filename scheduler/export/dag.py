@@ -868,7 +868,7 @@ def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
         inp = node.args[0]
         if not isinstance(inp, Node):
             continue
-        rows_val = _substitute(inp.meta.get("val", None), hints)
+        rows_val = _substitute(inp.meta.get("val", None), _as_sympy(hints))
         shape = getattr(rows_val, "shape", ())
         rows = shape[0] if len(shape) and isinstance(shape[0], int) else None
         for splits in node.args[1:3]:

@@ -163,7 +163,7 @@ class Problem:
                         pass  # another collective's result: bounded by its window (_bound_chains)
                     elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
                         movable = False  # depends on another collective: keep it where traced
-                        why.append(f"its input {u!r} depends on another collective outside a chain")
+                        why.append("its input depends on another collective's wait outside a chain")
             wait = a["wait"]
             epilogue = tuple(a.get("epilogue") or ())
             # readers of the result: those of the wait (or the epilogue's end), and the further
@@ -178,7 +178,7 @@ class Problem:
             early = [v for v in users if v not in readers and nodes[v]["kind"] != "output"]
             if early:
                 movable = False
-                why.append(f"{early[0]!r} ({nodes[early[0]]['target']}) reads its output before its wait")
+                why.append(f"{nodes[early[0]]['target']} reads its output before its wait")
             needed = n
             for v in (*dag.successors(epilogue[-1] if epilogue else wait), *readers):
                 if v in pos:
@@ -187,7 +187,7 @@ class Problem:
                     pass  # a collective reads it: bounded by that one's window below
                 elif nodes[v]["kind"] != "output":
                     movable = False
-                    why.append(f"its result is read by {v!r}, which runs with another collective's wait")
+                    why.append("its result is read by a node that runs with another collective's wait")
             t_issue, t_wait = traced_gap[name], traced_gap[wait]
             if not movable:
                 ready, needed = t_issue, t_wait
@@ -655,9 +655,9 @@ def _bound_chains(p: Problem) -> None:
         for d_name in ds:
             c, d = colls[c_name], colls[d_name]
             if d.coll_type != "reduce_scatter" or c.key == d.key or (d.key, c.key) in reads:
-                why = (f"{c_name!r} reads the result of {d_name!r}, a {d.coll_type} (only a reduce-scatter's result "
-                       "is made at its wait)" if d.coll_type != "reduce_scatter" else
-                       f"{c_name!r} reads the result of {d_name!r} and their chains read each other")
+                why = (f"a {c.coll_type} reads the result of a {d.coll_type} (only a reduce-scatter's result is "
+                       "made at its wait)" if d.coll_type != "reduce_scatter" else
+                       f"a {c.coll_type} reads the result of a {d.coll_type} and their chains read each other")
                 for name, x in ((c_name, c), (d_name, d)):
                     if x.movable:
                         colls[name] = dataclasses.replace(x, movable=False, fixed_reason=why, ready=x.traced_issue,
