@@ -372,3 +372,20 @@ def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monke
         optimize_schedule(again, None, cost_model=COSTS, solver=QUICK)
     assert not again.meta[api.REPORT_KEY].cache_hit and caplog.records
     assert again.meta[api.REPORT_KEY].digest == gm.meta[api.REPORT_KEY].digest
+
+
+def test_the_pass_raises_no_future_warning_of_its_own():
+    """A pass on a group of ranks reads no deprecated torch API: the export reads the traced
+    sizes from ``backed_var_to_val`` (not ``var_to_val``) and the ranks agree through
+    ``all_gather_single`` (not ``all_gather_into_tensor``), either of which warns on every call."""
+    import copy
+    import warnings
+
+    from conftest import FAKE_WORLD, capture_llama_debug
+    from models.capture import fake_process_group
+
+    graphs = capture_llama_debug(n_layers=1)
+    with fake_process_group(FAKE_WORLD), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        gm = optimize_schedule(copy.deepcopy(graphs.forward), None, solver=SolverOptions(time_limit_s=0.2))
+    assert gm.meta[api.REPORT_KEY].status != "unchanged"  # the ranks agreed and it was written
