@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,28 @@ if str(BENCHMARKS) not in sys.path:
 
 #: ranks of the fake process group the tracing tests use
 FAKE_WORLD = 4
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_schedule_cache(tmp_path_factory):
+    """The schedule cache is on by default, in the user's own cache directory: the suite
+    caches in a directory of its own (set before any fixture solves; subprocesses inherit it)."""
+    before = os.environ.get("FSDP_SCHED_CACHE")
+    os.environ["FSDP_SCHED_CACHE"] = str(tmp_path_factory.mktemp("fsdp-sched-cache"))
+    yield
+    if before is None:
+        os.environ.pop("FSDP_SCHED_CACHE", None)
+    else:
+        os.environ["FSDP_SCHED_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def schedule_cache(tmp_path_factory, monkeypatch):
+    """Each test's schedule cache: a fresh directory, so that no test is answered from the
+    entries of another."""
+    directory = tmp_path_factory.mktemp("fsdp-sched-cache")
+    monkeypatch.setenv("FSDP_SCHED_CACHE", str(directory))
+    return directory
 
 
 @pytest.fixture(scope="module")

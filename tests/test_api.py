@@ -28,6 +28,7 @@ from scheduler import (
     solve_dag,
 )
 from scheduler import api
+from scheduler.integrate import cache
 from scheduler.integrate import compile as compile_
 from scheduler.check.written import graph_digest
 from scheduler.export.dag import dag_from_json, dag_to_json, export_dag
@@ -328,11 +329,12 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     and options installs the schedule of the first without solving (its only stage is the
     cache); another budget is a miss; a corrupt entry is a miss with a warning."""
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    entries = tmp_path / cache.SCHEDULES_DIR
     first = toy_graph(pg, 1)
     optimize_schedule(first, None, cost_model=COSTS, solver=QUICK)
     r1 = first.meta[api.REPORT_KEY]
     assert not r1.cache_hit and "starts" in [st["name"] for st in r1.stages]
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(entries.glob("*.json"))) == 1
 
     second = toy_graph(pg, 1)
     optimize_schedule(second, None, cost_model=COSTS, solver=QUICK)
@@ -344,9 +346,9 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     other_budget = toy_graph(pg, 1)
     optimize_schedule(other_budget, r1.reexported_peak_bytes + 1, cost_model=COSTS, solver=QUICK)
     assert not other_budget.meta[api.REPORT_KEY].cache_hit
-    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert len(list(entries.glob("*.json"))) == 2
 
-    for entry in tmp_path.glob("*.json"):
+    for entry in entries.glob("*.json"):
         entry.write_text("{ not json")
     again = toy_graph(pg, 1)
     with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
@@ -358,12 +360,11 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
 def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monkeypatch, caplog):
     """An entry under the right key whose schedule names collectives this graph lacks (a key
     collision, or a hand-edited file) is a miss with a warning: the graph is solved."""
-    from scheduler.integrate import cache
-
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    entries = tmp_path / cache.SCHEDULES_DIR
     gm = toy_graph(pg, 1)
     optimize_schedule(gm, None, cost_model=COSTS, solver=QUICK)
-    [entry] = tmp_path.glob("*.json")
+    [entry] = entries.glob("*.json")
     payload = json.loads(entry.read_text())["payload"]
     payload["schedule"]["buckets"][0] = ["no_such_collective"]
     cache.store(entry.stem, payload)

@@ -44,6 +44,7 @@ import torch
 
 from scheduler.costs.tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
 from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo
+from scheduler.integrate.cache import cache_root
 from solvers.core.units import fit_line
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,11 @@ _COLLECTIVE_INNER_BYTES = 4 << 20
 _PROGRESS_EVERY = 25
 
 
-def default_cache_dir() -> Path:
-    """``$FSDP_SCHED_CACHE`` if set, else ``~/.cache/fsdp-sched``."""
-    return Path(os.environ.get("FSDP_SCHED_CACHE") or Path.home() / ".cache" / "fsdp-sched")
+def default_cache_dir() -> Path | None:
+    """The directory of the timing cache: fsdp-sched's cache root
+    (:func:`scheduler.integrate.cache.cache_root`: ``$FSDP_SCHED_CACHE``, else a per-user
+    directory); None when caching is off."""
+    return cache_root()
 
 
 class _Unsupported(Exception):
@@ -78,7 +81,8 @@ class MeasuredCostModel:
 
     Args:
         device: where ops are timed; default ``cuda`` when available, else ``cpu``.
-        cache_dir: directory of the JSON timing cache (default :func:`default_cache_dir`).
+        cache_dir: directory of the JSON timing cache (default :func:`default_cache_dir`; when
+            caching is off there, timings are kept in memory only).
             The cache is keyed by op, argument shapes / dtypes / strides, non-tensor arguments,
             device name and torch version.
         repeats: timed samples per op; the median is kept.
@@ -115,7 +119,9 @@ class MeasuredCostModel:
         if min_sample_ms < 0 or max_op_bytes <= 0:
             raise ValueError("min_sample_ms must be >= 0 and max_op_bytes > 0")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.cache_path = Path(cache_dir or default_cache_dir()) / "measured_compute_ms.json"
+        directory = Path(cache_dir) if cache_dir else default_cache_dir()
+        #: the JSON timing cache (None: in memory only)
+        self.cache_path = directory / "measured_compute_ms.json" if directory is not None else None
         self.repeats = repeats
         self.warmup = warmup
         self.min_sample_ms = min_sample_ms
@@ -324,6 +330,8 @@ class MeasuredCostModel:
 
     # ------------------------------------------------------------------ disk cache
     def _load_cache(self) -> dict[str, Any]:
+        if self.cache_path is None:
+            return {}
         try:
             data = json.loads(self.cache_path.read_text())
         except FileNotFoundError:
@@ -339,6 +347,8 @@ class MeasuredCostModel:
     def _save_cache(self, key: str, value: Any) -> None:
         """Merge one entry into the file (atomic replace; concurrent writers lose nothing of
         their own, at worst a parallel writer's newest entry, which is re-timed later)."""
+        if self.cache_path is None:
+            return
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
             on_disk = self._load_cache()
