@@ -7,7 +7,7 @@ factor f:
   (``scheduler.check.written.judge_graph(gm).max_peak_bytes``: re-export and liveness);
 * export: wall time of ``scheduler.export_dag(gm)`` alone;
 * torch: wall time of torch's ``schedule_overlap_bucketing`` on a deep copy, called as this repo
-  calls it (``harness.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run
+  calls it (``scheduler.compare.baselines.torch_overlap_schedule(copy, inplace=True)``), one timed run
   after one warm-up run on another copy (the warm time is reported); torch's memory limit is
   its own (traced peak + max(1 GB, 5 %)), so it does not depend on f;
 * fsdp-sched: wall time of ``scheduler.optimize_schedule(copy, mem_budget=budget)`` with its
@@ -174,7 +174,7 @@ def report_of(gm: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 def rows_of(spec: str, kind: str, gm: Any, budget_factors: list[float], use_cache: bool) -> list[dict[str, Any]]:
     """The rows of one graph: one per budget factor."""
-    from harness.baselines import torch_overlap_schedule
+    from scheduler.compare.baselines import torch_overlap_schedule
     from scheduler import export_dag, optimize_schedule
     from scheduler.check.written import judge_graph
     from scheduler.integrate import cache

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-#: the evaluation harness (``benchmarks/harness``, imported as ``harness``) is not installed with
-#: the library; its tests import it from the repository
+#: the benchmark scripts (``benchmarks/``, whose ``harness`` package holds their own pieces) are not
+#: installed with the library; the tests of a script import it from the repository
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
