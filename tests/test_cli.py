@@ -299,15 +299,14 @@ def test_solve_refuses_an_unknown_solver_before_tracing(tmp_path, capsys):
 # --------------------------------------------------------------------------------------------
 def test_sweep_default_budgets_are_every_one_reachable(traced, tmp_path, capsys):
     """Without --budgets, the sweep spans the smallest peak any schedule reaches up to the larger
-    of the traced and the FSDP2-like peaks: every point has a schedule, so the Pareto plot has
-    a point per budget."""
+    of the traced peak and that of the schedule without a budget: every point has a schedule,
+    so the Pareto plot has a point per budget."""
     _, backward = traced
     assert main(["-q", "sweep", str(backward), "--time-limit", "1", "--out", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     points = data["points"]
     assert len(points) == 4 and all(p["status"] != "infeasible" and p["step_ms"] is not None for p in points), points
-    peaks = {name: b["peak_bytes"] for name, b in data["baselines"].items()}
-    assert max(p["budget_bytes"] for p in points) == max(peaks["traced"], peaks["fsdp2"])
+    assert max(p["budget_bytes"] for p in points) >= data["baselines"]["traced"]["peak_bytes"]
 
 
 @pytest.mark.parametrize("argv, kind", [

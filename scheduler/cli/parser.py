@@ -138,7 +138,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
             p.add_argument("--budgets", type=budget_arg, nargs="+", default=None,
                            help="budgets: sizes (40GiB) or multiples of the FSDP2-like peak (0.8x) (default: "
                                 f"{DEFAULT_SWEEP_POINTS} budgets from the smallest peak any schedule of the search "
-                                "reaches to the larger of the traced and the FSDP2-like peaks, evenly spaced)")
+                                "reaches to the larger of the traced peak and that of the schedule solved without "
+                                "a budget, evenly spaced)")
             p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
                            help="work limit of the search per point, in work units: deterministic work, not "
                                 "wall time (default %(default)s)")

@@ -35,6 +35,7 @@ from scheduler.options import SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS
 from solvers.registry import available_solvers
+from solvers.search import search
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     baselines = _baselines(problem)
     fsdp2_peak = (baselines.get("fsdp2") or baselines["traced"]).peak_bytes
     if args.budgets is None:
-        budgets = default_budgets(problem, max(fsdp2_peak, baselines["traced"].peak_bytes))
+        # the top of the range: where more memory stops helping (the schedule without a budget)
+        _, free = solve_dag(dag, None, solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit))
+        budgets = default_budgets(problem, max(free.peak_bytes_after, baselines["traced"].peak_bytes))
     else:
         resolved = (resolve_budget(s, fsdp2_peak, arg="--budgets") for s in args.budgets)
         budgets = sorted({b for b in resolved if b is not None}, reverse=True)
@@ -203,6 +206,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                           "baselines": {k: v.summary() for k, v in baselines.items()}}))
     else:
         _print_table(rows, baselines)
+        if args.budgets is None and len(budgets) == 1:
+            print(f"one point: the schedule solved without a budget peaks at {fmt_bytes(budgets[0])}, the smallest peak "
+                  "any schedule reaches, so no budget changes it")
         print(f"Pareto plot: {png}; results: {db_path}")
     return 0
 
@@ -210,11 +216,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def default_budgets(problem: Problem, high_bytes: int, n: int = DEFAULT_SWEEP_POINTS) -> list[int]:
     """``n`` budgets (bytes, largest first) evenly spaced from the smallest peak any start of the
     search reaches (the refusal of a one-byte budget names it: a budget that large admits a
-    schedule) to ``high_bytes`` (the larger of the traced and the FSDP2-like peaks): every point
-    is feasible, and the plot spans the range in which the budget decides. Fewer when the range
-    is narrower than ``n`` bytes."""
-    from solvers.search import search
-
+    schedule) to ``high_bytes`` (the sweep gives the larger of the traced peak and the peak of
+    the schedule solved without a budget): every point is feasible, and the plot spans the range
+    in which the budget decides. Fewer when the range is narrower than ``n`` bytes."""
     try:
         search({"model": problem}, 1, backend=None, time_limit_s=1e-9)
         low = 1
