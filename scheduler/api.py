@@ -37,12 +37,14 @@ on some ranks leaves every rank's graph as traced, and a failure on all raises o
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import hashlib
 import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -111,6 +113,27 @@ class _Answer:
 # --------------------------------------------------------------------------------------------
 # optimize_schedule
 # --------------------------------------------------------------------------------------------
+def _collect_only_what_the_pass_makes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the garbage collector's older objects frozen for the call (``gc.freeze``, then
+    ``gc.unfreeze``): every full collection during a pass would scan again everything the process
+    already holds (the model, its traced graphs: millions of objects), which took about a fifth of
+    a cache hit on a 32-layer graph; what the pass makes is collected as usual. Left alone when
+    something is frozen already, so that another owner's freeze is never undone."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if gc.get_freeze_count():
+            return fn(*args, **kwargs)
+        gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return wrapper
+
+
+@_collect_only_what_the_pass_makes
 def optimize_schedule(
     gm: "torch.fx.GraphModule",
     mem_budget: int | str | None = None,

@@ -392,3 +392,31 @@ def test_the_pass_raises_no_future_warning_of_its_own():
         warnings.simplefilter("error", FutureWarning)
         gm = optimize_schedule(copy.deepcopy(graphs.forward), None, solver=SolverOptions(time_limit_s=0.2))
     assert gm.meta[api.REPORT_KEY].status != "unchanged"  # the ranks agreed and it was written
+
+
+def test_the_pass_collects_only_its_own_garbage_and_leaves_the_collector_as_found(pg):
+    """During a pass the collector leaves alone what the process held before it (frozen: a full
+    collection would scan the model and its graphs again and again), and afterwards it is as it
+    was: nothing frozen, or, when the caller had frozen objects, their freeze."""
+    import gc
+
+    from scheduler.costs.models import TableCostModel
+
+    seen: list[int] = []
+
+    def collective_ms(coll_type, payload_bytes, group):
+        if not seen:  # counting the frozen objects walks them all: once is enough
+            seen.append(gc.get_freeze_count())
+        return 0.01 + 1e-9 * payload_bytes
+
+    costs = TableCostModel(collective=collective_ms)
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
+        assert gc.get_freeze_count() > 0  # the caller's freeze stands (objects it froze may have died)
+    finally:
+        gc.unfreeze()
