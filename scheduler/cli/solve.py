@@ -66,7 +66,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     problem = Problem.from_dag(dag)
     budget = _budget(args.budget, problem)
     solver = SolverOptions(solver=args.solver, time_limit_s=args.time_limit)
-    logger.info("solving %s with %s, budget %s, limit %g s%s", dag.graph.get("name"), args.solver,
+    logger.info("solving %s with %s, budget %s, a work limit of %g work units%s", dag.graph.get("name"), args.solver,
                 fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
     out = ensure_out_dir(Path(args.out))
     stem = str(dag.graph.get("name", "graph"))
