@@ -52,7 +52,7 @@ def _row(graph: str, budget_label: str, method: str, res=None, sim=None, note: s
 def run(args: argparse.Namespace) -> list[dict]:
     from models import capture_fsdp_graphs
     from scheduler import Cluster, export_dag, simulate
-    from harness.baselines import simulate_torch_baseline
+    from scheduler.compare.baselines import simulate_torch_baseline
     from solvers import InfeasibleBudgetError, Problem, solve
 
     cluster = Cluster(n_gpus=args.world_size, gpus_per_node=args.gpus_per_node)

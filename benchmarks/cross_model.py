@@ -52,7 +52,7 @@ ROBUST = "fsdp-sched (robust default)"
 
 def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2") -> dict[str, Any]:
     """Every candidate of one graph judged under the family (module docstring)."""
-    from harness.judged import judge_baseline, judge_product
+    from scheduler.compare.judged import judge_baseline, judge_product
     from scheduler.costs.family import cost_model_family
     from scheduler.options import SolverOptions
 

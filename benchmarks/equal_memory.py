@@ -2,7 +2,7 @@
 
 For every graph (forward / backward of each model), each baseline B (FSDP2-like, torch 2.13's
 overlap scheduler, SimpleFSDP-like) and each cost model (analytic, torch):
-:func:`harness.equal_memory.compare` writes B back and judges it (peak(B) = the largest of the
+:func:`scheduler.compare.equal_memory.compare` writes B back and judges it (peak(B) = the largest of the
 re-export, liveness and torch-tracker peaks), runs ``optimize_schedule`` on a copy at
 ``mem_budget = peak(B)`` and judges its written graph the same way. ``--solve-under robust``
 (default) runs it as users do, without a cost model (one solve per budget, judged under both
@@ -48,7 +48,7 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
         kinds: tuple[str, ...] = ("forward", "backward"), merge_all_reduces: bool = False
         ) -> tuple[list[Any], list[dict[str, Any]]]:
     """All rows, and the JSON of every comparison."""
-    from harness import equal_memory
+    from scheduler.compare import equal_memory
     from models.capture import fake_process_group
     from scheduler.costs.models import Cluster
     from scheduler.options import SolverOptions
@@ -88,7 +88,7 @@ def _progress(row: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness import equal_memory
+    from scheduler.compare import equal_memory
     from solvers.search import DEFAULT_TIME_LIMIT_S
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -16,7 +16,7 @@ and simulated in its own order; torch's scheduler rewrites its own copy, judged 
 - FSDP2-like: one bucket per block of the *true* blocks (from the capture's oracle), prefetch
   one block ahead, shrunk to the budget;
 - SimpleFSDP-like: greedy size-capped buckets;
-- torch: ``harness.baselines.torch_overlap_schedule`` without and with
+- torch: ``scheduler.compare.baselines.torch_overlap_schedule`` without and with
   ``pre_bucketing_fsdp_collectives`` ("unavailable" when it raises TorchBaselineError);
 - fsdp-sched: what a user runs, ``scheduler.optimize_schedule(gm, mem_budget=..., cost_model=...)``
   with its other defaults (the search, then :func:`scheduler.check.written.choose`: its schedule, its
@@ -102,7 +102,7 @@ def _written(gm: Any, problem: Any, schedule: Any, cost_model: str) -> tuple[flo
 
 
 def _torch(gm: Any, cost_model: str, prebucket: bool) -> tuple[float, int] | str:
-    from harness.baselines import TorchBaselineError, torch_overlap_schedule
+    from scheduler.compare.baselines import TorchBaselineError, torch_overlap_schedule
 
     try:
         return _judge(torch_overlap_schedule(gm, pre_bucketing_fsdp_collectives=prebucket), cost_model)

@@ -4,13 +4,13 @@ torchtitan's graph trainer traces a training step as ONE joint graph with make_f
 (:func:`models.capture_joint_graph`) and schedules its collectives with torch's passes. For each
 model spec this captures that graph and compares fsdp-sched with three baselines, each written
 back on a copy of the graph and judged on the written graph
-(:func:`harness.judged.judge_baseline`):
+(:func:`scheduler.compare.judged.judge_baseline`):
 
 - the traced order (``traced``: the graph as make_fx wrote it, one collective per parameter);
 - the per-block plan (``torch-manual``: torch's manual scheduler with one all-gather and one
   reduce-scatter bucket per block and direction, as the graph trainer's joint pass buckets,
-  :func:`harness.baselines.torch_manual_schedule`);
-- torch's overlap scheduler (``torch-overlap``, :func:`harness.baselines.torch_overlap_schedule`);
+  :func:`scheduler.compare.baselines.torch_manual_schedule`);
+- torch's overlap scheduler (``torch-overlap``, :func:`scheduler.compare.baselines.torch_overlap_schedule`);
   where torch's pass fails on the joint graph, its row says why.
 
 For each baseline B that is made, ``optimize_schedule`` runs on a fresh copy of the traced graph
@@ -18,7 +18,7 @@ with its defaults (``cost_model=None``: the robust family) at ``mem_budget = pea
 the budget holds (the larger of the re-exported model count and the liveness count of B's
 written graph, under every judging model), timed end to end; both written graphs are judged
 under the analytic and torch cost models (step ms and peaks). The comparison itself is
-:func:`harness.equal_memory.compare` (baselines sharing a peak share one solve).
+:func:`scheduler.compare.equal_memory.compare` (baselines sharing a peak share one solve).
 
     python benchmarks/joint.py                              # llama3-8b, 8 layers, 64 ranks
     python benchmarks/joint.py llama3-8b:2:64 --json joint2.json
@@ -29,7 +29,7 @@ under the analytic and torch cost models (step ms and peaks). The comparison its
 A model is ``preset:n_layers:world_size`` (any preset of :mod:`models.llama`). Prints one table
 per model (budget, B's and fsdp-sched's step and peak, the speedup and the solve time per cost
 model), baselines that could not be made with the reason, and the geometric means per cost model
-(:func:`harness.equal_memory.headline`). ``--json PATH`` writes every figure.
+(:func:`scheduler.compare.equal_memory.headline`). ``--json PATH`` writes every figure.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ for path in (REPO, REPO / "benchmarks"):  # this repository's library and its ha
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from harness.equal_memory import COST_MODELS, Comparison, Row, _ms, _x, compare, headline  # noqa: E402
-from harness.judged import TORCH, TORCH_MANUAL, display  # noqa: E402
+from scheduler.compare.equal_memory import COST_MODELS, Comparison, Row, _ms, _x, compare, headline  # noqa: E402
+from scheduler.compare.judged import TORCH, TORCH_MANUAL, display  # noqa: E402
 from solvers.core import fmt_bytes  # noqa: E402
 
 logger = logging.getLogger("benchmarks.joint")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    for name in ("benchmarks.joint", "harness"):
+    for name in ("benchmarks.joint", "scheduler.compare"):
         logging.getLogger(name).setLevel(logging.INFO)
     t0 = time.perf_counter()
     runs = []

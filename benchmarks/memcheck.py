@@ -4,7 +4,7 @@ For each model, captures the forward and backward FSDP graphs and compares, on t
 traced (no schedule applied):
 
 - ours:  ``scheduler.simulate(gm).peak_bytes`` (execution model of DESIGN.md);
-- torch: ``harness.baselines.torch_memory_peak(gm)``, i.e.
+- torch: ``scheduler.compare.baselines.torch_memory_peak(gm)``, i.e.
   ``memory_estimator.build_memory_profile`` with ``wait_tensor`` treated as an alias of its
   collective's output (what the real op does);
 - torch raw: the same without that correction (torch's fake ``wait_tensor`` gets a fresh
@@ -64,7 +64,7 @@ def allocation_mismatches(gm, dag) -> list[tuple[str, str, int, int]]:
 def check(model: str, n_layers: int, world_size: int, tolerance: float) -> bool:
     from models import capture_fsdp_graphs
     from scheduler import export_dag, simulate
-    from harness.baselines import torch_memory_peak
+    from scheduler.compare.baselines import torch_memory_peak
 
     t0 = time.perf_counter()
     graphs = capture_fsdp_graphs(model, world_size=world_size, n_layers=n_layers)

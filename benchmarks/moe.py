@@ -6,7 +6,7 @@ groups of ``--ep`` ranks by ``all_to_all_single`` with split sizes read by ``.to
 over every rank for the dense parameters and over the efsdp ranks for the experts), captured at
 ``--layers`` layers on a fake process group of ``--world`` ranks as partitioned forward and
 backward graphs. Each graph is written back by every contender on a copy and judged as written
-(:mod:`harness.judged`: re-exported and simulated) under each cost model of ``--cost-models``:
+(:mod:`scheduler.compare.judged`: re-exported and simulated) under each cost model of ``--cost-models``:
 
 - torch's ``schedule_overlap_bucketing`` with its FSDP pre-bucketing (its default) and without;
 - the traced order and fsdp-sched's heuristics (FSDP2-like, SimpleFSDP-like, AutoParallel-like);
@@ -70,7 +70,7 @@ def collectives_by_group(gm: Any) -> dict[str, int]:
 def judge_graph_kind(gm: Any, kind: str, cost_models: tuple[str, ...], budgets: tuple[str, ...]
                      ) -> list[dict[str, Any]]:
     """Every contender on one graph, at each budget of ``budgets`` (module docstring)."""
-    from harness.judged import judge_baseline, judge_product
+    from scheduler.compare.judged import judge_baseline, judge_product
 
     base = {name: judge_baseline(gm, name, cost_models, keep_graph=True)
             for name in (*TORCH_PASSES, *HEURISTIC_BASELINES)}

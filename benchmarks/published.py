@@ -63,7 +63,7 @@ def judges(csv: Path) -> dict[str, Any]:
 
 def run_graph(repros: str, name: str, budgets: list[str], products: list[str]) -> list[dict[str, Any]]:
     """Every row of one graph (runs in a process of its own: the fake process group is global)."""
-    from harness.judged import judge_baseline, judge_product
+    from scheduler.compare.judged import judge_baseline, judge_product
     from harness.repros import load_repro, table_csv
 
     _quiet()

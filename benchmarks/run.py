@@ -190,7 +190,7 @@ def load_graphs(model: str, args: argparse.Namespace, cluster) -> dict[str, tupl
         logger.info("cache %s: %s (%s)", "disabled" if args.no_cache else "miss", model, key)
 
     from models import capture_fsdp_graphs
-    from harness.baselines import simulate_torch_baseline
+    from scheduler.compare.baselines import simulate_torch_baseline
 
     t = time.perf_counter()
     logger.info("capture: tracing %s (%s layers, world %d)", model, args.n_layers or "all", args.world_size)

@@ -74,7 +74,7 @@ def run_graph(spec: str, kind: str, budget_of: str | None = None) -> list[dict[s
     if budget_of is None:
         budget, where = judge_graph(gm).max_peak_bytes, ""
     else:
-        from harness.judged import judge_baseline
+        from scheduler.compare.judged import judge_baseline
 
         budget, where = judge_baseline(gm, budget_of, ("analytic",)).max_peak_bytes, f" @{budget_of}"
     problems = export_problems(gm, scheduler.cost_model_family(), None)

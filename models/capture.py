@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +118,8 @@ def fake_process_group(world_size: int, rank: int = 0):
 
     Reuses an existing fake group of the same size; replaces a fake group of another size and
     restores it afterwards. Refuses to run over a real (non-fake) group, which tracing would
-    have to destroy.
+    have to destroy. ``sys.excepthook`` is restored on exit: every ``init_process_group`` wraps
+    it in one more ``[rank0]:`` prefix, which would otherwise pile up, one per block entered.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -133,6 +135,7 @@ def fake_process_group(world_size: int, rank: int = 0):
             return
         previous = (dist.get_world_size(), dist.get_rank())
         dist.destroy_process_group()
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -140,6 +143,32 @@ def fake_process_group(world_size: int, rank: int = 0):
         dist.destroy_process_group()
         if previous is not None:
             dist.init_process_group("fake", store=FakeStore(), rank=previous[1], world_size=previous[0])
+        sys.excepthook = hook
+
+
+#: the notice torch logs whenever a checkpoint is given a ``context_fn`` under torch.compile
+_CHECKPOINT_NOTICE = "context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+class _DropCheckpointNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CHECKPOINT_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _checkpoint_notice_dropped():
+    """torch's notice that a checkpoint was given a ``context_fn`` (asking that the region hold
+    no in-place op) left out while aot_autograd traces a capture. Every capture passes one: the
+    reshard-after-forward all-gather and the selective block checkpoint of :mod:`models.fsdp`,
+    whose regions (a redistribute, a LLaMA block) hold no in-place op, so it says nothing the
+    user can act on."""
+    logger_ = logging.getLogger("torch._higher_order_ops.wrap")
+    notice = _DropCheckpointNotice()
+    logger_.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger_.removeFilter(notice)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,9 +396,10 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
                 captured["backward"], captured["backward_inputs"] = bw_gm, list(bw_inputs)
                 return bw_gm
 
-            return aot_autograd(fw_compiler=make_boxed_compiler(fw_compiler),
-                                bw_compiler=make_boxed_compiler(bw_compiler),
-                                partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+            with _checkpoint_notice_dropped():
+                return aot_autograd(fw_compiler=make_boxed_compiler(fw_compiler),
+                                    bw_compiler=make_boxed_compiler(bw_compiler),
+                                    partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
 
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         tokens = torch.empty((config.batch_size, config.seq_len), dtype=torch.long, device="meta")

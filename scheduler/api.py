@@ -38,17 +38,20 @@ on some ranks leaves every rank's graph as traced, and a failure on all raises o
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import hashlib
 import json
 import logging
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 from scheduler.integrate import cache, consensus
-from scheduler.check.written import Candidate, choose, write_and_judge
+from scheduler.check.written import Candidate, Figures, choose, write_and_judge
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.export.dag import export_problems
 from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology, resolve_cost_model
@@ -94,20 +97,44 @@ class _Answer:
 
     schedule: Schedule | None
     report: ScheduleReport
+    #: the written graph's figures with what they were judged on (:func:`_judged_record`)
+    judged: dict[str, Any] | None = None
 
     def digest(self) -> str:
         return self.schedule.digest() if self.schedule is not None else _NOTHING
 
     def to_json(self) -> dict[str, Any]:
         """What the cache stores and the source rank sends; read back by :func:`_given`, which
-        keeps only the schedule and how it was found (:data:`scheduler.report.PROVENANCE_FIELDS`)."""
+        keeps only the schedule, how it was found (:data:`scheduler.report.PROVENANCE_FIELDS`)
+        and the judged figures where they are this graph's."""
         return {"schedule": self.schedule.to_json() if self.schedule is not None else None,
-                "report": self.report.to_json()}
+                "report": self.report.to_json(), **({"judged": self.judged} if self.judged is not None else {})}
 
 
 # --------------------------------------------------------------------------------------------
 # optimize_schedule
 # --------------------------------------------------------------------------------------------
+def _collect_only_what_the_pass_makes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the garbage collector's older objects frozen for the call (``gc.freeze``, then
+    ``gc.unfreeze``): every full collection during a pass would scan again everything the process
+    already holds (the model, its traced graphs: millions of objects), which took about a fifth of
+    a cache hit on a 32-layer graph; what the pass makes is collected as usual. Left alone when
+    something is frozen already, so that another owner's freeze is never undone."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if gc.get_freeze_count():
+            return fn(*args, **kwargs)
+        gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return wrapper
+
+
+@_collect_only_what_the_pass_makes
 def optimize_schedule(
     gm: "torch.fx.GraphModule",
     mem_budget: int | str | None = None,
@@ -276,7 +303,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                                                notes=["the graph has no collectives: left unchanged"]))
     graph_key = _graph_key(problems, solver, writeback)
     key = _cache_key(graph_key, budget)
-    hit = _cached(gm, problems, key, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+    hit = _cached(gm, problems, key, graph_key, budget, cost_model=cost_model, cluster=cluster, solver=solver,
                   writeback=writeback)
     if hit is not None:
         return hit
@@ -301,7 +328,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                      status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
                      fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose,
                      cost_model=cost_model)
-    answer = _Answer(chosen.schedule, report)
+    answer = _Answer(chosen.schedule, report, judged=_judged_record(graph_key, chosen))
     if key is not None:
         cache.store(key, answer.to_json())
     if graph_key is not None:
@@ -464,11 +491,13 @@ _INSTALLED: dict[str, list[tuple[int | None, Schedule]]] = {}
 _INSTALLED_PER_GRAPH = 8
 
 
-def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, budget: int | None, *,
-            cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions) -> _Answer | None:
+def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, graph_key: str | None,
+            budget: int | None, *, cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions
+            ) -> _Answer | None:
     """The cached answer under ``key``, checked on this graph like a fresh candidate
-    (:func:`_given`); None on a miss, and with a warning naming the entry when it cannot be
-    read or does not hold on this graph, budget and options. Never raises: an entry is data
+    (:func:`_given`, its written graph's figures read from the entry where they were judged on
+    this graph, ``graph_key``); None on a miss, and with a warning naming the entry when it cannot
+    be read or does not hold on this graph, budget and options. Never raises: an entry is data
     from disk, perhaps stale, edited by hand or of another graph."""
     t0 = time.perf_counter()
     entry = cache.load(key) if key is not None else None
@@ -476,7 +505,7 @@ def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: st
         return None
     try:
         answer = _given(gm, problems, entry, budget, cost_model=cost_model, cluster=cluster, solver=solver,
-                        writeback=writeback, source=f"schedule cache entry {key[:16]}", t0=t0)
+                        writeback=writeback, source=f"schedule cache entry {key[:16]}", t0=t0, graph_key=graph_key)
     except Exception as e:  # a bad entry is a miss: the graph is solved and the entry overwritten
         logger.warning("fsdp-sched: schedule cache entry %s ignored: it does not hold on this graph (%s: %s)",
                        cache.entry_path(key), type(e).__name__, e)
@@ -489,12 +518,19 @@ def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: st
 
 def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: Any, budget: int | None, *,
            cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions, source: str,
-           t0: float) -> _Answer:
+           t0: float, graph_key: str | None = None) -> _Answer:
     """An answer this rank did not solve (a cache entry, another rank's: :meth:`_Answer.to_json`)
     taken as a fresh candidate of this graph: its schedule validated on this graph's problem
     within ``budget`` and these options, written on a copy and judged there, and its report made
     here from those figures. Only how the schedule was found
     (:data:`scheduler.report.PROVENANCE_FIELDS`, each checked) is kept from the stored report.
+
+    The written graph's figures are a function of the graph, the schedule, the options and the
+    code: an answer that records them for this very graph (``graph_key``, :func:`_graph_key`:
+    the DAG's fingerprint, the options and the versions, the library's source included) and this
+    schedule, sealed (:func:`_recorded_figures`), is not written and judged again; they are held
+    against ``budget`` all the same. Any other answer (no key given: another rank's; a record of
+    another graph or schedule, or one edited) is written and judged here.
 
     Raises:
         ValueError, ScheduleError (and whatever a bad ``data`` makes fail): the answer does not
@@ -524,8 +560,13 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
     t_judge = time.perf_counter()
     chosen = Candidate(name=said["chosen_candidate"] or said["solver"], schedule=schedule)
-    chosen.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
-                                     payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    chosen.figures = _recorded_figures(data.get("judged"), graph_key, schedule)
+    notes = list(said["notes"])
+    if chosen.figures is None:
+        chosen.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
+                                         payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+    else:
+        notes.append(f"the written graph's figures are those of {source}, judged on this graph when it was stored")
     if budget is not None and chosen.figures.max_peak_bytes > budget:
         raise ScheduleError(f"{source}: its written graph peaks at {fmt_bytes(chosen.figures.max_peak_bytes)} "
                             f"({chosen.figures.max_peak_bytes} B) by {chosen.figures.decided_by}, over the budget "
@@ -533,10 +574,41 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
     stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
                           step_ms=chosen.figures.step_ms)]
     report = _report(problems, chosen, [chosen], budget, solver=solver, found_by=said["solver"],
-                     status=said["status"], best_bound=said["best_bound_ms"], notes=said["notes"],
+                     status=said["status"], best_bound=said["best_bound_ms"], notes=notes,
                      fell_back=said["fell_back"], stages=stages, t0=t0, t_judge=t_judge, criterion=said["criterion"])
     report.requested_solver = said["requested_solver"]
     return _Answer(schedule, report)
+
+
+def _judged_record(graph_key: str | None, chosen: Candidate) -> dict[str, Any] | None:
+    """What a cache entry keeps of the judging of ``chosen``'s written graph: its figures, the
+    graph (``graph_key``) and schedule they were judged on, and a seal over the three, so that
+    an entry copied under another key or edited is judged again (:func:`_recorded_figures`).
+    None when the solve is not a function of data alone (no graph key)."""
+    if graph_key is None or chosen.figures is None:
+        return None
+    record = {"graph": graph_key, "digest": chosen.schedule.digest(), "figures": chosen.figures.to_json()}
+    return {**record, "seal": cache.cache_key("", mem_budget_bytes=None, options=record)}
+
+
+def _recorded_figures(record: Any, graph_key: str | None, schedule: Schedule) -> Figures | None:
+    """The figures of :func:`_judged_record`'s ``record`` when it was made for this graph
+    (``graph_key``) and ``schedule`` and its seal holds; None otherwise (judge again)."""
+    if graph_key is None or not isinstance(record, dict):
+        return None
+    body = {k: record.get(k) for k in ("graph", "digest", "figures")}
+    if body["graph"] != graph_key or body["digest"] != schedule.digest() or not isinstance(body["figures"], dict):
+        return None
+    try:
+        if record.get("seal") != cache.cache_key("", mem_budget_bytes=None, options=body):
+            return None
+        figures = Figures(**body["figures"])
+    except (TypeError, ValueError):
+        return None
+    numbers = dataclasses.astuple(figures)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
+        return None
+    return figures
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,20 +2,43 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-#: the evaluation harness (``benchmarks/harness``, imported as ``harness``) is not installed with
-#: the library; its tests import it from the repository
+#: the benchmark scripts (``benchmarks/``, whose ``harness`` package holds their own pieces) are not
+#: installed with the library; the tests of a script import it from the repository
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 #: ranks of the fake process group the tracing tests use
 FAKE_WORLD = 4
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_schedule_cache(tmp_path_factory):
+    """The schedule cache is on by default, in the user's own cache directory: the suite
+    caches in a directory of its own (set before any fixture solves; subprocesses inherit it)."""
+    before = os.environ.get("FSDP_SCHED_CACHE")
+    os.environ["FSDP_SCHED_CACHE"] = str(tmp_path_factory.mktemp("fsdp-sched-cache"))
+    yield
+    if before is None:
+        os.environ.pop("FSDP_SCHED_CACHE", None)
+    else:
+        os.environ["FSDP_SCHED_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def schedule_cache(tmp_path_factory, monkeypatch):
+    """Each test's schedule cache: a fresh directory, so that no test is answered from the
+    entries of another."""
+    directory = tmp_path_factory.mktemp("fsdp-sched-cache")
+    monkeypatch.setenv("FSDP_SCHED_CACHE", str(directory))
+    return directory
 
 
 @pytest.fixture(scope="module")

@@ -197,6 +197,9 @@ def _between_rounds_case(rank: int, world_size: int, case: str, cache_root: str)
     group_name = dist.group.WORLD.group_name
     solver = SolverOptions(time_limit_s=1.0)
     patched: list[tuple[Any, str, Any]] = []
+    # no case reads an entry of another case: only the one that plants an entry has a cache
+    cache_before = os.environ.get("FSDP_SCHED_CACHE")
+    os.environ["FSDP_SCHED_CACHE"] = "0"
 
     def patch(owner: Any, name: str, value: Any) -> None:
         patched.append((owner, name, getattr(owner, name)))
@@ -215,7 +218,7 @@ def _between_rounds_case(rank: int, world_size: int, case: str, cache_root: str)
         os.environ["FSDP_SCHED_CACHE"] = str(directory)
         optimize_schedule(toy_graph(group_name, world_size), None, cost_model=COSTS, solver=solver,
                           agreement=AgreementOptions(enabled=False))
-        [entry] = directory.glob("*.json")
+        [entry] = (directory / cache.SCHEDULES_DIR).glob("*.json")
         payload = json.loads(entry.read_text())["payload"]
         payload["report"]["notes"] = 5
         cache.store(entry.stem, payload)
@@ -232,7 +235,10 @@ def _between_rounds_case(rank: int, world_size: int, case: str, cache_root: str)
     finally:
         for owner, name, value in reversed(patched):
             setattr(owner, name, value)
-        os.environ.pop("FSDP_SCHED_CACHE", None)
+        if cache_before is None:
+            os.environ.pop("FSDP_SCHED_CACHE", None)
+        else:
+            os.environ["FSDP_SCHED_CACHE"] = cache_before
     report = gm.meta[api.REPORT_KEY]
     installed = gm.meta[api.SCHEDULE_KEY]
     return {"raised": None, "status": report.status, "changed": graph_digest(gm) != before,

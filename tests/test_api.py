@@ -28,6 +28,7 @@ from scheduler import (
     solve_dag,
 )
 from scheduler import api
+from scheduler.integrate import cache
 from scheduler.integrate import compile as compile_
 from scheduler.check.written import graph_digest
 from scheduler.export.dag import dag_from_json, dag_to_json, export_dag
@@ -219,9 +220,11 @@ def test_solve_dag_offline_from_json(pg):
     assert report.step_ms_after <= sim.step_ms + 1e-9
 
 
-def test_broadcast_from_on_a_single_rank_group_is_a_plain_solve(pg):
+def test_broadcast_from_on_a_single_rank_group_is_a_plain_solve(pg, monkeypatch):
     """``broadcast_from=0`` on a one-rank group: nothing to agree with, the same schedule as
-    without (multi-rank: tests/test_numerics_gloo.py); a rank outside the world is refused."""
+    without (multi-rank: tests/test_numerics_gloo.py); a rank outside the world is refused.
+    Both are solved (no cache), so that the second is not the first's answer read back."""
+    monkeypatch.setenv("FSDP_SCHED_CACHE", "0")
     plain, broadcast = toy_graph(pg, 1), toy_graph(pg, 1)
     optimize_schedule(plain, None, cost_model=COSTS, solver=QUICK)
     optimize_schedule(broadcast, None, cost_model=COSTS, solver=QUICK, agreement=AgreementOptions(broadcast_from=0))
@@ -328,11 +331,12 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     and options installs the schedule of the first without solving (its only stage is the
     cache); another budget is a miss; a corrupt entry is a miss with a warning."""
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    entries = tmp_path / cache.SCHEDULES_DIR
     first = toy_graph(pg, 1)
     optimize_schedule(first, None, cost_model=COSTS, solver=QUICK)
     r1 = first.meta[api.REPORT_KEY]
     assert not r1.cache_hit and "starts" in [st["name"] for st in r1.stages]
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(entries.glob("*.json"))) == 1
 
     second = toy_graph(pg, 1)
     optimize_schedule(second, None, cost_model=COSTS, solver=QUICK)
@@ -344,9 +348,9 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
     other_budget = toy_graph(pg, 1)
     optimize_schedule(other_budget, r1.reexported_peak_bytes + 1, cost_model=COSTS, solver=QUICK)
     assert not other_budget.meta[api.REPORT_KEY].cache_hit
-    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert len(list(entries.glob("*.json"))) == 2
 
-    for entry in tmp_path.glob("*.json"):
+    for entry in entries.glob("*.json"):
         entry.write_text("{ not json")
     again = toy_graph(pg, 1)
     with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
@@ -358,12 +362,11 @@ def test_cached_schedule_is_the_one_solved(pg, tmp_path, monkeypatch, caplog):
 def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monkeypatch, caplog):
     """An entry under the right key whose schedule names collectives this graph lacks (a key
     collision, or a hand-edited file) is a miss with a warning: the graph is solved."""
-    from scheduler.integrate import cache
-
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
+    entries = tmp_path / cache.SCHEDULES_DIR
     gm = toy_graph(pg, 1)
     optimize_schedule(gm, None, cost_model=COSTS, solver=QUICK)
-    [entry] = tmp_path.glob("*.json")
+    [entry] = entries.glob("*.json")
     payload = json.loads(entry.read_text())["payload"]
     payload["schedule"]["buckets"][0] = ["no_such_collective"]
     cache.store(entry.stem, payload)
@@ -372,3 +375,48 @@ def test_cached_entry_that_does_not_fit_the_graph_is_ignored(pg, tmp_path, monke
         optimize_schedule(again, None, cost_model=COSTS, solver=QUICK)
     assert not again.meta[api.REPORT_KEY].cache_hit and caplog.records
     assert again.meta[api.REPORT_KEY].digest == gm.meta[api.REPORT_KEY].digest
+
+
+def test_the_pass_raises_no_future_warning_of_its_own():
+    """A pass on a group of ranks reads no deprecated torch API: the export reads the traced
+    sizes from ``backed_var_to_val`` (not ``var_to_val``) and the ranks agree through
+    ``all_gather_single`` (not ``all_gather_into_tensor``), either of which warns on every call."""
+    import copy
+    import warnings
+
+    from conftest import FAKE_WORLD, capture_llama_debug
+    from models.capture import fake_process_group
+
+    graphs = capture_llama_debug(n_layers=1)
+    with fake_process_group(FAKE_WORLD), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        gm = optimize_schedule(copy.deepcopy(graphs.forward), None, solver=SolverOptions(time_limit_s=0.2))
+    assert gm.meta[api.REPORT_KEY].status != "unchanged"  # the ranks agreed and it was written
+
+
+def test_the_pass_collects_only_its_own_garbage_and_leaves_the_collector_as_found(pg):
+    """During a pass the collector leaves alone what the process held before it (frozen: a full
+    collection would scan the model and its graphs again and again), and afterwards it is as it
+    was: nothing frozen, or, when the caller had frozen objects, their freeze."""
+    import gc
+
+    from scheduler.costs.models import TableCostModel
+
+    seen: list[int] = []
+
+    def collective_ms(coll_type, payload_bytes, group):
+        if not seen:  # counting the frozen objects walks them all: once is enough
+            seen.append(gc.get_freeze_count())
+        return 0.01 + 1e-9 * payload_bytes
+
+    costs = TableCostModel(collective=collective_ms)
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
+    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
+        assert gc.get_freeze_count() > 0  # the caller's freeze stands (objects it froze may have died)
+    finally:
+        gc.unfreeze()

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from harness import baselines  # noqa: E402  (benchmarks/harness, on sys.path by conftest)
-from harness.baselines import (  # noqa: E402
+from scheduler.compare import baselines  # noqa: E402
+from scheduler.compare.baselines import (  # noqa: E402
     TorchBaselineError,
     simulate_torch_baseline,
     torch_memory_peak,

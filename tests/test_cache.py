@@ -187,9 +187,9 @@ def test_store_then_load_round_trips(tmp_path):
 
 def test_default_directory_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "sched"))
-    assert cache.store(_key(), {"a": 1}) == tmp_path / "sched" / f"{_key()}.json"
+    assert cache.store(_key(), {"a": 1}) == tmp_path / "sched" / cache.SCHEDULES_DIR / f"{_key()}.json"
     assert cache.load(_key()) == {"a": 1}
-    monkeypatch.delenv(cache.CACHE_ENV)
+    monkeypatch.setenv(cache.CACHE_ENV, "0")
     assert cache.store(_key(), {"a": 2}) is None and cache.load(_key()) is None
 
 
@@ -234,26 +234,83 @@ def test_bad_key_and_payload_are_caller_errors(tmp_path):
         cache.store(_key(), [1, 2], tmp_path)  # type: ignore[arg-type]
 
 
-# ---- cache_dir -------------------------------------------------------------------------------
-def test_cache_dir_off_when_unset_or_empty(monkeypatch):
+# ---- where the cache lives ------------------------------------------------------------------
+def test_cache_root_default_is_per_user_under_the_standard_cache_location(tmp_path, monkeypatch):
+    """Unset: ``$XDG_CACHE_HOME/fsdp-sched`` when that is an absolute path, else
+    ``~/.cache/fsdp-sched``; nothing is created by resolving it."""
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)
-    assert cache.cache_dir() is None
-    monkeypatch.setenv(cache.CACHE_ENV, "")
-    assert cache.cache_dir() is None
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache.cache_root() == tmp_path / "home" / ".cache" / "fsdp-sched"
+    for ignored in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", ignored)
+        assert cache.cache_root() == tmp_path / "home" / ".cache" / "fsdp-sched"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_root() == tmp_path / "xdg" / "fsdp-sched"
+    assert not (tmp_path / "xdg").exists() and not (tmp_path / "home").exists()
 
 
-def test_cache_dir_created(tmp_path, monkeypatch):
+def test_default_cache_is_on_and_versioned(tmp_path, monkeypatch):
+    """With nothing set, entries go to a directory named by the entry format under the
+    per-user cache root, and are read back from there."""
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = cache.store(_key(), {"a": 1})
+    assert path == tmp_path / "xdg" / "fsdp-sched" / f"schedules-v{cache.FORMAT_VERSION}" / f"{_key()}.json"
+    assert cache.load(_key()) == {"a": 1}
+
+
+@pytest.mark.parametrize("value", ["0", "off", "OFF", "false", "no", "none", "", " 0 "])
+def test_cache_turned_off(value, tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_root() is None and cache.cache_dir() is None
+    assert cache.store(_key(), {"a": 1}) is None and cache.load(_key()) is None
+    assert not (tmp_path / "xdg").exists()
+
+
+def test_cache_moved_and_created(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a" / "b"))
-    assert cache.cache_dir() == tmp_path / "a" / "b"
-    assert (tmp_path / "a" / "b").is_dir()
+    assert cache.cache_root() == tmp_path / "a" / "b"
+    assert cache.cache_dir() == tmp_path / "a" / "b" / cache.SCHEDULES_DIR
+    assert (tmp_path / "a" / "b" / cache.SCHEDULES_DIR).is_dir()
 
 
-def test_uncreatable_cache_dir_is_off_with_a_warning(tmp_path, monkeypatch, caplog):
+def test_the_timing_cache_of_measured_costs_lives_in_the_same_root(tmp_path, monkeypatch):
+    """One function resolves the cache for every reader: ``measure``'s timings sit in the
+    same root, and are kept in memory only when caching is off."""
+    from scheduler.costs.measure import default_cache_dir
+
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == cache.cache_root() == tmp_path / "xdg" / "fsdp-sched"
+    monkeypatch.setenv(cache.CACHE_ENV, "off")
+    assert default_cache_dir() is None
+
+
+def test_uncreatable_cache_dir_is_off_with_one_warning(tmp_path, monkeypatch, caplog):
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "a_file" / "sub"))
     with caplog.at_level(logging.WARNING, logger="scheduler.integrate.cache"):
         assert cache.cache_dir() is None
-    assert any(cache.CACHE_ENV in r.getMessage() and "off" in r.getMessage() for r in caplog.records)
+        assert cache.cache_dir() is None
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and cache.CACHE_ENV in warned[0] and "off" in warned[0]
+
+
+def test_disabled_turns_caching_off_for_the_block(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    with cache.disabled():
+        assert cache.cache_dir() is None
+    assert cache.cache_dir() == tmp_path / cache.SCHEDULES_DIR
+
+
+def test_the_key_follows_the_library_source(monkeypatch):
+    """An edited library (an editable install under an unchanged version number) must not
+    read the answers of the code before the edit."""
+    before = _key()
+    monkeypatch.setattr(cache, "source_digest", lambda: "0" * 64)
+    assert _key() != before
 
 
 # ---- concurrency -----------------------------------------------------------------------------

@@ -43,8 +43,9 @@ def pg():
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    """The directory of this test's schedule entries."""
     monkeypatch.setenv("FSDP_SCHED_CACHE", str(tmp_path))
-    return tmp_path
+    return tmp_path / cache.SCHEDULES_DIR
 
 
 def layers(group_name: str, d: int = 64) -> torch.fx.GraphModule:
@@ -151,3 +152,21 @@ def test_the_entry_of_another_graph_gets_a_report_of_this_one(pg, cache_dir):
     assert report.peak_bytes_after == sim.peak_bytes == liveness_peak(gm) == report.liveness_peak_bytes
     assert report.step_ms_after == pytest.approx(sim.step_ms)
     assert report.peak_bytes_before == simulate(problem.dag, problem=problem).peak_bytes
+
+
+@pytest.mark.parametrize("edited", [False, True], ids=["as-stored", "figures-edited"])
+def test_a_hit_reads_the_judged_figures_only_where_sealed_for_this_graph(pg, cache_dir, edited):
+    """An entry keeps the figures of its written graph, with the graph and schedule they were
+    judged on and a seal over the three: a hit on that graph takes them (it is not written and
+    judged a second time, and says so); an entry whose figures were changed afterwards is
+    written and judged again, and the report shows this graph's own figures."""
+    budget = binding_budget(pg)
+    key, payload = solve_into_cache(cache_dir, layers(pg), budget)
+    if edited:
+        payload["judged"]["figures"]["liveness_peak_bytes"] -= 4096
+        cache.store(key, payload)
+    gm = optimize_schedule(layers(pg), budget, cost_model=COSTS, solver=QUICK)
+    report = gm.meta[api.REPORT_KEY]
+    assert report.cache_hit and report.liveness_peak_bytes == liveness_peak(gm) <= budget
+    taken = any("judged on this graph when it was stored" in n for n in report.notes)
+    assert taken == (not edited)

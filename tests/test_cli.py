@@ -292,3 +292,55 @@ def test_solve_refuses_an_unknown_solver_before_tracing(tmp_path, capsys):
     assert main(["solve", *TINY, "--solver", "bogus", "--out", str(tmp_path / "o")]) == 2
     assert "unknown solver 'bogus'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# defaults and errors users meet
+# --------------------------------------------------------------------------------------------
+def test_sweep_default_budgets_are_every_one_reachable(traced, tmp_path, capsys):
+    """Without --budgets, the sweep spans the smallest peak any schedule reaches up to the larger
+    of the traced peak and that of the schedule without a budget: every point has a schedule,
+    so the Pareto plot has a point per budget."""
+    _, backward = traced
+    assert main(["-q", "sweep", str(backward), "--time-limit", "1", "--out", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    points = data["points"]
+    assert len(points) == 4 and all(p["status"] != "infeasible" and p["step_ms"] is not None for p in points), points
+    assert max(p["budget_bytes"] for p in points) >= data["baselines"]["traced"]["peak_bytes"]
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["trace", "--model", "gpt-5"], "CliError"),
+    (["solve", "no-such.json"], "CliError"),
+    (["solve", "x.json", "--budget", "40 furlongs"], "ArgumentError"),
+    (["sweep", "no-such.json"], "CliError"),
+    (["demo", "--model", "gpt-5"], "CliError"),
+    (["measure", "--out", "t.csv"], "CliError"),
+])
+def test_json_errors_are_a_json_object_on_stdout(argv, kind, tmp_path, monkeypatch, capsys):
+    """``--json`` makes an error a JSON object on stdout, with the error's type and message, and
+    a non-zero exit status, on every command."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = main([*argv, "--json"])
+    except SystemExit as e:
+        status = e.code
+    assert status == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == kind and error["message"]
+
+
+def test_an_unreachable_budget_names_the_commands_flag(traced, tmp_path, capsys):
+    """The library says ``mem_budget``; the command line names its own flag, ``--budget``, and
+    the smallest peak found, in one line (and in the JSON error with ``--json``)."""
+    _, backward = traced
+    assert main(["solve", str(backward), "--budget", "1KiB", "--time-limit", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--budget" in err and "mem_budget" not in err
+    assert "raise --budget to at least" in err
+    assert main(["solve", str(backward), "--budget", "1KiB", "--time-limit", "1", "--out", str(tmp_path),
+                 "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "InfeasibleBudgetError" and "--budget" in error["message"]

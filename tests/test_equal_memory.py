@@ -1,18 +1,19 @@
-"""The evaluation harness (benchmarks/harness): fsdp-sched at each baseline's peak, every graph
+"""The comparison (scheduler.compare): fsdp-sched at each baseline's peak, every graph
 judged as written under both cost models, on llama3-debug; the Pareto picture that marks it; and
-the demo (benchmarks/demo.py) end to end."""
+the demo (``fsdp-sched demo``, ``benchmarks/demo.py``) end to end."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import equal_memory  # benchmarks/harness, on sys.path by conftest
-from harness.judged import PRODUCT, TORCH
+from scheduler.compare import equal_memory
+from scheduler.compare.judged import PRODUCT, TORCH
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def test_product_is_deterministic_and_written_as_predicted(comparison):
     relies on); its written graph has the collectives the model predicted, and the two cost
     models price it differently (each judge re-exports under its own model)."""
     gm, c = comparison
-    from harness.judged import judge_product
+    from scheduler.compare.judged import judge_product
 
     budget = c.baselines["fsdp2"].max_peak_bytes
     again = judge_product(gm, budget, equal_memory.COST_MODELS)
@@ -151,13 +152,15 @@ def test_unknown_baseline_and_solve_under_are_refused(comparison):
 
 
 def test_demo_prints_the_comparison(tmp_path):
-    """benchmarks/demo.py on llama3-debug: a table per graph with each baseline and fsdp-sched at
-    its peak (step ms under both models, peak, compile s), the summary, and summary.json whose
-    figures are the printed ones."""
+    """``fsdp-sched demo`` (as installed: ``python -m scheduler.cli``) on llama3-debug: a table per
+    graph with each baseline and fsdp-sched at its peak (step ms under both models, peak,
+    compile s), the headline per model, and summary.json whose figures are the printed ones;
+    ``-v`` logs the progress on stderr."""
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "demo.py"), "--model", "llama3-debug",
-                           "--n-layers", "2", "--world-size", "8", "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "scheduler.cli", "demo", "--model", "llama3-debug",
+                           "--n-layers", "2", "--world-size", "8", "--out", str(out), "-v"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -172,9 +175,24 @@ def test_demo_prints_the_comparison(tmp_path):
             assert (out / f"{g}_{m}_equal_memory.png").stat().st_size > 0
     assert text.count(f"  {PRODUCT} at the same peak") == sum(len(summary[g]["baselines"]) for g in ("forward", "backward"))
     for m in ("analytic", "torch"):
-        assert f"{m} cost model:" in text
-    assert "compile time per graph: fsdp-sched" in text
-    assert "tracing llama3-debug" in proc.stderr  # progress is logged
+        assert f"{m} cost model: x" in text
+    assert "compile time per graph: fsdp-sched" in text and "work unit" in text
+    assert "tracing llama3-debug" in proc.stderr  # progress is logged with -v
+
+
+def test_demo_at_its_defaults_prints_the_tables_and_the_headline_only(tmp_path):
+    """``python benchmarks/demo.py`` as the README runs it (llama3-8b, 8 layers, 64 ranks): at
+    most 40 lines, the headline against the best baseline that fits under each cost model among
+    them, and nothing on stderr (no log, no warning of torch's)."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "demo.py"), "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) <= 40, proc.stdout
+    for m in ("analytic", "torch"):
+        assert any(line.startswith(f"{m} cost model: x") and "vs the best baseline that fits" in line
+                   for line in lines), proc.stdout
+    assert proc.stderr == ""
 
 
 def test_a_measured_table_judges_and_solves_like_any_model(comparison, tmp_path):

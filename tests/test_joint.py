@@ -349,7 +349,7 @@ def test_torch_manual_per_block_plan_buckets_each_block_and_direction(joints):
     norm and output; in backward output and norm), one reduce-scatter bucket per block plus
     the two root runs; the rewritten graph still reads as a joint graph, its merged buckets
     (new nodes, without autograd_backward marks) in the right direction."""
-    from harness.baselines import manual_bucket_plans, torch_manual_schedule
+    from scheduler.compare.baselines import manual_bucket_plans, torch_manual_schedule
 
     gm = joints["reshard"].graph
     plans, _ = manual_bucket_plans(gm)

@@ -208,6 +208,17 @@ def moe(group_name):
     return fm.capture("moe", n_layers=2, world_size=FAKE_WORLD)
 
 
+def test_export_of_data_dependent_sizes_reads_no_deprecated_field(moe):
+    """Reading the traced sizes of symbols takes the shape environment's ``backed_var_to_val``
+    (empty here: every symbol is unbacked), never its deprecated ``var_to_val``, which warns."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        dag = export_dag(moe.forward)
+    assert any(a.get("coll_type") == "all_to_all_single" for _, a in dag.nodes(data=True))
+
+
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_data_dependent_sizes_counted_at_the_exports_estimates(moe, kind):
     """A MoE graph's split sizes are unbacked symbols: every count takes the export's estimate

@@ -292,6 +292,45 @@ def test_measure_under_torchrun_initialises_its_own_group(tmp_path):
     _check_measured_table(out, 2)
 
 
+def _measure_logging_body(rank: int, world_size: int, out: str) -> str:
+    import contextlib
+    import io
+
+    from scheduler.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["measure", "--out", out, "--sizes", "4KiB,64KiB", "--repeats", "2", "--warmup", "1",
+                     "--collectives", "all_gather,all_reduce"]) == 0
+    return err.getvalue()
+
+
+@pytest.mark.slow
+def test_measure_logs_each_timing_and_its_spread_on_rank_0_only(tmp_path):
+    """Every rank measures, rank 0 alone says what it measured: one line per collective and size,
+    with the spread of its samples."""
+    logs = run_multiprocess(_measure_logging_body, 2, str(tmp_path / "t.csv"), timeout_s=180)
+    timed = [[ln for ln in log.splitlines() if "bytes per rank" in ln] for log in logs]
+    assert len(timed[0]) == 4 and all("spread" in ln for ln in timed[0]), logs[0]
+    assert timed[1] == [], logs[1]
+
+
+def test_noisy_rows_are_the_spread_and_the_smaller_but_slower():
+    """A row whose samples spread more than the threshold, and one slower than a larger size of
+    its collective by more than it, are named; timings that grow with size and agree are not."""
+    from scheduler.costs.measure import CollectiveTiming, noisy_rows
+
+    clean = [CollectiveTiming("all_to_all", 4 << 10, 0.050, 0.05), CollectiveTiming("all_to_all", 16 << 10, 0.049, 0.1),
+             CollectiveTiming("all_to_all", 1 << 20, 0.5, 0.1)]
+    assert noisy_rows(clean) == []
+    noisy = [CollectiveTiming("all_to_all", 4 << 10, 0.8, 0.1), CollectiveTiming("all_to_all", 1 << 20, 0.5, 0.6),
+             CollectiveTiming("all_gather", 4 << 10, 0.9, 0.0)]
+    lines = noisy_rows(noisy)
+    assert len(lines) == 2, lines
+    assert any("4.00 KiB" in ln and "1.00 MiB" in ln for ln in lines)  # smaller, slower
+    assert any("60%" in ln for ln in lines)  # the spread of the 1 MiB row
+
+
 def test_measure_without_a_group_or_launcher_says_how_to_launch(tmp_path, monkeypatch, capsys):
     from scheduler.cli import main
 

@@ -286,6 +286,42 @@ def test_repeated_capture_restores_process_group(default_capture):
         dist.destroy_process_group()
 
 
+def test_fake_process_group_restores_the_excepthook():
+    """torch's init_process_group wraps sys.excepthook in a ``[rankN]:`` prefix each time: a
+    block entered twice (from no group, and over a fake group of another size) leaves the
+    hook as it found it, so that a later traceback is not prefixed once per block."""
+    import sys
+
+    from models.capture import fake_process_group
+
+    assert not dist.is_initialized()
+    hook = sys.excepthook
+    for _ in range(2):
+        with fake_process_group(3):
+            pass
+    assert sys.excepthook is hook
+    with fake_process_group(2):
+        inner = sys.excepthook
+        with fake_process_group(3):
+            pass
+        assert dist.get_world_size() == 2 and sys.excepthook is inner
+    assert sys.excepthook is hook
+
+
+def test_capture_prints_no_checkpoint_notice():
+    """torch logs a notice whenever a checkpoint gets a ``context_fn`` (every reshard-after-forward
+    all-gather has one); captures leave it out. Run in a fresh process: torch logs it once per
+    process, through a handler bound to the stderr it found."""
+    import subprocess
+    import sys
+
+    code = (f"from models import capture_fsdp_graphs; capture_fsdp_graphs({DEBUG!r}, world_size=2, n_layers=1, "
+            "activation_checkpointing='selective')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "context_fn" not in done.stderr
+
+
 def test_2d_mesh_collectives_on_two_groups():
     c = capture_fsdp_graphs(DEBUG, world_size=W, n_layers=1, tp_size=2)
     dp_groups = {n.args[-1] for gm in (c.forward, c.backward) for n in gm.graph.nodes

@@ -136,7 +136,7 @@ def test_graphs_export_schedule_at_the_traced_peak_and_run_torchs_pass(captured)
     schedule at each graph's traced peak (never over it), and torch's overlap scheduler runs on
     each with its pre-bucketing. (Without it, torch's pass finds cyclic extra dependencies in
     these small graphs; the 16B graphs take both variants, below.)"""
-    from harness.baselines import torch_overlap_schedule
+    from scheduler.compare.baselines import torch_overlap_schedule
     from scheduler import export_dag, optimize_schedule
     from scheduler.api import REPORT_KEY
     from scheduler.check.written import judge_graph
@@ -161,7 +161,7 @@ def test_graphs_export_schedule_at_the_traced_peak_and_run_torchs_pass(captured)
 def test_16b_widths_two_layers_on_64_ranks():
     """dsv3-16b's first two blocks (dense, then MoE) on 64 ranks, EP 8: byte counts at full size;
     torch's overlap scheduler runs on both graphs, with and without its pre-bucketing."""
-    from harness.baselines import torch_overlap_schedule
+    from scheduler.compare.baselines import torch_overlap_schedule
     from models.capture import fake_process_group
 
     with fake_process_group(64):

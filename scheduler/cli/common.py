@@ -17,7 +17,7 @@ import networkx as nx
 from scheduler.whatif import plots
 from scheduler.costs.models import Cluster
 from scheduler.export.dag import DagError, dag_to_json, export_dag, load_dag
-from solvers.core import parse_bytes, simulate, units
+from solvers.core import InfeasibleBudgetError, parse_bytes, simulate, units
 from solvers.registry import solve
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,23 @@ GRAPHS = ("forward", "backward")
 
 
 class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
+    """A user error: printed as one line, exit status 2. ``kind`` names it in a JSON error
+    object (``--json``): the library error it stands for, or ``"CliError"``."""
+
+    def __init__(self, message: str, *, kind: str = "CliError") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def infeasible_budget(e: InfeasibleBudgetError, flag: str = "--budget") -> CliError:
+    """The command line's words for a budget no schedule reaches: its own ``flag`` where the
+    library's message names ``mem_budget``, from the error's figures (not its text)."""
+    budget = f"{flag} {fmt_bytes(e.budget_bytes)} ({e.budget_bytes} B)"
+    if e.min_peak_bytes is None:
+        return CliError(f"no schedule keeps peak memory under {budget}: raise {flag}", kind=type(e).__name__)
+    return CliError(f"no schedule keeps peak memory under {budget}; the smallest peak found is "
+                    f"{fmt_bytes(e.min_peak_bytes)} ({e.min_peak_bytes} B): raise {flag} to at least that",
+                    kind=type(e).__name__)
 
 
 # --------------------------------------------------------------------------------------------

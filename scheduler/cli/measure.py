@@ -8,13 +8,16 @@ Run it on every rank of the job, as the training job itself is launched::
 
 Without an initialised process group it initialises one from the launcher's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL where CUDA is available,
-else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.costs.tables`).
+else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.costs.tables`), logs
+each timing with the spread of its samples, and warns of the rows not to trust (a large spread,
+or slower than a larger size: :func:`scheduler.costs.measure.noisy_rows`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -65,7 +68,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from scheduler.costs.measure import measure_collective_table
+    from scheduler.costs.measure import measure_collectives
 
     owned = False
     if not dist.is_initialized():
@@ -85,11 +88,12 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if world < 2:
             raise CliError("the process group has one rank; collectives need at least two")
         groups = _groups(args.mesh, world)
-        rows = []
+        rows, doubts = [], []
         for group in groups:
-            table = measure_collective_table(group, collectives=args.collectives, sizes=args.sizes,
-                                             repeats=args.repeats, warmup=args.warmup)
+            table, noisy = measure_collectives(group, collectives=args.collectives, sizes=args.sizes,
+                                               repeats=args.repeats, warmup=args.warmup)
             rows += table.rows
+            doubts += noisy
         # every rank has its own groups' tables; rank 0 writes its own
         table = CollectiveTable(rows)
         failure = [_write_table(table, args.out) if dist.get_rank() == 0 else None]
@@ -99,9 +103,14 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if failure[0] is not None:
             raise CliError(failure[0])
         if dist.get_rank() == 0:
+            n_rows = sum(len(p) for p in table.points.values())
+            if args.json:
+                print(json.dumps({"out": args.out, "rows": n_rows, "noisy": doubts}))
+                return 0
             if not args.quiet:
                 print(table.to_csv(), end="")
-            print(f"wrote {args.out} ({sum(len(p) for p in table.points.values())} rows)")
+            print(f"wrote {args.out} ({n_rows} rows" + (f"; {len(doubts)} noisy, warned about above: measure again "
+                                                        "with more --repeats on a quiet machine)" if doubts else ")"))
     finally:
         if owned:
             dist.destroy_process_group()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import logging
 
 from scheduler.cli.common import (
     GRAPHS,
@@ -14,17 +17,35 @@ from scheduler.cli.common import (
     positive_int,
     world_size_arg,
 )
+from scheduler.cli.demo import cmd_demo
 from scheduler.cli.measure import cmd_measure, mesh_arg, out_file_arg, sizes_arg
 from scheduler.cli.solve import cmd_solve, cmd_trace
-from scheduler.cli.sweep import cmd_sweep
+from scheduler.cli.sweep import DEFAULT_SWEEP_POINTS, cmd_sweep
 from scheduler.costs.tables import COLLECTIVES as MEASURED_COLLECTIVES
 from scheduler.costs.tables import DEFAULT_TABLE_SIZES
 from solvers.search import DEFAULT_TIME_LIMIT_S
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
+    """One line per error, no usage dump; with ``json_errors``, the error as a JSON object on
+    stdout too (``--json`` on the command line)."""
+
+    def __init__(self, *args, json_errors: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.json_errors = json_errors
+
+    def error(self, message: str):
+        if self.json_errors:
+            print(json.dumps({"error": {"type": "ArgumentError", "message": f"{message} (see --help)"}}))
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _verbosity(p: argparse.ArgumentParser) -> None:
+    """``-v`` / ``-q`` after the command too (``fsdp-sched demo -v``); given before it, they are
+    not undone (SUPPRESS: absent unless given)."""
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="more logging (-v: progress, -vv: debug)")
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="warnings and errors only")
 
 
 def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, default_layers: int | None) -> None:
@@ -54,15 +75,36 @@ def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: 
                    help="peak-memory budget: a size such as 40GiB or 512MB, 'auto' (0.9 x the FSDP2-like "
                         "peak, at least the smallest baseline peak), a multiple of that peak such as 0.8x, or 'none' (default %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=time_limit,
-                   help="work limit of the search per graph, in seconds of deterministic work "
-                        "(SolverOptions.time_limit_s; default %(default)s)")
+                   help="work limit of the search per graph, in work units: deterministic work, not wall "
+                        "time, so every rank finds the same schedule (SolverOptions.time_limit_s; default %(default)s)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fsdp-sched", description="Solver-based scheduling of FSDP collectives under a memory budget.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v: debug)")
+def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
+    """The parser; ``json_errors``: a bad argument is also printed as a JSON error object."""
+    parser = _Parser(prog="fsdp-sched", description="Solver-based scheduling of FSDP collectives under a memory budget.",
+                     json_errors=json_errors)
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-v: debug; for demo: -v progress, -vv debug)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser.set_defaults(log_level=logging.INFO)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=functools.partial(_Parser, json_errors=json_errors))
+
+    p = sub.add_parser("demo", help="fsdp-sched against FSDP2-like, torch's scheduler and SimpleFSDP-like",
+                       description="Trace a reference model's FSDP step on a fake process group, write each "
+                                   "baseline back, run fsdp-sched at each baseline's peak memory and print the "
+                                   "comparison on the written graphs (about a minute at the defaults).")
+    p.add_argument("--model", default="llama3-8b", help="reference model preset (default %(default)s)")
+    p.add_argument("--n-layers", type=positive_int, default=8, help="decoder layers to trace (default %(default)s)")
+    p.add_argument("--world-size", type=world_size_arg, default=64,
+                   help="FSDP ranks, 8 per node (default %(default)s)")
+    p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
+                   help="fsdp-sched's work limit per solve, in work units: deterministic work, not wall time "
+                        "(SolverOptions.time_limit_s; default %(default)s)")
+    p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print summary.json instead of the tables")
+    _verbosity(p)
+    p.set_defaults(func=cmd_demo, log_level=logging.WARNING)
 
     p = sub.add_parser("trace", help="trace a model into DAG JSON files",
                        description="Capture a reference model's FSDP forward / backward graphs and save them as "
@@ -94,12 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=cmd_solve)
         else:
             p.add_argument("--solver", default="cpsat", help="solver to sweep (default %(default)s)")
-            p.add_argument("--budgets", type=budget_arg, nargs="+", default=["1.0x", "0.9x", "0.8x", "0.7x"],
-                           help="budgets: sizes (40GiB) or multiples of the FSDP2-like peak (0.8x) "
-                                "(default: 1.0x 0.9x 0.8x 0.7x)")
+            p.add_argument("--budgets", type=budget_arg, nargs="+", default=None,
+                           help="budgets: sizes (40GiB) or multiples of the FSDP2-like peak (0.8x) (default: "
+                                f"{DEFAULT_SWEEP_POINTS} budgets from the smallest peak any schedule of the search "
+                                "reaches to the larger of the traced peak and that of the schedule solved without "
+                                "a budget, evenly spaced)")
             p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
-                           help="work limit of the search per point, in seconds of deterministic work "
-                                "(default %(default)s)")
+                           help="work limit of the search per point, in work units: deterministic work, not "
+                                "wall time (default %(default)s)")
             p.add_argument("--workers", type=positive_int, default=1,
                            help="solve points in N local processes (default 1: sequential)")
             p.add_argument("--address", default=None, metavar="URL",
@@ -129,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=positive_int, default=2, help="untimed samples per size (default %(default)s)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process group backend when none is initialised (default: nccl with CUDA, else gloo)")
+    p.add_argument("--json", action="store_true",
+                   help="print the table's rows and the noisy ones as JSON (rank 0) instead of the CSV")
     p.set_defaults(func=cmd_measure)
     return parser
 

@@ -22,6 +22,7 @@ from scheduler.cli.common import (
     ensure_out_dir,
     fmt_bytes,
     heuristic_sim,
+    infeasible_budget,
     input_dag,
     resolve_budget,
     trace_model,
@@ -65,7 +66,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     problem = Problem.from_dag(dag)
     budget = _budget(args.budget, problem)
     solver = SolverOptions(solver=args.solver, time_limit_s=args.time_limit)
-    logger.info("solving %s with %s, budget %s, limit %g s%s", dag.graph.get("name"), args.solver,
+    logger.info("solving %s with %s, budget %s, a work limit of %g work units%s", dag.graph.get("name"), args.solver,
                 fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
     out = ensure_out_dir(Path(args.out))
     stem = str(dag.graph.get("name", "graph"))
@@ -76,7 +77,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         try:
             schedule, report = solve_dag(dag, budget, solver=solver)
         except InfeasibleBudgetError as e:
-            raise CliError(f"budget {fmt_bytes(budget)} cannot be met: {e}") from None
+            raise infeasible_budget(e) from None
     sim = simulate(dag, schedule, problem=problem)
     (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
     (out / f"{stem}_report.json").write_text(json.dumps(report.to_json(), indent=1))
@@ -116,5 +117,5 @@ def _solve_robust(args: argparse.Namespace, gm, budget: int | None, solver: Solv
             optimize_schedule(gm, budget, cluster=cluster_of(args), solver=solver,
                               agreement=AgreementOptions(enabled=False))
         except InfeasibleBudgetError as e:
-            raise CliError(f"budget {fmt_bytes(budget)} cannot be met on the written graph: {e}") from None
+            raise infeasible_budget(e) from None
     return gm.meta[SCHEDULE_KEY], gm.meta[REPORT_KEY]

@@ -35,9 +35,12 @@ from scheduler.options import SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS
 from solvers.registry import available_solvers
+from solvers.search import search
 
 logger = logging.getLogger(__name__)
 
+#: budgets a sweep solves when none are given (:func:`default_budgets`)
+DEFAULT_SWEEP_POINTS = 4
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS results (
     dag_hash TEXT, solver TEXT, budget_bytes INTEGER, time_limit_s REAL, status TEXT,
@@ -167,10 +170,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CliError(f"unknown solver {args.solver!r}; choose one of {', '.join(available_solvers())}")
     _check_address(args.address)
     dag = input_dag(args)
-    baselines = _baselines(Problem.from_dag(dag))
+    problem = Problem.from_dag(dag)
+    baselines = _baselines(problem)
     fsdp2_peak = (baselines.get("fsdp2") or baselines["traced"]).peak_bytes
-    resolved = (resolve_budget(s, fsdp2_peak, arg="--budgets") for s in args.budgets)
-    budgets = sorted({b for b in resolved if b is not None}, reverse=True)
+    if args.budgets is None:
+        # the top of the range: where more memory stops helping (the schedule without a budget)
+        _, free = solve_dag(dag, None, solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit))
+        budgets = default_budgets(problem, max(free.peak_bytes_after, baselines["traced"].peak_bytes))
+    else:
+        resolved = (resolve_budget(s, fsdp2_peak, arg="--budgets") for s in args.budgets)
+        budgets = sorted({b for b in resolved if b is not None}, reverse=True)
     if not budgets:
         raise CliError("--budgets needs at least one size")
     key = dag_hash(dag)
@@ -197,8 +206,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                           "baselines": {k: v.summary() for k, v in baselines.items()}}))
     else:
         _print_table(rows, baselines)
+        if args.budgets is None and len(budgets) == 1:
+            print(f"one point: the schedule solved without a budget peaks at {fmt_bytes(budgets[0])}, the smallest peak "
+                  "any schedule reaches, so no budget changes it")
         print(f"Pareto plot: {png}; results: {db_path}")
     return 0
+
+
+def default_budgets(problem: Problem, high_bytes: int, n: int = DEFAULT_SWEEP_POINTS) -> list[int]:
+    """``n`` budgets (bytes, largest first) evenly spaced from the smallest peak any start of the
+    search reaches (the refusal of a one-byte budget names it: a budget that large admits a
+    schedule) to ``high_bytes`` (the sweep gives the larger of the traced peak and the peak of
+    the schedule solved without a budget): every point is feasible, and the plot spans the range
+    in which the budget decides. Fewer when the range is narrower than ``n`` bytes."""
+    try:
+        search({"model": problem}, 1, backend=None, time_limit_s=1e-9)
+        low = 1
+    except InfeasibleBudgetError as e:
+        low = e.min_peak_bytes or high_bytes
+    high = max(low, high_bytes)
+    return sorted({round(low + (high - low) * i / max(1, n - 1)) for i in range(n)}, reverse=True)
 
 
 def _open_db(path: Path) -> sqlite3.Connection:

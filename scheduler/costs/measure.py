@@ -29,6 +29,7 @@ graph is also far cheaper.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -44,7 +45,8 @@ import torch
 
 from scheduler.costs.tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
 from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo, source_of
-from solvers.core.units import fit_line
+from scheduler.integrate.cache import cache_root
+from solvers.core.units import fit_line, fmt_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +64,30 @@ _COLLECTIVE_INNER_MAX = 16
 _COLLECTIVE_INNER_BYTES = 4 << 20
 #: log progress every this many newly timed ops
 _PROGRESS_EVERY = 25
+#: default of :func:`measure_collectives`' ``max_spread``: a row whose repeated timings spread
+#: more than this (relative to their median), or that is slower than a larger size of its
+#: collective by more than this, measured noise rather than the link
+NOISY_SPREAD = 0.25
 
 
-def default_cache_dir() -> Path:
-    """``$FSDP_SCHED_CACHE`` if set, else ``~/.cache/fsdp-sched``."""
-    return Path(os.environ.get("FSDP_SCHED_CACHE") or Path.home() / ".cache" / "fsdp-sched")
+@dataclasses.dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective at one size on one group (:func:`collective_timings`)."""
+
+    collective: str
+    #: bytes of the per-rank input
+    input_bytes: int
+    #: median of the repeated samples, the slowest rank's
+    ms: float
+    #: (slowest - fastest sample) / median, the largest of the ranks': how far to trust ``ms``
+    spread: float
+
+
+def default_cache_dir() -> Path | None:
+    """The directory of the timing cache: fsdp-sched's cache root
+    (:func:`scheduler.integrate.cache.cache_root`: ``$FSDP_SCHED_CACHE``, else a per-user
+    directory); None when caching is off."""
+    return cache_root()
 
 
 class _Unsupported(Exception):
@@ -78,7 +99,8 @@ class MeasuredCostModel:
 
     Args:
         device: where ops are timed; default ``cuda`` when available, else ``cpu``.
-        cache_dir: directory of the JSON timing cache (default :func:`default_cache_dir`).
+        cache_dir: directory of the JSON timing cache (default :func:`default_cache_dir`; when
+            caching is off there, timings are kept in memory only).
             The cache is keyed by op, argument shapes / dtypes / strides, non-tensor arguments,
             device name and torch version.
         repeats: timed samples per op; the median is kept.
@@ -115,7 +137,9 @@ class MeasuredCostModel:
         if min_sample_ms < 0 or max_op_bytes <= 0:
             raise ValueError("min_sample_ms must be >= 0 and max_op_bytes > 0")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.cache_path = Path(cache_dir or default_cache_dir()) / "measured_compute_ms.json"
+        directory = Path(cache_dir) if cache_dir else default_cache_dir()
+        #: the JSON timing cache (None: in memory only)
+        self.cache_path = directory / "measured_compute_ms.json" if directory is not None else None
         self.repeats = repeats
         self.warmup = warmup
         self.min_sample_ms = min_sample_ms
@@ -347,6 +371,8 @@ class MeasuredCostModel:
 
     # ------------------------------------------------------------------ disk cache
     def _load_cache(self) -> dict[str, Any]:
+        if self.cache_path is None:
+            return {}
         try:
             data = json.loads(self.cache_path.read_text())
         except FileNotFoundError:
@@ -362,6 +388,8 @@ class MeasuredCostModel:
     def _save_cache(self, key: str, value: Any) -> None:
         """Merge one entry into the file (atomic replace; concurrent writers lose nothing of
         their own, at worst a parallel writer's newest entry, which is re-timed later)."""
+        if self.cache_path is None:
+            return
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
             on_disk = self._load_cache()
@@ -431,18 +459,33 @@ def measure_collective_table(
     repeats: int = 5,
     warmup: int = 2,
 ) -> CollectiveTable:
-    """Measured collective times on a live process group, as a table (``fsdp-sched measure``).
+    """Measured collective times on a live process group, as a table: the table of
+    :func:`measure_collectives` (which says what it times, and warns of its noisy rows)."""
+    return measure_collectives(group, collectives=collectives, sizes=sizes, repeats=repeats, warmup=warmup)[0]
+
+
+def measure_collectives(
+    group: Any = None,
+    *,
+    collectives: Sequence[str] = MEASURED_COLLECTIVES,
+    sizes: Sequence[int] = DEFAULT_TABLE_SIZES,
+    repeats: int = 5,
+    warmup: int = 2,
+    max_spread: float = NOISY_SPREAD,
+) -> tuple[CollectiveTable, list[str]]:
+    """Measured collective times on a live process group, as a table (``fsdp-sched measure``),
+    and a line per row not to trust (:func:`noisy_rows`), each also logged as a WARNING on rank 0.
 
     Every rank of ``group`` (default: the world) must call it together; every rank returns
     the identical table (rank 0's, broadcast). One row per collective and per size of
     ``sizes`` (bytes of the per-rank input, the ``input_bytes`` of
-    :mod:`scheduler.costs.tables`), timed by :func:`time_collectives`; ``nodes`` is the number
-    of distinct host names among the group's ranks. Write it with
+    :mod:`scheduler.costs.tables`), timed by :func:`collective_timings`; ``nodes`` is the
+    number of distinct host names among the group's ranks. Write it with
     :meth:`~scheduler.costs.tables.CollectiveTable.to_csv` and use it as
     ``cost_model="table:PATH"``.
 
     Raises:
-        ValueError: an unknown collective or a size < 1 byte.
+        ValueError: an unknown collective, a size < 1 byte or a negative ``max_spread``.
     """
     import torch.distributed as dist
 
@@ -452,12 +495,37 @@ def measure_collective_table(
         raise ValueError(f"collectives={list(collectives)!r}: give some of {', '.join(MEASURED_COLLECTIVES)}")
     if not sizes or min(sizes) < 1:
         raise ValueError(f"sizes={list(sizes)!r}: give sizes in bytes >= 1")
-    timed = time_collectives(group, collectives, sizes, repeats=repeats, warmup=warmup)
+    if not max_spread >= 0:
+        raise ValueError(f"max_spread={max_spread!r} must be >= 0 (a fraction of the median)")
+    timed = collective_timings(group, collectives, sizes, repeats=repeats, warmup=warmup)
     n = dist.get_world_size(group)
     nodes = group_nodes(group)
-    rows = [CollectiveRow(coll, n, nodes, nbytes, max(ms, _MIN_MS), f"measured on {group.group_name}")
-            for coll, nbytes, ms in timed]
-    return _broadcast_from_rank0(CollectiveTable(rows), group)
+    rows = [CollectiveRow(t.collective, n, nodes, t.input_bytes, max(t.ms, _MIN_MS), f"measured on {group.group_name}")
+            for t in timed]
+    doubts = [f"group {group.group_name} ({n} ranks): {line}" for line in noisy_rows(timed, max_spread)]
+    if dist.get_rank() == 0:
+        for line in doubts:
+            logger.warning("%s", line)
+    return _broadcast_from_rank0(CollectiveTable(rows), group), doubts
+
+
+def noisy_rows(timings: Sequence[CollectiveTiming], max_spread: float = NOISY_SPREAD) -> list[str]:
+    """A line per timing not to trust: its repeated samples spread more than ``max_spread`` of
+    their median, or it takes longer than a larger size of the same collective by more than
+    ``max_spread`` (a time that falls as the size grows measured noise, not the link)."""
+    out = []
+    for t in timings:
+        if t.spread > max_spread:
+            out.append(f"{t.collective} of {fmt_bytes(t.input_bytes)}: its samples spread {t.spread:.0%} of their "
+                       f"median {t.ms:.4f} ms; measure again with more --repeats, on a quiet machine")
+        faster = [u for u in timings if u.collective == t.collective and u.input_bytes > t.input_bytes
+                  and t.ms > u.ms * (1 + max_spread)]
+        if faster:
+            u = min(faster, key=lambda u: u.ms)
+            out.append(f"{t.collective} of {fmt_bytes(t.input_bytes)} takes {t.ms:.4f} ms, more than "
+                       f"{fmt_bytes(u.input_bytes)} takes ({u.ms:.4f} ms): a smaller input cannot be slower; measure "
+                       "again")
+    return out
 
 
 def time_collectives(
@@ -468,16 +536,30 @@ def time_collectives(
     repeats: int = 5,
     warmup: int = 2,
 ) -> list[tuple[str, int, float]]:
-    """``[(collective, input_bytes, ms), ...]`` of each collective at each size on ``group``.
+    """``[(collective, input_bytes, ms), ...]`` of each collective at each size on ``group``: the
+    figures of :func:`collective_timings` without their spread."""
+    return [(t.collective, t.input_bytes, t.ms)
+            for t in collective_timings(group, collectives, sizes, repeats=repeats, warmup=warmup)]
+
+
+def collective_timings(
+    group: Any,
+    collectives: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[CollectiveTiming]:
+    """Each collective at each size on ``group``, timed.
 
     Every rank must call it together. Each call runs the functional op that FSDP graphs hold
     (``_c10d_functional.all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce``
     / ``all_to_all_single`` with even splits, then ``wait_tensor``) on an fp32 input of about
     the size's bytes per rank (rounded to whole elements, divisible by the group size where the
     op splits it; the bytes returned are the input's). A sample is a barrier, then a few
-    back-to-back calls (more for small inputs); per size the median of ``repeats`` samples,
-    then the maximum over ranks (a collective is as slow as its slowest rank). Identical on
-    every rank.
+    back-to-back calls (more for small inputs); per size the median of ``repeats`` samples and
+    their spread, then the maximum of each over ranks (a collective is as slow as its slowest
+    rank). Identical on every rank; logged (INFO) on rank 0 only.
     """
     import torch.distributed as dist
 
@@ -486,7 +568,7 @@ def time_collectives(
     c10d = torch.ops._c10d_functional
     name = group.group_name
     elem = 4
-    medians: list[float] = []
+    figures: list[float] = []  # median, spread of each size in turn
     plan: list[tuple[str, int]] = []
     for coll in collectives:
         for nbytes in sizes:
@@ -510,12 +592,18 @@ def time_collectives(
                     torch.cuda.synchronize(device)
                 if i >= warmup:
                     samples.append((time.perf_counter() - t0) * 1e3 / inner)
-            medians.append(statistics.median(samples))
+            median = statistics.median(samples)
+            figures += [median, (max(samples) - min(samples)) / median if median > 0 else 0.0]
             plan.append((coll, numel * elem))
-            logger.info("%s of %d bytes per rank on %d ranks: %.3f ms", coll, numel * elem, n, medians[-1])
-    times = torch.tensor(medians, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return [(c, b, float(t)) for (c, b), t in zip(plan, times.tolist())]
+    maxima = torch.tensor(figures, dtype=torch.float64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    values = maxima.tolist()
+    timings = [CollectiveTiming(c, b, values[2 * k], values[2 * k + 1]) for k, (c, b) in enumerate(plan)]
+    if dist.get_rank() == 0:
+        for t in timings:
+            logger.info("%s of %d bytes per rank on %d ranks (group %s): %.4f ms, samples spread %.0f%%",
+                        t.collective, t.input_bytes, n, name, t.ms, 100 * t.spread)
+    return timings
 
 
 def _collective_call(c10d: Any, coll: str, inp: torch.Tensor, n: int, group_name: str) -> Any:

@@ -854,8 +854,13 @@ def _static_vals(gm: "torch.fx.GraphModule") -> _ValOf:
     # a dynamic size traced from an input (a recompile for a new batch size) is priced at the
     # size it was traced with: the schedule (order and buckets) holds for every size, and its
     # costs are those of the size seen
-    traced_with = {} if shape_env is None else getattr(shape_env, "backed_var_to_val", None) or getattr(
-        shape_env, "var_to_val", {})
+    # backed_var_to_val where torch has it: reading its deprecated var_to_val warns every time
+    if shape_env is None:
+        traced_with = {}
+    elif hasattr(shape_env, "backed_var_to_val"):
+        traced_with = shape_env.backed_var_to_val
+    else:
+        traced_with = getattr(shape_env, "var_to_val", {})
     hints: dict = {sym: int(traced_with[sym]) for sym in symbols - unbacked if sym in traced_with}
     if hints:
         logger.info("%d dynamic sizes priced at the sizes traced", len(hints))

@@ -11,19 +11,28 @@ is the answer the solve would have given (or, for time-limited solves, an equall
 - the peak-memory budget ``mem_budget_bytes``;
 - the options of the solve (solver, time limit, seed, ...), JSON-serialised with sorted keys;
 - the versions of the code that computes a schedule: fsdp-sched, torch (the export), ortools
-  (CP-SAT), networkx, Python major.minor, and :data:`FORMAT_VERSION` of the entry file.
+  (CP-SAT), networkx, Python major.minor, :data:`FORMAT_VERSION` of the entry file, and a digest
+  of the library's own source files (``scheduler`` and ``solvers``), so that an edited or
+  editable install never reads the answer of other code under an unchanged version number.
 
-Entries are ``<key>.json`` files in ``$FSDP_SCHED_CACHE`` (unset or empty: caching is off).
+Caching is on by default, like inductor's FX graph cache. :func:`cache_root` resolves where, for
+every reader (this module and the timing cache of :mod:`scheduler.costs.measure`):
+``$FSDP_SCHED_CACHE`` when set to a directory, ``$XDG_CACHE_HOME/fsdp-sched`` or
+``~/.cache/fsdp-sched`` (per user) when unset, and off when set to ``0``, ``off``, ``false``,
+``no``, ``none`` or nothing. Entries are ``<key>.json`` files in its subdirectory
+``schedules-v<FORMAT_VERSION>`` (:func:`cache_dir`).
+
 Several ranks may write the same key at once, so a write goes to a temporary file in the same
 directory and is then renamed over the entry (``os.replace``, atomic within one file system):
 a reader sees the old file or the new one, never a half-written one, and the last writer wins.
-The cache never stops a solve: an unreadable or stale entry is a miss with a warning, and a
-failed write is a warning.
+The cache never stops a solve: an unreadable or stale entry is a miss with a warning, a failed
+write is a warning, and a directory that cannot be made turns caching off with one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -33,12 +42,13 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
+import solvers
 from scheduler.export.dag import dag_to_json
 
 logger = logging.getLogger(__name__)
@@ -50,19 +60,80 @@ FORMAT_VERSION = 1
 _KEY = re.compile(r"[0-9a-f]{64}")
 
 
-def cache_dir() -> Path | None:
-    """The directory named by ``$FSDP_SCHED_CACHE``, created if missing; None (caching off)
-    when the variable is unset or empty, or, with a warning, when it cannot be created."""
-    raw = os.environ.get(CACHE_ENV, "")
-    if not raw:
+#: values of ``$FSDP_SCHED_CACHE`` that turn caching off (case and surrounding spaces ignored)
+OFF_VALUES = frozenset({"", "0", "off", "false", "no", "none"})
+#: the cache root's directory of schedule entries (a new format starts an empty one)
+SCHEDULES_DIR = f"schedules-v{FORMAT_VERSION}"
+
+#: directories already warned about, so that a cache that cannot be made warns once, not per call
+_warned: set[str] = set()
+
+
+def cache_root() -> Path | None:
+    """Where fsdp-sched caches on disk (schedule entries, measured op timings); None when
+    caching is off. Nothing is created here.
+
+    - ``$FSDP_SCHED_CACHE`` unset: the per-user default, ``$XDG_CACHE_HOME/fsdp-sched``, or
+      ``~/.cache/fsdp-sched`` when ``XDG_CACHE_HOME`` is unset, empty or not absolute (the XDG
+      base directory rules);
+    - set to one of :data:`OFF_VALUES` (``0``, ``off``, ``false``, ``no``, ``none``, or empty):
+      None, caching is off;
+    - set to anything else: that directory (``~`` expanded).
+
+    A home directory that cannot be found turns caching off with one warning.
+    """
+    raw = os.environ.get(CACHE_ENV)
+    if raw is not None:
+        if raw.strip().lower() in OFF_VALUES:
+            return None
+        return Path(raw).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "fsdp-sched"
+    try:
+        return Path.home() / ".cache" / "fsdp-sched"
+    except RuntimeError as e:  # no HOME and no password entry for this user
+        _warn_once("~", f"no home directory for the default schedule cache ({e}); schedule caching is off: "
+                        f"set {CACHE_ENV} to a directory to turn it on")
         return None
-    path = Path(raw).expanduser()
+
+
+def cache_dir() -> Path | None:
+    """The directory of schedule entries, :data:`SCHEDULES_DIR` under :func:`cache_root`,
+    created if missing; None when caching is off, or, with one warning per directory, when it
+    cannot be created."""
+    root = cache_root()
+    if root is None:
+        return None
+    path = root / SCHEDULES_DIR
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        logger.warning("%s=%s cannot be created (%s); schedule caching is off", CACHE_ENV, raw, e)
+        _warn_once(str(path), f"the schedule cache {path} cannot be created ({e}); schedule caching is off: set "
+                              f"{CACHE_ENV} to a writable directory, or to 0 to turn caching off without this warning")
         return None
     return path
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Caching off for the block (``$FSDP_SCHED_CACHE=0``, then restored), for code that times
+    solves (a benchmark's compile time must be a solve's, never a cache hit's)."""
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CACHE_ENV, None)
+        else:
+            os.environ[CACHE_ENV] = before
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        logger.warning("%s", message)
 
 
 def dag_fingerprint(dag: nx.DiGraph) -> str:
@@ -215,11 +286,25 @@ def _versions() -> dict[str, str]:
 
     return {
         "fsdp-sched": _dist_version("fsdp-sched"),
+        "source": source_digest(),
         "torch": str(torch.__version__),
         "ortools": _dist_version("ortools"),
         "networkx": str(nx.__version__),
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 of the Python sources of the packages that decide a schedule (``scheduler`` and
+    ``solvers``, as imported: a working tree, an editable or a regular install), each file by
+    its path within its package; read once per process."""
+    h = hashlib.sha256()
+    for root in (Path(__file__).resolve().parents[1], Path(solvers.__file__).resolve().parent):
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def _dist_version(dist: str) -> str:

@@ -272,7 +272,7 @@ def _all_gather_records(status: int, digest: str | None, group: Any) -> list[tup
     with unset_fake_temporarily():  # compilers run passes under their fake mode
         mine = torch.tensor(list(raw), dtype=torch.uint8, device=_device(group))
         out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_single(out, mine, group=group)
         rows = out.view(-1, mine.numel()).cpu().tolist()
     return [(row[0], bytes(row[1:]).hex() if row[0] == OK else None) for row in rows]
 
@@ -286,7 +286,7 @@ def _all_gather_ints(values: list[int], group: Any) -> list[list[int]]:
     with unset_fake_temporarily():
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device(group))
         out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_single(out, mine, group=group)
         return out.view(-1, mine.numel()).cpu().tolist()
 
 

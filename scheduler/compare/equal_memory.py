@@ -4,10 +4,10 @@ A user compares at equal memory with the tool they use today, on the graph that 
 back, under more than one cost model. For each baseline B of :data:`BASELINES` (FSDP2-like,
 torch's overlap scheduler, SimpleFSDP-like) and each cost model A of :data:`COST_MODELS`:
 
-1. B is written back and judged on its written graph (:func:`harness.judged.judge_baseline`):
+1. B is written back and judged on its written graph (:func:`scheduler.compare.judged.judge_baseline`):
    ``peak(B)`` is the larger of its re-export and liveness peaks (the counts a budget bounds), ``t_A(B)`` its
    re-exported step time under A;
-2. fsdp-sched (:func:`harness.judged.judge_product`: ``optimize_schedule`` on a copy) runs at
+2. fsdp-sched (:func:`scheduler.compare.judged.judge_product`: ``optimize_schedule`` on a copy) runs at
    ``mem_budget = peak(B)``. With ``solve_under="robust"`` (default) it runs as users run it,
    without a cost model (the schedule with the least worst-case regret over the family of
    models), once per budget, and its one written graph is judged under every A; with
@@ -23,7 +23,7 @@ torch's overlap scheduler, SimpleFSDP-like) and each cost model A of :data:`COST
    the largest speedup vs the best baseline any schedule could reach.
 
 :func:`compare` returns the rows; :func:`format_table`, :func:`headline` and :func:`plot` show
-them (``benchmarks/demo.py`` and ``benchmarks/equal_memory.py`` print them).
+them (``fsdp-sched demo``, :mod:`scheduler.cli.demo`, and ``benchmarks/equal_memory.py`` print them).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.judged import PRODUCT, TORCH, Judged, display, judge_baseline, judge_product
+from scheduler.compare.judged import PRODUCT, TORCH, Judged, display, judge_baseline, judge_product
 from scheduler.export.dag import export_dag
 from scheduler.options import SolverOptions
 from solvers.core import Problem, fmt_bytes

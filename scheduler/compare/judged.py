@@ -8,9 +8,9 @@ torch's ``MemoryTracker``), once per cost model of the comparison:
 - :func:`judge_baseline`: a heuristic of :data:`solvers.heuristics.HEURISTICS` (traced order,
   FSDP2-like, SimpleFSDP-like, AutoParallel-like) written back with
   :func:`scheduler.writeback.apply_schedule`, or torch's overlap scheduler
-  (:data:`TORCH`, :func:`harness.baselines.torch_overlap_schedule`), or torch's manual
+  (:data:`TORCH`, :func:`scheduler.compare.baselines.torch_overlap_schedule`), or torch's manual
   scheduler with the per-block plan (:data:`TORCH_MANUAL`,
-  :func:`harness.baselines.torch_manual_schedule`, the graph trainer's bucketing), timed;
+  :func:`scheduler.compare.baselines.torch_manual_schedule`, the graph trainer's bucketing), timed;
 - :func:`judge_product`: :func:`scheduler.optimize_schedule` on a copy, one rank's view (no
   agreement), timed end to end (export, solve, choose, install).
 
@@ -27,11 +27,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from harness.baselines import TorchBaselineError, torch_manual_schedule, torch_overlap_schedule
+from scheduler.compare.baselines import TorchBaselineError, torch_manual_schedule, torch_overlap_schedule
 from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule
 from scheduler.check.written import Figures, judge_graph
 from scheduler.costs.family import cost_model_label
 from scheduler.export.dag import export_dag
+from scheduler.integrate import cache
 from scheduler.options import AgreementOptions, SolverOptions
 from scheduler.report import ScheduleReport
 from scheduler.writeback import apply_schedule, split_all_gathers
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 TORCH = "torch-overlap"
 #: torch's overlap scheduler without its pre-bucketing (which fails on some graphs)
 TORCH_NO_PREBUCKETING = "torch-overlap-no-prebucketing"
-#: torch's baselines -> the options of :func:`harness.baselines.torch_overlap_schedule`
+#: torch's baselines -> the options of :func:`scheduler.compare.baselines.torch_overlap_schedule`
 TORCH_BASELINES: dict[str, dict[str, Any]] = {TORCH: {}, TORCH_NO_PREBUCKETING: {"pre_bucketing_fsdp_collectives": False}}
 #: torch's manual scheduler with one bucket per block and direction (the graph trainer's plan)
 TORCH_MANUAL = "torch-manual"
@@ -179,15 +180,18 @@ def judge_product(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost
                   cost_model: Any = None, cluster: Any = None, solver: SolverOptions = SolverOptions(),
                   name: str = PRODUCT, keep_graph: bool = False) -> Judged:
     """fsdp-sched on a copy of ``gm``: ``optimize_schedule(copy, mem_budget_bytes,
-    cost_model=cost_model, ...)`` (None: the robust default) on this rank alone, timed, then
-    judged under ``cost_models``. When no schedule fits, ``error`` says why."""
+    cost_model=cost_model, ...)`` (None: the robust default) on this rank alone, with the
+    schedule cache off (solved, whatever an earlier run stored), timed, then judged under
+    ``cost_models``. When no schedule fits, ``error`` says why."""
     written = copy.deepcopy(gm)
-    logger.info("%s: optimize_schedule at %s under %s (%s s of work)", name, fmt_bytes(mem_budget_bytes or 0),
-                "the robust default" if cost_model is None else cost_model_label(cost_model), solver.time_limit_s)
+    logger.info("%s: optimize_schedule at %s under %s (a work limit of %g work unit%s)", name,
+                fmt_bytes(mem_budget_bytes or 0), "the robust default" if cost_model is None else
+                cost_model_label(cost_model), solver.time_limit_s, "" if solver.time_limit_s == 1 else "s")
     t0 = time.perf_counter()
     try:
-        optimize_schedule(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
-                          agreement=AgreementOptions(enabled=False))
+        with cache.disabled():  # its time is a solve's, never a cache hit's
+            optimize_schedule(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
+                              agreement=AgreementOptions(enabled=False))
     except (InfeasibleBudgetError, ScheduleError) as e:
         out = Judged(name=name, compile_s=time.perf_counter() - t0,
                      error=f"{type(e).__name__}: {str(e).splitlines()[0]}")

@@ -2,7 +2,7 @@
 
 torch's scheduler (``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``)
 is the anchor our schedules must beat. It is a baseline of the benchmarks only, not a candidate
-of :func:`scheduler.optimize_schedule`, so it lives with the harness. What it does, in order:
+of :func:`scheduler.optimize_schedule`, so it lives with the comparison (:mod:`scheduler.compare`). What it does, in order:
 
 1. Pre-bucketing (``pre_bucketing_fsdp_collectives=True``, default):
    ``fsdp.pre_bucket_fsdp_collectives`` finds the FSDP process groups structurally and merges
