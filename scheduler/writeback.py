@@ -114,7 +114,7 @@ def apply_schedule(
     seconds = {g: second_group(g) for g in schedule.split_groups} if move_all_gathers else {}
     _move_into_order(graph, order)
 
-    with _memoized_merge_traces():  # buckets of one shape trace alike: trace each once
+    with merge_traces_reused():  # buckets of one shape trace alike: trace each once
         for bucket in merged:
             members = _payload_order(problem, bucket.members, payload_order)
             # the reorder placed the members' collectives and waits in member order: the last
@@ -473,7 +473,7 @@ _MEMO = _TraceMemo()
 
 
 @contextlib.contextmanager
-def _memoized_merge_traces():
+def merge_traces_reused():
     """While merging: torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`), and its
     ``_populate_node_meta`` run once per bucket (:func:`_shared_node_meta`)."""
     import torch.utils._pytree as pytree
