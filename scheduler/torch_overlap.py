@@ -211,15 +211,16 @@ def _reused_work() -> Iterator[None]:
     from scheduler.writeback import merge_traces_reused
 
     estimate = overlap_scheduling.estimate_roofline_runtime_ms
-    # by node, and by the value it and its inputs carry: a node whose inputs a merge replaced
-    # with tensors of other meta is estimated again
-    memo: dict[tuple, float] = {}
+    # by node, and by the values it and its inputs carry: a node whose inputs a merge replaced
+    # is estimated again. The values are kept with the estimate, so that no id is reused
+    memo: dict[tuple, tuple[float, tuple]] = {}
 
     def estimate_once(node: "torch.fx.Node") -> float:
-        key = (node, id(node.meta.get("val")), tuple(id(a.meta.get("val")) for a in node.all_input_nodes))
+        values = (node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes))
+        key = (node, *map(id, values))
         if key not in memo:
-            memo[key] = estimate(node)
-        return memo[key]
+            memo[key] = (estimate(node), values)
+        return memo[key][0]
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(merge_traces_reused())
