@@ -413,9 +413,13 @@ def read_back(written: "torch.fx.GraphModule", problem: Problem) -> tuple[Schedu
             if len(members[b]) > 1 or problem.colls[members[b][0]].wait == node.name:
                 events.append(("wait", b, len(seq_order)))
     _check_coverage(members, problem)
-    if len(seq_order) != problem.n:
-        raise TorchPassError(f"torch's graph runs {len(seq_order)} of the {problem.n} traced compute and view nodes")
     repairs: list[str] = []
+    if len(seq_order) < problem.n:
+        # casts torch folded into its merged buckets: they run where traced in our schedules
+        present = set(seq_order)
+        folded = [name for name in problem.seq if name not in present]
+        repairs.append(f"{len(folded)} traced node(s) torch folded into its buckets kept where traced: "
+                       f"{', '.join(folded[:3])}{', ...' if len(folded) > 3 else ''}")
     gap_of = _anchored_gaps(problem, seq_order)
     delayed = _delayed(problem, seq_order)
     if delayed:
@@ -497,16 +501,16 @@ def _check_coverage(members: Sequence[tuple[str, ...]], problem: Problem) -> Non
 
 
 def _anchored_gaps(problem: Problem, seq_order: Sequence[str]) -> list[int]:
-    """``k`` (traced nodes before an event in torch's graph) -> the traced gap of the event
-    (:func:`read_back`): ``k`` where that lies between the anchors around it, else the nearer
-    end of that range."""
+    """``k`` (traced nodes before an event in torch's graph, ``seq_order`` the traced nodes in
+    torch's order) -> the traced gap of the event (:func:`read_back`): ``k`` where that lies
+    between the anchors around it, else the nearer end of that range."""
     traced = [problem.pos[name] for name in seq_order]
     anchors = _longest_increasing(traced)
     n = len(traced)
     low = [0] * (n + 1)  # the gap after the last anchor among the first k
     for k in range(1, n + 1):
         low[k] = traced[k - 1] + 1 if k - 1 in anchors else low[k - 1]
-    high = [n] * (n + 1)  # the gap before the first anchor from the k-th on
+    high = [problem.n] * (n + 1)  # the gap before the first anchor from the k-th on
     for k in range(n - 1, -1, -1):
         high[k] = traced[k] if k in anchors else high[k + 1]
     return [min(max(k, low[k]), high[k]) for k in range(n + 1)]
