@@ -75,7 +75,6 @@ time.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import copy
 import dataclasses
@@ -383,9 +382,10 @@ def read_back(written: "torch.fx.GraphModule", problem: Problem) -> tuple[Schedu
     torch's step for step. torch keeps only its compute nodes (matmuls and the like) in order and
     lets views and pointwise ops run where they are ready, while our schedules keep every node
     where traced: each issue and wait then stays between the same two *anchors* as in torch's
-    graph (the most traced nodes that torch runs in their traced order: a longest increasing
-    subsequence of the traced positions in torch's order), after as many traced nodes as in
-    torch's graph where that lies between them. A bucket placed outside its window
+    graph (traced nodes that torch runs in their traced order, chosen to hold the most compute
+    time: the heaviest increasing subsequence of traced positions in torch's order, weighted by
+    the problem's node times), after as many traced nodes as in torch's graph where that lies
+    between them. A bucket placed outside its window
     so is moved into it (issued once its members' inputs exist, waited before their first
     reader: the nearest gaps that are).
 
@@ -505,7 +505,7 @@ def _anchored_gaps(problem: Problem, seq_order: Sequence[str]) -> list[int]:
     torch's order) -> the traced gap of the event (:func:`read_back`): ``k`` where that lies
     between the anchors around it, else the nearer end of that range."""
     traced = [problem.pos[name] for name in seq_order]
-    anchors = _longest_increasing(traced)
+    anchors = _heaviest_increasing(traced, [problem.compute_ms[t] for t in traced])
     n = len(traced)
     low = [0] * (n + 1)  # the gap after the last anchor among the first k
     for k in range(1, n + 1):
@@ -516,23 +516,32 @@ def _anchored_gaps(problem: Problem, seq_order: Sequence[str]) -> list[int]:
     return [min(max(k, low[k]), high[k]) for k in range(n + 1)]
 
 
-def _longest_increasing(values: Sequence[int]) -> set[int]:
-    """Indices of a longest strictly increasing subsequence of ``values`` (of those, the one
-    whose every element is the smallest it can be: the same on every rank)."""
-    tail_values: list[int] = []  # [j]: the smallest last value of an increasing run of j + 1
-    tail_index: list[int] = []
+def _heaviest_increasing(values: Sequence[int], weights: Sequence[float]) -> set[int]:
+    """Indices of the increasing subsequence of ``values`` (distinct ints in ``[0, bound)``) of
+    the largest total weight, then the most elements; of equals, the one found first (the same
+    on every rank). A Fenwick tree over the values keeps, for each prefix of values, the best
+    subsequence ending below it."""
+    size = max(values, default=-1) + 1
+    tree: list[tuple[float, int, int]] = [(0.0, 0, -1)] * (size + 1)  # (weight, count, last index)
     prev = [-1] * len(values)
-    for i, v in enumerate(values):
-        j = bisect.bisect_left(tail_values, v)
-        if j > 0:
-            prev[i] = tail_index[j - 1]
-        if j == len(tail_values):
-            tail_values.append(v)
-            tail_index.append(i)
-        else:
-            tail_values[j], tail_index[j] = v, i
+    best: tuple[float, int, int] = (0.0, 0, -1)
+    for i, (v, w) in enumerate(zip(values, weights)):
+        below, j = (0.0, 0, -1), v  # the best ending at a value < v
+        while j > 0:
+            if tree[j][:2] > below[:2]:
+                below = tree[j]
+            j -= j & -j
+        prev[i] = below[2]
+        mine = (below[0] + w, below[1] + 1, i)
+        if mine[:2] > best[:2]:
+            best = mine
+        j = v + 1
+        while j <= size:
+            if mine[:2] > tree[j][:2]:
+                tree[j] = mine
+            j += j & -j
     out: set[int] = set()
-    i = tail_index[-1] if tail_index else -1
+    i = best[2]
     while i >= 0:
         out.add(i)
         i = prev[i]

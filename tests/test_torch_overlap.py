@@ -159,6 +159,27 @@ def test_a_graph_of_other_collectives_is_refused(traced):
         read_back(torch_overlap_schedule(other, pre_bucketing_fsdp_collectives=False), problem)
 
 
+def test_issues_and_waits_keep_their_place_between_the_nodes_torch_keeps_in_order():
+    """torch keeps its matmuls in traced order and lets views run later; our schedules keep every
+    node where traced. An issue or wait that torch put after k traced nodes goes to the gap with
+    the same matmuls before it (the views moved, the heaviest run in traced order anchoring)::
+
+        traced:  mm0 v1 mm2 v3 mm4          (views v1, v3 free; matmuls 5 ms each)
+        torch:   mm0 mm2 v1 mm4 v3
+        k:       0   1   2  3   4  5   ->  gaps 0 1 3 3 5 5
+    """
+    from types import SimpleNamespace
+
+    from scheduler.torch_overlap import _anchored_gaps
+
+    seq = ["mm0", "v1", "mm2", "v3", "mm4"]
+    problem = SimpleNamespace(pos={n: i for i, n in enumerate(seq)}, n=len(seq), compute_ms=[5.0, 0.0, 5.0, 0.0, 5.0])
+    assert _anchored_gaps(problem, ["mm0", "mm2", "v1", "mm4", "v3"]) == [0, 1, 3, 3, 5, 5]
+    assert _anchored_gaps(problem, seq) == [0, 1, 2, 3, 4, 5]  # torch's own order: its gaps
+    # a node torch folded away (absent from its graph): the others still anchor
+    assert _anchored_gaps(problem, ["mm0", "mm2", "mm4", "v3"]) == [0, 1, 3, 5, 5]
+
+
 # --------------------------------------------------------------------------------------------
 # starts and baselines
 # --------------------------------------------------------------------------------------------
