@@ -305,6 +305,7 @@ _ON_RANK = textwrap.dedent("""
     """)
 
 
+@pytest.mark.slow
 def test_every_rank_reads_the_same_schedule_from_its_own_torch_graph():
     """Ranks 0 and 3, each in a fresh interpreter: torch's written graphs differ (each rank's
     slice offsets of the merged all-gather), the schedules read back do not."""
