@@ -109,8 +109,9 @@ class ScheduleReport:
     #: coll_type, group_size, nodes per group priced by the fallback); empty for a model that
     #: does not say (analytic, torch)
     cost_coverage: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: the start of the search the schedule was found from: the one that won ("torch-overlap",
-    #: "regular head 1, 2 per bucket, ...", "traced", a heuristic's name; "" when no search ran)
+    #: the start the search's schedule was found from: the one that won ("torch-overlap",
+    #: "regular head 1, 2 per bucket, ...", "traced", a heuristic's name; "" when no search ran).
+    #: ``chosen_candidate`` says whether the search's schedule is the one installed
     start: str = ""
     #: that start's simulated step time under each cost model, ms
     start_step_ms: dict[str, float] = dataclasses.field(default_factory=dict)
