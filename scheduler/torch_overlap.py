@@ -67,10 +67,12 @@ Cost. torch's pass spends most of its time tracing its merge functions (one ``ma
 bucket), in its bucketer's path queries (each builds ordered sets of every node it visits),
 estimating every node's roofline twice and formatting a log of the estimates that nothing
 reads unless structured tracing is on. Run as a start (``reuse=True``), each bucket shape is
-traced once (:func:`scheduler.writeback.merge_traces_reused`), the path queries search plain
-sets, each node's roofline is estimated once, and the unread log is not formatted: torch
-decides and writes the same graph (the same nodes, order and arguments), in a fraction of the
-time.
+traced once (:func:`scheduler.writeback.merge_traces_reused`; the buckets merged after the
+bucketer has decided share their FakeTensors, since only the graph's structure is read back),
+the path queries search plain sets, each node's roofline is estimated once, and the unread log
+is not formatted: torch decides and writes the same graph (the same nodes, order and
+arguments), in a fraction of the time. The graph of :func:`torch_overlap_schedule` with
+``reuse=True`` is to be read, not run.
 """
 
 from __future__ import annotations
@@ -146,8 +148,9 @@ def torch_overlap_schedule(
             was given); default False: ``gm`` is not modified.
         reuse: run it at the cost of a start (module docstring): each merge shape traced once,
             each roofline estimated once, the unread estimate log skipped. torch's decisions
-            and the graph it writes are the same; False (default) runs torch's code as is, the
-            cost torch.compile pays.
+            and the graph it writes are the same, but buckets of one shape merged after the
+            bucketer decided share FakeTensors: a graph to read, not to run or count. False
+            (default) runs torch's code as is, the cost torch.compile pays.
         make_group: when no process group is initialised, set up a fake one of the graph's
             largest group for the call (default; for graphs whose fake group is gone). False:
             raise :class:`TorchPassError` instead (a library call must not make a world).
@@ -197,17 +200,18 @@ def torch_overlap_schedule(
 @contextlib.contextmanager
 def _reused_work() -> Iterator[None]:
     """torch's pass at the cost of a start (module docstring): merge traces reused by shape
-    (:func:`scheduler.writeback.merge_traces_reused`), the bucketer's path queries over plain
-    sets (:func:`_has_path`), each node's roofline estimated once
+    (:func:`scheduler.writeback.merge_traces_reused`; once the bucketer has decided, without
+    fresh FakeTensors for a reused trace, :func:`scheduler.writeback.merge_values_shared`), the
+    bucketer's path queries over plain sets (:func:`_has_path`), each node's roofline estimated once
     (the pass estimates every compute node again when it aligns the estimates across ranks,
     which with analytical estimators only logs them), and the estimate log, which nothing
     reads unless torch's structured tracing is on, not formatted."""
     from unittest import mock
 
     from torch._inductor.augmented_graph_helper import AugmentedGraphHelper
-    from torch._inductor.fx_passes import node_runtime_estimation, overlap_scheduling
+    from torch._inductor.fx_passes import node_runtime_estimation, overlap_preserving_bucketer, overlap_scheduling
 
-    from scheduler.writeback import merge_traces_reused
+    from scheduler.writeback import merge_traces_reused, merge_values_shared
 
     estimate = overlap_scheduling.estimate_roofline_runtime_ms
     # by node, and by the values it and its inputs carry: a node whose inputs a merge replaced
@@ -221,8 +225,19 @@ def _reused_work() -> Iterator[None]:
             memo[key] = (estimate(node), values)
         return memo[key][0]
 
+    finalize = overlap_preserving_bucketer.finalize_overlap_scheduling
+
+    @functools.wraps(finalize)
+    def finalize_on_shared_values(*args: Any, **kwargs: Any) -> Any:
+        # the bucketer finds every bucket before it merges any, and nothing reads the merged
+        # nodes' values after: the graph is read back for its structure
+        with merge_values_shared():
+            return finalize(*args, **kwargs)
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(merge_traces_reused())
+        stack.enter_context(mock.patch.object(overlap_preserving_bucketer, "finalize_overlap_scheduling",
+                                              finalize_on_shared_values))
         stack.enter_context(mock.patch.object(overlap_scheduling, "estimate_roofline_runtime_ms", estimate_once))
         stack.enter_context(mock.patch.object(AugmentedGraphHelper, "has_path", _has_path))
         if not _structured_trace_on():
@@ -234,26 +249,33 @@ def _reused_work() -> Iterator[None]:
 def _has_path(self: Any, source: "torch.fx.Node", target: "torch.fx.Node") -> bool:
     """torch's ``AugmentedGraphHelper.has_path`` (is ``source`` an ancestor of ``target`` through
     data and extra dependencies of merged nodes?) by the same search, backwards from ``target``
-    and never through an ancestor of ``source``, over plain sets: torch's builds an ordered set
-    of every visited node's dependencies, which on a graph of thousands of nodes costs its
-    bucketer most of its time. A reachability question has one answer, whatever the order the
-    search takes."""
+    and never through an ancestor of ``source``, over plain sets, with the ancestors of
+    ``source``'s merged nodes in one bitset: torch's builds an ordered set of every visited
+    node's dependencies and asks each source node about each visited one, which on a graph of
+    thousands of nodes costs its bucketer most of its time. A reachability question has one
+    answer, whatever the order the search takes."""
     merge_sets, extra, ancestors = self.merge_sets, self.extra_deps, self.node_ancestors
     source_set = merge_sets[source]
     assert source_set is not merge_sets[target]
+    index = ancestors._node_to_idx if ancestors else {}
+    above = 0  # ancestors of source (of any node merged with it), one bit per node
+    for s in source_set:
+        if s in index:
+            above |= ancestors.get_ancestor_bits(s)
     visited = {target}
     queue = [target]
     while queue:
         current = queue.pop()
         for merged in merge_sets[current]:
-            for deps in (merged.all_input_nodes, extra[merged]):
+            for deps in (merged._input_nodes, extra[merged]):
                 for dep in deps:
                     if dep in source_set:
                         return True
                     if dep in visited:
                         continue
                     visited.add(dep)
-                    if ancestors and any(ancestors.is_ancestor(dep, s) for s in source_set):
+                    j = index.get(dep)
+                    if j is not None and (above >> j) & 1:
                         continue
                     queue.append(dep)
     return False

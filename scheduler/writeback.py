@@ -442,6 +442,9 @@ class _TraceMemo:
         #: traces reused, and traces made (keyed or not)
         self.hits = 0
         self.misses = 0
+        #: a reused trace gets FakeTensors propagated afresh from its bucket's inputs (False only
+        #: inside :func:`merge_values_shared`)
+        self.fresh_values = True
 
     @staticmethod
     def key(fn: Any, inps: Any) -> tuple | None:
@@ -499,7 +502,8 @@ def merge_traces_reused():
         # fresh FakeTensors for this bucket: two buckets must not share a storage, or a count of
         # storages (torch's MemoryTracker, inductor) takes them for one
         traced = traces[key]
-        FakeTensorProp(traced, mode).propagate_dont_convert_inputs(*pytree.tree_leaves(inps))
+        if _MEMO.fresh_values:
+            FakeTensorProp(traced, mode).propagate_dont_convert_inputs(*pytree.tree_leaves(inps))
         return traced
 
     bucketing._trace = trace
@@ -509,6 +513,20 @@ def merge_traces_reused():
     finally:
         bucketing._trace = original
         bucketing._populate_node_meta = original_meta
+
+
+@contextlib.contextmanager
+def merge_values_shared():
+    """Inside :func:`merge_traces_reused`: a reused trace keeps the FakeTensors of the bucket it
+    was last propagated for (same shapes, shared storages). Only for graphs whose values nothing
+    reads after the merges: a graph read for its structure alone (torch's pass run as a start,
+    once its bucketer has decided, :mod:`scheduler.torch_overlap`), never one that is run,
+    counted or installed."""
+    _MEMO.fresh_values = False
+    try:
+        yield
+    finally:
+        _MEMO.fresh_values = True
 
 
 def _shared_node_meta(populate: Any, bucket_nodes: list["torch.fx.Node"], new_nodes: list["torch.fx.Node"]
