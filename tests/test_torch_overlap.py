@@ -188,7 +188,7 @@ def test_the_answer_is_no_slower_than_torch_where_torch_beats_every_other_start(
     search makes itself (with work for the starts only), the answer's written graph is no
     slower there than torch's own written graphs (without torch's starts it is)."""
     gm = _long_head(group_name)
-    quick = SolverOptions(time_limit_s=1e-6)
+    quick = SolverOptions(time_limit_s=1e-6, torch_starts=tuple(VARIANTS))
     theirs = min(judge_graph(torch_overlap_schedule(gm, **options), "torch").step_ms for options in VARIANTS.values())
 
     def answer(solver: SolverOptions) -> tuple[float, object]:
@@ -224,7 +224,8 @@ def test_a_failing_torch_pass_is_skipped_not_fatal(traced, monkeypatch):
     assert runs[TORCH_NO_PREBUCKETING].schedule is not None and runs[TORCH_NO_PREBUCKETING].skipped is None
 
     written = copy.deepcopy(traced)
-    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2, torch_starts=tuple(VARIANTS)),
+                      agreement=AgreementOptions(enabled=False))
     report = written.meta[REPORT_KEY]
     rows = {row["name"]: row for row in report.torch_starts}
     assert "cyclic extra dep" in rows[TORCH]["skipped"] and rows[TORCH_NO_PREBUCKETING]["skipped"] is None
@@ -256,6 +257,13 @@ def test_report_round_trips_with_its_start_and_torch_rows(traced):
     assert again.to_json() == report.to_json()
     assert again.start_gain_ms() == report.start_gain_ms()
     assert "start: " in str(again)
+
+
+def test_torch_starts_default_to_torch_own_pass(traced):
+    """By default the search starts from torch's pass as torch.compile runs it (pre-bucketing)."""
+    written = copy.deepcopy(traced)
+    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    assert [row["name"] for row in written.meta[REPORT_KEY].torch_starts] == [TORCH]
 
 
 def test_torch_starts_must_name_known_variants():
