@@ -703,7 +703,8 @@ def torch_starts(gm: "torch.fx.GraphModule", problem: Problem, variants: Sequenc
                  cluster: Cluster | None = None) -> list[TorchStart]:
     """Each variant of torch's pass (:data:`VARIANTS`) run on a copy of ``gm`` (at the cost of a
     start, ``reuse=True``) and read back over ``problem``, the traced graph's. A variant that
-    fails is returned skipped, its reason logged; nothing here raises for torch's sake.
+    fails, in torch's pass or in the read-back, is returned skipped, its reason logged; nothing
+    here raises for torch's sake.
 
     Raises:
         ValueError: an unknown variant.
@@ -719,9 +720,9 @@ def torch_starts(gm: "torch.fx.GraphModule", problem: Problem, variants: Sequenc
             written = torch_overlap_schedule(gm, cluster=cluster, reuse=True, make_group=False, **VARIANTS[name])
             start.n_collectives = collective_count(written)
             start.schedule, start.repairs = read_back(written, problem)
-        except TorchPassError as e:
-            start.skipped = str(e)
-            logger.warning("fsdp-sched: %s is no start: %s", name, e)
+        except Exception as e:  # a start is optional: nothing in torch's pass or its reading fails the call
+            start.skipped = str(e) if isinstance(e, TorchPassError) else f"{type(e).__name__}: {e}"
+            logger.warning("fsdp-sched: %s is no start: %s", name, start.skipped)
         for repair in start.repairs:
             logger.info("fsdp-sched: %s read back: %s", name, repair)
         start.wall_s = time.perf_counter() - t0

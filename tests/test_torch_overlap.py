@@ -233,6 +233,22 @@ def test_a_failing_torch_pass_is_skipped_not_fatal(traced, monkeypatch):
     validate_schedule(problem, written.meta["fsdp_sched_schedule"])
 
 
+def test_a_read_back_that_fails_is_skipped_not_fatal(traced, monkeypatch):
+    """Whatever fails in reading torch's graph back drops that start only, naming the error."""
+    from scheduler import torch_overlap
+
+    def broken(written, problem):
+        raise KeyError("a node the read-back did not expect")
+
+    monkeypatch.setattr(torch_overlap, "read_back", broken)
+    problem = Problem.from_dag(export_dag(traced))
+    (run,) = torch_starts(traced, problem, [TORCH])
+    assert run.schedule is None and "KeyError" in run.skipped
+    written = copy.deepcopy(traced)
+    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    assert "KeyError" in written.meta[REPORT_KEY].torch_starts[0]["skipped"]
+
+
 def test_no_torch_pass_without_a_solver_that_takes_starts(traced, monkeypatch):
     """A heuristic asked for by name takes no starts: torch's pass does not run."""
     from torch._inductor.fx_passes import overlap_scheduling
