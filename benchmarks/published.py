@@ -18,10 +18,12 @@ measured in one run.
 
     python benchmarks/published.py --repros ~/autoparallel/autoparallel/tools/overlap_simulator
     python benchmarks/published.py --repros DIR --graphs llama3_8b_fw_64_2d --budgets none --json out.json
+    python benchmarks/published.py --repros DIR --torch-starts torch-overlap   # fsdp-sched's torch_starts
 
-Prints one table per judge (step ms, ``over`` where a written graph exceeds the budget) and the
-summary: fsdp-sched against the faster of torch's two passes that fits, per judge, geometric
-mean and rows slower.
+Prints one table per judge (step ms, ``over`` where a written graph exceeds the budget), the
+start of fsdp-sched's search that won (torch's passes are among them) and the summary:
+fsdp-sched against the faster of torch's two passes that fits, per judge, geometric mean and
+rows slower, and compile time against torch's pass.
 """
 
 from __future__ import annotations
@@ -61,10 +63,15 @@ def judges(csv: Path) -> dict[str, Any]:
     return {"measured": measured, "torch": "torch", "analytic": "analytic"}
 
 
-def run_graph(repros: str, name: str, budgets: list[str], products: list[str]) -> list[dict[str, Any]]:
-    """Every row of one graph (runs in a process of its own: the fake process group is global)."""
+def run_graph(repros: str, name: str, budgets: list[str], products: list[str],
+              torch_starts: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Every row of one graph (runs in a process of its own: the fake process group is global).
+    ``torch_starts``: fsdp-sched's ``SolverOptions.torch_starts`` (None: its default)."""
     from scheduler.compare.judged import judge_baseline, judge_product
     from harness.repros import load_repro, table_csv
+    from scheduler.options import SolverOptions
+
+    solver = SolverOptions() if torch_starts is None else SolverOptions(torch_starts=torch_starts)
 
     _quiet()
     t0 = time.perf_counter()
@@ -81,7 +88,8 @@ def run_graph(repros: str, name: str, budgets: list[str], products: list[str]) -
             contenders = dict(base)
             for product in products:
                 cost_model = None if product == PRODUCT_DEFAULT else f"table:{csv}"
-                contenders[product] = judge_product(repro.gm, budget, judge, cost_model=cost_model, name=product)
+                contenders[product] = judge_product(repro.gm, budget, judge, cost_model=cost_model, name=product,
+                                                    solver=solver)
             rows.append(_row(name, budget_name, budget, contenders))
             logger.info("%s at %s: %s", name, budget_name, _summary(rows[-1]))
     return rows
@@ -101,6 +109,9 @@ def _row(graph: str, budget_name: str, budget: int | None, contenders: dict[str,
             # allowed and the graph did not)
             "not_written": sum(1 for c in (getattr(report, "candidates", None) or [])
                                if str(c.get("dropped") or "").startswith("not written back")),
+            "start": getattr(report, "start", None), "start_gain_ms": report.start_gain_ms() if report else None,
+            "torch_starts": list(getattr(report, "torch_starts", []) or []),
+            "torch_s": sum(st["wall_s"] for st in getattr(report, "stages", []) or [] if st["name"] == "torch"),
         }
     return out
 
@@ -164,6 +175,17 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
                                                      if c[n].get("not_written") else "")
                            for n in (PRODUCT_DEFAULT, PRODUCT_TABLE) if n in c)
         out.append(f"  {r['graph']} {r['budget']}: {times} s; {colls}; {chosen}")
+    out.append("\nfsdp-sched's start that won (its gain under each model, ms; torch's passes as starts: wall s, "
+               "skipped)")
+    for r in rows:
+        for n in (PRODUCT_DEFAULT, PRODUCT_TABLE):
+            c = r["contenders"].get(n)
+            if not c or not c.get("start"):
+                continue
+            gain = ", ".join(f"{m} {g:.2f}" for m, g in (c.get("start_gain_ms") or {}).items()) or "-"
+            torch = "; ".join(f"{t['name']} {t['wall_s']:.1f} s" + (f" skipped: {t['skipped'][:80]}" if t["skipped"]
+                                                                      else "") for t in c.get("torch_starts") or [])
+            out.append(f"  {r['graph']} {r['budget']} {n}: {c['start']} (gain {gain}); {torch or 'no torch start'}")
     return "\n".join(out)
 
 
@@ -181,6 +203,11 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
           if (c := r["contenders"].get(p)) and c["compile_s"] and (t := _torch_compile_s(r))]
     if ct:
         out.append(f"compile time / torch's pass: geomean {geomean(ct):.2f}x, at most {max(ct):.2f}x")
+    tt = [c["torch_s"] / t for r in rows for p in (PRODUCT_DEFAULT, PRODUCT_TABLE)
+          if (c := r["contenders"].get(p)) and c.get("torch_s") and (t := _torch_compile_s(r))]
+    if tt:
+        out.append(f"  of which torch's passes run as starts / torch's pass: geomean {geomean(tt):.2f}x, "
+                   f"at most {max(tt):.2f}x")
     return "\n".join(out)
 
 
@@ -200,7 +227,7 @@ def _quiet() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _one(args: tuple[str, str, list[str], list[str]]) -> list[dict[str, Any]]:
+def _one(args: tuple[str, str, list[str], list[str], tuple[str, ...] | None]) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return run_graph(*args)
 
@@ -215,11 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--products", nargs="+", default=[PRODUCT_DEFAULT, PRODUCT_TABLE],
                     choices=[PRODUCT_DEFAULT, PRODUCT_TABLE])
     ap.add_argument("--jobs", type=int, default=1, help="graphs traced and judged at once (one process each)")
+    ap.add_argument("--torch-starts", nargs="*", default=None,
+                    help="fsdp-sched's SolverOptions.torch_starts (none given: no torch start; default: the option's "
+                         "default)")
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    work = [(args.repros, g, args.budgets, args.products) for g in args.graphs]
+    torch_starts = None if args.torch_starts is None else tuple(args.torch_starts)
+    work = [(args.repros, g, args.budgets, args.products, torch_starts) for g in args.graphs]
     ctx = multiprocessing.get_context("spawn")
     rows: list[dict[str, Any]] = []
     with ctx.Pool(max(1, args.jobs), maxtasksperchild=1) as pool:

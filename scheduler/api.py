@@ -10,7 +10,9 @@ One :func:`optimize_schedule` call is a straight line:
    a model that fixes every component alone);
 3. **solve** (:mod:`solvers.search`: starts, CP-SAT windows, polish), or take the answer from
    the schedule cache (:mod:`scheduler.integrate.cache`) when the identical graph, budget and options
-   were solved before;
+   were solved before; torch's overlap scheduler, run on copies of the graph and read back
+   (:mod:`scheduler.torch_overlap`, ``SolverOptions.torch_starts``), is among the starts and
+   the baselines, so that the answer is no slower than torch's under the models judged by;
 4. **choose**: write the best schedule back on a copy and judge the written graph by three
    memory counts; the next best start if it does not hold the budget
    (:func:`scheduler.check.written.choose`);
@@ -45,7 +47,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
@@ -58,6 +60,7 @@ from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report, read_provenance
+from scheduler.torch_overlap import TorchStart, torch_starts
 from scheduler.writeback import apply_schedule, copy_graph
 from solvers.core import (
     InfeasibleBudgetError,
@@ -73,6 +76,7 @@ from solvers.core import (
     simulate,
     validate_schedule,
 )
+from solvers.core.evaluate import ModelEvaluator
 from solvers.registry import BACKENDS, solve_problems
 from solvers.search import search
 
@@ -310,8 +314,13 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     # what was installed for this graph at a budget as small or smaller fits this one: a start,
     # so that more memory never gives a slower step
     smaller = tuple(s for b, s in _INSTALLED.get(graph_key, []) if budget is None or (b is not None and b <= budget))
+    t_torch = time.perf_counter()
+    torch_runs = _torch_starts(gm, problem, cluster, solver)
+    torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
-        result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller))
+        result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller),
+                               baselines=[(s.name, s.schedule) for s in torch_runs if s.schedule is not None])
+        notes += _torch_notes(torch_runs)
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
         t_choose = time.perf_counter()
@@ -322,12 +331,15 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                               writeback=writeback, t0=t0)
     if chosen.name != ranked[0][0]:
         notes.append(f"the search's schedule did not hold the budget on its written graph; installed {chosen.name}")
-    stages = list(result.stages) + [StageRecord(name="judge", wall_s=time.perf_counter() - t_choose,
+    stages = torch_stage + list(result.stages) + [StageRecord(name="judge", wall_s=time.perf_counter() - t_choose,
                                                 simulations=len(judged), step_ms=chosen.figures.step_ms)]
     report = _report(problems, chosen, judged, budget, solver=solver, found_by=result.solver,
                      status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
                      fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose,
                      cost_model=cost_model)
+    report = dataclasses.replace(report, start=result.start, start_step_ms=dict(result.start_step_ms),
+                                 search_step_ms=dict(result.step_ms_by_model),
+                                 torch_starts=_torch_rows(problems, torch_runs))
     answer = _Answer(chosen.schedule, report, judged=_judged_record(graph_key, chosen))
     if key is not None:
         cache.store(key, answer.to_json())
@@ -387,16 +399,18 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
         candidates=[c.summary() for c in judged])
 
 
-def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptions) -> tuple[SolveResult, list[str]]:
+def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptions,
+           baselines: Sequence[tuple[str, Schedule]] = ()) -> tuple[SolveResult, list[str]]:
     """The search (or the solver asked for), its hook applied, and the report's notes. A solver
-    that fails falls back to the best start that fits (``solver.fallback``)."""
+    that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
+    named starts that are baselines too (torch's pass read back)."""
     problem = next(iter(problems.values()))
     notes = _fixed_collective_notes(problem)
     try:
         result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
                                 time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
                                 extra_starts=solver.extra_starts, config=solver.search,
-                                all_gather_stream=solver.all_gather_stream)
+                                all_gather_stream=solver.all_gather_stream, baselines=baselines)
         validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
         # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
@@ -410,7 +424,7 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
                        type(e).__name__, e)
         notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
         starts = search(problems, budget, backend=None, time_limit_s=1e-9, extra_starts=solver.extra_starts,
-                        config=solver.search, all_gather_stream=solver.all_gather_stream)
+                        config=solver.search, all_gather_stream=solver.all_gather_stream, baselines=baselines)
         result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
     notes += list(result.notes)
     if solver.schedule_hook is not None:
@@ -420,6 +434,40 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
             result = dataclasses.replace(result, schedule=new, objective_ms=sim.step_ms, alternatives=())
             notes.append("schedule replaced by schedule_hook")
     return result, notes
+
+
+def _torch_starts(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster | None, solver: SolverOptions
+                  ) -> list[TorchStart]:
+    """torch's pass in each variant of ``solver.torch_starts``, read back over ``problem``; none
+    for a solver that takes no starts (a heuristic, a callable)."""
+    if not solver.torch_starts or not (isinstance(solver.solver, str) and solver.solver in BACKENDS):
+        return []
+    return torch_starts(gm, problem, solver.torch_starts, cluster=cluster)
+
+
+def _torch_notes(runs: Sequence[TorchStart]) -> list[str]:
+    """The report's notes on torch's starts: each skipped one and each repair, with its reason."""
+    notes = []
+    for run in runs:
+        if run.skipped is not None:
+            notes.append(f"{run.name} is no start: {run.skipped}")
+        notes += [f"{run.name} read back: {repair}" for repair in run.repairs]
+    return notes
+
+
+def _torch_rows(problems: dict[str, Problem], runs: Sequence[TorchStart]) -> list[dict[str, Any]]:
+    """The report's rows of torch's starts (:meth:`TorchStart.to_json`), each with its simulated
+    step time under every cost model (ms) and its peak (bytes)."""
+    rows = []
+    evaluator = ModelEvaluator(problems) if any(r.schedule is not None for r in runs) else None
+    for run in runs:
+        row = run.to_json()
+        if run.schedule is not None and evaluator is not None:
+            sims = evaluator.evaluate(run.schedule)
+            row["step_ms"] = {label: sims[label].step_ms for label in problems}
+            row["peak_bytes"] = max(e.peak_bytes for e in sims.values())
+        rows.append(row)
+    return rows
 
 
 def _criterion(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
@@ -470,6 +518,7 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
     options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
+               "torch_starts": list(solver.torch_starts),
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
                "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from scheduler.torch_overlap import TORCH, VARIANTS
 from solvers.core.schedule import Schedule
 from solvers.registry import SOLVERS, available_solvers
 from solvers.objective import SearchConfig
@@ -50,6 +51,17 @@ class SolverOptions:
     #: all-reduce rounds differently: a ring all-reduce sums each element in an order set by its
     #: place in the buffer (bitwise equal on 2 ranks only); DDP's own bucketing does the same
     merge_all_reduces: bool = False
+    #: variants of torch's overlap scheduler (``schedule_overlap_bucketing``) run on a copy of
+    #: the graph, each written graph read back as a start and a baseline of the search
+    #: (:mod:`scheduler.torch_overlap`), so that the answer is no slower than torch's under the
+    #: models the search judges by: ``"torch-overlap"`` (torch's default, with its FSDP
+    #: pre-bucketing) and ``"torch-overlap-no-prebucketing"``. Each costs most of a pass of
+    #: torch's scheduler (run at a start's cost), and an answer as finely bucketed as torch's
+    #: costs more to write back; a variant that fails on a graph is skipped (reported). The
+    #: default is torch's own pass, what torch.compile runs: the second variant costs as much
+    #: again and changed little on the published graphs (BENCHMARKS.md, section 5). Empty: no
+    #: torch pass. Taken by the plan's solvers (``"cpsat"``, ``"milp"``) only
+    torch_starts: tuple[str, ...] = (TORCH,)
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models (:mod:`scheduler.costs.family`): the
@@ -82,6 +94,10 @@ class SolverOptions:
                 raise TypeError(f"extra_starts holds {start!r}, which is not a Schedule")
         object.__setattr__(self, "extra_starts", tuple(self.extra_starts))
         _check_bool("merge_all_reduces", self.merge_all_reduces)
+        if not isinstance(self.torch_starts, tuple) or any(v not in VARIANTS for v in self.torch_starts) or \
+                len(set(self.torch_starts)) != len(self.torch_starts):
+            raise ValueError(f"torch_starts={self.torch_starts!r} must be a tuple of distinct variants of torch's pass "
+                             f"from {tuple(VARIANTS)} (empty: none)")
         if self.all_gather_stream not in ALL_GATHER_STREAMS:
             raise ValueError(f"all_gather_stream={self.all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
         if not isinstance(self.search, SearchConfig):

@@ -121,6 +121,27 @@ class ScheduleReport:
     #: the topology the graph was priced on (:func:`scheduler.costs.models.graph_topology`):
     #: ``world_size``, ``gpus_per_node``, ``n_gpus`` and per group its ranks and the nodes they span
     topology: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the start the search's schedule was found from: the one that won ("torch-overlap",
+    #: "regular head 1, 2 per bucket, ...", "traced", a heuristic's name; "" when no search ran).
+    #: ``chosen_candidate`` says whether the search's schedule is the one installed
+    start: str = ""
+    #: that start's simulated step time under each cost model, ms
+    start_step_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: the search's schedule's simulated step time under each cost model, ms: equal to
+    #: ``start_step_ms`` where the start won unchanged
+    search_step_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: torch's overlap scheduler read back as starts (:mod:`scheduler.torch_overlap`), per
+    #: variant: ``name``, ``digest``, ``repairs`` (what was changed for our model to represent
+    #: it), ``skipped`` (why it is no start, None when it is one), ``wall_s``, ``n_collectives``
+    #: of torch's graph, and where read back its simulated ``step_ms`` per cost model and
+    #: ``peak_bytes``
+    torch_starts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def start_gain_ms(self) -> dict[str, float]:
+        """Per cost model, how much the search improved on the start that won (ms; 0: it won
+        unchanged)."""
+        return {label: t - self.search_step_ms[label] for label, t in self.start_step_ms.items()
+                if label in self.search_step_ms}
 
     def stage_wall_s(self) -> dict[str, float]:
         """Stage name -> wall time (s), stages of one name summed."""
@@ -183,6 +204,7 @@ class ScheduleReport:
                 f"  reduce-scatter issue delay: {_spread(self.rs_issue_delay)}; "
                 f"issue-to-wait: {_spread(self.rs_wait_distance)}"
             )
+        lines += self._start_lines()
         lines += self._verification_lines()
         if self.topology:
             lines.append(f"  topology: {topology_line(self.topology)}")
@@ -194,6 +216,22 @@ class ScheduleReport:
             lines.append(f"  schedule digest {self.digest[:16]}")
         return "\n".join(lines)
 
+
+    def _start_lines(self) -> list[str]:
+        """The start that won and what the search made of it; torch's starts."""
+        lines = []
+        if self.start:
+            gains = self.start_gain_ms()
+            made = "won unchanged" if not any(g > 0 for g in gains.values()) else "improved by " + ", ".join(
+                f"{fmt_ms(g)} under {label}" for label, g in gains.items())
+            lines.append(f"  start: {self.start}, {made}")
+        for t in self.torch_starts:
+            if t.get("skipped"):
+                lines.append(f"  {t['name']}: no start ({t['skipped']})")
+            elif t.get("step_ms"):
+                steps = ", ".join(f"{fmt_ms(v)} under {label}" for label, v in t["step_ms"].items())
+                lines.append(f"  {t['name']}: a start, {steps}, {t['wall_s']:.1f} s")
+        return lines
 
     def _verification_lines(self) -> list[str]:
         """The chosen graph as written back, and every candidate's outcome."""

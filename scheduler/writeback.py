@@ -114,7 +114,7 @@ def apply_schedule(
     seconds = {g: second_group(g) for g in schedule.split_groups} if move_all_gathers else {}
     _move_into_order(graph, order)
 
-    with _memoized_merge_traces():  # buckets of one shape trace alike: trace each once
+    with merge_traces_reused():  # buckets of one shape trace alike: trace each once
         for bucket in merged:
             members = _payload_order(problem, bucket.members, payload_order)
             # the reorder placed the members' collectives and waits in member order: the last
@@ -442,6 +442,9 @@ class _TraceMemo:
         #: traces reused, and traces made (keyed or not)
         self.hits = 0
         self.misses = 0
+        #: a reused trace gets FakeTensors propagated afresh from its bucket's inputs (False only
+        #: inside :func:`merge_values_shared`)
+        self.fresh_values = True
 
     @staticmethod
     def key(fn: Any, inps: Any) -> tuple | None:
@@ -473,7 +476,7 @@ _MEMO = _TraceMemo()
 
 
 @contextlib.contextmanager
-def _memoized_merge_traces():
+def merge_traces_reused():
     """While merging: torch's ``bucketing._trace`` memoized (:class:`_TraceMemo`), and its
     ``_populate_node_meta`` run once per bucket (:func:`_shared_node_meta`)."""
     import torch.utils._pytree as pytree
@@ -499,7 +502,8 @@ def _memoized_merge_traces():
         # fresh FakeTensors for this bucket: two buckets must not share a storage, or a count of
         # storages (torch's MemoryTracker, inductor) takes them for one
         traced = traces[key]
-        FakeTensorProp(traced, mode).propagate_dont_convert_inputs(*pytree.tree_leaves(inps))
+        if _MEMO.fresh_values:
+            FakeTensorProp(traced, mode).propagate_dont_convert_inputs(*pytree.tree_leaves(inps))
         return traced
 
     bucketing._trace = trace
@@ -509,6 +513,20 @@ def _memoized_merge_traces():
     finally:
         bucketing._trace = original
         bucketing._populate_node_meta = original_meta
+
+
+@contextlib.contextmanager
+def merge_values_shared():
+    """Inside :func:`merge_traces_reused`: a reused trace keeps the FakeTensors of the bucket it
+    was last propagated for (same shapes, shared storages). Only for graphs whose values nothing
+    reads after the merges: a graph read for its structure alone (torch's pass run as a start,
+    once its bucketer has decided, :mod:`scheduler.torch_overlap`), never one that is run,
+    counted or installed."""
+    _MEMO.fresh_values = False
+    try:
+        yield
+    finally:
+        _MEMO.fresh_values = True
 
 
 def _shared_node_meta(populate: Any, bucket_nodes: list["torch.fx.Node"], new_nodes: list["torch.fx.Node"]

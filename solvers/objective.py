@@ -118,6 +118,13 @@ class Evaluated:
     schedule: Schedule
     sims: dict[str, Evaluation]
     name: str = ""
+    #: the start this schedule was found from (None: it is a start itself)
+    origin: "Evaluated | None" = None
+
+    @property
+    def start(self) -> "Evaluated":
+        """The start this schedule was found from (itself when it is one)."""
+        return self.origin if self.origin is not None else self
 
     @property
     def peak_bytes(self) -> int:

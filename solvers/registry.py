@@ -116,16 +116,18 @@ def solve_problems(
     extra_starts: Sequence[Schedule] = (),
     config: SearchConfig = SearchConfig(),
     all_gather_stream: str = "shared",
+    baselines: Sequence[tuple[str, Schedule]] = (),
 ) -> SolveResult:
     """Solve one graph priced by one or several cost models (label -> problem; the first is the
     primary one): the plan of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
-    all of them; a heuristic or a callable on the primary problem alone."""
+    all of them; a heuristic or a callable on the primary problem alone. ``baselines`` (named
+    schedules, :func:`solvers.search.search`) are taken by the plan only."""
     if isinstance(solver, str) and solver in BACKENDS:
-        for given in extra_starts:
+        for given in (*extra_starts, *(s for _, s in baselines)):
             _check_hint_shape(next(iter(problems.values())), given)
         return search(problems, mem_budget_bytes, backend=BACKENDS[solver](), time_limit_s=time_limit_s, seed=seed,
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
-                      all_gather_stream=all_gather_stream)
+                      all_gather_stream=all_gather_stream, baselines=baselines)
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
                  time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
     if all_gather_stream == "separate":  # a heuristic's schedule as it is, its all-gathers on their own stream

@@ -139,7 +139,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
             # the window's model runs one stream per group; the incumbent's streams stay
             e = objective.evaluate(cand.with_split(incumbent.schedule.split_groups)) if cand is not None else None
             if e is not None and objective.fits(e) and objective.regret_key(e) < objective.regret_key(incumbent):
-                e.name = incumbent.name
+                e.name, e.origin = incumbent.name, incumbent.start
                 incumbent, improved = e, True
         if not improved:
             break
@@ -180,6 +180,7 @@ def search(
     config: SearchConfig = SearchConfig(),
     extra_starts: Sequence[Schedule] = (),
     all_gather_stream: str = "shared",
+    baselines: Sequence[tuple[str, Schedule]] = (),
 ) -> SolveResult:
     """Run the plan (module docstring) and return its best schedule.
 
@@ -196,6 +197,11 @@ def search(
             ``"separate"``: the all-gathers of each group that also reduces on a second stream
             (:attr:`Schedule.split_groups`, :mod:`solvers.core.streams`); ``"choose"``: both,
             the polish's work shared between them, and the better schedule kept.
+        baselines: named schedules of the graph (torch's overlap scheduler read back, as
+            :func:`scheduler.optimize_schedule` gives them) that are starts and, where they fit,
+            baselines: under each strict model the result is no slower than the best baseline
+            wherever one start is (:meth:`Objective.key`), and the result is never worse by that
+            key than any start that fits.
 
     Returns:
         A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
@@ -215,7 +221,8 @@ def search(
     t = time.perf_counter()
     # a start keeps its streams only where the caller lets the search choose them
     given = [s.with_split(()) if all_gather_stream == "shared" else s for s in extra_starts]
-    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)])
+    named = [(name, s.with_split(()) if all_gather_stream == "shared" else s) for name, s in baselines]
+    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)], named)
     if not found:
         peak = smallest if smallest is not None else 0
         raise InfeasibleBudgetError(
@@ -269,6 +276,8 @@ def search(
             result = polish(start, share)
             used += result.simulations
             e = objective.evaluate(result.schedule, start.name)
+            if e is not None:
+                e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
                 polished = e
         best = polished
@@ -279,20 +288,31 @@ def search(
             # every strict model loses nothing), the best polished one on a tie (module docstring)
             t, before = time.perf_counter(), best
             share = max(n_polish - used, int(n_polish * config.strict_share))
-            result = polish(min([best, *found], key=objective.key), share, objective.strict)
-            e = objective.evaluate(result.schedule, "strict")
+            start = min([best, *found], key=objective.key)
+            result = polish(start, share, objective.strict)
+            e = objective.evaluate(result.schedule, start.name)
+            if e is not None:
+                e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
                 best = e
             stages.append(_stage("strict", t, left_s * result.simulations / n_polish, result.simulations, best,
                                  primary, before))
 
+    # no stage may end worse than a start it could have kept: with too little work for the
+    # polish, the start best by the regret may lose to a baseline that another start does not
+    floor = min(found, key=objective.key)
+    if objective.key(floor) < objective.key(best):
+        best = floor
+    origin = best.start
     alternatives = tuple(e.schedule for e in found if e.schedule.digest() != best.schedule.digest())
     status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in stages) else \
         SolveStatus.HEURISTIC
     notes = (f"best start: {found[0].name}",)
     return SolveResult(best.schedule, status, "search", best.step_ms(primary), problems[primary].lower_bound_ms(),
                        time.perf_counter() - t0, best.peak_bytes, notes, alternatives=alternatives,
-                       stages=tuple(stages))
+                       stages=tuple(stages), start=origin.name,
+                       start_step_ms={label: origin.step_ms(label) for label in objective.labels},
+                       step_ms_by_model={label: best.step_ms(label) for label in objective.labels})
 
 
 def _polish_starts(objective: Objective, found: Sequence[Evaluated], best: Evaluated, most: int) -> list[Evaluated]:

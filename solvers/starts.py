@@ -6,8 +6,11 @@ models disagree on it (the analytic model wants about two transformer blocks per
 bucket on llama3-8b, torch's estimators about four). So the plan starts from a fixed set of
 whole schedules, evaluated exactly:
 
-- the graph as traced, the caller's starts, and the heuristics (FSDP2-like, the per-block plan,
-  SimpleFSDP-like, AutoParallel-like), as they are and shrunk to the budget by their own ladders;
+- the graph as traced, the caller's baselines (torch's overlap scheduler read back from the graph
+  it writes, :mod:`scheduler.torch_overlap`), the caller's starts, and the heuristics (FSDP2-like,
+  the per-block plan, SimpleFSDP-like, AutoParallel-like), as they are and shrunk to the budget
+  by their own ladders; the traced order, the caller's baselines and the heuristics that fit are
+  the *baselines* (:attr:`Objective.baseline_ms`);
 - regular bucketings (:class:`Regrouping`) of each chain of mergeable collectives: ``size``
   blocks per bucket, a first bucket of ``head`` and a last of ``tail``, each bucket issued
   ``ahead`` buckets early (deeper only while the budget holds them); chain after chain, each on
@@ -34,11 +37,14 @@ from solvers.objective import Evaluated, Objective, SearchConfig
 logger = logging.getLogger(__name__)
 
 
-def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str, Schedule]] = ()
-           ) -> tuple[list[Evaluated], int | None]:
+def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str, Schedule]] = (),
+           baselines: Sequence[tuple[str, Schedule]] = ()) -> tuple[list[Evaluated], int | None]:
     """Every start that fits the budget, best first (:meth:`Objective.regret_key`; ties keep the
     order tried), and the smallest peak of all starts, fitting or not (bytes; None when none was
-    valid). Sets ``objective.reference_ms``.
+    valid). Sets ``objective.reference_ms`` and ``objective.baseline_ms``.
+
+    ``extra`` and ``baselines`` are named schedules of the graph tried as they are; those of
+    ``baselines`` that fit count as baselines too, as the traced order and the heuristics do.
 
     The starts are evaluated as they are first; then the :attr:`SearchConfig.fit_starts` best
     of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
@@ -57,7 +63,10 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
         return e
 
     consider("traced", p.traced_schedule())
-    baselines = {"traced", *HEURISTICS, *(f"{name}, shrunk to the budget" for name in HEURISTICS)}
+    for name, schedule in baselines:
+        consider(name, schedule)
+    baseline_names = {"traced", *(name for name, _ in baselines), *HEURISTICS,
+                      *(f"{name}, shrunk to the budget" for name in HEURISTICS)}
     for name, schedule in extra:
         consider(name, schedule)
     for name, fn in HEURISTICS.items():
@@ -112,7 +121,7 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     # the deep starts are candidates, not references: a prefetch deeper than any regular plan's
     # is far ahead under one model of the family and would pull the regret towards that model
     _set_reference(objective, [e for e in fitting or tried if e.name not in deep_names] or fitting or tried)
-    fit_baselines = [e for e in fitting if e.name in baselines]
+    fit_baselines = [e for e in fitting if e.name in baseline_names]
     objective.baseline_ms = ({label: max(_TINY_MS, min(e.step_ms(label) for e in fit_baselines))
                               for label in objective.labels} if fit_baselines else {})
     fitting.sort(key=objective.regret_key)

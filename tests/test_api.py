@@ -87,7 +87,8 @@ def test_parse_bytes_rejects_non_positive(value):
 def test_optimize_schedule_rewrites_and_reports(pg):
     """The graph is rewritten in place, computes the same, and the report describes the graph
     as written: its figures are those of the chosen candidate, judged on its written graph,
-    and its stages are the export, the plan's, the judging, then the write-back."""
+    and its stages are the export, torch's pass (read back as starts), the plan's, the judging, then
+    the write-back."""
     gm = toy_graph(pg, 1)
     inputs = real_inputs()
     ref = gm(*inputs)
@@ -109,7 +110,7 @@ def test_optimize_schedule_rewrites_and_reports(pg):
     assert max(report.reexported_peak_bytes, report.liveness_peak_bytes) <= 2**30
     # the written graph, re-exported, is faster than the traced one too
     assert report.reexported_step_ms < report.step_ms_before
-    assert [s["name"] for s in report.stages] == ["export", "starts", "windows", "polish", "judge", "write-back"]
+    assert [s["name"] for s in report.stages] == ["export", "torch", "starts", "windows", "polish", "judge", "write-back"]
     assert ScheduleReport.from_json(json.loads(json.dumps(report.to_json()))) == report
     assert _same_outputs(gm, inputs, ref)
 

@@ -52,7 +52,7 @@ def test_buckets_of_one_shape_keep_storages_of_their_own(graphs, kind):
 
     fresh = copy.deepcopy(gm)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(writeback, "_memoized_merge_traces", contextlib.nullcontext)
+        mp.setattr(writeback, "merge_traces_reused", contextlib.nullcontext)
         writeback.apply_schedule(fresh, p, schedule)
     assert graph_digest(fresh) == graph_digest(reused)
     assert torch_tracker_peak(fresh) == predicted

@@ -382,6 +382,53 @@ def test_the_search_loses_no_more_to_a_baseline_under_a_strict_model_than_its_be
     assert answer.peak_bytes <= budget
 
 
+def _strict_pair(kind: str, seed: int) -> tuple[dict[str, Problem], int, SearchConfig]:
+    """One graph priced by two clusters, both strict, and its traced peak as the budget."""
+    def priced(inter_node_gbps: float) -> Problem:
+        cluster = Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps)
+        return Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind=kind, world_size=64, seed=seed,
+                                              cluster=cluster))
+
+    problems = {"fast": priced(400.0), "slow": priced(25.0)}
+    p = problems["fast"]
+    return problems, simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes, SearchConfig(
+        strict_models=("fast", "slow"))
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_with_work_for_the_starts_only_the_answer_loses_no_more_than_its_best_start(seed):
+    """Where the start of least regret loses to a baseline under a strict model and another
+    start does not, a search with no work for the polish still answers with one that loses
+    least: no stage ends worse (``Objective.key``) than a start it could keep."""
+    problems, budget, config = _strict_pair("backward", seed)
+    objective = Objective(problems, budget, config.baseline_weight, config.strict_models)
+    found, _ = starts(objective, config)
+    least = min(objective.strict_loss(e) for e in found)
+    assert objective.strict_loss(found[0]) > least  # the premise: the first by regret loses
+    result = search(problems, budget, time_limit_s=1e-6, config=config)
+    assert objective.strict_loss(objective.evaluate(result.schedule)) <= least + 1e-12
+    assert result.start in {e.name for e in found}
+
+
+def test_given_baselines_are_starts_and_baselines():
+    """A named schedule given as a baseline (as torch's pass read back is) is tried as a start
+    and sets the best baseline's step under each model where it is the fastest that fits; the
+    answer loses no more against those baselines than the start that loses least."""
+    problems, budget, config = _strict_pair("backward", 1)
+    plain = Objective(problems, budget, config.baseline_weight, config.strict_models)
+    found, _ = starts(plain, config)
+    good = min(found, key=lambda e: e.step_ms("slow")).schedule  # a regular bucketing, no baseline
+    given = Objective(problems, budget, config.baseline_weight, config.strict_models)
+    found, _ = starts(given, config, baselines=[("torch-overlap", good)])
+    steps = {label: _step(q, good) for label, q in problems.items()}
+    assert steps["slow"] < plain.baseline_ms["slow"]  # the premise: faster than every other baseline
+    assert given.baseline_ms == {label: min(plain.baseline_ms[label], steps[label]) for label in problems}
+    assert "torch-overlap" in {e.name for e in found}
+    least = min(given.strict_loss(e) for e in found)
+    result = search(problems, budget, time_limit_s=1e-6, config=config, baselines=[("torch-overlap", good)])
+    assert given.strict_loss(given.evaluate(result.schedule)) <= least + 1e-12
+
+
 @dataclasses.dataclass
 class _FakeSim:
     step_ms: float

@@ -1,38 +1,11 @@
-"""Baselines: torch 2.13's own overlap scheduler and memory estimator, runnable without a GPU.
+"""Baselines: torch 2.13's own schedulers and memory estimator, runnable without a GPU.
 
-torch's scheduler (``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``)
-is the anchor our schedules must beat. It is a baseline of the benchmarks only, not a candidate
-of :func:`scheduler.optimize_schedule`, so it lives with the comparison (:mod:`scheduler.compare`). What it does, in order:
-
-1. Pre-bucketing (``pre_bucketing_fsdp_collectives=True``, default):
-   ``fsdp.pre_bucket_fsdp_collectives`` finds the FSDP process groups structurally and merges
-   their all-gathers, reduce-scatters and all-reduces into buckets up to a bandwidth-saturating
-   cap (``compute_pre_bucket_cap_mb`` from the NCCL model: 89.6 MB for 8 ranks on the default
-   cluster; override with ``pre_bucketing_fsdp_collectives_bucket_cap_mb``). This step has no
-   memory limit.
-2. Overlap scheduling (``OverlapScheduler``): a greedy list scheduler that keeps the compute
-   order as traced and moves collectives: each collective is started as early as its inputs,
-   the in-flight limit (``max_in_flight_gb``, default 5), the prefetch count limit
-   (``max_compute_pre_fetch`` compute nodes, default 200), the look-ahead (``max_coll_distance``
-   nodes, default 200) and the memory limit allow, and its wait is pushed as late as its first
-   user. Compute time that hides a collective comes from ``compute_estimator`` ("analytical":
-   roofline from FLOPs and bytes; "benchmark": runs the op on a GPU), scaled by
-   ``compute_overlap_multipler``; collective time from ``collective_estimator`` ("analytical":
-   NCCL tuning model of ``comm_analysis``; "benchmark": CUDA events).
-   Memory limit: the original peak (``memory_estimator.MemoryTracker``) plus
-   ``max(max_memory_increase_gb, max_memory_increase_ratio * peak)`` (the code takes the
-   larger allowance, although torch's docstring says the smaller); ``None`` drops one term,
-   at least one must be set. Only prefetches are checked against it.
-3. Bucketing after scheduling (``collective_bucketing=True``): collectives whose overlap
-   windows allow it are merged with ``bucketing.merge_all_gather_bucket`` /
-   ``merge_reduce_scatter_bucket`` (``max_off_bucket_gb`` caps the bytes a bucket may add
-   outside its members' windows; ``bucket_exposed_first`` / ``bucket_only_internode_comms``
-   tune which collectives are bucketed).
-
-:func:`torch_overlap_schedule` runs it on a copy of the graph with every GPU query answered
-from a :class:`scheduler.costs.models.Cluster` (roofline peak numbers, NCCL bandwidths, GPU
-generation, NVLink); :func:`simulate_torch_baseline` prices the rewritten graph with *our*
-cost model and simulator, so it compares with our schedules on one execution model.
+torch's overlap scheduler (``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing``)
+is the anchor our schedules must beat. The library runs it and reads its written graph back as
+a start of the search (:mod:`scheduler.torch_overlap`, where it is described); the harness
+judges its written graph as a baseline: :func:`torch_overlap_schedule` (the library's, run as
+torch runs it) rewrites a copy; :func:`simulate_torch_baseline` prices the rewritten graph with
+*our* cost model and simulator, so it compares with our schedules on one execution model.
 :func:`torch_memory_peak` is torch's memory estimate of a graph in its traced order, to
 cross-check :func:`solvers.core.simulator.simulate` (``benchmarks/memcheck.py``).
 
@@ -47,13 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from scheduler.costs.models import Cluster, CostModel
 from scheduler.export.dag import export_dag
+from scheduler.torch_overlap import TorchPassError as TorchBaselineError
+from scheduler.torch_overlap import collective_count as _collective_count
+from scheduler.torch_overlap import cpu_estimator_patches as _cpu_estimator_patches
+from scheduler.torch_overlap import process_groups_for as _process_groups_for
+from scheduler.torch_overlap import torch_overlap_schedule
 from solvers.core.simulator import SimResult, simulate
 
 if TYPE_CHECKING:
@@ -61,90 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: GPU presets of scheduler.costs.models -> the generation torch's NCCL model keys its tables on
-_GPU_GENERATION = {"h100-sxm": "HOPPER", "h200": "HOPPER", "a100-sxm": "AMPERE", "b200": "BLACKWELL"}
-
-
-class TorchBaselineError(RuntimeError):
-    """torch's overlap scheduler cannot produce a baseline for this graph; the message says why."""
-
-
-# --------------------------------------------------------------------------------------------
-# torch's overlap scheduler
-# --------------------------------------------------------------------------------------------
-def torch_overlap_schedule(
-    gm: "torch.fx.GraphModule",
-    *,
-    cluster: "Cluster | None" = None,
-    max_memory_increase_gb: float | None = 1.0,
-    max_memory_increase_ratio: float | None = 0.05,
-    inplace: bool = False,
-    **kw: Any,
-) -> "torch.fx.GraphModule":
-    """Run torch's ``schedule_overlap_bucketing`` on a deep copy of ``gm`` (or on ``gm`` itself
-    with ``inplace``) and return the rewritten module.
-
-    Runs with ``collective_bucketing=True`` and analytical compute and collective estimators
-    (no GPU needed), priced for ``cluster`` (default :class:`scheduler.costs.models.Cluster`): the
-    roofline uses the cluster GPU's peak FLOP/s and HBM bandwidth, the NCCL model its
-    intra / inter-node bandwidths and GPU generation. ``gm`` itself is not modified.
-
-    Args:
-        gm: a partitioned forward or backward graph with FakeTensor ``meta['val']`` and
-            functional collectives (as from ``models.capture_fsdp_graphs`` or ``make_fx``).
-        cluster: hardware the estimators describe.
-        max_memory_increase_gb: prefetching may raise the graph's peak memory (as torch's
-            estimator sees it) by this many GB (torch default 1.0; None: no absolute term).
-        max_memory_increase_ratio: ... or by this fraction of the original peak (torch default
-            0.05; None: no ratio term). torch allows the larger of the two.
-        inplace: rewrite ``gm``'s own graph object (an inductor pass must mutate the graph it
-            was given); default False: ``gm`` is not modified.
-        **kw: any other keyword of ``schedule_overlap_bucketing`` (``max_in_flight_gb``,
-            ``max_compute_pre_fetch``, ``max_coll_distance``, ``compute_overlap_multipler``,
-            ``pre_bucketing_fsdp_collectives``, ``bucket_mode``, ...); they override the
-            defaults above, e.g. ``collective_bucketing=False``.
-
-    Raises:
-        TorchBaselineError: torch's pass failed on this graph (the cause is chained); the
-            torch baseline is unavailable for it.
-    """
-    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
-
-    cluster = cluster or Cluster()
-    if max_memory_increase_gb is None and max_memory_increase_ratio is None:
-        raise ValueError("set max_memory_increase_gb or max_memory_increase_ratio (torch needs a memory limit)")
-    options: dict[str, Any] = {
-        "collective_bucketing": True,
-        "compute_estimator": "analytical",
-        "collective_estimator": "analytical",
-        "max_memory_increase_gb": max_memory_increase_gb,
-        "max_memory_increase_ratio": max_memory_increase_ratio,
-    }
-    options.update(kw)
-    for key in ("compute_estimator", "collective_estimator"):
-        if options[key] != "analytical":
-            raise ValueError(f"{key}={options[key]!r} needs a GPU; only 'analytical' runs here")
-
-    out = gm if inplace else copy.deepcopy(gm)
-    before = _collective_count(out)
-    with _process_groups_for(out), _cpu_estimator_patches(cluster):
-        try:
-            out = schedule_overlap_bucketing(out, **options)
-            out.graph.lint()
-            out.recompile()
-        except Exception as e:
-            raise TorchBaselineError(
-                f"torch's overlap scheduler failed on this graph ({type(e).__name__}: {e}); the torch "
-                "baseline is unavailable for it (compare against a solvers/ heuristic instead)"
-            ) from e
-    after = _collective_count(out)
-    logger.info(
-        "torch overlap scheduler: %d -> %d collectives, %d nodes after",
-        before,
-        after,
-        len(out.graph.nodes),
-    )
-    return out
+__all__ = ["TorchBaselineError", "manual_bucket_plans", "simulate_torch_baseline", "torch_manual_schedule",
+           "torch_memory_peak", "torch_memory_profile", "torch_overlap_schedule"]
 
 
 def simulate_torch_baseline(
@@ -312,113 +206,3 @@ def torch_memory_profile(gm: "torch.fx.GraphModule", *, wait_aliases_input: bool
         if wait_aliases_input:
             stack.enter_context(mock.patch.object(tracker, "_get_output_storages", staticmethod(output_storages)))
         return [int(b) for b in memory_estimator.build_memory_profile(gm.graph, releasable)]
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
-def _collective_count(gm: "torch.fx.GraphModule") -> int:
-    return sum(
-        1
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and getattr(n.target, "namespace", "") == "_c10d_functional"
-        and "wait_tensor" not in str(n.target)
-    )
-
-
-def _group_names(gm: "torch.fx.GraphModule") -> dict[str, int]:
-    """Process group name -> size, from the graph's all-gathers and reduce-scatters."""
-    import torch
-
-    c10d = torch.ops._c10d_functional
-    groups: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.target is c10d.all_gather_into_tensor.default:
-            groups[str(n.args[2])] = int(n.args[1])
-        elif n.target is c10d.reduce_scatter_tensor.default:
-            groups[str(n.args[3])] = int(n.args[2])
-    return groups
-
-
-@contextlib.contextmanager
-def _process_groups_for(gm: "torch.fx.GraphModule") -> Iterator[None]:
-    """Make the graph's process groups resolvable: torch's pass looks them up by name.
-
-    Captured graphs outlive the fake group they were traced on. When no group is initialised,
-    a fake one of the graph's largest group size is set up for the duration (its world group
-    is named "0", as at capture time) and torn down afterwards.
-    """
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    groups = _group_names(gm)
-    created = False
-    if groups and not dist.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=max(groups.values()))
-        created = True
-    try:
-        for name, size in groups.items():
-            try:
-                pg = _resolve_process_group(name)
-            except Exception as e:
-                raise TorchBaselineError(
-                    f"process group {name!r} of the graph is not initialised; run under the process "
-                    "group the graph was traced with"
-                ) from e
-            if dist.get_world_size(pg) != size:
-                raise TorchBaselineError(
-                    f"process group {name!r} has {dist.get_world_size(pg)} ranks but the graph's "
-                    f"collectives use {size}; run under the process group the graph was traced with"
-                )
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _cpu_estimator_patches(cluster: "Cluster") -> Iterator[None]:
-    """Answer torch's GPU queries from ``cluster`` (they ask CUDA / nvidia-smi otherwise).
-
-    - roofline: ``torch.utils._runtime_estimation.get_gpu_dram_gbps`` / ``get_device_tflops``
-      (bf16/fp16 -> tensor-core peak, anything else the fp32 peak);
-    - NCCL model: ``config.intra_node_bw`` / ``inter_node_bw`` from the cluster,
-      ``comm_analysis.get_gpu_type`` from the GPU preset, ``_has_nvlink`` True;
-    - memory: the scheduler's ``MemoryTracker`` counts tensors on every device (its default
-      skips CPU tensors, so a graph traced on CPU would look like it uses no memory).
-    torch assumes 8 GPUs per node without CUDA; a cluster with another figure is warned about.
-    """
-    from unittest import mock
-
-    import torch
-    import torch.utils._runtime_estimation as rte
-    from torch._inductor import comm_analysis, config
-    from torch._inductor.fx_passes import overlap_scheduling
-    from torch._inductor.fx_passes.memory_estimator import MemoryTracker
-
-    gpu = cluster.gpu_spec
-    generation = getattr(comm_analysis.NVIDIA_GPU_TYPE, _GPU_GENERATION.get(gpu.name, "HOPPER"))
-    if cluster.gpus_per_node != 8:
-        logger.warning(
-            "torch's NCCL model assumes 8 GPUs per node without CUDA; the cluster has %d",
-            cluster.gpus_per_node,
-        )
-
-    def tflops(dtype: Any = None) -> float:
-        return gpu.bf16_tflops if dtype in (torch.bfloat16, torch.float16) else gpu.fp32_tflops
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(rte, "get_gpu_dram_gbps", lambda: gpu.hbm_gbps))
-        stack.enter_context(mock.patch.object(rte, "get_device_tflops", tflops))
-        stack.enter_context(mock.patch.object(comm_analysis, "get_gpu_type", lambda: generation))
-        stack.enter_context(mock.patch.object(comm_analysis, "_has_nvlink", lambda: True))
-        stack.enter_context(config.patch(intra_node_bw=cluster.intra_node_gbps, inter_node_bw=cluster.inter_node_gbps))
-        stack.enter_context(
-            mock.patch.object(
-                overlap_scheduling, "MemoryTracker", functools.partial(MemoryTracker, device_filter=lambda d: True)
-            )
-        )
-        yield

@@ -35,6 +35,7 @@ from scheduler.export.dag import export_dag
 from scheduler.integrate import cache
 from scheduler.options import AgreementOptions, SolverOptions
 from scheduler.report import ScheduleReport
+from scheduler.torch_overlap import TORCH, TORCH_NO_PREBUCKETING, VARIANTS
 from scheduler.writeback import apply_schedule, split_all_gathers
 from solvers.core import InfeasibleBudgetError, Problem, Schedule, ScheduleError, fmt_bytes
 from solvers.heuristics import HEURISTICS
@@ -45,12 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: torch's overlap scheduler with its FSDP pre-bucketing, as torch runs it by default
-TORCH = "torch-overlap"
-#: torch's overlap scheduler without its pre-bucketing (which fails on some graphs)
-TORCH_NO_PREBUCKETING = "torch-overlap-no-prebucketing"
-#: torch's baselines -> the options of :func:`scheduler.compare.baselines.torch_overlap_schedule`
-TORCH_BASELINES: dict[str, dict[str, Any]] = {TORCH: {}, TORCH_NO_PREBUCKETING: {"pre_bucketing_fsdp_collectives": False}}
+#: torch's baselines (its overlap scheduler with its FSDP pre-bucketing, as torch runs it by
+#: default, and without) -> the options of :func:`scheduler.compare.baselines.torch_overlap_schedule`
+TORCH_BASELINES: dict[str, dict[str, Any]] = dict(VARIANTS)
 #: torch's manual scheduler with one bucket per block and direction (the graph trainer's plan)
 TORCH_MANUAL = "torch-manual"
 #: a baseline's name with this suffix: that baseline with its all-gathers moved to a second

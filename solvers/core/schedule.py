@@ -283,8 +283,9 @@ class StageRecord:
     """One stage of a solve plan as it ran: what tests and benchmarks read of a solve
     (:attr:`SolveResult.stages`, ``ScheduleReport.stages``), never a note's wording."""
 
-    #: the stage's name in the plan (``"starts"``, ``"search"``, ``"repair"``, ``"polish"``,
-    #: ``"judge"``, ...; see :mod:`solvers.search` and :mod:`scheduler.check.written`)
+    #: the stage's name in the plan (``"torch"``, ``"starts"``, ``"search"``, ``"repair"``,
+    #: ``"polish"``, ``"judge"``, ...; see :mod:`solvers.search`, :mod:`scheduler.torch_overlap`
+    #: and :mod:`scheduler.check.written`)
     name: str
     #: wall time of the stage (s)
     wall_s: float
@@ -321,6 +322,9 @@ class SolveResult:
         alternatives: other schedules of the solve worth judging on the written graph (the
             schedule before the final polish).
         stages: the stages of the plan that ran, in order (:class:`StageRecord`).
+        start: the start of the plan the schedule was found from ("" for a solver without
+            starts); ``start_step_ms`` its simulated step time under each cost model and
+            ``step_ms_by_model`` the schedule's (ms; equal where the start won unchanged).
     """
 
     schedule: Schedule
@@ -336,6 +340,9 @@ class SolveResult:
     #: does not make may decide (the schedule before the final polish)
     alternatives: tuple[Schedule, ...] = ()
     stages: tuple[StageRecord, ...] = ()
+    start: str = ""
+    start_step_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    step_ms_by_model: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def gap(self) -> float:
