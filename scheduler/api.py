@@ -77,6 +77,7 @@ from solvers.core import (
     validate_schedule,
 )
 from solvers.core.evaluate import ModelEvaluator
+from solvers.core.order import in_order, node_order, problem_of
 from solvers.registry import BACKENDS, solve_problems
 from solvers.search import search
 
@@ -311,21 +312,23 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                   writeback=writeback)
     if hit is not None:
         return hit
-    # what was installed for this graph at a budget as small or smaller fits this one: a start,
-    # so that more memory never gives a slower step
-    smaller = tuple(s for b, s in _INSTALLED.get(graph_key, []) if budget is None or (b is not None and b <= budget))
     t_torch = time.perf_counter()
     torch_runs = _torch_starts(gm, problem, cluster, solver)
     torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
-        result, notes = _solve(problems, budget, dataclasses.replace(solver, extra_starts=solver.extra_starts + smaller),
-                               baselines=[(s.name, s.schedule) for s in torch_runs if s.schedule is not None])
-        notes += _torch_notes(torch_runs)
+        t_order = time.perf_counter()
+        base, baselines, order_notes = _compute_order(problems, budget, solver, torch_runs)
+        if solver.compute_order == "choose" and any(r.schedule_in_order is not None for r in torch_runs):
+            torch_stage.append(StageRecord(name="order", wall_s=time.perf_counter() - t_order))
+        result, notes = _solve(base, budget, _starts_in_order(solver, problem, next(iter(base.values()))),
+                               baselines=baselines)
+        notes += _torch_notes(torch_runs) + order_notes
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
         t_choose = time.perf_counter()
-        chosen, judged = choose(gm, problem, ranked, budget, cost_model=cost_model, cluster=cluster,
-                                payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+        chosen, judged = choose(gm, next(iter(base.values())), ranked, budget, cost_model=cost_model,
+                                cluster=cluster, payload_order=writeback.payload_order,
+                                control_deps=writeback.control_deps)
     except InfeasibleBudgetError as e:
         return _traced_answer(gm, problems, budget, e, cost_model=cost_model, cluster=cluster, solver=solver,
                               writeback=writeback, t0=t0)
@@ -343,9 +346,6 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     answer = _Answer(chosen.schedule, report, judged=_judged_record(graph_key, chosen))
     if key is not None:
         cache.store(key, answer.to_json())
-    if graph_key is not None:
-        _INSTALLED.setdefault(graph_key, []).append((budget, chosen.schedule))
-        del _INSTALLED[graph_key][:-_INSTALLED_PER_GRAPH]
     return answer
 
 
@@ -384,8 +384,9 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
     """The report of ``chosen`` (judged on its written graph) on this graph: every figure
     computed here, from the schedule on this graph's problem and from its written graph."""
     problem = next(iter(problems.values()))
-    sim = validate_schedule(problem, chosen.schedule)
-    report = make_report(problem, simulate(problem.dag, problem.traced_schedule(), problem=problem), sim,
+    own = problem_of(problem, chosen.schedule)
+    sim = validate_schedule(own, chosen.schedule)
+    report = make_report(own, simulate(problem.dag, problem.traced_schedule(), problem=problem), sim,
                          graph_name=str(problem.dag.graph.get("name", "graph")), mem_budget_bytes=budget, t0=t0,
                          solver=found_by, requested=solver.solver_name, status=status, best_bound=best_bound,
                          notes=notes, fell_back=fell_back, stages=tuple(stages))
@@ -393,6 +394,7 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
     return dataclasses.replace(
         report, criterion=criterion if criterion is not None else _criterion(problems, solver, cost_model),
         cost_models=list(problems), cost_sources=merged_cost_sources({label: problems[label].dag for label in problems}),
+        compute_order="traced" if own is problem else "torch",
         verified=True, chosen_candidate=chosen.name, reexported_step_ms=f.step_ms,
         reexported_peak_bytes=f.peak_bytes, liveness_peak_bytes=f.liveness_peak_bytes,
         tracker_peak_bytes=f.tracker_peak_bytes, verify_time_s=time.perf_counter() - t_judge,
@@ -443,6 +445,69 @@ def _torch_starts(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster
     if not solver.torch_starts or not (isinstance(solver.solver, str) and solver.solver in BACKENDS):
         return []
     return torch_starts(gm, problem, solver.torch_starts, cluster=cluster)
+
+
+def _compute_order(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+                   runs: Sequence[TorchStart]) -> tuple[Mapping[str, Problem], list[tuple[str, Schedule]], list[str]]:
+    """The problems the search runs on (the traced graph's, or the same graph in the order torch's
+    pass runs its compute: :func:`scheduler.torch_overlap.torch_order`), torch's starts over
+    them, and the report's note on the order (``solver.compute_order``).
+
+    torch's pass moves compute nodes (it runs a collective's input early to issue it early); over
+    the traced order its schedule is read back with repairs that can cost much of its gain, over
+    its own order exactly. With ``"choose"``, the starts of both orders are compared (a cheap
+    stage: no windows, no polish) and the search runs over the order whose best start has the
+    smaller worst-case regret under the models judged by; equal: the traced order."""
+    traced = [(r.name, r.schedule) for r in runs if r.schedule is not None]
+    ordered = next((r for r in runs if r.schedule_in_order is not None), None)
+    if solver.compute_order == "traced" or ordered is None:
+        return problems, traced, []
+    order = ordered.order
+    assert order is not None
+    rebased = {label: in_order(p, order) for label, p in problems.items()}
+    in_torch = [(r.name, r.schedule_in_order) for r in runs if r.order == order and r.schedule_in_order is not None]
+    note = f"compute in the order of {ordered.name} (it runs compute nodes before nodes traced before them)"
+    if solver.compute_order == "torch":
+        return rebased, in_torch, [note]
+    steps: dict[str, dict[str, float]] = {}
+    for name, base, named in (("traced", problems, traced), ("torch", rebased, in_torch)):
+        try:
+            first = next(iter(base.values()))
+            steps[name] = dict(_best_start(base, budget, _starts_in_order(solver, next(iter(problems.values())), first),
+                                           named).step_ms_by_model)
+        except InfeasibleBudgetError:
+            continue
+    if "torch" not in steps:
+        return problems, traced, []
+    if "traced" not in steps:
+        return rebased, in_torch, [note]
+    labels = list(problems)
+    best = {label: min(steps["traced"][label], steps["torch"][label]) for label in labels}
+    regret = {name: max(steps[name][label] / best[label] for label in labels) for name in steps}
+    if regret["torch"] < regret["traced"]:
+        return rebased, in_torch, [note + f": its starts' worst-case regret {regret['torch'] - 1:.2%} against "
+                                          f"{regret['traced'] - 1:.2%} in the traced order"]
+    return problems, traced, []
+
+
+def _starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> SolverOptions:
+    """``solver`` without the extra starts that belong to a search in the other order of compute
+    (:func:`_compute_order`): in the traced order, those running the same nodes in another
+    order; in torch's, those in the traced order. Any other start is given, to be refused by name
+    if it is not one of this graph."""
+    if base is traced:
+        keep = tuple(s for s in solver.extra_starts
+                     if node_order(s) == traced.seq or sorted(node_order(s)) != sorted(traced.seq))
+    else:
+        keep = tuple(s for s in solver.extra_starts if node_order(s) != traced.seq)
+    return solver if keep == solver.extra_starts else dataclasses.replace(solver, extra_starts=keep)
+
+
+def _best_start(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+                baselines: Sequence[tuple[str, Schedule]]) -> SolveResult:
+    """The plan's starts alone (no windows, no polish) over ``problems``."""
+    return search(problems, budget, backend=None, time_limit_s=1e-9, extra_starts=solver.extra_starts,
+                  config=solver.search, all_gather_stream=solver.all_gather_stream, baselines=baselines)
 
 
 def _torch_notes(runs: Sequence[TorchStart]) -> list[str]:
@@ -518,7 +583,7 @@ def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: W
     options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
-               "torch_starts": list(solver.torch_starts),
+               "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
                "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
@@ -532,12 +597,6 @@ def _cache_key(graph_key: str | None, budget: int | None) -> str | None:
     if cache.cache_dir() is None or graph_key is None:
         return None
     return cache.cache_key(graph_key, mem_budget_bytes=budget, options={})
-
-
-#: graph key (:func:`_graph_key`) -> (budget, schedule) installed in this process, newest last
-_INSTALLED: dict[str, list[tuple[int | None, Schedule]]] = {}
-#: schedules kept per graph
-_INSTALLED_PER_GRAPH = 8
 
 
 def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, graph_key: str | None,
@@ -604,15 +663,18 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         raise ScheduleError(f"{source} puts the all-gathers of group(s) {list(schedule.split_groups)} on a second "
                             "process group, and all_gather_stream='shared' keeps every collective on its own group")
     try:
-        validate_schedule(problem, schedule, mem_budget_bytes=budget)
+        own = problem_of(problem, schedule)
+        validate_schedule(own, schedule, mem_budget_bytes=budget)
     except ScheduleInvalidError as e:
+        raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
+    except ScheduleError as e:  # its order of the graph's nodes is not one the graph can run
         raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
     t_judge = time.perf_counter()
     chosen = Candidate(name=said["chosen_candidate"] or said["solver"], schedule=schedule)
     chosen.figures = _recorded_figures(data.get("judged"), graph_key, schedule)
     notes = list(said["notes"])
     if chosen.figures is None:
-        chosen.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
+        chosen.figures = write_and_judge(gm, own, schedule, cost_model=cost_model, cluster=cluster,
                                          payload_order=writeback.payload_order, control_deps=writeback.control_deps)
     else:
         notes.append(f"the written graph's figures are those of {source}, judged on this graph when it was stored")
@@ -697,8 +759,8 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
             chosen.report.notes += agreed.notes
             if _writes(problem, chosen):
                 backup = copy_graph(gm.graph)
-                apply_schedule(gm, problem, chosen.schedule, payload_order=writeback.payload_order,
-                               control_deps=writeback.control_deps)
+                apply_schedule(gm, problem_of(problem, chosen.schedule), chosen.schedule,
+                               payload_order=writeback.payload_order, control_deps=writeback.control_deps)
     except Exception as e:
         failure = e
         logger.warning("fsdp-sched: taking or writing back the agreed schedule failed on this rank (%s: %s)",
@@ -725,8 +787,8 @@ def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answe
     """Write ``answer`` into ``gm``'s own graph (an inductor pass must change the graph it was
     given), without a process group to agree with."""
     if _writes(problem, answer):
-        apply_schedule(gm, problem, answer.schedule, payload_order=writeback.payload_order,
-                       control_deps=writeback.control_deps)
+        apply_schedule(gm, problem_of(problem, answer.schedule), answer.schedule,
+                       payload_order=writeback.payload_order, control_deps=writeback.control_deps)
 
 
 def _writes(problem: Problem | None, answer: _Answer) -> bool:

@@ -15,6 +15,9 @@ from solvers.registry import SOLVERS, available_solvers
 from solvers.objective import SearchConfig
 from solvers.search import ALL_GATHER_STREAMS, DEFAULT_TIME_LIMIT_S
 
+#: the orders of compute :attr:`SolverOptions.compute_order` accepts
+COMPUTE_ORDERS = ("traced", "torch", "choose")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SolverOptions:
@@ -62,6 +65,13 @@ class SolverOptions:
     #: again and changed little on the published graphs (BENCHMARKS.md, section 5). Empty: no
     #: torch pass. Taken by the plan's solvers (``"cpsat"``, ``"milp"``) only
     torch_starts: tuple[str, ...] = (TORCH,)
+    #: the order of the compute nodes the search schedules around: ``"traced"``; ``"torch"``,
+    #: the order torch's pass (the first of ``torch_starts``) runs them in, where it moves them
+    #: (it runs a collective's input early so that it issues early), over which its schedule is
+    #: a start without repairs; ``"choose"``: the one of the two whose starts are better under
+    #: the models judged by (a stage of starts only), the traced order on a tie. Any order runs
+    #: every node after its inputs: the graph computes the same
+    compute_order: str = "choose"
     #: the plan's tuning values
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models (:mod:`scheduler.costs.family`): the
@@ -100,6 +110,8 @@ class SolverOptions:
                              f"from {tuple(VARIANTS)} (empty: none)")
         if self.all_gather_stream not in ALL_GATHER_STREAMS:
             raise ValueError(f"all_gather_stream={self.all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
+        if self.compute_order not in COMPUTE_ORDERS:
+            raise ValueError(f"compute_order={self.compute_order!r} must be one of {COMPUTE_ORDERS}")
         if not isinstance(self.search, SearchConfig):
             raise TypeError(f"search={self.search!r} must be a solvers.objective.SearchConfig (scheduler.SearchConfig)")
         if not isinstance(self.bandwidth_scales, tuple) or not all(

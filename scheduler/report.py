@@ -136,6 +136,9 @@ class ScheduleReport:
     #: of torch's graph, and where read back its simulated ``step_ms`` per cost model and
     #: ``peak_bytes``
     torch_starts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the order of the compute nodes in the installed schedule: ``"traced"``, or ``"torch"``,
+    #: another order of the same graph (torch's pass's: ``SolverOptions.compute_order``)
+    compute_order: str = "traced"
 
     def start_gain_ms(self) -> dict[str, float]:
         """Per cost model, how much the search improved on the start that won (ms; 0: it won

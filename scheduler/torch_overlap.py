@@ -86,7 +86,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import networkx as nx
+
 from scheduler.costs.models import Cluster
+from solvers.core.order import in_order
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, ScheduleError, Step
 from solvers.core.simulator import ScheduleInvalidError
@@ -479,6 +482,52 @@ def read_back(written: "torch.fx.GraphModule", problem: Problem) -> tuple[Schedu
     return schedule, repairs
 
 
+def torch_order(written: "torch.fx.GraphModule", problem: Problem) -> tuple[str, ...] | None:
+    """The traced graph's DAG nodes (``problem.dag``) in the order torch's written graph
+    ``written`` runs them, or None where torch runs the traced compute and view nodes in their
+    traced order. Each collective runs where torch issues its bucket and its wait where torch
+    waits it, a collective's prologue and epilogue with them; a node torch folded into its
+    buckets (a cast) right after its inputs; the order is a topological sort of the DAG that
+    follows torch's where its dependencies allow, the same on every rank.
+
+    Over this order (:func:`solvers.core.order.in_order`) torch's schedule is read back exactly:
+    what :func:`read_back` must repair over the traced order is torch's order of compute there.
+
+    Raises:
+        TorchPassError: as :func:`read_back`, for collectives torch's graph does not run once.
+    """
+    rank: dict[str, int] = {}
+    seq_order: list[str] = []
+    bucket_members: dict[Any, tuple[str, ...]] = {}
+    members_seen: list[tuple[str, ...]] = []
+    for i, node in enumerate(written.graph.nodes):
+        if node.name in problem.pos and node.op == "call_function":
+            seq_order.append(node.name)
+            rank[node.name] = i
+        elif _is_collective(node):
+            bucket_members[node] = _members(node, problem, id(written.graph))
+            members_seen.append(bucket_members[node])
+            for m in bucket_members[node]:
+                rank[m] = i
+                for p in problem.colls[m].prologue:
+                    rank.setdefault(p, i)
+        elif _is_wait(node) and node.args and node.args[0] in bucket_members:
+            for m in bucket_members[node.args[0]]:
+                if len(bucket_members[node.args[0]]) > 1 or problem.colls[m].wait == node.name:
+                    rank[problem.colls[m].wait] = i
+                    for e in problem.colls[m].epilogue:
+                        rank.setdefault(e, i)
+    _check_coverage(members_seen, problem)
+    if not _delayed(problem, seq_order):
+        return None
+    dag = problem.dag
+    traced = {name: k for k, name in enumerate(dag.graph["order"])}
+    for name in dag.graph["order"]:  # topological: a node's inputs are ranked before it
+        if name not in rank:
+            rank[name] = max((rank[u] for u in dag.predecessors(name)), default=-1)
+    return tuple(nx.lexicographical_topological_sort(dag, key=lambda n: (rank[n], traced[n])))
+
+
 def _members(node: "torch.fx.Node", problem: Problem, graph_id: int) -> tuple[str, ...]:
     """The traced collectives ``node`` of torch's graph runs: those its bucketing provenance
     names (followed down through a bucket merged again), or itself when torch did not merge it.
@@ -692,11 +741,17 @@ class TorchStart:
     wall_s: float = 0.0
     #: collectives in torch's written graph
     n_collectives: int = 0
+    #: the traced graph's nodes in torch's order (:func:`torch_order`); None where torch keeps
+    #: the traced order of the compute and view nodes
+    order: tuple[str, ...] | None = None
+    #: torch's schedule read back over the traced graph in torch's order (exact where
+    #: ``schedule`` needed the repairs of torch's order of compute); None without ``order``
+    schedule_in_order: Schedule | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.schedule.digest() if self.schedule is not None else None,
                 "repairs": list(self.repairs), "skipped": self.skipped, "wall_s": self.wall_s,
-                "n_collectives": self.n_collectives}
+                "n_collectives": self.n_collectives, "reorders_compute": self.order is not None}
 
 
 def torch_starts(gm: "torch.fx.GraphModule", problem: Problem, variants: Sequence[str], *,
@@ -723,6 +778,15 @@ def torch_starts(gm: "torch.fx.GraphModule", problem: Problem, variants: Sequenc
         except Exception as e:  # a start is optional: nothing in torch's pass or its reading fails the call
             start.skipped = str(e) if isinstance(e, TorchPassError) else f"{type(e).__name__}: {e}"
             logger.warning("fsdp-sched: %s is no start: %s", name, start.skipped)
+        if start.schedule is not None:
+            try:
+                start.order = torch_order(written, problem)
+                if start.order is not None:
+                    start.schedule_in_order, _ = read_back(written, in_order(problem, start.order))
+            except Exception as e:  # the start over the traced order stands
+                start.order = start.schedule_in_order = None
+                logger.warning("fsdp-sched: %s is no start in torch's order of compute: %s: %s", name,
+                               type(e).__name__, e)
         for repair in start.repairs:
             logger.info("fsdp-sched: %s read back: %s", name, repair)
         start.wall_s = time.perf_counter() - t0

@@ -70,6 +70,8 @@ CASES_2 = {
     "bf16_ag_fp32_rs": dict(param_dtype="bfloat16", reduce_dtype="float32", reshard_after_forward=True),
     # the backward's all-gathers on a second gloo group of the same ranks (SolverOptions)
     "fp32_reshard_ag_stream": dict(param_dtype=None, reshard_after_forward=True, all_gather_stream="separate"),
+    # the compute in the order torch's overlap scheduler runs it (SolverOptions.compute_order)
+    "fp32_reshard_torch_order": dict(param_dtype=None, reshard_after_forward=True, compute_order="torch"),
 }
 CASES_4 = {
     "fp32_reshard": dict(param_dtype=None, reshard_after_forward=True),
@@ -197,6 +199,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
 
     opts = _fsdp_options(case)
     all_gather_stream = opts.pop("all_gather_stream", "shared")
+    compute_order = opts.pop("compute_order", "choose")
     tp_size = opts.get("tp_size", 1)
     mesh = make_mesh(world_size, tp_size)
     dp_mesh = mesh if tp_size == 1 else mesh["dp"]
@@ -206,7 +209,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     batches = _batches(cfg, dp_rank, dp_size)
 
     options = scheduler.SolverOptions(solver="cpsat", time_limit_s=SOLVER_TIME_LIMIT_S, seed=0,
-                                      all_gather_stream=all_gather_stream)
+                                      all_gather_stream=all_gather_stream, compute_order=compute_order)
     # 1. as traced: identity compilers; the peaks of each graph give the budgets
     torch._dynamo.reset()
     base_graphs: dict[str, Any] = {}
@@ -386,4 +389,14 @@ def test_all_gathers_on_a_second_group_are_written():
         reports = res["reports"]
         assert reports["backward"]["split_groups"], f"rank {rank}: the backward split no group: {reports['backward']}"
         assert reports["forward"]["split_groups"] == [], f"rank {rank}: {reports['forward']['split_groups']}"
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_compute_in_torchs_order_is_written():
+    """The case run in torch's order of compute installs schedules in that order (on every rank),
+    and the tests above hold for it: bitwise equal to the traced graphs."""
+    for rank, res in enumerate(case_results(2, "fp32_reshard_torch_order")):
+        orders = {kind: rep["compute_order"] for kind, rep in res["reports"].items()}
+        assert orders == {"forward": "torch", "backward": "torch"}, f"rank {rank}: {orders}"
     assert multiprocessing.active_children() == []

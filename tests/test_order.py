@@ -1,0 +1,93 @@
+"""Another order of the graph's compute: a schedule in torch's order is one of the same graph.
+
+torch's overlap scheduler runs compute nodes early (a collective's input, to issue it early).
+:func:`solvers.core.order.in_order` is a problem over another order of the DAG's nodes and
+:func:`solvers.core.order.problem_of` the problem a schedule's own order defines: an order that
+runs a node before its input is refused; a schedule in torch's order validates, simulates as
+torch's own graph does, writes back and computes the same.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from scheduler import SolverOptions, optimize_schedule  # noqa: E402
+from scheduler import api  # noqa: E402
+from scheduler.export.dag import export_dag  # noqa: E402
+from scheduler.torch_overlap import torch_overlap_schedule, torch_starts  # noqa: E402
+from solvers.core import Problem, ScheduleError, simulate, validate_schedule  # noqa: E402
+from solvers.core.order import in_order, node_order, problem_of  # noqa: E402
+from test_writeback import COSTS, gloo_group, toy_graph  # noqa: E402
+
+
+@pytest.fixture
+def pg():
+    with gloo_group() as name:
+        yield name
+
+
+def _llama_backward():
+    from conftest import FAKE_WORLD, capture_llama_debug
+
+    return FAKE_WORLD, capture_llama_debug().backward
+
+
+def test_an_order_that_runs_a_node_before_its_input_is_refused(pg):
+    problem = Problem.from_dag(export_dag(toy_graph(pg, 1), cost_model=COSTS))
+    order = list(problem.dag.graph["order"])
+    mm = next(i for i, n in enumerate(order) if problem.dag.nodes[n]["kind"] == "compute"
+              and any(problem.dag.nodes[u]["kind"] == "compute" for u in problem.dag.predecessors(n)))
+    reader, producer = order[mm], next(u for u in problem.dag.predecessors(order[mm]))
+    swapped = list(order)
+    i, j = swapped.index(producer), swapped.index(reader)
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ScheduleError, match=reader):
+        in_order(problem, swapped)
+    with pytest.raises(ScheduleError, match="once"):
+        in_order(problem, order[:-1])
+    assert in_order(problem, order) is problem
+    assert problem_of(problem, problem.traced_schedule()) is problem
+
+
+def test_torchs_schedule_in_its_own_order_is_torchs_graph():
+    """On the llama debug backward, torch runs compute nodes out of their traced order: over the
+    traced order its schedule needs repairs, over its own order it is read back exactly (the
+    simulator prices it as torch's own written graph)."""
+    from models.capture import fake_process_group
+
+    world, gm = _llama_backward()
+    with fake_process_group(world):
+        problem = Problem.from_dag(export_dag(gm, cost_model="analytic"))
+        run = torch_starts(gm, problem, ["torch-overlap"])[0]
+        assert run.order is not None and run.schedule_in_order is not None
+        own = problem_of(problem, run.schedule_in_order)
+        assert own is not problem and own.seq == node_order(run.schedule_in_order) != problem.seq
+        read_back = validate_schedule(own, run.schedule_in_order).step_ms
+        written = torch_overlap_schedule(copy.deepcopy(gm), inplace=True)
+        torchs = Problem.from_dag(export_dag(written, cost_model="analytic"))
+        torchs_own = simulate(torchs.dag, torchs.traced_schedule(), problem=torchs).step_ms
+        repaired = simulate(problem.dag, run.schedule, problem=problem).step_ms
+    assert read_back == pytest.approx(torchs_own, rel=1e-9)
+    assert repaired >= read_back - 1e-9
+
+
+def test_the_search_in_torchs_order_installs_that_order(monkeypatch):
+    """With ``compute_order="torch"`` the installed graph runs its compute in the schedule's
+    order, torch's (that it computes the same is checked on gloo ranks:
+    ``tests/test_numerics_gloo.py``, case ``fp32_reshard_torch_order``)."""
+    from models.capture import fake_process_group
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", "0")
+    world, gm = _llama_backward()
+    with fake_process_group(world):
+        traced = Problem.from_dag(export_dag(gm, cost_model="analytic"))
+        optimize_schedule(gm, None, cost_model="analytic",
+                          solver=SolverOptions(time_limit_s=0.5, compute_order="torch"))
+    report, schedule = gm.meta[api.REPORT_KEY], gm.meta[api.SCHEDULE_KEY]
+    ran = tuple(n.name for n in gm.graph.nodes if n.name in traced.pos)
+    assert ran == node_order(schedule) != traced.seq
+    assert report.compute_order == "torch"
