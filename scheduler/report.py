@@ -227,7 +227,8 @@ class ScheduleReport:
             gains = self.start_gain_ms()
             made = "won unchanged" if not any(g > 0 for g in gains.values()) else "improved by " + ", ".join(
                 f"{fmt_ms(g)} under {label}" for label, g in gains.items())
-            lines.append(f"  start: {self.start}, {made}")
+            order = "" if self.compute_order == "traced" else ", compute in torch's order"
+            lines.append(f"  start: {self.start}, {made}{order}")
         for t in self.torch_starts:
             if t.get("skipped"):
                 lines.append(f"  {t['name']}: no start ({t['skipped']})")
