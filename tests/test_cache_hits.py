@@ -170,3 +170,43 @@ def test_a_hit_reads_the_judged_figures_only_where_sealed_for_this_graph(pg, cac
     assert report.cache_hit and report.liveness_peak_bytes == liveness_peak(gm) <= budget
     taken = any("judged on this graph when it was stored" in n for n in report.notes)
     assert taken == (not edited)
+
+
+def _steps_swapped(schedule: dict, first: str, second: str) -> dict:
+    """``schedule`` (JSON) with the node steps ``first`` and ``second`` swapped."""
+    steps = [list(s) for s in schedule["steps"]]
+    i = steps.index(["node", first])
+    j = steps.index(["node", second])
+    steps[i], steps[j] = steps[j], steps[i]
+    return {**schedule, "steps": steps}
+
+
+def test_an_entry_in_another_order_of_compute_is_installed_in_that_order_or_refused(pg, cache_dir):
+    """A schedule may run the compute in another order than traced (torch's: its pass runs a
+    collective's input early): an entry whose order runs every node after its inputs is
+    installed in that order; one whose order runs a node before its input is a miss."""
+    key, payload = solve_into_cache(cache_dir, layers(pg), None)
+    problem = Problem.from_dag(export_dag(layers(pg), cost_model=COSTS))
+    # two nodes that follow each other in the schedule, neither reading the other
+    steps = payload["schedule"]["steps"]
+    a, b = next((x[1], y[1]) for x, y in zip(steps, steps[1:]) if x[0] == y[0] == "node"
+                and not _depends(problem, y[1], x[1]))
+    payload["schedule"] = _steps_swapped(payload["schedule"], a, b)
+    cache.store(key, payload)
+    gm = optimize_schedule(layers(pg), None, cost_model=COSTS, solver=QUICK)
+    ran = [n.name for n in gm.graph.nodes if n.name in problem.pos]
+    assert gm.meta[api.REPORT_KEY].cache_hit and ran.index(b) < ran.index(a)
+    assert gm.meta[api.REPORT_KEY].compute_order == "torch"
+
+    reader, producer = next((v, u) for u, v in problem.dag.edges if u in problem.pos and v in problem.pos)
+    payload["schedule"] = _steps_swapped(payload["schedule"], producer, reader)
+    cache.store(key, payload)
+    gm = optimize_schedule(layers(pg), None, cost_model=COSTS, solver=QUICK)
+    ran = [n.name for n in gm.graph.nodes if n.name in problem.pos]
+    assert not gm.meta[api.REPORT_KEY].cache_hit and ran.index(producer) < ran.index(reader)
+
+
+def _depends(problem: Problem, node: str, on: str) -> bool:
+    import networkx as nx
+
+    return nx.has_path(problem.dag, on, node)
