@@ -316,13 +316,30 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     torch_runs = _torch_starts(gm, problem, cluster, solver)
     torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
-        t_order = time.perf_counter()
-        base, baselines, order_notes = _compute_order(problems, budget, solver, torch_runs)
-        if solver.compute_order == "choose" and any(r.schedule_in_order is not None for r in torch_runs):
-            torch_stage.append(StageRecord(name="order", wall_s=time.perf_counter() - t_order))
-        result, notes = _solve(base, budget, _starts_in_order(solver, problem, next(iter(base.values()))),
-                               baselines=baselines)
-        notes += _torch_notes(torch_runs) + order_notes
+        outcomes, all_notes, refusal = [], [], None
+        orders = _orders(problems, solver, torch_runs)
+        for name, base, named in orders:
+            try:
+                result, notes = _solve(base, budget, _starts_in_order(solver, problem, next(iter(base.values()))),
+                                       baselines=named)
+            except InfeasibleBudgetError as e:  # the other order may fit
+                refusal = refusal or e
+                continue
+            except Exception as e:  # torch's order is a second chance, never the call's failure
+                if name != "torch" or len(orders) == 1:
+                    raise
+                logger.warning("fsdp-sched: the search in torch's order of compute failed (%s: %s)",
+                               type(e).__name__, e)
+                continue
+            outcomes.append((name, base, named, result))
+            all_notes.append(notes)
+        if not outcomes:
+            assert refusal is not None
+            raise refusal
+        k, order_notes = _better_order(outcomes, solver)
+        _, base, _, result = outcomes[k]
+        notes = all_notes[k] + _torch_notes(torch_runs) + order_notes
+        torch_stage += [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
         t_choose = time.perf_counter()
@@ -447,62 +464,57 @@ def _torch_starts(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster
     return torch_starts(gm, problem, solver.torch_starts, cluster=cluster)
 
 
-def _compute_order(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
-                   runs: Sequence[TorchStart]) -> tuple[Mapping[str, Problem], list[tuple[str, Schedule]], list[str]]:
-    """The problems the search runs on (the traced graph's, or the same graph in the order torch's
-    pass runs its compute: :func:`scheduler.torch_overlap.torch_order`), torch's starts over
-    them, and the report's note on the order (``solver.compute_order``).
+def _orders(problems: Mapping[str, Problem], solver: SolverOptions, runs: Sequence[TorchStart]
+            ) -> list[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]]:
+    """The orders of compute the search runs in (``solver.compute_order``): each as its name
+    (``"traced"``, ``"torch"``), the problems of the graph in that order and torch's starts read
+    back over them.
 
     torch's pass moves compute nodes (it runs a collective's input early to issue it early); over
     the traced order its schedule is read back with repairs that can cost much of its gain, over
-    its own order exactly. With ``"choose"``, the starts of both orders are compared (a cheap
-    stage: no windows, no polish): the search runs in the traced order where its best start is
-    no slower than torch's own schedule under the strict models (the search in torch's order
-    never is) and its worst-case regret under the models judged by is no larger; else in
-    torch's."""
-    traced = [(r.name, r.schedule) for r in runs if r.schedule is not None]
+    its own order (:func:`scheduler.torch_overlap.torch_order`) exactly."""
+    traced = ("traced", problems, [(r.name, r.schedule) for r in runs if r.schedule is not None])
     ordered = next((r for r in runs if r.schedule_in_order is not None), None)
     if solver.compute_order == "traced" or ordered is None:
-        return problems, traced, []
-    order = ordered.order
-    assert order is not None
-    rebased = {label: in_order(p, order) for label, p in problems.items()}
-    in_torch = [(r.name, r.schedule_in_order) for r in runs if r.order == order and r.schedule_in_order is not None]
-    note = f"compute in the order of {ordered.name} (it runs compute nodes before nodes traced before them)"
-    if solver.compute_order == "torch":
-        return rebased, in_torch, [note]
-    steps: dict[str, dict[str, float]] = {}
-    for name, base, named in (("traced", problems, traced), ("torch", rebased, in_torch)):
-        try:
-            first = next(iter(base.values()))
-            steps[name] = dict(_best_start(base, budget, _starts_in_order(solver, next(iter(problems.values())), first),
-                                           named).step_ms_by_model)
-        except InfeasibleBudgetError:
-            continue
-    if "torch" not in steps:
-        return problems, traced, []
-    if "traced" not in steps:
-        return rebased, in_torch, [note]
-    labels = list(problems)
-    # torch's schedule as torch runs it, which the search in its order never ends slower than
-    # under the strict models (the one model where there is one): the traced order is kept
-    # only where its starts are no slower than that already, since its read-back is repaired
+        return [traced]
+    rebased = {label: in_order(p, ordered.order) for label, p in problems.items()}  # type: ignore[arg-type]
+    torch = ("torch", rebased, [(r.name, r.schedule_in_order) for r in runs
+                                if r.order == ordered.order and r.schedule_in_order is not None])
+    return [torch] if solver.compute_order == "torch" else [traced, torch]
+
+
+def _better_order(outcomes: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveResult]],
+                  solver: SolverOptions) -> tuple[int, list[str]]:
+    """Which of the searches in the orders of :func:`_orders` to take (an index of ``outcomes``:
+    name, problems, torch's starts, result), and the report's note. First the one no slower than
+    torch's own schedule under the strict models (the one model where there is one): the search
+    in torch's order never is, the traced order's only where reading torch's schedule back over
+    it lost nothing; then the smaller worst-case regret under the models judged by; then the
+    traced order."""
+    note = "compute in torch's order (SolverOptions.compute_order)"
+    if len(outcomes) == 1:
+        return 0, [] if outcomes[0][0] == "traced" else [note]
+    labels = list(outcomes[0][1])
     strict = [label for label in labels if label in solver.search.strict_models] if len(labels) > 1 else labels
+    _, rebased, in_torch, _ = next(o for o in outcomes if o[0] == "torch")
     torchs = {label: simulate(rebased[label].dag, in_torch[0][1], problem=rebased[label]).step_ms
-              for label in strict}
-    loses = {name: any(steps[name][label] > torchs[label] * (1 + 1e-9) for label in strict) for name in steps}
-    best = {label: min(steps["traced"][label], steps["torch"][label]) for label in labels}
-    regret = {name: max(steps[name][label] / best[label] for label in labels) for name in steps}
-    if (loses["traced"], regret["traced"]) > (loses["torch"], regret["torch"]):
-        why = "slower than torch's own schedule under a strict model" if loses["traced"] and not loses["torch"] \
-            else f"a worst-case regret of {regret['traced'] - 1:.2%} against {regret['torch'] - 1:.2%}"
-        return rebased, in_torch, [note + f": the best start in the traced order is {why}"]
-    return problems, traced, []
+              for label in strict} if in_torch else {}
+    steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
+    best = {label: min(step[label] for step in steps) for label in labels}
+    keys = [(any(step[label] > torchs[label] * (1 + 1e-9) for label in torchs),
+             max(step[label] / best[label] for label in labels), k) for k, step in enumerate(steps)]
+    k = min(keys)[2]
+    if outcomes[k][0] == "traced":
+        return k, []
+    other = keys[1 - k]
+    why = "the traced order's is slower than torch's own schedule under a strict model" if other[0] else \
+        f"its worst-case regret {keys[k][1] - 1:.2%} against the traced order's {other[1] - 1:.2%}"
+    return k, [f"{note}: {why}"]
 
 
 def _starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> SolverOptions:
     """``solver`` without the extra starts that belong to a search in the other order of compute
-    (:func:`_compute_order`): in the traced order, those running the same nodes in another
+    (:func:`_orders`): in the traced order, those running the same nodes in another
     order; in torch's, those in the traced order. Any other start is given, to be refused by name
     if it is not one of this graph."""
     if base is traced:
@@ -511,13 +523,6 @@ def _starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> S
     else:
         keep = tuple(s for s in solver.extra_starts if node_order(s) != traced.seq)
     return solver if keep == solver.extra_starts else dataclasses.replace(solver, extra_starts=keep)
-
-
-def _best_start(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
-                baselines: Sequence[tuple[str, Schedule]]) -> SolveResult:
-    """The plan's starts alone (no windows, no polish) over ``problems``."""
-    return search(problems, budget, backend=None, time_limit_s=1e-9, extra_starts=solver.extra_starts,
-                  config=solver.search, all_gather_stream=solver.all_gather_stream, baselines=baselines)
 
 
 def _torch_notes(runs: Sequence[TorchStart]) -> list[str]:
