@@ -56,7 +56,8 @@ from scheduler.integrate import cache, consensus
 from scheduler.check.written import Candidate, Figures, choose, write_and_judge
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.export.dag import export_problems
-from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology, resolve_cost_model
+from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
+from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report, read_provenance

@@ -86,7 +86,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.costs.models import Cluster
+from scheduler.costs.hardware import Cluster
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, ScheduleError, Step
 from solvers.core.simulator import ScheduleInvalidError

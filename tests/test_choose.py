@@ -23,7 +23,7 @@ from scheduler.api import REPORT_KEY  # noqa: E402
 from scheduler.check.written import choose, graph_digest, judge_graph, write_and_judge  # noqa: E402
 from scheduler.costs.family import cost_model_family, cost_models  # noqa: E402
 from scheduler.export.dag import export_problems  # noqa: E402
-from scheduler.costs.models import Cluster, GroupInfo  # noqa: E402
+from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
 from scheduler.export.dag import export_dag  # noqa: E402
 from scheduler.check.judge import liveness_peak, torch_tracker_peak  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem  # noqa: E402

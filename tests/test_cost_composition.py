@@ -14,17 +14,10 @@ import copy
 import pytest
 
 from scheduler.costs.family import CostModelFamily, cost_models, merged_cost_sources
-from scheduler.costs.models import (
-    AnalyticCostModel,
-    Cluster,
-    ComposedCostModel,
-    CostSpec,
-    GroupInfo,
-    TableCostModel,
-    TorchCostModel,
-    parse_cost_spec,
-    resolve_cost_model,
-)
+from scheduler.costs.hardware import Cluster, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, TableCostModel
+from scheduler.costs.spec import ComposedCostModel, CostSpec, parse_cost_spec, resolve_cost_model
+from scheduler.costs.torch_model import TorchCostModel
 
 torch = pytest.importorskip("torch")
 
@@ -295,7 +288,7 @@ def test_the_family_of_no_spec_is_the_default_family():
 def test_the_files_of_a_composed_spec_key_the_caches(tmp_path):
     """The inductor pass keys its cache on the files a spec reads: a composed spec's table and
     trace are both named, and a rewritten table changes the key."""
-    from scheduler.costs.models import cost_model_files
+    from scheduler.costs.spec import cost_model_files
 
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02"])
     trace = tmp_path / "p.json"

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module 
 
 from gloo_harness import ChildProcessFailed, MultiprocessTimeout, free_port, run_multiprocess  # noqa: E402
 
-from scheduler.costs.models import AnalyticCostModel, GroupInfo  # noqa: E402
+from scheduler.costs.hardware import GroupInfo  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel  # noqa: E402
 from scheduler.costs.measure import MeasuredCostModel, fit_collectives  # noqa: E402
 
 COMPUTE_ATTRS = {"kind": "compute", "flops": 10**9, "bytes_accessed": 10**6, "dtype": "float32"}

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from scheduler.costs.models import Cluster
+from scheduler.costs.hardware import Cluster
 from scheduler.whatif.synthetic import make_fsdp_dag
 from solvers import InfeasibleBudgetError, Problem, Schedule, ScheduleError, SolveStatus, solve, solve_budgets
 from solvers.core.simulator import simulate

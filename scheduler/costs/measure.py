@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from scheduler.costs.tables import COLLECTIVES, DEFAULT_TABLE_SIZES, CollectiveRow, CollectiveTable
-from scheduler.costs.models import AnalyticCostModel, Cluster, CostModel, GroupInfo, source_of
+from scheduler.costs.hardware import Cluster, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, CostModel, source_of
 from scheduler.integrate.cache import cache_root
 from solvers.core.units import fit_line, fmt_bytes
 
@@ -114,7 +115,7 @@ class MeasuredCostModel:
             beta_ms_per_byte * payload_bytes``. Others fall back.
         fallback: model for everything not measured (default: ``AnalyticCostModel(cluster)``).
         cluster: counts the nodes a priced group spans (default: the fallback's cluster, else
-            :class:`~scheduler.costs.models.Cluster`).
+            :class:`~scheduler.costs.hardware.Cluster`).
     """
 
     name = "measured"

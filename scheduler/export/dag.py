@@ -13,10 +13,10 @@ Graph attributes (``dag.graph``):
         does not: the group is then priced as ``size`` consecutive ranks).
     world_size (int | None): ranks of the world the groups live in (the initialised default
         group's size, else one more than the largest rank named); None when unknown.
-    cluster (dict): the :class:`scheduler.costs.models.Cluster` the costs were computed for.
+    cluster (dict): the :class:`scheduler.costs.hardware.Cluster` the costs were computed for.
     cost_model (str): name of the cost model.
     cost_sources (dict): what priced each cost component (compute, each group's collectives,
-        bucket copies) and whether it was measured (:func:`scheduler.costs.models.annotate_costs`).
+        bucket copies) and whether it was measured (:func:`scheduler.costs.annotate.annotate_costs`).
     comm_model (dict): "<coll_type>|<group_name>" -> {"alpha_ms": float,
         "beta_ms_per_byte": float}: time of a merged collective of ``payload_bytes`` is
         ``alpha_ms + beta_ms_per_byte * payload_bytes`` (fitted from the cost model; the
@@ -95,7 +95,10 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler.costs.family import ComputeFrom, compute_key
-from scheduler.costs.models import Cluster, CostModel, CoverageCheck, annotate_costs, resolve_cost_model
+from scheduler.costs.annotate import CoverageCheck, annotate_costs
+from scheduler.costs.hardware import Cluster
+from scheduler.costs.models import CostModel
+from scheduler.costs.spec import resolve_cost_model
 from solvers.core.problem import Problem
 from scheduler.export.schema import KINDS, SCHEMA, SCHEMA_VERSION, UNMODELLED_COLLECTIVES, DagError, check_dag_json
 
@@ -138,9 +141,9 @@ def export_dag(
         gm: a partitioned forward or backward graph whose nodes carry ``meta['val']``
             (FakeTensors or real tensors) with static shapes.
         cost_model: assigns ``runtime_ms``: a cost model object, or a name (``"analytic"``,
-            ``"torch"``; see :func:`scheduler.costs.models.resolve_cost_model`); default the analytic
+            ``"torch"``; see :func:`scheduler.costs.spec.resolve_cost_model`); default the analytic
             model on ``cluster``.
-        cluster: topology; default :class:`scheduler.costs.models.Cluster` with the graph's
+        cluster: topology; default :class:`scheduler.costs.hardware.Cluster` with the graph's
             world (``world_size``: H100s, 8 per node). Each group is priced by the nodes its
             ranks span on the cluster's ``gpus_per_node``.
         name: stored as the DAG's name (default: ``gm.meta["fsdp_graph_kind"]`` or "graph").
@@ -151,7 +154,7 @@ def export_dag(
             concatenation rounds differently from separate ones (bitwise equal on 2 ranks, not
             on more), while a merged reduce-scatter's results are bitwise those of its members.
         coverage_check: a WARNING when a cost model that prices from a file priced too little
-            of the graph from it (:class:`scheduler.costs.models.CoverageCheck`); None: no check.
+            of the graph from it (:class:`scheduler.costs.annotate.CoverageCheck`); None: no check.
 
     Raises:
         DagError: a tensor node without ``meta['val']``, a symbolic shape, or a collective
@@ -400,7 +403,7 @@ def _bytes_accessed(node: "torch.fx.Node", out_bytes: int, written: "torch.fx.No
     """Bytes a compute op reads and writes: its output plus its tensor inputs, except that an
     allocation (``empty``) touches nothing and the destination of ``copy_`` / an ``out=``
     argument is written (counted once, as the output), not read."""
-    from scheduler.costs.models import ALLOC_ONLY_OPS
+    from scheduler.costs.torch_model import ALLOC_ONLY_OPS
 
     if _packet_name(node.target) in ALLOC_ONLY_OPS:
         return 0

@@ -31,7 +31,7 @@ from typing import Any
 
 import networkx as nx
 
-from scheduler.costs.models import GPU_PRESETS, Cluster, GPUSpec
+from scheduler.costs.hardware import Cluster, GPUSpec, GPU_PRESETS
 from scheduler.export.structure import PHASES, SOURCES
 
 SCHEMA = "fsdp-sched/dag"
@@ -220,7 +220,7 @@ STRUCTURE = {
     "error": optional(STR),
 }
 
-#: what a cost model priced from its own data (:func:`scheduler.costs.models.annotate_costs`)
+#: what a cost model priced from its own data (:func:`scheduler.costs.annotate.annotate_costs`)
 FALLBACK_GROUP = {"group_name": STR, "coll_type": STR, "group_size": COUNT, "nodes": COUNT}
 COST_COVERAGE = {
     "compute_ms": TIME_MS,
@@ -234,7 +234,7 @@ COST_COVERAGE = {
 
 def _is_cost_sources(v: Any) -> bool:
     """``{"compute": [...], "collectives": [...], "copies": {"source": ...}}``
-    (:func:`scheduler.costs.models.annotate_costs`)."""
+    (:func:`scheduler.costs.annotate.annotate_costs`)."""
     def rec(r: Any, fields: Mapping[str, Attr]) -> bool:
         return _is_record(r) and set(r) == set(fields) and all(fields[k].test(r[k]) for k in r)
 
@@ -244,7 +244,7 @@ def _is_cost_sources(v: Any) -> bool:
             and rec(v["copies"], {"source": STR}))
 
 
-#: what priced a cost component (:func:`scheduler.costs.models.annotate_costs`)
+#: what priced a cost component (:func:`scheduler.costs.annotate.annotate_costs`)
 COMPUTE_SOURCE = {"source": STR, "measured": BOOL, "nodes": COUNT, "ms": TIME_MS}
 COLLECTIVE_SOURCE = {"group_name": STR, "coll_type": STR, "group_size": COUNT, "nodes": COUNT, "source": STR,
                      "measured": BOOL, "count": COUNT, "ms": TIME_MS}
@@ -258,7 +258,7 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "order": list_of(NAME),
     "process_groups": record("a JSON object: group name -> {size, ranks}", PROCESS_GROUP, keyed=STR,
                              then=_process_groups_problem),
-    "cluster": record("a cluster record (scheduler.costs.models.Cluster.to_json())", _dataclass_table(Cluster),
+    "cluster": record("a cluster record (scheduler.costs.hardware.Cluster.to_json())", _dataclass_table(Cluster),
                       then=_cluster_problem),
     "cost_model": STR,
     "comm_model": record("a JSON object: '<coll_type>|<group_name>' -> {alpha_ms, beta_ms_per_byte, table}",
@@ -266,10 +266,10 @@ GRAPH_ATTRS: dict[str, Attr] = {
     "copy_ms_per_byte": MS_PER_BYTE,
     "copy_ms_fixed": TIME_MS,
     "structure": optional(record("a structure summary (scheduler.export.structure)", STRUCTURE)),
-    "cost_coverage": optional(record("a cost coverage record (scheduler.costs.models.annotate_costs)", COST_COVERAGE)),
+    "cost_coverage": optional(record("a cost coverage record (scheduler.costs.annotate.annotate_costs)", COST_COVERAGE)),
     "cost_sources": optional(Attr("a cost sources record {compute: [{source, measured, nodes, ms}], collectives: "
                                   "[{group_name, coll_type, group_size, nodes, source, measured, count, ms}], "
-                                  "copies: {source}} (scheduler.costs.models.annotate_costs)", _is_cost_sources)),
+                                  "copies: {source}} (scheduler.costs.annotate.annotate_costs)", _is_cost_sources)),
     "world_size": optional(nullable(COUNT)),
     "merge_all_reduces": optional(BOOL),
 }
