@@ -17,8 +17,8 @@ from typing import Any
 
 _EXPORTS = {
     "export_dag": "scheduler.export.dag",
-    "save_dag": "scheduler.export.dag",
-    "load_dag": "scheduler.export.dag",
+    "save_dag": "scheduler.export.dagfile",
+    "load_dag": "scheduler.export.dagfile",
     "DagError": "scheduler.export.dag",
     "Cluster": "scheduler.costs.hardware",
     "GPUSpec": "scheduler.costs.hardware",

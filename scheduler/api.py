@@ -55,7 +55,7 @@ import networkx as nx
 from scheduler.integrate import cache, consensus
 from scheduler.check.written import Candidate, Figures, choose, write_and_judge
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
-from scheduler.export.dag import export_problems
+from scheduler.costs.pricing import export_problems
 from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
 from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives

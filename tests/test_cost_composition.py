@@ -158,7 +158,7 @@ def test_a_table_family_takes_collectives_from_the_table_and_compute_from_each_m
     """Under ``table:PATH`` covering every collective, the members are analytic and torch (no
     bandwidth scales: no collective is left to a network model): their compute differs, their
     collective times are the table's in both."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     gm = layers
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02", f"all_gather,{W},1,32768,0.022"])
@@ -175,7 +175,7 @@ def test_a_table_family_takes_collectives_from_the_table_and_compute_from_each_m
 def test_a_group_without_a_row_is_hedged_over_the_network_models(toy, tmp_path):
     """A table of the all-gathers only: the reduce-scatters are priced by each NCCL model on
     each bandwidth scale (six members), the all-gathers by the table in all six."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     csv = _ag_table(tmp_path, toy)
     problems = export_problems(toy, cost_models(f"table:{csv}", None, (0.7, 1.3)), None)
@@ -190,7 +190,7 @@ def test_a_group_without_a_row_is_hedged_over_the_network_models(toy, tmp_path):
 def test_a_spec_that_fixes_every_part_is_one_model(layers, tmp_path):
     """``compute:torch+table:PATH`` with a row for every collective, and ``torch``, are one
     model, labelled by the spec; the same compute without the table hedges its collectives."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02"])
     spec = f"compute:torch+table:{csv}"

@@ -251,7 +251,8 @@ def test_torch_cost_model_charges_nothing_for_getitem_views_and_empty():
     import torch.utils._runtime_estimation as rte
     from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
-    from scheduler.costs.torch_model import TorchCostModel, moves_no_data
+    from scheduler.costs.torch_model import TorchCostModel
+    from scheduler.export.ops import moves_no_data
 
     gm = _bucket_split_graph()
     model = TorchCostModel(H100)

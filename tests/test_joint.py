@@ -292,7 +292,7 @@ def test_per_block_plan_prefetches_into_the_backward_and_the_search_keeps_up(joi
     torch's."""
     from scheduler.costs.family import cost_model_family
     from scheduler.costs.hardware import Cluster
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
     from solvers.core.evaluate import evaluate
     from solvers.search import search
 

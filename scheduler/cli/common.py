@@ -16,7 +16,8 @@ import networkx as nx
 
 from scheduler.whatif import plots
 from scheduler.costs.hardware import Cluster
-from scheduler.export.dag import DagError, dag_to_json, export_dag, load_dag
+from scheduler.export.dag import DagError, export_dag
+from scheduler.export.dagfile import dag_to_json, load_dag
 from solvers.core import InfeasibleBudgetError, parse_bytes, simulate, units
 from solvers.registry import solve
 

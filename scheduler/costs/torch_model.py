@@ -14,6 +14,7 @@ from typing import Any
 
 from scheduler.costs.hardware import Cluster, GroupInfo
 from scheduler.costs.models import AnalyticCostModel, all_to_all_ms, is_all_to_all
+from scheduler.export.ops import moves_no_data
 
 logger = logging.getLogger(__name__)
 
@@ -208,20 +209,3 @@ def torch_nccl_topology(cluster: Cluster, group: GroupInfo) -> Any:
     stack.enter_context(_replaced(comm_analysis, "_has_nvlink", lambda: True))
     stack.enter_context(_replaced(comm_analysis, "torch", _TorchView(per_node)))
     return stack
-
-
-#: ops that only allocate (no kernel touches the bytes)
-ALLOC_ONLY_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
-
-
-def moves_no_data(fx_node: Any) -> bool:
-    """Whether an FX node moves no data on the device: ``operator.getitem``, views,
-    ``aten._unsafe_view`` (a view autograd does not track) and allocations (``aten.empty``)."""
-    import operator
-
-    target = getattr(fx_node, "target", None)
-    if target is operator.getitem or getattr(target, "is_view", False):
-        return True
-    schema = getattr(target, "_schema", None)
-    name = schema.name.split("::")[-1] if schema is not None else ""
-    return name == "_unsafe_view" or name in ALLOC_ONLY_OPS

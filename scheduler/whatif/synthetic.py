@@ -1,7 +1,7 @@
 """Synthetic cost-annotated DAGs, built by hand without torch.
 
 Two tools, both producing DAGs with exactly the node and graph attributes of the schema in
-:mod:`scheduler.export.dag` (so that :func:`scheduler.export.dag.validate_dag`, :class:`solvers.Problem`, the
+:mod:`scheduler.export.dag` (so that :func:`scheduler.export.dagfile.validate_dag`, :class:`solvers.Problem`, the
 simulator and the validator accept them like exported graphs):
 
 - :func:`make_fsdp_dag`: an FSDP-like forward or backward graph of a decoder with ``n_layers``
@@ -35,7 +35,9 @@ import networkx as nx
 from scheduler.costs.annotate import annotate_costs
 from scheduler.costs.hardware import Cluster
 from scheduler.costs.models import AnalyticCostModel, TableCostModel
-from scheduler.export.dag import NODE_DEFAULTS, SCHEMA, SCHEMA_VERSION, validate_dag
+from scheduler.export.dag import NODE_DEFAULTS
+from scheduler.export.dagfile import validate_dag
+from scheduler.export.schema import SCHEMA, SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
