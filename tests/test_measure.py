@@ -22,7 +22,8 @@ from gloo_harness import ChildProcessFailed, MultiprocessTimeout, free_port, run
 
 from scheduler.costs.hardware import GroupInfo  # noqa: E402
 from scheduler.costs.models import AnalyticCostModel  # noqa: E402
-from scheduler.costs.measure import MeasuredCostModel, fit_collectives  # noqa: E402
+from scheduler.costs.measure import MeasuredCostModel  # noqa: E402
+from scheduler.costs.measure_collectives import fit_collectives  # noqa: E402
 
 COMPUTE_ATTRS = {"kind": "compute", "flops": 10**9, "bytes_accessed": 10**6, "dtype": "float32"}
 
@@ -319,7 +320,7 @@ def test_measure_logs_each_timing_and_its_spread_on_rank_0_only(tmp_path):
 def test_noisy_rows_are_the_spread_and_the_smaller_but_slower():
     """A row whose samples spread more than the threshold, and one slower than a larger size of
     its collective by more than it, are named; timings that grow with size and agree are not."""
-    from scheduler.costs.measure import CollectiveTiming, noisy_rows
+    from scheduler.costs.measure_collectives import CollectiveTiming, noisy_rows
 
     clean = [CollectiveTiming("all_to_all", 4 << 10, 0.050, 0.05), CollectiveTiming("all_to_all", 16 << 10, 0.049, 0.1),
              CollectiveTiming("all_to_all", 1 << 20, 0.5, 0.1)]
