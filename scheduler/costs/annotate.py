@@ -63,8 +63,8 @@ def group_info(dag: nx.DiGraph, group_name: str) -> GroupInfo:
     return GroupInfo(group_name, int(g["size"]), tuple(ranks) if ranks else None)
 
 
-#: payloads at which a merged collective's time is tabulated (geometric spacing; linear
-#: interpolation between neighbours is within 0.5 % of torch's concave NCCL estimate)
+#: payloads at which a merged collective's time is tabulated (geometric spacing, dense enough
+#: that linear interpolation between neighbours follows torch's concave NCCL estimate)
 COMM_TABLE_POINTS = 65
 
 
@@ -95,8 +95,8 @@ def annotate_costs(
     linear solver models use it), and a table of the model's own times at
     :data:`COMM_TABLE_POINTS` payloads spaced geometrically over that range, which the
     simulator interpolates (:meth:`solvers.core.problem.Problem.bucket_comm_ms`): torch's NCCL
-    estimate is concave in the payload, so the line alone under-prices a block-sized bucket by
-    up to 20 % there, and the prediction would disagree with the re-exported graph.
+    estimate is concave in the payload, so the line alone under-prices a block-sized bucket
+    there, and the prediction would disagree with the re-exported graph.
 
     Records where each price came from: ``dag.graph["cost_sources"]`` (every model:
     :meth:`_Coverage.sources`) and ``dag.graph["cost_coverage"]`` (models that say what they

@@ -1,8 +1,7 @@
 """The family of plausible cost models: what a schedule is judged under where a cost is not known.
 
-No single model is the machine: the analytic model and torch's estimators disagree by 1.2x to
-1.8x on the same graphs and prefer other bucket sizes, and bandwidths differ from one cluster
-to the next. What a file measured is known, though, and only that: a collective table fixes the
+No single model is the machine: the analytic model and torch's estimators disagree on the same
+graphs and prefer other bucket sizes, and bandwidths differ from one cluster to the next. What a file measured is known, though, and only that: a collective table fixes the
 collectives of the groups it has rows for, a profile fixes the compute nodes it timed (and the
 collectives of a gloo group it ran). So a cost model spec (:class:`scheduler.costs.spec.CostSpec`)
 gives a family (:class:`CostModelFamily`, :func:`cost_models`) whose members price what is fixed
