@@ -1,5 +1,5 @@
 """Measured costs fix only what they measure: cost model specs and their parts
-(scheduler/costs/models.py CostSpec, ComposedCostModel), the family of a spec
+(scheduler/costs/spec.py CostSpec, ComposedCostModel), the family of a spec
 (scheduler/costs/family.py CostModelFamily), and the report's sources of every cost component.
 
 A table fixes the collectives of the groups it has rows for; compute stays open and is priced

@@ -1,4 +1,4 @@
-"""Tests of scheduler/measure.py (measured costs) and of tests/gloo_harness.py.
+"""Tests of scheduler/costs/measure.py and measure_collectives.py (measured costs) and of tests/gloo_harness.py.
 
 Compute timing runs on graphs traced with make_fx in fake mode (meta['val'] holds FakeTensors,
 as in captured FSDP graphs). Collective fitting and the harness run real 2-process gloo groups.
