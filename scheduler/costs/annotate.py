@@ -162,8 +162,9 @@ def annotate_costs(
 class _Coverage:
     """What of a DAG a cost model priced from its own data (a profile, a measured table) and
     what it left to its fallback, for models that say (``compute_matched`` /
-    ``collective_matched`` returning True or False, as :class:`TableCostModel` with a
-    collectives table and :class:`ProfileCostModel` do; None: the model does not say)."""
+    ``collective_matched`` returning True or False, as
+    :class:`~scheduler.costs.models.TableCostModel` with a collectives table and
+    :class:`~scheduler.costs.models.ProfileCostModel` do; None: the model does not say)."""
 
     def __init__(self, cost_model: CostModel, cluster: Cluster):
         self.cluster = cluster

@@ -1,10 +1,11 @@
 """The family of plausible cost models: what a schedule is judged under where a cost is not known.
 
 No single model is the machine: the analytic model and torch's estimators disagree on the same
-graphs and prefer other bucket sizes, and bandwidths differ from one cluster to the next. What a file measured is known, though, and only that: a collective table fixes the
-collectives of the groups it has rows for, a profile fixes the compute nodes it timed (and the
-collectives of a gloo group it ran). So a cost model spec (:class:`scheduler.costs.spec.CostSpec`)
-gives a family (:class:`CostModelFamily`, :func:`cost_models`) whose members price what is fixed
+graphs and prefer other bucket sizes, and bandwidths differ from one cluster to the next. What
+a file measured is known, though, and only that: a collective table fixes the collectives of
+the groups it has rows for, a profile fixes the compute nodes it timed (and the collectives of
+a gloo group it ran). So a cost model spec (:class:`scheduler.costs.spec.CostSpec`) gives a
+family (:class:`CostModelFamily`, :func:`cost_models`) whose members price what is fixed
 alike and each open component (one the spec names no model for) by one plausible model:
 analytic or torch's estimators, collectives also on the intra- and inter-node bandwidths scaled
 by each of ``bandwidth_scales``. The search minimises the worst-case regret over the members

@@ -167,8 +167,8 @@ class TableCostModel:
       group size, the nodes the group's ranks span (:meth:`GroupInfo.n_nodes` on ``cluster``)
       and the per-rank input bytes; log-log interpolation between rows, bandwidth scaling
       outside them (see :class:`~scheduler.costs.tables.CollectiveTable`). A group without a
-      row falls back, and :func:`annotate_costs` records it in the DAG's ``cost_coverage``
-      (``ScheduleReport.cost_coverage["fallback_groups"]``).
+      row falls back, and :func:`~scheduler.costs.annotate.annotate_costs` records it in the
+      DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage["fallback_groups"]``).
     - ``compute``: ``{node name or target: ms}``, looked up by node name first, then by
       target (e.g. ``"aten.mm.default"``), or a callable receiving the node attributes and
       returning ms or None.
@@ -307,8 +307,8 @@ class ProfileCostModel:
     :mod:`scheduler.costs.profiles`); nodes without a matching call, collectives and bucket
     copies are priced by ``fallback`` (default: the analytic model on ``cluster``; give a
     :class:`TableCostModel` of measured collective times to price collectives from
-    measurements too). :func:`annotate_costs` records the share of compute time that was
-    matched in the DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage``).
+    measurements too). :func:`~scheduler.costs.annotate.annotate_costs` records the share of
+    compute time that was matched in the DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage``).
 
     A CPU trace of a gloo group also prices each collective it ran, of the same kind on the
     same per-rank input bytes, by the time gloo took for it in that step

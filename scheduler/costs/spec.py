@@ -285,8 +285,9 @@ class ComposedCostModel:
     table's fallback, the analytic model). The spec ``"compute:torch+table:colls.csv"``
     (:class:`CostSpec`) names a model of the same parts.
 
-    What priced each part (:func:`annotate_costs`' ``cost_sources``) and what was measured
-    (``compute_matched`` / ``collective_matched``) are each part's own answers.
+    What priced each part (``cost_sources`` of :func:`~scheduler.costs.annotate.annotate_costs`)
+    and what was measured (``compute_matched`` / ``collective_matched``) are each part's own
+    answers.
 
     Args:
         compute: prices compute nodes (and, unless ``copies`` is given, bucket copies).
