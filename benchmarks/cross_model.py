@@ -79,7 +79,7 @@ def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "
 
 def run(models: list[str], time_limit_s: float, budget_of: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
     from models.capture import fake_process_group
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
 
     out = []
     for spec in models:

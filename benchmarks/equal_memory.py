@@ -50,7 +50,7 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
     """All rows, and the JSON of every comparison."""
     from scheduler.compare import equal_memory
     from models.capture import fake_process_group
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
     from scheduler.options import SolverOptions
 
     rows, data = [], []

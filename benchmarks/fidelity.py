@@ -114,7 +114,7 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
     import scheduler
     from models.fsdp import make_mesh
     from models.llama import get_config
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
     from scheduler.costs.measure import MeasuredCostModel
 
     if rank == 0:

@@ -5,7 +5,7 @@ published H100 tables, see ``benchmarks/data/README.md``), the time our cost mod
 that collective, input size and group, against the measured time (ratio predicted / measured):
 
 - ``analytic``: :class:`scheduler.costs.models.AnalyticCostModel` (NCCL ring alpha-beta);
-- ``torch``: :class:`scheduler.costs.models.TorchCostModel` (torch's NCCL estimator), the group priced
+- ``torch``: :class:`scheduler.costs.torch_model.TorchCostModel` (torch's NCCL estimator), the group priced
   by the nodes its ranks span;
 - ``torch (size only)``: the same estimator given the group size alone, as torch prices an FX
   node by itself (``ceil(size / 8)`` nodes): what the torch model did before it counted nodes
@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scheduler.costs.tables import CollectiveTable  # noqa: E402
-from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TorchCostModel  # noqa: E402
+from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel  # noqa: E402
+from scheduler.costs.torch_model import TorchCostModel  # noqa: E402
 
 DEFAULT_TABLE = REPO / "benchmarks" / "data" / "autoparallel_h100"
 MODELS = ("analytic", "torch", "torch (size only)")

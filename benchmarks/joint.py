@@ -105,7 +105,7 @@ def run_spec(spec: str, *, sac: bool = False, reshard: bool = True, baselines: S
     limit (None: ``optimize_schedule``'s default)."""
     import models
     from models.capture import fake_process_group
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
     from scheduler.options import SolverOptions
 
     solver = SolverOptions() if time_limit_s is None else SolverOptions(time_limit_s=time_limit_s)
@@ -133,7 +133,7 @@ def _run_foreign(spec: str, *, baselines: Sequence[str], cost_models: Sequence[s
     :func:`run_spec` compares a preset's. One fake world from the capture on, so that the
     style's own groups resolve when graphs are written back."""
     from models.capture import fake_process_group
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
 
     parts = spec.split(":")
     if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():

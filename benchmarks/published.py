@@ -55,7 +55,9 @@ BUDGETS = ("none", "peak")
 
 def judges(csv: Path) -> dict[str, Any]:
     """The three judges (module docstring)."""
-    from scheduler.costs.models import Cluster, TableCostModel, TorchCostModel
+    from scheduler.costs.hardware import Cluster
+    from scheduler.costs.models import TableCostModel
+    from scheduler.costs.torch_model import TorchCostModel
     from scheduler.costs.tables import CollectiveTable
 
     measured = TableCostModel(collectives=CollectiveTable.read(csv), fallback=TorchCostModel(Cluster()),

@@ -164,7 +164,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def cache_key(model: str, n_layers: int | None, world_size: int, gpus_per_node: int,
               options: dict[str, Any]) -> str:
-    from scheduler.export.dag import SCHEMA_VERSION
+    from scheduler.export.schema import SCHEMA_VERSION
 
     ident = json.dumps({"v": CACHE_VERSION, "dag_schema": SCHEMA_VERSION, "model": model, "n_layers": n_layers, "world_size": world_size,
                         "gpus_per_node": gpus_per_node, "options": options}, sort_keys=True, default=str)
@@ -175,7 +175,8 @@ def cache_key(model: str, n_layers: int | None, world_size: int, gpus_per_node: 
 def load_graphs(model: str, args: argparse.Namespace, cluster) -> dict[str, tuple[Any, dict]]:
     """graph name -> (DAG, torch-baseline row), from the cache or by tracing (then cached)."""
     from scheduler import export_dag
-    from scheduler.export.dag import DagError, load_dag, save_dag
+    from scheduler.export.dag import DagError
+    from scheduler.export.dagfile import load_dag, save_dag
 
     key = cache_key(model, args.n_layers, args.world_size, args.gpus_per_node, args.options)
     paths = {g: (args.cache_dir / f"{key}-{g}.json", args.cache_dir / f"{key}-{g}-torch.json") for g in args.graphs}

@@ -63,7 +63,7 @@ def run_graph(spec: str, kind: str, budget_of: str | None = None) -> list[dict[s
     import scheduler
     from models import capture_fsdp_graphs
     from scheduler.check.written import judge_graph
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
     from solvers.core.evaluate import ModelEvaluator
     from solvers.cpsat import CpSatBackend
     from solvers.search import SearchConfig, search

@@ -50,7 +50,8 @@ MiB = 1 << 20
 
 def _cost_model(name: str, cluster: Any) -> Any:
     # objects rather than names, so that the script also runs on versions before the resolver
-    from scheduler.costs.models import AnalyticCostModel, TorchCostModel
+    from scheduler.costs.models import AnalyticCostModel
+    from scheduler.costs.torch_model import TorchCostModel
 
     return {"analytic": AnalyticCostModel, "torch": TorchCostModel}[name](cluster)
 
@@ -59,7 +60,7 @@ def agreement_row(gm: Any, *, world_size: int, schedule: str, cost_model: str, c
     """One case (see the module docstring); ``gm`` is not modified."""
     from models.capture import fake_process_group
     from scheduler import apply_schedule, export_dag, simulate
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
     from scheduler.check.judge import liveness_peak, torch_tracker_peak
     from solvers import Problem, solve
 

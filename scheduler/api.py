@@ -55,8 +55,9 @@ import networkx as nx
 from scheduler.integrate import cache, consensus
 from scheduler.check.written import Candidate, Figures, choose, write_and_judge
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
-from scheduler.export.dag import export_problems
-from scheduler.costs.models import Cluster, cluster_disagreement, graph_topology, resolve_cost_model
+from scheduler.costs.pricing import export_problems
+from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
+from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, make_report, read_provenance
@@ -159,7 +160,7 @@ def optimize_schedule(
         mem_budget: peak-memory budget, bytes or a string like ``"40GiB"``; None: no limit.
             The written graph holds it by the execution model's count and a liveness count
             (torch's MemoryTracker rules are reported: :mod:`scheduler.check.written`).
-        cost_model: None (default), a name or spec (:class:`scheduler.costs.models.CostSpec`:
+        cost_model: None (default), a name or spec (:class:`scheduler.costs.spec.CostSpec`:
             ``"torch"``, ``"table:PATH"``, ``"compute:torch+table:PATH"``, ...), or a cost
             model object. The schedule has the least worst-case regret over the family of the
             spec (:mod:`scheduler.costs.family`): what a file measured is fixed in every member,

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from scheduler.costs.family import merged_cost_sources
-from scheduler.costs.models import graph_topology, topology_line
+from scheduler.costs.hardware import graph_topology, topology_line
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, SolveStatus
 from solvers.core.simulator import SimResult
@@ -107,7 +107,7 @@ class ScheduleReport:
     #: the answer came from the schedule cache (:mod:`scheduler.integrate.cache`), not from a solve
     cache_hit: bool = False
     #: what the cost model priced from its own data (a profile, a measured table) and what
-    #: it left to its fallback (:func:`scheduler.costs.models.annotate_costs`): ``compute_ms``,
+    #: it left to its fallback (:func:`scheduler.costs.annotate.annotate_costs`): ``compute_ms``,
     #: ``compute_matched_ms``, ``compute_matched_share``, ``fallback_groups`` (group_name,
     #: coll_type, group_size, nodes per group priced by the fallback); empty for a model that
     #: does not say (analytic, torch)
@@ -118,7 +118,7 @@ class ScheduleReport:
     #: its ``items``, the ``measured`` sources (``source``, ``items``, ``share`` of the time) and
     #: the ``rest`` (``items``, ``sources``: one name fixed, several the models hedged over)
     cost_sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    #: the topology the graph was priced on (:func:`scheduler.costs.models.graph_topology`):
+    #: the topology the graph was priced on (:func:`scheduler.costs.hardware.graph_topology`):
     #: ``world_size``, ``gpus_per_node``, ``n_gpus`` and per group its ranks and the nodes they span
     topology: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: the start the search's schedule was found from: the one that won ("torch-overlap",

@@ -7,7 +7,7 @@ fits the budget, the answer is no slower than it under the models the search jud
 cost model given, else the strict ones of the family) as the simulator prices both. This module
 
 1. runs torch's pass on a copy of the graph (:func:`torch_overlap_schedule`) with every GPU
-   query answered from a :class:`scheduler.costs.models.Cluster` (roofline peak numbers, NCCL
+   query answered from a :class:`scheduler.costs.hardware.Cluster` (roofline peak numbers, NCCL
    bandwidths, GPU generation, NVLink), so that it runs without a GPU, as the evaluation
    harness runs it as a baseline;
 2. reads its written graph back (:func:`read_back`) into a
@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from scheduler.costs.models import Cluster
+from scheduler.costs.hardware import Cluster
 from solvers.core.order import in_order
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, ScheduleError, Step
@@ -136,7 +136,7 @@ def torch_overlap_schedule(
 
     Runs with ``collective_bucketing=True`` and analytical compute and collective estimators
     (no GPU needed, and no rank waits for another), priced for ``cluster`` (default
-    :class:`scheduler.costs.models.Cluster`): the roofline uses the cluster GPU's peak FLOP/s and
+    :class:`scheduler.costs.hardware.Cluster`): the roofline uses the cluster GPU's peak FLOP/s and
     HBM bandwidth, the NCCL model its intra / inter-node bandwidths and GPU generation.
 
     Args:

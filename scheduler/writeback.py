@@ -39,7 +39,7 @@ reference liveness count of the rewritten graph (:mod:`scheduler.check.judge`; t
 buckets the communication agrees exactly; step time differs by what torch's merge emits that
 the simulator prices as one copy-in and one copy-out per bucket: a ``cat`` and a ``copy_``
 (into which the member casts are folded) at issue, one ``clone`` per member at the wait
-(``benchmarks/writeback_agreement.py`` measures it: up to ~3 % on llama3-debug).
+(``benchmarks/writeback_agreement.py`` measures the difference).
 """
 
 from __future__ import annotations
@@ -286,8 +286,8 @@ def _merge_bucket(
     fqns = [f for n in colls for f in problem.colls[n.name].fqns]
     indices = [problem.colls[n.name].param_index for n in colls]
     # torch records each merged node's provenance with a deep copy of every member's own
-    # provenance chain, per new node: most of a merge's time on graphs from aot_autograd. The
-    # chains are shared instead (provenance is read, never changed), so the record is the same.
+    # provenance chain, per new node, and aot_autograd's chains are long. The chains are
+    # shared instead (provenance is read, never changed), so the record is the same.
     provenance = {n.name: n.meta.pop("from_node") for n in colls if "from_node" in n.meta}
     try:
         new_nodes, _ = merge(

@@ -31,7 +31,8 @@ from scheduler import api
 from scheduler.integrate import cache
 from scheduler.integrate import compile as compile_
 from scheduler.check.written import graph_digest
-from scheduler.export.dag import dag_from_json, dag_to_json, export_dag
+from scheduler.export.dag import export_dag
+from scheduler.export.dagfile import dag_from_json, dag_to_json
 from solvers import Problem, Schedule, SolveStatus
 from test_writeback import COSTS, gloo_group, n_collectives, real_inputs, toy_graph
 

@@ -28,7 +28,7 @@ from scheduler import (
 from scheduler import cli
 from scheduler.cli import sweep
 from scheduler.costs.models import AnalyticCostModel, TableCostModel
-from scheduler.export.dag import dag_to_json, load_dag, save_dag
+from scheduler.export.dagfile import dag_to_json, load_dag, save_dag
 from solvers.core.simulator import ScheduleInvalidError
 from solvers import Bucket, Problem, Schedule, SolveStatus, Step, solve
 from scheduler.whatif.synthetic import make_fsdp_dag

@@ -16,7 +16,7 @@ import networkx as nx
 import pytest
 
 from scheduler.integrate import cache
-from scheduler.export.dag import load_dag, save_dag
+from scheduler.export.dagfile import load_dag, save_dag
 from scheduler.whatif.synthetic import DagBuilder
 
 _TESTS = Path(__file__).parent
@@ -118,7 +118,7 @@ def test_fingerprint_equal_in_processes_with_other_hash_seeds(tmp_path):
         sys.path.insert(0, {str(_TESTS)!r})
         from test_cache import _small_dag
         from scheduler.integrate.cache import dag_fingerprint
-        from scheduler.export.dag import load_dag
+        from scheduler.export.dagfile import load_dag
         with_set = _small_dag()
         with_set.nodes["mm"]["tags"] = {{f"tag{{i}}" for i in range(20)}}
         print(json.dumps([dag_fingerprint(load_dag({str(tmp_path / "dag.json")!r})), dag_fingerprint(with_set)]))

@@ -22,8 +22,8 @@ from scheduler import AgreementOptions, SolverOptions, optimize_schedule  # noqa
 from scheduler.api import REPORT_KEY  # noqa: E402
 from scheduler.check.written import choose, graph_digest, judge_graph, write_and_judge  # noqa: E402
 from scheduler.costs.family import cost_model_family, cost_models  # noqa: E402
-from scheduler.export.dag import export_problems  # noqa: E402
-from scheduler.costs.models import Cluster, GroupInfo  # noqa: E402
+from scheduler.costs.pricing import export_problems  # noqa: E402
+from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
 from scheduler.export.dag import export_dag  # noqa: E402
 from scheduler.check.judge import liveness_peak, torch_tracker_peak  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem  # noqa: E402
@@ -158,11 +158,11 @@ def test_a_budget_the_traced_graph_holds_is_never_refused_when_the_search_finds_
     counts that judge every candidate: the graph as traced is the answer, installed unchanged
     with a note and status "fallback", never an error. Below the traced graph's own peak the
     refusal stands."""
-    import scheduler.export.dag as dag_module
+    import scheduler.costs.pricing as pricing  # the search's export, not the judge's
 
     gm0 = llama.backward
     own = judge_graph(gm0).max_peak_bytes
-    real = dag_module.export_dag
+    real = pricing.export_dag
 
     def over_counting(graph, **kw):
         dag = real(graph, **kw)
@@ -170,7 +170,7 @@ def test_a_budget_the_traced_graph_holds_is_never_refused_when_the_search_finds_
         dag.nodes[first_input]["size_bytes"] += 16 << 20
         return dag
 
-    monkeypatch.setattr(dag_module, "export_dag", over_counting)
+    monkeypatch.setattr(pricing, "export_dag", over_counting)
     gm = copy.deepcopy(gm0)
     optimize_schedule(gm, own, cost_model="analytic", agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
     report = gm.meta[REPORT_KEY]

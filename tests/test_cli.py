@@ -116,7 +116,7 @@ def test_every_command_takes_a_cost_model_by_name(command):
 
 @pytest.mark.slow
 def test_trace_and_solve_price_with_the_named_cost_model(tmp_path, capsys):
-    from scheduler.export.dag import load_dag
+    from scheduler.export.dagfile import load_dag
 
     steps = {}
     for name in ("analytic", "torch"):
@@ -246,7 +246,7 @@ def test_bad_argument_exit_status_in_a_subprocess(tmp_path):
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def small_dag_file(tmp_path):
-    from scheduler.export.dag import save_dag
+    from scheduler.export.dagfile import save_dag
     from scheduler.whatif.synthetic import make_fsdp_dag
 
     path = tmp_path / "small.dag.json"

@@ -1,5 +1,5 @@
 """Measured costs fix only what they measure: cost model specs and their parts
-(scheduler/costs/models.py CostSpec, ComposedCostModel), the family of a spec
+(scheduler/costs/spec.py CostSpec, ComposedCostModel), the family of a spec
 (scheduler/costs/family.py CostModelFamily), and the report's sources of every cost component.
 
 A table fixes the collectives of the groups it has rows for; compute stays open and is priced
@@ -14,17 +14,10 @@ import copy
 import pytest
 
 from scheduler.costs.family import CostModelFamily, cost_models, merged_cost_sources
-from scheduler.costs.models import (
-    AnalyticCostModel,
-    Cluster,
-    ComposedCostModel,
-    CostSpec,
-    GroupInfo,
-    TableCostModel,
-    TorchCostModel,
-    parse_cost_spec,
-    resolve_cost_model,
-)
+from scheduler.costs.hardware import Cluster, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, TableCostModel
+from scheduler.costs.spec import ComposedCostModel, CostSpec, parse_cost_spec, resolve_cost_model
+from scheduler.costs.torch_model import TorchCostModel
 
 torch = pytest.importorskip("torch")
 
@@ -165,7 +158,7 @@ def test_a_table_family_takes_collectives_from_the_table_and_compute_from_each_m
     """Under ``table:PATH`` covering every collective, the members are analytic and torch (no
     bandwidth scales: no collective is left to a network model): their compute differs, their
     collective times are the table's in both."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     gm = layers
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02", f"all_gather,{W},1,32768,0.022"])
@@ -182,7 +175,7 @@ def test_a_table_family_takes_collectives_from_the_table_and_compute_from_each_m
 def test_a_group_without_a_row_is_hedged_over_the_network_models(toy, tmp_path):
     """A table of the all-gathers only: the reduce-scatters are priced by each NCCL model on
     each bandwidth scale (six members), the all-gathers by the table in all six."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     csv = _ag_table(tmp_path, toy)
     problems = export_problems(toy, cost_models(f"table:{csv}", None, (0.7, 1.3)), None)
@@ -197,7 +190,7 @@ def test_a_group_without_a_row_is_hedged_over_the_network_models(toy, tmp_path):
 def test_a_spec_that_fixes_every_part_is_one_model(layers, tmp_path):
     """``compute:torch+table:PATH`` with a row for every collective, and ``torch``, are one
     model, labelled by the spec; the same compute without the table hedges its collectives."""
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.pricing import export_problems
 
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02"])
     spec = f"compute:torch+table:{csv}"
@@ -295,7 +288,7 @@ def test_the_family_of_no_spec_is_the_default_family():
 def test_the_files_of_a_composed_spec_key_the_caches(tmp_path):
     """The inductor pass keys its cache on the files a spec reads: a composed spec's table and
     trace are both named, and a rewritten table changes the key."""
-    from scheduler.costs.models import cost_model_files
+    from scheduler.costs.spec import cost_model_files
 
     csv = _csv(tmp_path / "t.csv", [f"all_gather,{W},1,2048,0.02"])
     trace = tmp_path / "p.json"

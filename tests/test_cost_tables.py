@@ -10,7 +10,10 @@ import math
 import pytest
 
 from scheduler.costs.tables import CostTableError, interpolate_ms, read_nccl_tests
-from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TableCostModel, annotate_costs, resolve_cost_model
+from scheduler.costs.annotate import annotate_costs
+from scheduler.costs.hardware import Cluster, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, TableCostModel
+from scheduler.costs.spec import resolve_cost_model
 from scheduler.whatif.synthetic import DagBuilder
 
 MiB = 1 << 20
@@ -378,9 +381,9 @@ def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tm
     (other / "ag.log").write_text(nccl_tests_stdout("all_gather_perf", 16, hosts, AG_RESULTS))
     (other / "rs.log").write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum"))
     gm0 = toy_graph(group_name, 4)
-    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
         optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{other}", solver=SolverOptions(time_limit_s=1))
-    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
     message = record.getMessage()
     assert str(other) in message and "0 of 5 collectives" in message
     assert "16 ranks over 2 nodes" in message and "4 ranks over 1 node" in message
@@ -390,9 +393,9 @@ def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tm
                 if a["kind"] == "collective"}
     own.write_text("\n".join([HEADER] + [f"{c},4,1,{b},0.5" for c, b in payloads.items()]) + "\n")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
         optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{own}", solver=SolverOptions(time_limit_s=1))
-    assert not [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    assert not [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
 
 def test_inductor_pass_cache_key_follows_the_table_file(csv_path):
     """The inductor pass's uuid (the key of inductor's FX graph cache) changes when the table

@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from scheduler.costs.models import (
-    AnalyticCostModel,
-    Cluster,
-    GroupInfo,
-    TableCostModel,
-    annotate_costs,
-    ring_collective_ms,
-)
+from scheduler.costs.annotate import annotate_costs
+from scheduler.costs.hardware import Cluster, GroupInfo
+from scheduler.costs.models import AnalyticCostModel, TableCostModel, ring_collective_ms
 from scheduler.whatif.synthetic import DagBuilder
 
 MiB = 1 << 20
@@ -122,7 +117,7 @@ def test_analytic_matmul_flops_exact():
 def test_torch_cost_model_without_gpu(group_name):
     """torch's roofline and NCCL estimators run on CPU (peaks patched to the cluster's GPU) and
     give positive finite times; a bigger matmul costs more."""
-    from scheduler.costs.models import TorchCostModel
+    from scheduler.costs.torch_model import TorchCostModel
     from scheduler.export.dag import export_dag
 
     model = TorchCostModel(H100)
@@ -192,7 +187,8 @@ def test_annotate_costs_rejects_bad_times(bad):
 
 # --- naming a cost model ----------------------------------------------------------------------
 def test_resolve_cost_model_by_name_object_or_none():
-    from scheduler.costs.models import COST_MODELS, TorchCostModel, resolve_cost_model
+    from scheduler.costs.spec import COST_MODELS, resolve_cost_model
+    from scheduler.costs.torch_model import TorchCostModel
 
     small = Cluster(n_gpus=8)
     assert sorted(COST_MODELS) == ["analytic", "torch"]
@@ -206,14 +202,14 @@ def test_resolve_cost_model_by_name_object_or_none():
 
 @pytest.mark.parametrize("bad", ["roofline", "", 3, object()])
 def test_resolve_cost_model_rejects_what_is_not_one(bad):
-    from scheduler.costs.models import resolve_cost_model
+    from scheduler.costs.spec import resolve_cost_model
 
     with pytest.raises(ValueError, match=r"\['analytic', 'torch'\]"):
         resolve_cost_model(bad)
 
 
 def test_export_dag_takes_a_cost_model_name(group_name):
-    from scheduler.costs.models import TorchCostModel
+    from scheduler.costs.torch_model import TorchCostModel
     from scheduler.export.dag import export_dag
 
     gm = _mm_graph(256, 512, 1024, group_name)
@@ -255,7 +251,8 @@ def test_torch_cost_model_charges_nothing_for_getitem_views_and_empty():
     import torch.utils._runtime_estimation as rte
     from torch._inductor.fx_passes.overlap_scheduling import estimate_roofline_runtime_ms
 
-    from scheduler.costs.models import TorchCostModel, moves_no_data
+    from scheduler.costs.torch_model import TorchCostModel
+    from scheduler.export.ops import moves_no_data
 
     gm = _bucket_split_graph()
     model = TorchCostModel(H100)

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from scheduler.export.dag import DagError, dag_from_json, dag_to_json, export_dag, load_dag, save_dag  # noqa: E402
+from scheduler.export.dag import DagError, export_dag  # noqa: E402
+from scheduler.export.dagfile import dag_from_json, dag_to_json, load_dag, save_dag  # noqa: E402
 from scheduler.whatif.synthetic import make_fsdp_dag  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402
 from solvers.core.simulator import simulate  # noqa: E402

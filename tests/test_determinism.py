@@ -57,7 +57,7 @@ def _solve_body(rank: int, world_size: int, dags: dict[str, Any], budgets: dict[
     import os
 
     from scheduler import SolverOptions, solve_dag
-    from scheduler.export.dag import dag_from_json
+    from scheduler.export.dagfile import dag_from_json
 
     options = SolverOptions(solver="cpsat", time_limit_s=numerics.SOLVER_TIME_LIMIT_S, seed=0)
     out = {"pid": str(os.getpid())}

@@ -308,7 +308,7 @@ def test_two_cost_models_share_one_memory_count():
 
 
 def _cluster(inter_node_gbps: float):
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
 
     return Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps)
 

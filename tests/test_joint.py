@@ -291,8 +291,8 @@ def test_per_block_plan_prefetches_into_the_backward_and_the_search_keeps_up(joi
     per-block plan's peak is then not slower than it under the analytic model nor under
     torch's."""
     from scheduler.costs.family import cost_model_family
-    from scheduler.costs.models import Cluster
-    from scheduler.export.dag import export_problems
+    from scheduler.costs.hardware import Cluster
+    from scheduler.costs.pricing import export_problems
     from solvers.core.evaluate import evaluate
     from solvers.search import search
 

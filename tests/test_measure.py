@@ -1,4 +1,4 @@
-"""Tests of scheduler/measure.py (measured costs) and of tests/gloo_harness.py.
+"""Tests of scheduler/costs/measure.py and measure_collectives.py (measured costs) and of tests/gloo_harness.py.
 
 Compute timing runs on graphs traced with make_fx in fake mode (meta['val'] holds FakeTensors,
 as in captured FSDP graphs). Collective fitting and the harness run real 2-process gloo groups.
@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module 
 
 from gloo_harness import ChildProcessFailed, MultiprocessTimeout, free_port, run_multiprocess  # noqa: E402
 
-from scheduler.costs.models import AnalyticCostModel, GroupInfo  # noqa: E402
-from scheduler.costs.measure import MeasuredCostModel, fit_collectives  # noqa: E402
+from scheduler.costs.hardware import GroupInfo  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel  # noqa: E402
+from scheduler.costs.measure import MeasuredCostModel  # noqa: E402
+from scheduler.costs.measure_collectives import fit_collectives  # noqa: E402
 
 COMPUTE_ATTRS = {"kind": "compute", "flops": 10**9, "bytes_accessed": 10**6, "dtype": "float32"}
 
@@ -318,7 +320,7 @@ def test_measure_logs_each_timing_and_its_spread_on_rank_0_only(tmp_path):
 def test_noisy_rows_are_the_spread_and_the_smaller_but_slower():
     """A row whose samples spread more than the threshold, and one slower than a larger size of
     its collective by more than it, are named; timings that grow with size and agree are not."""
-    from scheduler.costs.measure import CollectiveTiming, noisy_rows
+    from scheduler.costs.measure_collectives import CollectiveTiming, noisy_rows
 
     clean = [CollectiveTiming("all_to_all", 4 << 10, 0.050, 0.05), CollectiveTiming("all_to_all", 16 << 10, 0.049, 0.1),
              CollectiveTiming("all_to_all", 1 << 20, 0.5, 0.1)]

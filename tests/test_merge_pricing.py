@@ -130,7 +130,9 @@ def test_merged_collective_priced_at_the_cost_models_time():
     """torch's NCCL estimate is concave in the payload: a merged bucket is priced at the cost
     model's own time for its total payload (the export's table, interpolated), not on the line
     through the smallest and the summed payload, which under-prices block-sized buckets."""
-    from scheduler.costs.models import Cluster, group_info, resolve_cost_model
+    from scheduler.costs.annotate import group_info
+    from scheduler.costs.hardware import Cluster
+    from scheduler.costs.spec import resolve_cost_model
 
     captured = fm.capture("tied", n_layers=2, world_size=WORLD, dim=512)
     for name in ("torch", "analytic"):

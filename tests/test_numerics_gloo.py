@@ -192,7 +192,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     from models.fsdp import make_mesh
     from models.llama import get_config
     from scheduler.api import REPORT_KEY
-    from scheduler.export.dag import dag_to_json
+    from scheduler.export.dagfile import dag_to_json
     from solvers import Problem
     from solvers.core.simulator import simulate
     from solvers.heuristics import HEURISTICS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.costs.models import Cluster
+from scheduler.costs.hardware import Cluster
 from scheduler.whatif.synthetic import make_fsdp_dag
 from solvers.core import InfeasibleBudgetError, Problem, simulate, validate_schedule
 from solvers.polish import PolishConfig, polish

@@ -19,7 +19,9 @@ torch = pytest.importorskip("torch")
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from scheduler.costs.models import AnalyticCostModel, Cluster, ProfileCostModel, resolve_cost_model  # noqa: E402
+from scheduler.costs.hardware import Cluster  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel, ProfileCostModel  # noqa: E402
+from scheduler.costs.spec import resolve_cost_model  # noqa: E402
 from scheduler.export.dag import export_dag  # noqa: E402
 from scheduler.costs.profiles import ProfileTrace, ProfileTraceError  # noqa: E402
 
@@ -133,7 +135,7 @@ def test_profile_by_name_with_a_table(recorded, tmp_path):
     csv.write_text("collective,group_size,nodes,input_bytes,ms\nall_gather,4,1,1024,0.5\n")
     both = resolve_cost_model(f"profile:{path}+table:{csv}")
     alone = resolve_cost_model(f" profile:{path} ")
-    from scheduler.costs.models import GroupInfo
+    from scheduler.costs.hardware import GroupInfo
 
     g4 = GroupInfo("0", 4, (0, 1, 2, 3))
     assert both.collective_ms("all_gather", 1024, g4) == pytest.approx(0.5)
@@ -272,10 +274,10 @@ def test_a_profile_of_another_model_warns_how_much_it_priced(group_name, tmp_pat
 
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"traceEvents": [_op("aten::mm", 0, 30, dims=((3, 5), (5, 7)))]}))
-    with caplog.at_level(logging.WARNING, logger="scheduler.costs.models"):
+    with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
         optimize_schedule(copy.deepcopy(toy_graph(group_name, 4)), None, cost_model=f"profile:{path}",
                           solver=SolverOptions(time_limit_s=1))
-    [record] = [r for r in caplog.records if r.name == "scheduler.costs.models"]
+    [record] = [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
     message = record.getMessage()
     assert str(path) in message and "0.0% of compute time" in message and "mm" in message
 
@@ -361,7 +363,7 @@ def test_a_gloo_trace_prices_the_collectives_it_ran(gloo_trace, group_name):
     bytes by gloo's own time for it in that step (a reduce-scatter by the all-reduce gloo ran
     for it); other sizes, and every collective with ``collectives=False``, by the fallback. In
     a graph exported with the model, the collective nodes carry those times."""
-    from scheduler.costs.models import GroupInfo
+    from scheduler.costs.hardware import GroupInfo
 
     gloo_trace = gloo_trace[0]
 

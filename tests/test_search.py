@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from scheduler.costs.models import Cluster
+from scheduler.costs.hardware import Cluster
 from scheduler.whatif.synthetic import make_fsdp_dag
 from solvers import InfeasibleBudgetError, Problem, Schedule, ScheduleError, SolveStatus, solve, solve_budgets
 from solvers.core.simulator import simulate
@@ -582,13 +582,13 @@ def test_same_schedule_again_with_a_clock_running_three_times_fast(binding, monk
 
 def test_same_schedule_in_two_processes(tmp_path):
     """Two fresh interpreters (other hash seeds) solve the same saved DAG to the same digest."""
-    from scheduler.export.dag import save_dag
+    from scheduler.export.dagfile import save_dag
 
     dag = make_fsdp_dag(n_layers=3, graph_kind="backward", reshard_after_forward=True, seed=1)
     path = tmp_path / "dag.json"
     save_dag(dag, path)
     code = textwrap.dedent(f"""
-        from scheduler.export.dag import load_dag
+        from scheduler.export.dagfile import load_dag
         from solvers import Problem, solve
         from solvers.core.simulator import simulate
         p = Problem.from_dag(load_dag({str(path)!r}))

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 import foreign_models as fm  # noqa: E402
 from conftest import FAKE_WORLD, capture_llama_debug  # noqa: E402
 from scheduler.costs.family import cost_models  # noqa: E402
-from scheduler.export.dag import export_problems  # noqa: E402
+from scheduler.costs.pricing import export_problems  # noqa: E402
 from scheduler.writeback import apply_schedule  # noqa: E402
 from solvers.core import validate_schedule  # noqa: E402
 from solvers.search import search  # noqa: E402

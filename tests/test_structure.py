@@ -20,8 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 import foreign_models as fm  # noqa: E402
 from conftest import FAKE_WORLD as WORLD  # noqa: E402
 from scheduler import optimize_schedule, simulate  # noqa: E402
-from scheduler.export.dag import DagError, dag_from_json, dag_to_json, export_dag  # noqa: E402
-from scheduler.export.structure import find_repetition, normalize_path  # noqa: E402
+from scheduler.export.dag import DagError, export_dag  # noqa: E402
+from scheduler.export.dagfile import dag_from_json, dag_to_json  # noqa: E402
+from scheduler.export.repetition import find_repetition  # noqa: E402
+from scheduler.export.structure import normalize_path  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402
 
 ops = torch.ops._c10d_functional

@@ -11,7 +11,7 @@ import sqlite3
 import pytest
 
 from scheduler import cli
-from scheduler.export.dag import save_dag
+from scheduler.export.dagfile import save_dag
 from scheduler.whatif.synthetic import make_fsdp_dag
 
 BUDGETS = ["1.0x", "0.9x", "0.8x"]

@@ -18,7 +18,9 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, TorchCostModel, torch_nccl_topology  # noqa: E402
+from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel  # noqa: E402
+from scheduler.costs.torch_model import TorchCostModel, torch_nccl_topology  # noqa: E402
 
 MiB = 1 << 20
 H100 = Cluster()  # 8 GPUs per node

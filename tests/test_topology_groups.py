@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from scheduler.costs.models import AnalyticCostModel, Cluster, GroupInfo, graph_topology, topology_line  # noqa: E402
+from scheduler.costs.hardware import Cluster, GroupInfo, graph_topology, topology_line  # noqa: E402
+from scheduler.costs.models import AnalyticCostModel  # noqa: E402
 
 WORLD = 64
 DP_RANKS = list(range(0, WORLD, 8))

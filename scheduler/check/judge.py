@@ -43,7 +43,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from scheduler.export.dag import unbacked_hints, written_argument, written_arguments
+from scheduler.export.ops import written_argument, written_arguments
+from scheduler.export.shapes import unbacked_hints
 
 if TYPE_CHECKING:
     import torch.fx
@@ -188,7 +189,7 @@ def torch_tracker_peak(
 
     Counts tensors on every device (the default filter skips CPU tensors, so a graph traced
     on CPU or meta would look as if it used no memory). Data-dependent sizes (MoE splits) take
-    the export's estimates (:func:`scheduler.export.dag.unbacked_hints`) instead of torch's fallback. torch's storage rules as they are:
+    the export's estimates (:func:`scheduler.export.shapes.unbacked_hints`) instead of torch's fallback. torch's storage rules as they are:
     see the module docstring for how they differ from :func:`liveness_profile`.
     """
     from unittest import mock
@@ -232,7 +233,7 @@ def _node_storages(
     nodes: Iterable["torch.fx.Node"], *, storages: str, alias_written_outputs: bool, hints: dict
 ) -> dict["torch.fx.Node", list[tuple[Any, int]]]:
     """(storage key, bytes) of the storages a node's output holds; data-dependent sizes take
-    the export's estimates (``hints``: :func:`scheduler.export.dag.unbacked_hints`)."""
+    the export's estimates (``hints``: :func:`scheduler.export.shapes.unbacked_hints`)."""
     if storages == "structural":
         elems = _structural_storages(nodes, alias_written_outputs=alias_written_outputs, hints=hints)
         return {n: list(dict(kv for e in es for kv in e).items()) for n, es in elems.items()}

@@ -15,8 +15,9 @@ from typing import Any
 import networkx as nx
 
 from scheduler.whatif import plots
-from scheduler.costs.models import Cluster
-from scheduler.export.dag import DagError, dag_to_json, export_dag, load_dag
+from scheduler.costs.hardware import Cluster
+from scheduler.export.dag import DagError, export_dag
+from scheduler.export.dagfile import dag_to_json, load_dag
 from solvers.core import InfeasibleBudgetError, parse_bytes, simulate, units
 from solvers.registry import solve
 
@@ -71,9 +72,9 @@ def budget_arg(text: str) -> str | int:
 
 def cost_model_arg(text: str) -> str:
     """``--cost-model``: a name (analytic, torch) or a spec of parts (table:PATH,
-    profile:PATH, compute:torch+table:PATH, ...: :class:`scheduler.costs.models.CostSpec`),
+    profile:PATH, compute:torch+table:PATH, ...: :class:`scheduler.costs.spec.CostSpec`),
     checked now (files read) so that a bad name or file fails before any model is traced."""
-    from scheduler.costs.models import resolve_cost_model
+    from scheduler.costs.spec import resolve_cost_model
 
     try:
         resolve_cost_model(text)

@@ -51,7 +51,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CliError(f"unknown model {args.model!r}; choose one of {', '.join(list_presets())}")
     quiet_loggers(args.verbose)
     from models.capture import fake_process_group
-    from scheduler.costs.models import Cluster
+    from scheduler.costs.hardware import Cluster
     from scheduler.options import SolverOptions
 
     t0 = time.perf_counter()

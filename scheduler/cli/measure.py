@@ -10,7 +10,7 @@ Without an initialised process group it initialises one from the launcher's envi
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): NCCL where CUDA is available,
 else gloo (``--backend`` chooses). Rank 0 writes the CSV (:mod:`scheduler.costs.tables`), logs
 each timing with the spread of its samples, and warns of the rows not to trust (a large spread,
-or slower than a larger size: :func:`scheduler.costs.measure.noisy_rows`).
+or slower than a larger size: :func:`scheduler.costs.measure_collectives.noisy_rows`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from scheduler.costs.measure import measure_collectives
+    from scheduler.costs.measure_collectives import measure_collectives
 
     owned = False
     if not dist.is_initialized():

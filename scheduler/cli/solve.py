@@ -28,7 +28,7 @@ from scheduler.cli.common import (
     trace_model,
     write_pictures,
 )
-from scheduler.export.dag import save_dag
+from scheduler.export.dagfile import save_dag
 from scheduler.options import AgreementOptions, SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.registry import available_solvers

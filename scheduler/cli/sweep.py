@@ -30,7 +30,7 @@ from scheduler.cli.common import (
     input_dag,
     resolve_budget,
 )
-from scheduler.export.dag import dag_from_json, dag_to_json
+from scheduler.export.dagfile import dag_from_json, dag_to_json
 from scheduler.options import SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
 from solvers.heuristics import HEURISTICS

@@ -23,7 +23,8 @@ import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
-from scheduler.costs.models import Cluster, CostModel
+from scheduler.costs.hardware import Cluster
+from scheduler.costs.models import CostModel
 from scheduler.export.dag import export_dag
 from scheduler.torch_overlap import TorchPassError as TorchBaselineError
 from scheduler.torch_overlap import collective_count as _collective_count

@@ -1,11 +1,11 @@
 """The family of plausible cost models: what a schedule is judged under where a cost is not known.
 
-No single model is the machine: the analytic model and torch's estimators disagree by 1.2x to
-1.8x on the same graphs and prefer other bucket sizes, and bandwidths differ from one cluster
-to the next. What a file measured is known, though, and only that: a collective table fixes the
-collectives of the groups it has rows for, a profile fixes the compute nodes it timed (and the
-collectives of a gloo group it ran). So a cost model spec (:class:`scheduler.costs.models.CostSpec`)
-gives a family (:class:`CostModelFamily`, :func:`cost_models`) whose members price what is fixed
+No single model is the machine: the analytic model and torch's estimators disagree on the same
+graphs and prefer other bucket sizes, and bandwidths differ from one cluster to the next. What
+a file measured is known, though, and only that: a collective table fixes the collectives of
+the groups it has rows for, a profile fixes the compute nodes it timed (and the collectives of
+a gloo group it ran). So a cost model spec (:class:`scheduler.costs.spec.CostSpec`) gives a
+family (:class:`CostModelFamily`, :func:`cost_models`) whose members price what is fixed
 alike and each open component (one the spec names no model for) by one plausible model:
 analytic or torch's estimators, collectives also on the intra- and inter-node bandwidths scaled
 by each of ``bandwidth_scales``. The search minimises the worst-case regret over the members
@@ -34,15 +34,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from scheduler.costs.models import (
-    Cluster,
-    CostModel,
-    CostSpec,
-    family_label,
-    parse_cost_spec,
-    scale_bandwidth,
-    spec_cost_model,
-)
+from scheduler.costs.hardware import Cluster, scale_bandwidth
+from scheduler.costs.models import CostModel
+from scheduler.costs.spec import CostSpec, family_label, parse_cost_spec, spec_cost_model
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -50,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["BASE_COST_MODELS", "CostModelFamily", "ComputeFrom", "compute_key", "cost_model_family",
            "cost_model_label", "cost_models", "family_label", "fixed_parts", "merged_cost_sources", "scale_bandwidth"]
 
-#: the models that price an open component, in order (names of :data:`scheduler.costs.models.COST_MODELS`)
+#: the models that price an open component, in order (names of :data:`scheduler.costs.spec.COST_MODELS`)
 BASE_COST_MODELS = ("analytic", "torch")
 
 
@@ -61,8 +55,8 @@ class CostModelFamily(Mapping[str, Any]):
     """Label -> cost model: the members of ``spec``'s family (module docstring), in order.
 
     Args:
-        spec: what is fixed and what is open (:class:`scheduler.costs.models.CostSpec`).
-        cluster: the topology (default :class:`scheduler.costs.models.Cluster`).
+        spec: what is fixed and what is open (:class:`scheduler.costs.spec.CostSpec`).
+        cluster: the topology (default :class:`scheduler.costs.hardware.Cluster`).
         bandwidth_scales: factors of the bandwidths an open collective component is also priced
             on (each > 0).
         members: the labels to keep (default: all); for :meth:`needed`.
@@ -118,7 +112,7 @@ class CostModelFamily(Mapping[str, Any]):
 
     def needed(self, dag: "nx.DiGraph") -> "CostModelFamily":
         """The members that price ``dag`` differently, ``dag`` priced by the first
-        (``dag.graph["cost_sources"]``, :func:`scheduler.costs.models.annotate_costs`): scaled
+        (``dag.graph["cost_sources"]``, :func:`scheduler.costs.annotate.annotate_costs`): scaled
         bandwidths only where a collective is priced by no measurement, and torch's member only
         where some compute or collective is; a family of one is labelled by the spec (the
         others' prices equal its own). ``self`` when every member is needed."""
@@ -152,7 +146,7 @@ def fixed_parts(cost_model: Any) -> str:
 def cost_model_family(cluster: Cluster | None = None, *, bandwidth_scales: Sequence[float] = (0.7, 1.3)
                       ) -> CostModelFamily:
     """The family judged without a cost model: each of :data:`BASE_COST_MODELS` on ``cluster``
-    (default :class:`scheduler.costs.models.Cluster`), then on the cluster with bandwidths
+    (default :class:`scheduler.costs.hardware.Cluster`), then on the cluster with bandwidths
     scaled by each factor of ``bandwidth_scales`` (labels by :func:`family_label`)."""
     return CostModelFamily(CostSpec(), cluster, bandwidth_scales)
 

@@ -49,7 +49,7 @@ from typing import Any
 import networkx as nx
 
 import solvers
-from scheduler.export.dag import dag_to_json
+from scheduler.export.dagfile import dag_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _warn_once(what: str, message: str) -> None:
 
 def dag_fingerprint(dag: nx.DiGraph) -> str:
     """sha256 hex digest of every node in graph order with all its attributes, every edge and
-    ``dag.graph``, in the form :func:`scheduler.export.dag.save_dag` writes (tuples as lists, floats
+    ``dag.graph``, in the form :func:`scheduler.export.dagfile.save_dag` writes (tuples as lists, floats
     by ``repr``), so a DAG and its saved-and-loaded copy agree. Sets and edges are sorted (edge
     insertion order means nothing), so every process gets the same digest whatever its hash
     seed."""

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api import REPORT_KEY, _compile_id, optimize_schedule
-from scheduler.costs.models import cost_model_files
+from scheduler.costs.spec import cost_model_files
 from scheduler.export.dag import graph_has_collectives
 from scheduler.integrate.fsdp2 import count_fully_sharded_inputs, fsdp2_evidence, fsdp2_note, fully_sharded_modules
 from scheduler.options import WriteBackOptions

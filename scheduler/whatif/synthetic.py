@@ -1,12 +1,12 @@
 """Synthetic cost-annotated DAGs, built by hand without torch.
 
 Two tools, both producing DAGs with exactly the node and graph attributes of the schema in
-:mod:`scheduler.export.dag` (so that :func:`scheduler.export.dag.validate_dag`, :class:`solvers.Problem`, the
+:mod:`scheduler.export.dag` (so that :func:`scheduler.export.dagfile.validate_dag`, :class:`solvers.Problem`, the
 simulator and the validator accept them like exported graphs):
 
 - :func:`make_fsdp_dag`: an FSDP-like forward or backward graph of a decoder with ``n_layers``
   transformer blocks, parameters named like LLaMA's (``layers.3.attention.wq.weight``), costs
-  from :class:`scheduler.costs.models.AnalyticCostModel` through :func:`scheduler.costs.models.annotate_costs`
+  from :class:`scheduler.costs.models.AnalyticCostModel` through :func:`scheduler.costs.annotate.annotate_costs`
   (so the bucket cost line ``comm_model`` is fitted exactly as for exported graphs).
 - :class:`DagBuilder`: a few-line way to draw an arbitrary small DAG in a test::
 
@@ -32,8 +32,12 @@ from typing import Any
 
 import networkx as nx
 
-from scheduler.costs.models import AnalyticCostModel, Cluster, TableCostModel, annotate_costs
-from scheduler.export.dag import NODE_DEFAULTS, SCHEMA, SCHEMA_VERSION, validate_dag
+from scheduler.costs.annotate import annotate_costs
+from scheduler.costs.hardware import Cluster
+from scheduler.costs.models import AnalyticCostModel, TableCostModel
+from scheduler.export.dag import NODE_DEFAULTS
+from scheduler.export.dagfile import validate_dag
+from scheduler.export.schema import SCHEMA, SCHEMA_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +255,7 @@ class DagBuilder:
     ) -> nx.DiGraph:
         """The DAG, with costs and the graph attributes of the schema.
 
-        Costs: :func:`scheduler.costs.models.annotate_costs` with the analytic model of ``cluster``
+        Costs: :func:`scheduler.costs.annotate.annotate_costs` with the analytic model of ``cluster``
         (default :class:`Cluster`), then explicit runtimes override. ``comm_model`` maps
         ``"<coll_type>|<group>"`` to ``(alpha_ms, beta_ms_per_byte)``; a key not given is
         fitted by ``annotate_costs``, except when all of its collectives have explicit
