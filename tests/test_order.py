@@ -91,3 +91,24 @@ def test_the_search_in_torchs_order_installs_that_order(monkeypatch):
     ran = tuple(n.name for n in gm.graph.nodes if n.name in traced.pos)
     assert ran == node_order(schedule) != traced.seq
     assert report.compute_order == "torch"
+
+
+def test_a_search_in_torchs_order_that_fails_leaves_the_traced_orders_answer(monkeypatch):
+    """torch's order is a second chance: when its search fails (here a schedule hook raises on
+    its problems only), the traced order's answer is installed, never an error."""
+    from models.capture import fake_process_group
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", "0")
+    world, gm = _llama_backward()
+    with fake_process_group(world):
+        traced = Problem.from_dag(export_dag(gm, cost_model="analytic"))
+
+        def hook(problem, schedule):
+            if problem.seq != traced.seq:
+                raise RuntimeError("no schedule in torch's order")
+            return None
+
+        optimize_schedule(gm, None, cost_model="analytic",
+                          solver=SolverOptions(time_limit_s=0.5, compute_order="choose", schedule_hook=hook))
+    report, schedule = gm.meta[api.REPORT_KEY], gm.meta[api.SCHEDULE_KEY]
+    assert report.compute_order == "traced" and node_order(schedule) == traced.seq
