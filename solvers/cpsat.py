@@ -290,19 +290,6 @@ class CpSatModel:
         if d.mem_budget_bytes is not None:
             m.Add(self.P <= d.mem_budget_bytes)
 
-    # -- the per-layer template's steady state -----------------------------------------------
-    def tie(self, pairs: list[tuple[str, str]], shift: int) -> None:
-        """Each ``(k, k2)`` decides alike up to a shift of ``shift`` gaps: k2 starts a bucket iff
-        k does, and is issued (and waited) ``shift`` gaps after k."""
-        m, A = self.model, self.data.anchors
-        for k, k2 in pairs:
-            m.Add(self.brk[k2] == self.brk[k])
-            for kind, (lo, hi), (lo2, hi2) in self.data.tie_windows(k, k2):
-                var = self.I if kind == "issue" else self.W
-                allowed = [(a, s) for a in range(lo, hi + 1)
-                           if (s := A.shifted(a, shift)) is not None and lo2 <= s <= hi2]
-                m.AddAllowedAssignments([var[k], var[k2]], allowed)
-
     # -- hints, completion, extraction -------------------------------------------------------
     def decision_vars(self) -> list:
         return [*self.brk.values(), *self.I.values(), *self.W.values()]
@@ -446,14 +433,11 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
 
 
 def complete_solution(data: ModelData, schedule: Schedule, limit_s: float, seed: int, num_workers: int,
-                      cfg: CpSatConfig | None = None, ties: tuple[list[tuple[str, str]], int] | None = None,
-                      ) -> Solution | None:
+                      cfg: CpSatConfig | None = None) -> Solution | None:
     """``schedule`` completed to a full solution of ``data``'s model with the tightest times
     (the objective minimised with the decisions fixed), or None when its decisions do not fit.
     The MILP starts from this."""
     model = CpSatModel(data)
-    if ties is not None:
-        model.tie(*ties)
     model.model.Minimize(model.objective)
     solver = model.complete(schedule, limit_s, seed, num_workers, cfg or CpSatConfig())
     return None if solver is None else model.solution(solver)
@@ -481,16 +465,13 @@ class CpSatBackend:
         return status
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors,
-                     ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition: ``free`` decided, the rest of ``schedule`` fixed,
         hinted with ``schedule`` (:meth:`CpSatModel.hint_all`; no separate completion solve:
         measured on a 16-layer llama backward window at 2 s, 451.9 ms found in 2.1 s wall
         against 459.9 ms in 2.3 s with completion)."""
         cfg = self.config
         built = CpSatModel(ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors))
-        if ties is not None:
-            built.tie(*ties)
         built.model.Minimize(built.objective)
         built.hint_all(schedule)
         solver = make_solver(limit_s, seed, num_workers, cfg)

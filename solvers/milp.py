@@ -55,7 +55,6 @@ import math
 import os
 import re
 import tempfile
-import time
 import warnings
 from collections import defaultdict
 
@@ -88,10 +87,6 @@ class MilpConfig(SolverConfig):
     max_nodes: int | None = None
     #: fraction of the time limit for completing the warm start (times for its decisions)
     warm_start_share: float = 0.1
-    #: the whole-graph MILP is solved in stages, each twice as long as the last and started from
-    #: the last one's incumbent; it stops when a stage finds nothing better (CBC rarely closes
-    #: its gap on these models, so the limit alone would always be spent). First stage (s):
-    first_stage_s: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,8 +98,6 @@ class MilpConfig(SolverConfig):
             raise ValueError("max_nodes must be >= 1 or None")
         if not 0.0 < self.warm_start_share < 1.0:
             raise ValueError("warm_start_share must be in (0, 1)")
-        if self.first_stage_s <= 0:
-            raise ValueError("first_stage_s must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,29 +466,6 @@ class MilpModel:
             if self.P is not None:
                 self._add(self.P, ">=", expr, f"peak_{a}")
 
-    # -- steady state (per-layer template) ----------------------------------------------------
-    def tie(self, pairs: list[tuple[str, str]], shift: int) -> bool:
-        """The template's tie in linear form: brk_k2 = brk_k and, when the anchors of k's
-        windows map to k2's by one constant offset o (``shift`` gaps later), y_{k2,a+o} =
-        y_{k,a} (and z likewise). False when an offset is not constant there (the caller then
-        solves the window untied)."""
-        A = self.A
-        rows = []
-        for k, k2 in pairs:
-            rows.append((self.brk[k2], self.brk[k], f"tie_brk_{k2}"))
-            for kind, (lo, hi), (lo2, hi2) in self.data.tie_windows(k, k2):
-                vfun = self.yv if kind == "issue" else self.zv
-                shifted = [A.shifted(a, shift) for a in range(lo, hi + 1)]
-                offsets = {None if s is None else s - a for a, s in zip(range(lo, hi + 1), shifted)}
-                if len(offsets) != 1 or None in offsets:
-                    return False
-                o = offsets.pop()
-                for a in range(min(lo, lo2 - o) - 1, max(hi, hi2 - o) + 1):
-                    rows.append((vfun(k2, a + o), vfun(k, a), f"tie_{kind}_{k2}_{a}"))
-        for lhs, rhs, name in rows:
-            self._add(lhs, "==", rhs, name)
-        return True
-
     # -- warm start and extraction -----------------------------------------------------------
     def set_initial(self, sol: Solution) -> None:
         """Initial values from a complete solution of the same model (CP-SAT's completion of
@@ -626,44 +596,6 @@ def _cbc_bound(log_text: str) -> float | None:
     return None
 
 
-def solve_in_stages(model: MilpModel, deadline: float, seed: int, cfg: MilpConfig, *,
-                    warm: bool) -> tuple[LpOutcome, Decisions | None, int]:
-    """Solve ``model`` in stages of ``first_stage_s``, then twice as long each time, every stage
-    started from the last one's incumbent; stop when one proves optimality, finds nothing at
-    least 1 us better, or the deadline comes. Returns the best outcome, its decisions (None
-    when nothing was found) and the number of stages run."""
-    stage_s = cfg.first_stage_s
-    best: LpOutcome | None = None
-    best_decisions: Decisions | None = None
-    stages = 0
-    while True:
-        left = deadline - time.perf_counter()
-        stages += 1
-        out = solve_lp(model, max(0.5, min(stage_s, left)), seed, cfg, warm=warm or best is not None)
-        if out.status not in ("optimal", "feasible"):
-            return (best or out), best_decisions, stages
-        gain = best is None or out.objective_us < best.objective_us - 0.5
-        if best is None or out.objective_us <= best.objective_us:
-            best, best_decisions = out, model.decisions()
-        if out.status == "optimal" or not gain or deadline - time.perf_counter() <= 0.5:
-            return best, best_decisions, stages
-        # the next stage starts from this incumbent (PuLP keeps its values on the variables)
-        stage_s *= 2
-
-
-def relaxed_bound_us(model: MilpModel, limit_s: float, cfg: MilpConfig) -> float | None:
-    """LP relaxation of ``model`` itself (binaries relaxed in place, then restored)."""
-    ints = [v for v in model.lp.variables() if v.cat == pulp.LpInteger]
-    for v in ints:
-        v.cat = pulp.LpContinuous
-    try:
-        out = solve_lp(model, limit_s, 0, cfg, mip=False)
-    finally:
-        for v in ints:
-            v.cat = pulp.LpInteger
-    return out.objective_us if out.status == "optimal" else None
-
-
 def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
                            config: MilpConfig | None = None) -> float:
     """Optimum of the MILP's LP relaxation (every binary in [0, 1]), in ms: a lower bound on
@@ -685,11 +617,11 @@ def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = N
     return out.objective_us / US_PER_MS if out.objective_us is not None else math.nan
 
 
-def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, num_workers: int,
-          ties: tuple[list[tuple[str, str]], int] | None = None) -> tuple[MilpModel, Solution | None]:
+def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int,
+          num_workers: int) -> tuple[MilpModel, Solution | None]:
     """The MILP of ``data`` bounded by ``start``'s model step time, and ``start`` completed to
     a full solution (None when it does not fit the model)."""
-    sol = complete_solution(data, start, limit_s, seed, num_workers, ties=ties) if start is not None else None
+    sol = complete_solution(data, start, limit_s, seed, num_workers) if start is not None else None
     return MilpModel(data, sol.objective_us if sol is not None else None), sol
 
 
@@ -704,15 +636,12 @@ class MilpBackend:
         self.wall_cap_hits = 0
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors,
-                     ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition as a MILP: started from the incumbent completed
         inside the window, bounded by its exit state."""
         cfg = self.config
         data = ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors)
-        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers, ties)
-        if ties is not None and not model.tie(*ties):
-            return None
+        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers)
         if sol is not None:
             model.set_initial(sol)
         try:

@@ -143,10 +143,6 @@ class Anchors:
         assert self.gaps[a] == gap, gap
         return a
 
-    def shifted(self, a: int, shift: int) -> int | None:
-        """The anchor ``shift`` gaps after anchor ``a``, or None when that gap is no anchor."""
-        return self.index.get(self.gaps[a] + shift)
-
 
 @dataclasses.dataclass
 class Member:
@@ -426,16 +422,6 @@ class ModelData:
         base = [max(0, seg_live[a] - at_ref[a]) for a in range(A.m + 1)]
         upper = max(seg_live) * 4 + sum(x.out_bytes + x.pay_bytes + x.grad_bytes for x in self.member.values())
         return base, upper
-
-    # -- per-layer template ------------------------------------------------------------------
-    def tie_windows(self, k: str, k2: str) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
-        """The decisions tied between ``k`` and ``k2``: ("issue", k's window, k2's window), and
-        ("wait", ...) for reduce-scatters."""
-        x, x2 = self.member[k], self.member[k2]
-        out = [("issue", (x.lo, x.hi), (x2.lo, x2.hi))]
-        if not x.waited_at_need:
-            out.append(("wait", (x.wlo, x.whi), (x2.wlo, x2.whi)))
-        return out
 
     # -- hints -------------------------------------------------------------------------------
     def decisions_of(self, schedule: Schedule, *, per_bucket: bool = True) -> Decisions:

@@ -102,7 +102,7 @@ class WindowBackend(Protocol):
     name: str
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors, ties=None) -> Schedule | None: ...
+                     limit_s: float, seed: int, num_workers: int, anchors) -> Schedule | None: ...
 
 
 # --------------------------------------------------------------------------------------------

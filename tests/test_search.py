@@ -458,8 +458,7 @@ class _Proposes:
     def __init__(self, proposal: Schedule | None = None, error: Exception | None = None):
         self.proposal, self.error, self.calls = proposal, error, 0
 
-    def solve_window(self, problem, mem_budget_bytes, schedule, free, limit_s, seed, num_workers, anchors,
-                     ties=None):
+    def solve_window(self, problem, mem_budget_bytes, schedule, free, limit_s, seed, num_workers, anchors):
         self.calls += 1
         if self.error is not None:
             raise self.error
