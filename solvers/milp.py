@@ -38,11 +38,13 @@ Differences from CP-SAT (the optimum of the step time is the same): continuous t
 pairwise order binaries instead of NoOverlap, only for pairs that can overlap under UB; the
 warm start's objective UB is a constraint (CP-SAT only hints it); no second phase (among
 equally fast schedules the MILP returns whichever the solver finds). The warm start is
-completed to a full solution by CP-SAT (:func:`solvers.cpsat.complete_solution`, decisions
-fixed, times minimised) and handed to the MILP solver as its start.
+completed to a full solution by the completion :class:`MilpBackend` is given (a
+:data:`solvers.model.Completion`; :mod:`solvers.registry` gives it CP-SAT's,
+:func:`solvers.cpsat.complete_solution`: decisions fixed, times minimised) and handed to the
+MILP solver as its start.
 
 The plan around the windows (starts, polish, never worse than the best start) is shared with
-CP-SAT (:mod:`solvers.search`).
+CP-SAT (:mod:`solvers.search`, driven by :mod:`solvers.registry`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.
 """
@@ -60,44 +62,16 @@ from collections import defaultdict
 
 import pulp
 
-from solvers import search
-from solvers.config import SolverConfig
+from solvers.config import MilpConfig
 from solvers.core.problem import Problem
-from solvers.core.schedule import InfeasibleBudgetError, Schedule, SolveResult
+from solvers.core.schedule import InfeasibleBudgetError, Schedule
 from solvers.core.units import US_PER_MS
-from solvers.cpsat import complete_solution
-from solvers.model import Anchors, Decisions, ModelData, Solution
+from solvers.model import Anchors, Completion, Decisions, ModelData, Solution
 
 logger = logging.getLogger(__name__)
 
 #: memory rows are divided by this (a power of two: exact) to keep coefficients moderate for CBC
 _MEM_ROW_SCALE = 1024.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MilpConfig(SolverConfig):
-    """Knobs of the MILP backend (the shared ones: :class:`solvers.config.SolverConfig`)."""
-
-    #: "auto" (HiGHS when installed, else CBC), "cbc" or "highs"
-    backend: str = "auto"
-    #: absolute optimality gap in microseconds; every objective value is an integer number of
-    #: microseconds, so any gap below 1 still proves optimality
-    abs_gap_us: float = 0.5
-    #: branch-and-bound node limit (None: none); unlike the wall-clock limit it is deterministic
-    max_nodes: int | None = None
-    #: fraction of the time limit for completing the warm start (times for its decisions)
-    warm_start_share: float = 0.1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.backend not in ("auto", "cbc", "highs"):
-            raise ValueError(f"backend must be 'auto', 'cbc' or 'highs', got {self.backend!r}")
-        if not 0.0 <= self.abs_gap_us < 1.0:
-            raise ValueError("abs_gap_us must be in [0, 1): a gap of 1 us may cut off the optimum")
-        if self.max_nodes is not None and self.max_nodes < 1:
-            raise ValueError("max_nodes must be >= 1 or None")
-        if not 0.0 < self.warm_start_share < 1.0:
-            raise ValueError("warm_start_share must be in (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,11 +591,11 @@ def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = N
     return out.objective_us / US_PER_MS if out.objective_us is not None else math.nan
 
 
-def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int,
-          num_workers: int) -> tuple[MilpModel, Solution | None]:
+def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, num_workers: int,
+          complete: Completion) -> tuple[MilpModel, Solution | None]:
     """The MILP of ``data`` bounded by ``start``'s model step time, and ``start`` completed to
-    a full solution (None when it does not fit the model)."""
-    sol = complete_solution(data, start, limit_s, seed, num_workers) if start is not None else None
+    a full solution by ``complete`` (None when it does not fit the model)."""
+    sol = complete(data, start, limit_s, seed, num_workers) if start is not None else None
     return MilpModel(data, sol.objective_us if sol is not None else None), sol
 
 
@@ -630,8 +604,11 @@ class MilpBackend:
 
     name = "milp"
 
-    def __init__(self, config: MilpConfig | None = None):
+    def __init__(self, config: MilpConfig | None = None, *, complete: Completion):
         self.config = config or MilpConfig()
+        #: completes the incumbent to a full solution of a window's model, the warm start
+        #: (:mod:`solvers.registry` hands it CP-SAT's, :func:`solvers.cpsat.complete_solution`)
+        self.complete = complete
         #: the MILP solver's limits are wall-clock (CBC/HiGHS through PuLP): not counted here
         self.wall_cap_hits = 0
 
@@ -641,7 +618,8 @@ class MilpBackend:
         inside the window, bounded by its exit state."""
         cfg = self.config
         data = ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors)
-        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers)
+        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers,
+                           self.complete)
         if sol is not None:
             model.set_initial(sol)
         try:
@@ -653,13 +631,3 @@ class MilpBackend:
         if out.status not in ("optimal", "feasible"):
             return None
         return model.extract()
-
-def solve_milp(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0, seed: int = 0,
-               hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None,
-               extra_starts: tuple[Schedule, ...] = ()) -> SolveResult:
-    """The plan of :mod:`solvers.search` with this backend for its windows; ``hint`` and
-    ``extra_starts`` are starts too (the result is never slower than the fastest that fits)."""
-    label = str(problem.dag.graph.get("cost_model", "model"))
-    return search.search({label: problem}, mem_budget_bytes, backend=MilpBackend(config), time_limit_s=time_limit_s,
-                         seed=seed, num_workers=num_workers, extra_starts=(*((hint,) if hint is not None else ()),
-                                                                            *extra_starts))

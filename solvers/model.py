@@ -102,6 +102,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 from solvers.config import ModelConfig
 from solvers.core.problem import Problem
@@ -218,6 +219,13 @@ class Solution(Decisions):
     Z: int
     fixed_start: dict[int, int]  #: Cf_f by reference bucket index
     objective_us: int
+
+
+#: ``complete(data, schedule, limit_s, seed, num_workers) -> Solution | None``: ``schedule``
+#: completed to a full solution of ``data``'s model (its decisions fixed, the tightest times),
+#: None when its decisions do not fit; a backend that needs a warm start is given one
+#: (:func:`solvers.cpsat.complete_solution`), never imports another backend
+Completion = Callable[["ModelData", Schedule, float, int, int], "Solution | None"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from solvers import polish as polishing
+from solvers.config import CpSatConfig, MilpConfig
 from solvers.core.evaluate import Evaluation, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, ScheduleError
@@ -80,6 +81,12 @@ class SearchConfig:
     #: ``n`` nodes are ``work_s`` x this / ``n`` of them, a number of the graph and the limit
     #: alone, so that every rank polishes alike
     evaluated_nodes_per_s: float = 1e7
+    #: the CP-SAT backend's knobs and decision space (:class:`solvers.config.CpSatConfig`), for
+    #: the windows of ``solver="cpsat"``
+    cpsat: CpSatConfig = CpSatConfig()
+    #: the MILP backend's knobs and decision space (:class:`solvers.config.MilpConfig`), for the
+    #: windows of ``solver="milp"``
+    milp: MilpConfig = MilpConfig()
 
     def __post_init__(self) -> None:
         if not self.start_sizes or min(self.start_sizes) < 1 or not self.start_aheads or min(self.start_aheads) < 1:
@@ -108,6 +115,9 @@ class SearchConfig:
             raise ValueError(f"strict_models must be a tuple of cost model labels, got {self.strict_models!r}")
         if not self.evaluated_nodes_per_s > 0:
             raise ValueError(f"evaluated_nodes_per_s must be > 0, got {self.evaluated_nodes_per_s}")
+        if not isinstance(self.cpsat, CpSatConfig) or not isinstance(self.milp, MilpConfig):
+            raise TypeError(f"cpsat={self.cpsat!r} must be a solvers.config.CpSatConfig and milp={self.milp!r} a "
+                            "solvers.config.MilpConfig")
 
 
 
