@@ -40,9 +40,11 @@ class SearchConfig:
     #: moves a start over the budget may take to get under it (each evaluates the buckets alive
     #: at the peak, delayed or waited sooner)
     fit_moves: int = 8
-    #: starts over the budget moved under it: the best of them by the objective that can be (at
-    #: most four times as many are tried)
+    #: starts over the budget moved under it: the best of them by the objective that can be
     fit_starts: int = 4
+    #: starts over the budget tried per one of ``fit_starts`` (most cannot be moved under it,
+    #: and each try costs ``fit_moves`` peaks' worth of moves)
+    fit_tries_per_start: int = 4
     #: starts over the budget by at most this share of it are tried first
     near_miss_share: float = 0.05
     #: share of the work limit the CP-SAT windows get (0: no windows); the polish gets the rest
@@ -51,6 +53,10 @@ class SearchConfig:
     window_s: float = 0.3
     #: collectives a window frees (about three transformer blocks)
     window_members: int = 27
+    #: collectives between the first of one window and the first of the next (None: half of
+    #: ``window_members``, so that the collectives at a window's edge, whose neighbours outside
+    #: stay fixed, are in the middle of the next one)
+    window_stride: int | None = None
     #: sweeps over the windows at most (a sweep that gains nothing ends them)
     window_sweeps: int = 2
     #: schedules the polish starts from: the best start, and with several cost models the fastest
@@ -75,8 +81,8 @@ class SearchConfig:
     #: share of the polish's work the ``strict`` stage gets at least, when every polished
     #: schedule loses to a baseline under a strict model (and more where the polish left work)
     strict_share: float = 0.25
-    #: calibration of the polish's work in seconds: DAG nodes per second that one core of the CI
-    #: machine evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
+    #: calibration of the polish's work in seconds: DAG nodes per second that one core
+    #: evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
     #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
     #: ``n`` nodes are ``work_s`` x this / ``n`` of them, a number of the graph and the limit
     #: alone, so that every rank polishes alike
@@ -95,14 +101,17 @@ class SearchConfig:
         if any(a <= max(self.start_aheads) for a in self.start_deep_aheads):
             raise ValueError(f"start_deep_aheads must be deeper than every start_aheads ({self.start_aheads}), got "
                              f"{self.start_deep_aheads}")
-        if self.fit_moves < 0 or self.fit_starts < 0:
-            raise ValueError(f"fit_moves and fit_starts must be >= 0, got {self.fit_moves} and {self.fit_starts}")
+        if self.fit_moves < 0 or self.fit_starts < 0 or self.fit_tries_per_start < 1:
+            raise ValueError(f"fit_moves and fit_starts must be >= 0 and fit_tries_per_start >= 1, got "
+                             f"{self.fit_moves}, {self.fit_starts} and {self.fit_tries_per_start}")
         if not self.near_miss_share >= 0:
             raise ValueError(f"near_miss_share must be >= 0, got {self.near_miss_share}")
         if not 0 <= self.window_share <= 1:
             raise ValueError(f"window_share must be in [0, 1], got {self.window_share}")
         if self.window_s <= 0 or self.window_members < 2 or self.window_sweeps < 0:
             raise ValueError("window_s must be > 0, window_members >= 2 and window_sweeps >= 0")
+        if self.window_stride is not None and self.window_stride < 1:
+            raise ValueError(f"window_stride must be >= 1 or None, got {self.window_stride}")
         if self.polish_starts < 1:
             raise ValueError(f"polish_starts must be >= 1, got {self.polish_starts}")
         if not self.polish_steps or min(self.polish_steps) < 1:

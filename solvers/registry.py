@@ -90,7 +90,7 @@ def solve(
             with the signature of :data:`SolverFn` (your own solver).
         mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
         time_limit_s: limit of the solve. For CP-SAT it is a budget of deterministic work (about
-            that many seconds on the reference machine), so that every rank stops at the same
+            that many seconds of one core), so that every rank stops at the same
             point and gets the same schedule; the search usually stops earlier, when a sweep of
             windows brings no gain.
         seed: solver random seed (fixed for determinism).

@@ -104,6 +104,17 @@ def test_a_limit_too_small_for_a_stage_skips_it():
     assert [s.name for s in no_share.stages] == ["starts", "polish"]
 
 
+def test_starts_only_runs_the_first_stage_alone():
+    """``starts_only`` stops after the starts whatever the limit: the answer is the best start
+    that fits, the one a limit too small for any other stage also gives."""
+    p = _backward(2)
+    only = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0, starts_only=True)
+    assert [s.name for s in only.stages] == ["starts"]
+    assert only.status == SolveStatus.HEURISTIC
+    tiny = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1e-6)
+    assert only.schedule.digest() == tiny.schedule.digest()
+
+
 # --------------------------------------------------------------------------------------------
 # the budget and the starts
 # --------------------------------------------------------------------------------------------
@@ -472,6 +483,23 @@ def _windows_stage(result):
 
 def _stub_search(p, budget, backend):
     return search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=ONE_WINDOW)
+
+
+def test_window_stride_sets_how_far_apart_the_windows_start(binding):
+    """One sweep solves a window every ``window_stride`` collectives where any is exposed (by
+    default half a window, so that windows overlap): windows side by side are fewer, windows
+    one collective apart more."""
+    p, budget, _ = binding
+
+    def windows_solved(stride):
+        backend = _Proposes(None)
+        search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=SearchConfig(
+            window_members=8, window_sweeps=1, window_share=1.0, window_s=0.01, window_stride=stride))
+        return backend.calls
+
+    halves = windows_solved(None)
+    assert halves == windows_solved(4)
+    assert windows_solved(1) > halves > windows_solved(8) >= 1
 
 
 def test_windows_keep_a_proposal_that_is_better_and_fits(binding):
