@@ -42,10 +42,11 @@ evaluated again with the all-gathers of each group that also reduces on a second
 the work; the better schedule is kept. ``"separate"`` splits every start. The windows model one
 stream per group and keep the incumbent's split.
 
-The objective (:class:`Objective`): with one cost model, the step time; with several, the
+The objective (:class:`Objective`, its one order :class:`solvers.objective.Ordering`, which every
+stage compares by): with one cost model, the step time; with several, the
 worst-case regret ``max_m r_m`` (then the sum), where ``r_m = t_m / R_m - 1`` against the
 fastest start's step ``R_m`` under model ``m``, plus :attr:`SearchConfig.baseline_weight` times
-the slowdown against the best baseline's step under ``m`` (:func:`solvers.polish.regret`). It
+the slowdown against the best baseline's step under ``m`` (:func:`solvers.objective.regret`). It
 orders the starts and the polish's moves. Between finished schedules, the slowdown against the
 best baseline under the strict models (:attr:`SearchConfig.strict_models`, the nominal analytic
 and torch models) decides first (:meth:`Objective.key`), because the minimax leaves every model
@@ -122,7 +123,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
 
     p = objective.primary
     anchors = Anchors(p)
-    order = _window_order(p)
+    order = window_order(p)
     k = config.window_members
     stride = config.window_stride if config.window_stride is not None else max(1, k // 2)
     offsets = list(range(0, max(1, len(order) - k + stride), stride))
@@ -135,7 +136,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
             if spent + config.window_s > work_s + WORK_TOLERANCE_S:
                 return incumbent, spent
             spent += config.window_s
-            free = _bucket_free(incumbent.schedule, order[s0:s0 + k])
+            free = bucket_free(incumbent.schedule, order[s0:s0 + k])
             try:
                 cand = backend.solve_window(p, objective.mem_budget_bytes, incumbent.schedule, free,
                                             config.window_s, seed, num_workers, anchors)
@@ -152,7 +153,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
     return incumbent, spent
 
 
-def _window_order(p: Problem) -> list[str]:
+def window_order(p: Problem) -> list[str]:
     """Movable collectives in the order the graph needs them (need for all-gathers, gradient
     ready for the others)."""
     names = [c.name for c in p.colls.values() if c.movable]
@@ -160,7 +161,7 @@ def _window_order(p: Problem) -> list[str]:
                                         else p.colls[n].ready, p.colls[n].traced_issue))
 
 
-def _bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
+def bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
     """``names`` and every collective sharing a bucket with one of them."""
     bucket_of = schedule.bucket_of()
     return {m for b in {bucket_of[n] for n in names} for m in schedule.buckets[b].members}
@@ -265,7 +266,7 @@ def search(
         return polishing.polish(objective.problems, start.schedule, _polish_reference(objective), mem_budget_bytes,
                                 polishing.PolishConfig(max_simulations=simulations, steps=config.polish_steps),
                                 baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                                strict_models=strict_models)
+                                strict_models=strict_models, evaluator=objective.evaluator)
 
     n_polish = objective.simulations_for(left_s, config)
     if n_polish >= POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):

@@ -20,7 +20,7 @@ from solvers.config import CpSatConfig, MilpConfig  # noqa: E402
 from solvers.cpsat import CpSatModel, complete_solution, make_solver  # noqa: E402
 from solvers.registry import BACKENDS  # noqa: E402
 from solvers.model import Anchors, ModelData  # noqa: E402
-from solvers.search import SearchConfig, _bucket_free, _window_order, search  # noqa: E402
+from solvers.search import SearchConfig, bucket_free, window_order, search  # noqa: E402
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
 
 _LIMIT_S = 20.0
@@ -187,9 +187,9 @@ def _window_models(p: Problem, kind_free: str, budget: int | None):
     incumbent, and the MILP of the same data (fresh data for each, as the solvers build them)."""
     inc = solve(p, solver="fsdp2").schedule
     anchors = Anchors(p)
-    order = _window_order(p)
+    order = window_order(p)
     names = order[:8] if kind_free == "head" else order[len(order) // 2 : len(order) // 2 + 8]
-    free = _bucket_free(inc, names)
+    free = bucket_free(inc, names)
     cp = CpSatModel(ModelData(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors))
     cp.model.Minimize(cp.objective)
     data = ModelData(p, MilpConfig(), budget, free=free, reference=inc, anchors=anchors)

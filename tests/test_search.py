@@ -31,8 +31,9 @@ from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule
 from solvers.cpsat import CpSatBackend
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
+from solvers.objective import Ordering
 from solvers.search import Objective, SearchConfig, search
-from solvers.polish import regret
+from solvers.objective import regret
 from solvers.starts import fit_by_delays, starts
 
 #: one window frees every collective of these graphs: one backend call, whatever the work left
@@ -340,6 +341,26 @@ def test_a_slowdown_under_a_strict_model_comes_before_any_regret():
     lenient = Objective(problems, None, baseline_weight=10.0)  # no strict model: the weight decides
     lenient.reference_ms, lenient.baseline_ms = objective.reference_ms, objective.baseline_ms
     assert lenient.key(tiny_loss) < lenient.key(far)
+
+
+def test_the_polish_and_the_search_order_schedules_alike():
+    """One order for every stage (:class:`Ordering`): the polish's comparison takes a score as
+    lower exactly when the search's key ranks it first, with the strict models first or without;
+    a difference of float noise is no gain."""
+    problems = _two_clusters("forward", n_layers=1)
+    objective = Objective(problems, None, baseline_weight=10.0, strict_models=("fast",))
+    objective.reference_ms = {"fast": 10.0, "slow": 20.0}
+    objective.baseline_ms = {"fast": 10.4, "slow": 20.5}
+    steps = [{"fast": f, "slow": s} for f, s in [(10.0, 24.0), (10.401, 20.0), (10.45, 20.0), (10.5, 21.0),
+                                                  (11.0, 20.0), (10.2, 20.6)]]
+    for strict in (True, False):
+        order = objective.ordering(strict)
+        for a in steps:
+            for b in steps:
+                assert Ordering.improves((0, *order.key(a)), (0, *order.key(b))) == (order.key(a) < order.key(b))
+    noisy = {"fast": 10.2 * (1 - 1e-15), "slow": 20.6}
+    assert not Ordering.improves((0, *objective.ordering().key(noisy)), (0, *objective.ordering().key(steps[-1])))
+    assert Ordering.improves((0, 1.0, 1.0, 1.0), (1, 0.0, 0.0, 0.0))  # fewer bytes over the budget first
 
 
 def test_a_slowdown_against_the_best_baseline_weighs_more_than_regret():
