@@ -87,6 +87,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: relative difference of two simulated step times taken as float noise, not as slower
+_SAME_STEP = 1e-9
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"
 #: ``gm.meta`` key of the installed schedule over the traced graph's problem: a start for another
@@ -443,7 +445,7 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
         logger.warning("fsdp-sched: %s failed (%s: %s); falling back to the best start", solver.solver_name,
                        type(e).__name__, e)
         notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
-        starts = search(problems, budget, backend=None, time_limit_s=1e-9, extra_starts=solver.extra_starts,
+        starts = search(problems, budget, backend=None, starts_only=True, extra_starts=solver.extra_starts,
                         config=solver.search, all_gather_stream=solver.all_gather_stream, baselines=baselines)
         result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
     notes += list(result.notes)
@@ -502,7 +504,7 @@ def _better_order(outcomes: Sequence[tuple[str, Mapping[str, Problem], list[tupl
               for label in strict} if in_torch else {}
     steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
     best = {label: min(step[label] for step in steps) for label in labels}
-    keys = [(any(step[label] > torchs[label] * (1 + 1e-9) for label in torchs),
+    keys = [(any(step[label] > torchs[label] * (1 + _SAME_STEP) for label in torchs),
              max(step[label] / best[label] for label in labels), k) for k, step in enumerate(steps)]
     k = min(keys)[2]
     if outcomes[k][0] == "traced":

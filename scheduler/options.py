@@ -24,9 +24,11 @@ class SolverOptions:
     """How the schedule is found (:mod:`solvers.search`)."""
 
     #: ``"cpsat"`` (default) or ``"milp"``: the plan of :mod:`solvers.search` with that model
-    #: backend for its windows; a heuristic's name (``solvers.available_solvers()``): that
-    #: heuristic's schedule alone; or a callable ``fn(problem, *, mem_budget_bytes,
-    #: time_limit_s, seed, num_workers, extra_starts) -> SolveResult`` in place of the search
+    #: backend for its windows (its knobs: ``search.cpsat``, ``search.milp``); a heuristic's
+    #: name (``solvers.available_solvers()``): that heuristic's schedule alone; or a callable
+    #: ``fn(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers, extra_starts)
+    #: -> SolveResult`` in place of the search, every keyword always passed (``hint`` None,
+    #: ``extra_starts`` this option's; :data:`solvers.registry.SolverFn`)
     solver: str | Callable[..., Any] = "cpsat"
     #: deterministic work of the search (s): the same stages and the same schedule on every
     #: rank whatever the machine's load; see :mod:`solvers.search` for how it is shared
@@ -73,7 +75,8 @@ class SolverOptions:
     #: regret, then the traced one (a second search: its starts cost most of it). Any order
     #: runs every node after its inputs: the graph computes the same
     compute_order: str = "choose"
-    #: the plan's tuning values
+    #: the plan's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
+    #: ``SearchConfig.milp``)
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models (:mod:`scheduler.costs.family`): the
     #: collectives no file measured and no spec names a model for are also priced on the

@@ -1,9 +1,11 @@
-"""Configuration shared by both model backends.
+"""Configuration of the window model and its two backends.
 
 :class:`ModelConfig` bounds the decision space of one window (:mod:`solvers.model`);
 :class:`SolverConfig` adds the wall-clock safety cap; each backend extends it with its own
-solver knobs (:class:`solvers.cpsat.CpSatConfig`, :class:`solvers.milp.MilpConfig`). The plan
-around the windows is :class:`solvers.objective.SearchConfig`.
+solver knobs (:class:`CpSatConfig` for :mod:`solvers.cpsat`, :class:`MilpConfig` for
+:mod:`solvers.milp`). The plan around the windows is :class:`solvers.objective.SearchConfig`,
+which holds one config of each backend (``SearchConfig.cpsat``, ``SearchConfig.milp``), so that
+``SolverOptions.search`` reaches them.
 """
 
 from __future__ import annotations
@@ -61,3 +63,48 @@ class SolverConfig(ModelConfig):
         super().__post_init__()
         if self.wall_clock_factor < 1 or self.wall_clock_slack_s < 0:
             raise ValueError("wall_clock_factor must be >= 1 and wall_clock_slack_s >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CpSatConfig(SolverConfig):
+    """Knobs of the CP-SAT backend (the shared ones: :class:`SolverConfig`)."""
+
+    #: CP-SAT deterministic time units per second of a limit (a completion solve's): its
+    #: deterministic clock runs slower than one core's wall time, so this scale keeps a limit of
+    #: T s near T s of wall time while the amount of search (hence the schedule) stays the same
+    #: on every rank and machine
+    deterministic_units_per_second: float = 0.25
+    #: the same for the windows, which run without probing and SAT inprocessing
+    #: (:meth:`CpSatBackend.solve_window`): their clock runs slower against the wall clock
+    window_units_per_second: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.deterministic_units_per_second > 0 and self.window_units_per_second > 0):
+            raise ValueError("deterministic_units_per_second and window_units_per_second must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MilpConfig(SolverConfig):
+    """Knobs of the MILP backend (the shared ones: :class:`SolverConfig`)."""
+
+    #: "auto" (HiGHS when installed, else CBC), "cbc" or "highs"
+    backend: str = "auto"
+    #: absolute optimality gap in microseconds; every objective value is an integer number of
+    #: microseconds, so any gap below 1 still proves optimality
+    abs_gap_us: float = 0.5
+    #: branch-and-bound node limit (None: none); unlike the wall-clock limit it is deterministic
+    max_nodes: int | None = None
+    #: fraction of the time limit for completing the warm start (times for its decisions)
+    warm_start_share: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend not in ("auto", "cbc", "highs"):
+            raise ValueError(f"backend must be 'auto', 'cbc' or 'highs', got {self.backend!r}")
+        if not 0.0 <= self.abs_gap_us < 1.0:
+            raise ValueError("abs_gap_us must be in [0, 1): a gap of 1 us may cut off the optimum")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError("max_nodes must be >= 1 or None")
+        if not 0.0 < self.warm_start_share < 1.0:
+            raise ValueError("warm_start_share must be in (0, 1)")

@@ -7,7 +7,8 @@ y / z, stream exclusivity is ``AddNoOverlap`` over optional intervals, and a sol
 a second phase (peak memory, then fewer buckets, at the optimal step time).
 
 :class:`CpSatBackend` is the window solver that :mod:`solvers.search` runs between the starts
-and the polish.
+and the polish (:mod:`solvers.registry` builds it); :func:`complete_solution` completes a
+schedule to a full solution of the model, the MILP's warm start.
 Determinism: one worker, fixed seed and a deterministic time limit for every solve (phases of
 the whole-graph model and windows alike get fixed shares of the solve's deterministic budget,
 never what the wall clock leaves), so every rank does the same work; a wall-clock cap far above
@@ -21,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
-from solvers import search
-from solvers.config import SolverConfig
-from solvers.search import DEFAULT_TIME_LIMIT_S
+from solvers.config import CpSatConfig
 from solvers.core.problem import Problem
-from solvers.core.schedule import Schedule, SolveResult
+from solvers.core.schedule import Schedule
 from solvers.core.units import US_PER_MS
 from solvers.model import Anchors, Decisions, ModelData, Solution
 
@@ -42,25 +40,6 @@ STATUS_NAMES = {
     cp_model.MODEL_INVALID: "invalid",
     cp_model.UNKNOWN: "unknown",
 }
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CpSatConfig(SolverConfig):
-    """Knobs of the CP-SAT backend (the shared ones: :class:`solvers.config.SolverConfig`)."""
-
-    #: CP-SAT deterministic time units per second of a limit (a completion solve's): its
-    #: deterministic clock runs slower than wall time on the CI machine, so a limit of T s
-    #: becomes about T s there, and the same amount of search (hence the same schedule) on
-    #: every rank and machine
-    deterministic_units_per_second: float = 0.25
-    #: the same for the windows, which run without probing and SAT inprocessing
-    #: (:meth:`CpSatBackend.solve_window`): their clock runs slower against the wall clock
-    window_units_per_second: float = 0.2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.deterministic_units_per_second <= 0:
-            raise ValueError("deterministic_units_per_second must be > 0")
 
 
 class CpSatModel:
@@ -290,19 +269,6 @@ class CpSatModel:
         if d.mem_budget_bytes is not None:
             m.Add(self.P <= d.mem_budget_bytes)
 
-    # -- the per-layer template's steady state -----------------------------------------------
-    def tie(self, pairs: list[tuple[str, str]], shift: int) -> None:
-        """Each ``(k, k2)`` decides alike up to a shift of ``shift`` gaps: k2 starts a bucket iff
-        k does, and is issued (and waited) ``shift`` gaps after k."""
-        m, A = self.model, self.data.anchors
-        for k, k2 in pairs:
-            m.Add(self.brk[k2] == self.brk[k])
-            for kind, (lo, hi), (lo2, hi2) in self.data.tie_windows(k, k2):
-                var = self.I if kind == "issue" else self.W
-                allowed = [(a, s) for a in range(lo, hi + 1)
-                           if (s := A.shifted(a, shift)) is not None and lo2 <= s <= hi2]
-                m.AddAllowedAssignments([var[k], var[k2]], allowed)
-
     # -- hints, completion, extraction -------------------------------------------------------
     def decision_vars(self) -> list:
         return [*self.brk.values(), *self.I.values(), *self.W.values()]
@@ -446,14 +412,11 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
 
 
 def complete_solution(data: ModelData, schedule: Schedule, limit_s: float, seed: int, num_workers: int,
-                      cfg: CpSatConfig | None = None, ties: tuple[list[tuple[str, str]], int] | None = None,
-                      ) -> Solution | None:
+                      cfg: CpSatConfig | None = None) -> Solution | None:
     """``schedule`` completed to a full solution of ``data``'s model with the tightest times
     (the objective minimised with the decisions fixed), or None when its decisions do not fit.
     The MILP starts from this."""
     model = CpSatModel(data)
-    if ties is not None:
-        model.tie(*ties)
     model.model.Minimize(model.objective)
     solver = model.complete(schedule, limit_s, seed, num_workers, cfg or CpSatConfig())
     return None if solver is None else model.solution(solver)
@@ -481,16 +444,13 @@ class CpSatBackend:
         return status
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors,
-                     ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition: ``free`` decided, the rest of ``schedule`` fixed,
-        hinted with ``schedule`` (:meth:`CpSatModel.hint_all`; no separate completion solve:
-        measured on a 16-layer llama backward window at 2 s, 451.9 ms found in 2.1 s wall
-        against 459.9 ms in 2.3 s with completion)."""
+        hinted with ``schedule`` (:meth:`CpSatModel.hint_all`; no separate completion solve: the
+        hint already starts the search from the incumbent, and a completion would spend the
+        window's small deterministic budget before the search starts)."""
         cfg = self.config
         built = CpSatModel(ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors))
-        if ties is not None:
-            built.tie(*ties)
         built.model.Minimize(built.objective)
         built.hint_all(schedule)
         solver = make_solver(limit_s, seed, num_workers, cfg)
@@ -509,13 +469,3 @@ class CpSatBackend:
         if status not in ("optimal", "feasible"):
             return None
         return built.extract(solver)
-
-def solve_cpsat(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-                seed: int = 0, hint: Schedule | None = None, num_workers: int = 1,
-                config: CpSatConfig | None = None, extra_starts: Sequence[Schedule] = ()) -> SolveResult:
-    """The plan of :mod:`solvers.search` with this backend for its windows; ``hint`` and
-    ``extra_starts`` are starts too (the result is never slower than the fastest that fits)."""
-    label = str(problem.dag.graph.get("cost_model", "model"))
-    return search.search({label: problem}, mem_budget_bytes, backend=CpSatBackend(config), time_limit_s=time_limit_s,
-                         seed=seed, num_workers=num_workers, extra_starts=(*((hint,) if hint is not None else ()),
-                                                                            *extra_starts))

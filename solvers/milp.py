@@ -38,11 +38,13 @@ Differences from CP-SAT (the optimum of the step time is the same): continuous t
 pairwise order binaries instead of NoOverlap, only for pairs that can overlap under UB; the
 warm start's objective UB is a constraint (CP-SAT only hints it); no second phase (among
 equally fast schedules the MILP returns whichever the solver finds). The warm start is
-completed to a full solution by CP-SAT (:func:`solvers.cpsat.complete_solution`, decisions
-fixed, times minimised) and handed to the MILP solver as its start.
+completed to a full solution by the completion :class:`MilpBackend` is given (a
+:data:`solvers.model.Completion`; :mod:`solvers.registry` gives it CP-SAT's,
+:func:`solvers.cpsat.complete_solution`: decisions fixed, times minimised) and handed to the
+MILP solver as its start.
 
 The plan around the windows (starts, polish, never worse than the best start) is shared with
-CP-SAT (:mod:`solvers.search`).
+CP-SAT (:mod:`solvers.search`, driven by :mod:`solvers.registry`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.
 """
@@ -55,56 +57,21 @@ import math
 import os
 import re
 import tempfile
-import time
 import warnings
 from collections import defaultdict
 
 import pulp
 
-from solvers import search
-from solvers.config import SolverConfig
+from solvers.config import MilpConfig
 from solvers.core.problem import Problem
-from solvers.core.schedule import InfeasibleBudgetError, Schedule, SolveResult
+from solvers.core.schedule import InfeasibleBudgetError, Schedule
 from solvers.core.units import US_PER_MS
-from solvers.cpsat import complete_solution
-from solvers.model import Anchors, Decisions, ModelData, Solution
+from solvers.model import Anchors, Completion, Decisions, ModelData, Solution
 
 logger = logging.getLogger(__name__)
 
 #: memory rows are divided by this (a power of two: exact) to keep coefficients moderate for CBC
 _MEM_ROW_SCALE = 1024.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MilpConfig(SolverConfig):
-    """Knobs of the MILP backend (the shared ones: :class:`solvers.config.SolverConfig`)."""
-
-    #: "auto" (HiGHS when installed, else CBC), "cbc" or "highs"
-    backend: str = "auto"
-    #: absolute optimality gap in microseconds; every objective value is an integer number of
-    #: microseconds, so any gap below 1 still proves optimality
-    abs_gap_us: float = 0.5
-    #: branch-and-bound node limit (None: none); unlike the wall-clock limit it is deterministic
-    max_nodes: int | None = None
-    #: fraction of the time limit for completing the warm start (times for its decisions)
-    warm_start_share: float = 0.1
-    #: the whole-graph MILP is solved in stages, each twice as long as the last and started from
-    #: the last one's incumbent; it stops when a stage finds nothing better (CBC rarely closes
-    #: its gap on these models, so the limit alone would always be spent). First stage (s):
-    first_stage_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.backend not in ("auto", "cbc", "highs"):
-            raise ValueError(f"backend must be 'auto', 'cbc' or 'highs', got {self.backend!r}")
-        if not 0.0 <= self.abs_gap_us < 1.0:
-            raise ValueError("abs_gap_us must be in [0, 1): a gap of 1 us may cut off the optimum")
-        if self.max_nodes is not None and self.max_nodes < 1:
-            raise ValueError("max_nodes must be >= 1 or None")
-        if not 0.0 < self.warm_start_share < 1.0:
-            raise ValueError("warm_start_share must be in (0, 1)")
-        if self.first_stage_s <= 0:
-            raise ValueError("first_stage_s must be > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,29 +440,6 @@ class MilpModel:
             if self.P is not None:
                 self._add(self.P, ">=", expr, f"peak_{a}")
 
-    # -- steady state (per-layer template) ----------------------------------------------------
-    def tie(self, pairs: list[tuple[str, str]], shift: int) -> bool:
-        """The template's tie in linear form: brk_k2 = brk_k and, when the anchors of k's
-        windows map to k2's by one constant offset o (``shift`` gaps later), y_{k2,a+o} =
-        y_{k,a} (and z likewise). False when an offset is not constant there (the caller then
-        solves the window untied)."""
-        A = self.A
-        rows = []
-        for k, k2 in pairs:
-            rows.append((self.brk[k2], self.brk[k], f"tie_brk_{k2}"))
-            for kind, (lo, hi), (lo2, hi2) in self.data.tie_windows(k, k2):
-                vfun = self.yv if kind == "issue" else self.zv
-                shifted = [A.shifted(a, shift) for a in range(lo, hi + 1)]
-                offsets = {None if s is None else s - a for a, s in zip(range(lo, hi + 1), shifted)}
-                if len(offsets) != 1 or None in offsets:
-                    return False
-                o = offsets.pop()
-                for a in range(min(lo, lo2 - o) - 1, max(hi, hi2 - o) + 1):
-                    rows.append((vfun(k2, a + o), vfun(k, a), f"tie_{kind}_{k2}_{a}"))
-        for lhs, rhs, name in rows:
-            self._add(lhs, "==", rhs, name)
-        return True
-
     # -- warm start and extraction -----------------------------------------------------------
     def set_initial(self, sol: Solution) -> None:
         """Initial values from a complete solution of the same model (CP-SAT's completion of
@@ -626,44 +570,6 @@ def _cbc_bound(log_text: str) -> float | None:
     return None
 
 
-def solve_in_stages(model: MilpModel, deadline: float, seed: int, cfg: MilpConfig, *,
-                    warm: bool) -> tuple[LpOutcome, Decisions | None, int]:
-    """Solve ``model`` in stages of ``first_stage_s``, then twice as long each time, every stage
-    started from the last one's incumbent; stop when one proves optimality, finds nothing at
-    least 1 us better, or the deadline comes. Returns the best outcome, its decisions (None
-    when nothing was found) and the number of stages run."""
-    stage_s = cfg.first_stage_s
-    best: LpOutcome | None = None
-    best_decisions: Decisions | None = None
-    stages = 0
-    while True:
-        left = deadline - time.perf_counter()
-        stages += 1
-        out = solve_lp(model, max(0.5, min(stage_s, left)), seed, cfg, warm=warm or best is not None)
-        if out.status not in ("optimal", "feasible"):
-            return (best or out), best_decisions, stages
-        gain = best is None or out.objective_us < best.objective_us - 0.5
-        if best is None or out.objective_us <= best.objective_us:
-            best, best_decisions = out, model.decisions()
-        if out.status == "optimal" or not gain or deadline - time.perf_counter() <= 0.5:
-            return best, best_decisions, stages
-        # the next stage starts from this incumbent (PuLP keeps its values on the variables)
-        stage_s *= 2
-
-
-def relaxed_bound_us(model: MilpModel, limit_s: float, cfg: MilpConfig) -> float | None:
-    """LP relaxation of ``model`` itself (binaries relaxed in place, then restored)."""
-    ints = [v for v in model.lp.variables() if v.cat == pulp.LpInteger]
-    for v in ints:
-        v.cat = pulp.LpContinuous
-    try:
-        out = solve_lp(model, limit_s, 0, cfg, mip=False)
-    finally:
-        for v in ints:
-            v.cat = pulp.LpInteger
-    return out.objective_us if out.status == "optimal" else None
-
-
 def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
                            config: MilpConfig | None = None) -> float:
     """Optimum of the MILP's LP relaxation (every binary in [0, 1]), in ms: a lower bound on
@@ -686,10 +592,10 @@ def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = N
 
 
 def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, num_workers: int,
-          ties: tuple[list[tuple[str, str]], int] | None = None) -> tuple[MilpModel, Solution | None]:
+          complete: Completion) -> tuple[MilpModel, Solution | None]:
     """The MILP of ``data`` bounded by ``start``'s model step time, and ``start`` completed to
-    a full solution (None when it does not fit the model)."""
-    sol = complete_solution(data, start, limit_s, seed, num_workers, ties=ties) if start is not None else None
+    a full solution by ``complete`` (None when it does not fit the model)."""
+    sol = complete(data, start, limit_s, seed, num_workers) if start is not None else None
     return MilpModel(data, sol.objective_us if sol is not None else None), sol
 
 
@@ -698,21 +604,22 @@ class MilpBackend:
 
     name = "milp"
 
-    def __init__(self, config: MilpConfig | None = None):
+    def __init__(self, config: MilpConfig | None = None, *, complete: Completion):
         self.config = config or MilpConfig()
+        #: completes the incumbent to a full solution of a window's model, the warm start
+        #: (:mod:`solvers.registry` hands it CP-SAT's, :func:`solvers.cpsat.complete_solution`)
+        self.complete = complete
         #: the MILP solver's limits are wall-clock (CBC/HiGHS through PuLP): not counted here
         self.wall_cap_hits = 0
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors,
-                     ties: tuple[list[tuple[str, str]], int] | None = None) -> Schedule | None:
+                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition as a MILP: started from the incumbent completed
         inside the window, bounded by its exit state."""
         cfg = self.config
         data = ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors)
-        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers, ties)
-        if ties is not None and not model.tie(*ties):
-            return None
+        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers,
+                           self.complete)
         if sol is not None:
             model.set_initial(sol)
         try:
@@ -724,13 +631,3 @@ class MilpBackend:
         if out.status not in ("optimal", "feasible"):
             return None
         return model.extract()
-
-def solve_milp(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0, seed: int = 0,
-               hint: Schedule | None = None, num_workers: int = 1, config: MilpConfig | None = None,
-               extra_starts: tuple[Schedule, ...] = ()) -> SolveResult:
-    """The plan of :mod:`solvers.search` with this backend for its windows; ``hint`` and
-    ``extra_starts`` are starts too (the result is never slower than the fastest that fits)."""
-    label = str(problem.dag.graph.get("cost_model", "model"))
-    return search.search({label: problem}, mem_budget_bytes, backend=MilpBackend(config), time_limit_s=time_limit_s,
-                         seed=seed, num_workers=num_workers, extra_starts=(*((hint,) if hint is not None else ()),
-                                                                            *extra_starts))

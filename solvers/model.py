@@ -102,6 +102,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 from solvers.config import ModelConfig
 from solvers.core.problem import Problem
@@ -142,10 +143,6 @@ class Anchors:
         a = self.at_or_before(gap)
         assert self.gaps[a] == gap, gap
         return a
-
-    def shifted(self, a: int, shift: int) -> int | None:
-        """The anchor ``shift`` gaps after anchor ``a``, or None when that gap is no anchor."""
-        return self.index.get(self.gaps[a] + shift)
 
 
 @dataclasses.dataclass
@@ -222,6 +219,13 @@ class Solution(Decisions):
     Z: int
     fixed_start: dict[int, int]  #: Cf_f by reference bucket index
     objective_us: int
+
+
+#: ``complete(data, schedule, limit_s, seed, num_workers) -> Solution | None``: ``schedule``
+#: completed to a full solution of ``data``'s model (its decisions fixed, the tightest times),
+#: None when its decisions do not fit; a backend that needs a warm start is given one
+#: (:func:`solvers.cpsat.complete_solution`), never imports another backend
+Completion = Callable[["ModelData", Schedule, float, int, int], "Solution | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,16 +430,6 @@ class ModelData:
         base = [max(0, seg_live[a] - at_ref[a]) for a in range(A.m + 1)]
         upper = max(seg_live) * 4 + sum(x.out_bytes + x.pay_bytes + x.grad_bytes for x in self.member.values())
         return base, upper
-
-    # -- per-layer template ------------------------------------------------------------------
-    def tie_windows(self, k: str, k2: str) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
-        """The decisions tied between ``k`` and ``k2``: ("issue", k's window, k2's window), and
-        ("wait", ...) for reduce-scatters."""
-        x, x2 = self.member[k], self.member[k2]
-        out = [("issue", (x.lo, x.hi), (x2.lo, x2.hi))]
-        if not x.waited_at_need:
-            out.append(("wait", (x.wlo, x.whi), (x2.wlo, x2.whi)))
-        return out
 
     # -- hints -------------------------------------------------------------------------------
     def decisions_of(self, schedule: Schedule, *, per_bucket: bool = True) -> Decisions:

@@ -23,7 +23,8 @@ the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
 over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result
-is refused when the excess stays.
+is refused when the excess stays. The score and its comparison are the plan's one order
+(:class:`solvers.objective.Ordering`; the search sorts and chooses by the same).
 
 Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
 buckets of a chain (all-gathers keep the earlier issue and wait, reduce-scatters the later);
@@ -51,26 +52,11 @@ from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_window
 from solvers.entries import Entry, chain_ordered, chain_units, from_entries
+from solvers.objective import Ordering, regret
+
+__all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
 
 logger = logging.getLogger(__name__)
-
-#: a regret counts as lower only below the current one by more than this (float noise)
-_EPS = 1e-12
-
-
-def baseline_loss(step_ms: float, baseline_ms: float | None) -> float:
-    """How much slower than ``baseline_ms`` a step is (0 when not slower or no baseline)."""
-    return max(0.0, step_ms / baseline_ms - 1) if baseline_ms is not None else 0.0
-
-
-def regret(step_ms: float, reference_ms: float, baseline_ms: float | None = None, weight: float = 0.0) -> float:
-    """The regret of a step time under one model: ``step / reference - 1``, plus ``weight``
-    times how much slower than ``baseline_ms`` it is (the best baseline's step under that model;
-    None: no baseline). The same function orders schedules in the search and in the polish."""
-    r = step_ms / reference_ms - 1
-    if baseline_ms is not None and weight and step_ms > baseline_ms:
-        r += weight * (step_ms / baseline_ms - 1)
-    return r
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,7 +107,7 @@ class PolishResult:
 def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mapping[str, float],
            mem_budget_bytes: int | None = None, config: PolishConfig = PolishConfig(), *,
            baseline_ms: Mapping[str, float] | None = None, baseline_weight: float = 0.0,
-           strict_models: Sequence[str] = ()) -> PolishResult:
+           strict_models: Sequence[str] = (), evaluator: ModelEvaluator | None = None) -> PolishResult:
     """Lower the worst-case regret of ``start`` across the models of ``problems`` (module
     docstring).
 
@@ -138,6 +124,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             slowdown against it (:func:`regret`); None or 0: the regret alone.
         strict_models: labels under which a slowdown against ``baseline_ms`` comes first
             (module docstring); none: the regret alone decides.
+        evaluator: the evaluator of ``problems`` to use (the search's own, shared); None: one
+            is built.
 
     Raises:
         ValueError: no problem, problems of different graphs, a reference missing or not > 0,
@@ -147,7 +135,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     """
     t0 = time.perf_counter()
     search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups,
-                     strict_models)
+                     strict_models, evaluator)
     current = search.evaluate(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
@@ -192,20 +180,21 @@ class _Search:
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
                  mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
-                 baseline_weight: float = 0.0, split_groups: tuple[str, ...] = (), strict_models: Sequence[str] = ()):
+                 baseline_weight: float = 0.0, split_groups: tuple[str, ...] = (), strict_models: Sequence[str] = (),
+                 evaluator: ModelEvaluator | None = None):
         # the evaluator refuses no problem, and problems of different graphs
-        self.evaluator = ModelEvaluator(problems)
+        self.evaluator = evaluator if evaluator is not None else ModelEvaluator(problems)
         self.labels = list(problems)
         self.problems = dict(problems)
         self.p0 = self.problems[self.labels[0]]
         missing = [label for label in self.labels if not reference_ms.get(label, 0) > 0]
         if missing:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
-        self.reference = {label: float(reference_ms[label]) for label in self.labels}
-        self.baseline = dict(baseline_ms or {})
-        self.baseline_weight = baseline_weight
-        self.strict = frozenset(label for label in strict_models if label in self.baseline)
-        self.mem_budget_bytes = mem_budget_bytes
+        #: the plan's one order (:class:`solvers.objective.Ordering`), its regret also with one model
+        self.ordering = Ordering(self.labels, mem_budget_bytes, {label: float(reference_ms[label]) for label in
+                                                                 self.labels}, baseline_ms, baseline_weight,
+                                 strict_models)
+        self.strict = self.ordering.strict
         self.simulations = 0
         #: the start's :attr:`Schedule.split_groups`, which every move keeps
         self.split_groups = split_groups
@@ -255,27 +244,22 @@ class _Search:
                 return None
             finally:
                 self.simulations += 1
-            if self.mem_budget_bytes is not None:
-                excess = max(excess, sim.peak_bytes - self.mem_budget_bytes, 0)
-            if label in self.strict:
-                loss = max(loss, baseline_loss(sim.step_ms, self.baseline[label]))
+            excess = max(excess, self.ordering.excess(sim.peak_bytes))
+            loss = max(loss, self.ordering.loss(label, sim.step_ms))
             r = self.regret(label, sim.step_ms)
-            if bar is not None and (excess > bar[0] or (excess == bar[0] and (
-                    loss > bar[1] + _EPS or (loss >= bar[1] - _EPS and r > bar[2] + _EPS)))):
+            if bar is not None and Ordering.rules_out(excess, loss, r, bar):
                 return None
             sims[label] = sim
             worst, total = max(worst, r), total + r
-        if bar is not None and excess == bar[0] and not (
-                loss < bar[1] - _EPS or (loss <= bar[1] + _EPS and (
-                    worst < bar[2] - _EPS or (worst <= bar[2] + _EPS and total < bar[3] - _EPS)))):
+        if bar is not None and excess == bar[0] and not Ordering.improves((excess, loss, worst, total), bar):
             return None
         ratio = {label: self.regret(label, sims[label].step_ms) for label in self.labels}
-        losing = {label for label in self.strict if baseline_loss(sims[label].step_ms, self.baseline[label]) > 0}
+        losing = {label for label in self.strict if self.ordering.loss(label, sims[label].step_ms) > 0}
         self.order = sorted(self.labels, key=lambda label: (label not in losing, -ratio[label]))
         return schedule, (excess, loss, worst, total), sims
 
     def regret(self, label: str, step_ms: float) -> float:
-        return regret(step_ms, self.reference[label], self.baseline.get(label), self.baseline_weight)
+        return self.ordering.regret(label, step_ms)
 
 
 def _entries(schedule: Schedule | Plan) -> list[Entry]:

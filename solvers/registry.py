@@ -1,30 +1,62 @@
 """One entry point for every solver and heuristic: ``solve(problem, solver=...)``.
 
 The table maps names to the modules that implement them; it imports them, nothing imports it
-back (no registration side effects, no circle).
+back (no registration side effects, no circle). It is also the one driver of the two model
+backends: :data:`BACKENDS` builds each from its config (``SearchConfig.cpsat`` /
+``SearchConfig.milp``) and hands the MILP its warm start (CP-SAT's completion); the plan of
+:mod:`solvers.search` runs either through the solver-neutral :class:`solvers.model.ModelData`.
+Neither backend imports the plan or the other backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import InfeasibleBudgetError, Schedule, ScheduleError, SolveResult
-from solvers.cpsat import solve_cpsat
+from solvers.cpsat import CpSatBackend, complete_solution
 from solvers.heuristics import HEURISTICS
-from solvers.milp import MilpBackend, solve_milp
-from solvers.cpsat import CpSatBackend
+from solvers.milp import MilpBackend
 from solvers.objective import SearchConfig
-from solvers.search import DEFAULT_TIME_LIMIT_S, search
+from solvers.search import DEFAULT_TIME_LIMIT_S, WindowBackend, search
 
 logger = logging.getLogger(__name__)
 
-#: a solver: ``fn(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers) -> SolveResult``
+#: a solver of your own, as :func:`solve` calls it: ``fn(problem, *, mem_budget_bytes,
+#: time_limit_s, seed, hint, num_workers, extra_starts) -> SolveResult``, every keyword always
+#: passed (``hint`` None and ``extra_starts`` empty when none are given); a built-in heuristic is
+#: called without ``extra_starts``
 SolverFn = Callable[..., SolveResult]
 
+#: the model backends of the plan's windows, by solver name: each built from the plan's config
+BACKENDS: dict[str, Callable[[SearchConfig], WindowBackend]] = {
+    "cpsat": lambda config: CpSatBackend(config.cpsat),
+    "milp": lambda config: MilpBackend(config.milp, complete=complete_solution),
+}
+
+
+def _solve_with(backend: str) -> SolverFn:
+    """The plan of :mod:`solvers.search` with ``backend`` for its windows, as a solver of one
+    problem; ``hint`` and ``extra_starts`` are starts too (the result is never slower than the
+    fastest that fits)."""
+
+    def solve_exact(problem: Problem, *, mem_budget_bytes: int | None = None,
+                    time_limit_s: float = DEFAULT_TIME_LIMIT_S, seed: int = 0, hint: Schedule | None = None,
+                    num_workers: int = 1, extra_starts: Sequence[Schedule] = (),
+                    config: SearchConfig = SearchConfig()) -> SolveResult:
+        label = str(problem.dag.graph.get("cost_model", "model"))
+        return search({label: problem}, mem_budget_bytes, backend=BACKENDS[backend](config),
+                      time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, config=config,
+                      extra_starts=(*((hint,) if hint is not None else ()), *extra_starts))
+
+    solve_exact.__name__ = solve_exact.__qualname__ = f"solve_{backend}"
+    return solve_exact
+
+
+solve_cpsat = _solve_with("cpsat")
+solve_milp = _solve_with("milp")
 #: the exact solvers (the plan of :mod:`solvers.search` with that model backend for its windows)
 EXACT_SOLVERS: dict[str, SolverFn] = {"cpsat": solve_cpsat, "milp": solve_milp}
 #: every solver and heuristic by name
@@ -58,15 +90,15 @@ def solve(
             with the signature of :data:`SolverFn` (your own solver).
         mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
         time_limit_s: limit of the solve. For CP-SAT it is a budget of deterministic work (about
-            that many seconds on the reference machine), so that every rank stops at the same
+            that many seconds of one core), so that every rank stops at the same
             point and gets the same schedule; the search usually stops earlier, when a sweep of
             windows brings no gain.
         seed: solver random seed (fixed for determinism).
         hint: a schedule to warm-start from.
         num_workers: solver threads (1 keeps solves deterministic and cheap).
-        extra_starts: exact solvers only: more schedules to start from (e.g. the best schedule
-            found at a smaller budget, see :func:`solve_budgets`); the result is never slower
-            than the fastest of them that fits.
+        extra_starts: exact solvers and callables only: more schedules to start from (e.g. the
+            best schedule found at a smaller budget, see :func:`solve_budgets`); the exact
+            solvers' result is never slower than the fastest of them that fits.
 
     Raises:
         ValueError: unknown solver name.
@@ -83,9 +115,11 @@ def solve(
     for given in (hint, *extra_starts):
         if given is not None:
             _check_hint_shape(problem, given)
-    if extra_starts and fn not in EXACT_SOLVERS.values():
-        raise ValueError(f"extra_starts are taken by the exact solvers {sorted(EXACT_SOLVERS)} only")
-    more = {"extra_starts": tuple(extra_starts)} if extra_starts else {}
+    heuristic = fn in HEURISTICS.values()
+    if extra_starts and heuristic:
+        raise ValueError(f"extra_starts are taken by the exact solvers {sorted(EXACT_SOLVERS)} and callables only, "
+                         f"not by the heuristic {solver_name(solver)!r}")
+    more = {} if heuristic else {"extra_starts": tuple(extra_starts)}
     result = fn(
         problem,
         mem_budget_bytes=mem_budget_bytes,
@@ -99,10 +133,6 @@ def solve(
         raise ScheduleError(
             f"solver {solver_name(solver)!r} returned an empty schedule for a graph with collectives")
     return result
-
-
-#: the model backends of the plan's windows, by solver name
-BACKENDS = {"cpsat": CpSatBackend, "milp": MilpBackend}
 
 
 def solve_problems(
@@ -125,7 +155,7 @@ def solve_problems(
     if isinstance(solver, str) and solver in BACKENDS:
         for given in (*extra_starts, *(s for _, s in baselines)):
             _check_hint_shape(next(iter(problems.values())), given)
-        return search(problems, mem_budget_bytes, backend=BACKENDS[solver](), time_limit_s=time_limit_s, seed=seed,
+        return search(problems, mem_budget_bytes, backend=BACKENDS[solver](config), time_limit_s=time_limit_s, seed=seed,
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
                       all_gather_stream=all_gather_stream, baselines=baselines)
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,

@@ -42,10 +42,11 @@ evaluated again with the all-gathers of each group that also reduces on a second
 the work; the better schedule is kept. ``"separate"`` splits every start. The windows model one
 stream per group and keep the incumbent's split.
 
-The objective (:class:`Objective`): with one cost model, the step time; with several, the
+The objective (:class:`Objective`, its one order :class:`solvers.objective.Ordering`, which every
+stage compares by): with one cost model, the step time; with several, the
 worst-case regret ``max_m r_m`` (then the sum), where ``r_m = t_m / R_m - 1`` against the
 fastest start's step ``R_m`` under model ``m``, plus :attr:`SearchConfig.baseline_weight` times
-the slowdown against the best baseline's step under ``m`` (:func:`solvers.polish.regret`). It
+the slowdown against the best baseline's step under ``m`` (:func:`solvers.objective.regret`). It
 orders the starts and the polish's moves. Between finished schedules, the slowdown against the
 best baseline under the strict models (:attr:`SearchConfig.strict_models`, the nominal analytic
 and torch models) decides first (:meth:`Objective.key`), because the minimax leaves every model
@@ -56,7 +57,7 @@ model loses nothing). The polish does not take the slowdown first from the outse
 moves would then trade regret for it and end in a worse place on graphs where no start lost.
 A schedule over the budget never replaces one that fits. Windows run with one model only: a
 window is solved under one model, and with several its schedule trades that model against the
-others (on llama3-8b's graphs no window was ever kept under the family of six).
+others: none was kept under the family where the benchmarks tried (BENCHMARKS.md, the stages).
 
 Determinism: ``time_limit_s`` is deterministic work, shared by the windows (the backend's
 deterministic clock) and the polish (evaluations, converted at
@@ -93,6 +94,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIME_LIMIT_S = 1.0
 #: where a search may put all-gathers (:func:`search`'s ``all_gather_stream``)
 ALL_GATHER_STREAMS = ("shared", "choose", "separate")
+#: seconds of work a sum of window limits may exceed its share by: the sum is a float, and a
+#: share that holds n windows exactly must run all n
+WORK_TOLERANCE_S = 1e-9
+#: the least polish worth running, in simulations per cost model: its start's evaluation and
+#: one neighbour's (with less, the polish could not try a single move)
+POLISH_MIN_SIMULATIONS_PER_MODEL = 2
 
 
 class WindowBackend(Protocol):
@@ -102,7 +109,7 @@ class WindowBackend(Protocol):
     name: str
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors, ties=None) -> Schedule | None: ...
+                     limit_s: float, seed: int, num_workers: int, anchors) -> Schedule | None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,9 +123,9 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
 
     p = objective.primary
     anchors = Anchors(p)
-    order = _window_order(p)
+    order = window_order(p)
     k = config.window_members
-    stride = max(1, k // 2)
+    stride = config.window_stride if config.window_stride is not None else max(1, k // 2)
     offsets = list(range(0, max(1, len(order) - k + stride), stride))
     spent = 0.0
     for _sweep in range(config.window_sweeps):
@@ -126,10 +133,10 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
         exposed = _exposed_by_collective(p, incumbent.schedule)
         load = {s0: sum(exposed.get(n, 0.0) for n in order[s0:s0 + k]) for s0 in offsets}
         for s0 in sorted((s0 for s0 in offsets if load[s0] > 0), key=lambda s0: (-load[s0], s0)):
-            if spent + config.window_s > work_s + 1e-9:
+            if spent + config.window_s > work_s + WORK_TOLERANCE_S:
                 return incumbent, spent
             spent += config.window_s
-            free = _bucket_free(incumbent.schedule, order[s0:s0 + k])
+            free = bucket_free(incumbent.schedule, order[s0:s0 + k])
             try:
                 cand = backend.solve_window(p, objective.mem_budget_bytes, incumbent.schedule, free,
                                             config.window_s, seed, num_workers, anchors)
@@ -146,7 +153,7 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
     return incumbent, spent
 
 
-def _window_order(p: Problem) -> list[str]:
+def window_order(p: Problem) -> list[str]:
     """Movable collectives in the order the graph needs them (need for all-gathers, gradient
     ready for the others)."""
     names = [c.name for c in p.colls.values() if c.movable]
@@ -154,7 +161,7 @@ def _window_order(p: Problem) -> list[str]:
                                         else p.colls[n].ready, p.colls[n].traced_issue))
 
 
-def _bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
+def bucket_free(schedule: Schedule, names: Sequence[str]) -> set[str]:
     """``names`` and every collective sharing a bucket with one of them."""
     bucket_of = schedule.bucket_of()
     return {m for b in {bucket_of[n] for n in names} for m in schedule.buckets[b].members}
@@ -181,6 +188,7 @@ def search(
     extra_starts: Sequence[Schedule] = (),
     all_gather_stream: str = "shared",
     baselines: Sequence[tuple[str, Schedule]] = (),
+    starts_only: bool = False,
 ) -> SolveResult:
     """Run the plan (module docstring) and return its best schedule.
 
@@ -202,6 +210,8 @@ def search(
             baselines: under each strict model the result is no slower than the best baseline
             wherever one start is (:meth:`Objective.key`), and the result is never worse by that
             key than any start that fits.
+        starts_only: run the first stage alone: the best start that fits, no windows, no
+            polish (``time_limit_s`` then unused).
 
     Returns:
         A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
@@ -243,7 +253,7 @@ def search(
         else split_best
     stages.append(_stage("starts", t, 0.0, objective.evaluations, best, primary, best))
 
-    left_s = time_limit_s
+    left_s = 0.0 if starts_only else time_limit_s
     # windows with one cost model only: under several, a window solved under one of them
     # traded that model against the others and no window was ever taken (module docstring)
     if backend is not None and len(objective.labels) == 1 and left_s * config.window_share >= config.window_s:
@@ -256,10 +266,10 @@ def search(
         return polishing.polish(objective.problems, start.schedule, _polish_reference(objective), mem_budget_bytes,
                                 polishing.PolishConfig(max_simulations=simulations, steps=config.polish_steps),
                                 baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                                strict_models=strict_models)
+                                strict_models=strict_models, evaluator=objective.evaluator)
 
     n_polish = objective.simulations_for(left_s, config)
-    if n_polish >= 2 * len(objective.labels):
+    if n_polish >= POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
         t, before = time.perf_counter(), best
         polished, used = best, 0
         # a local search ends where its start leads: with several models, also from the best
@@ -271,7 +281,7 @@ def search(
             froms.append(other)
         for k, start in enumerate(froms):
             share = (n_polish - used) // (len(froms) - k)
-            if share < 2 * len(objective.labels):
+            if share < POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
                 continue
             result = polish(start, share)
             used += result.simulations

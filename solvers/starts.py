@@ -2,8 +2,8 @@
 
 Bucket granularity decides most of a step, and no local move changes it: merging one pair of
 neighbouring buckets shifts the pipeline and loses, where merging every pair wins; and the cost
-models disagree on it (the analytic model wants about two transformer blocks per all-gather
-bucket on llama3-8b, torch's estimators about four). So the plan starts from a fixed set of
+models disagree on it (one model's best bucket holds a few transformer blocks' all-gathers,
+another's twice as many). So the plan starts from a fixed set of
 whole schedules, evaluated exactly:
 
 - the graph as traced, the caller's baselines (torch's overlap scheduler read back from the graph
@@ -110,9 +110,9 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
         over = sorted((e for e in tried if not objective.fits(e)),
                       key=lambda e: (e.peak_bytes > near, objective.regret_key(e)))
         fitted = 0
-        for e in over[:config.fit_starts * 4]:
+        for e in over[:config.fit_starts * config.fit_tries_per_start]:
             moved = fit_by_delays(p, e.schedule, objective.mem_budget_bytes, max_moves=config.fit_moves)
-            objective.evaluations += config.fit_moves * 4  # the moves tried at each peak
+            objective.evaluations += config.fit_moves * FIT_MOVES_COUNTED
             fitted += consider(f"{e.name}, moved under the budget", moved) is not None
             if fitted == config.fit_starts:
                 break
@@ -188,6 +188,24 @@ def _peak_moves(problem: Problem, schedule: Schedule, k: int) -> list[Schedule]:
 
 #: the least reference step time (ms)
 _TINY_MS = 1e-12
+#: evaluations one move of :func:`fit_by_delays` is counted as (the candidates it tries at a
+#: peak: a few buckets are alive there), so that the starts' work is a count, not a duration
+FIT_MOVES_COUNTED = 4
+
+
+def head_sizes(size: int) -> tuple[int, ...]:
+    """Units in the first bucket of a regular bucketing of ``size`` units per bucket, the order
+    tried: one block alone (nothing overlaps the first all-gather or the last reduce-scatter,
+    so a small one is exposed least), a regular bucket, or one block more (it takes the
+    remainder the middle would leave)."""
+    return tuple(dict.fromkeys((1, size, size + 1)))
+
+
+def tail_sizes(size: int) -> tuple[int, ...]:
+    """Units in the last bucket of a regular bucketing of ``size`` units per bucket, the order
+    tried: one or two blocks (the last bucket's time is exposed at the end of the chain), or a
+    regular bucket."""
+    return tuple(dict.fromkeys((1, 2, size)))
 
 
 def _set_reference(objective: Objective, evaluated: Sequence[Evaluated]) -> None:
@@ -268,9 +286,9 @@ def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
 
 def regroupings(p: Problem, sizes: Sequence[int], aheads: Sequence[int]) -> list[Regrouping]:
     """The regular bucketings :func:`starts` tries, in a fixed order: for every chain
-    of at least two units, each ``size`` of ``sizes``, a first bucket
-    of 1, ``size`` or ``size + 1`` units, a last of 1, 2 or ``size``, each issue-ahead of
-    ``aheads``; distinct bucketings only."""
+    of at least two units, each ``size`` of ``sizes``, a first bucket of each of
+    :func:`head_sizes`, a last of each of :func:`tail_sizes`, each issue-ahead of ``aheads``;
+    distinct bucketings only."""
     out: list[Regrouping] = []
     for key in sorted(p.chains, key=repr):
         n = len(chain_units(p, p.chains[key]))
@@ -278,8 +296,8 @@ def regroupings(p: Problem, sizes: Sequence[int], aheads: Sequence[int]) -> list
             continue
         seen: set[tuple[int, ...]] = set()
         for size in sizes:
-            for head in dict.fromkeys((1, size, size + 1)):
-                for tail in dict.fromkeys((1, 2, size)):
+            for head in head_sizes(size):
+                for tail in tail_sizes(size):
                     counts = _group_sizes(n, head, size, tail)
                     if counts is None or tuple(counts) in seen:
                         continue

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
-from solvers.cpsat import CpSatBackend, CpSatConfig, solve_cpsat
+from solvers.config import CpSatConfig
+from solvers.cpsat import CpSatBackend
+from solvers.registry import solve_cpsat
 from solvers.model import Anchors
 from solvers.search import SearchConfig, search
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag

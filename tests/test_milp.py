@@ -16,9 +16,11 @@ from solvers.core.simulator import simulate  # noqa: E402
 from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers import InfeasibleBudgetError, Problem, solve  # noqa: E402
 from solvers import milp  # noqa: E402
-from solvers.cpsat import CpSatConfig, CpSatModel, make_solver  # noqa: E402
+from solvers.config import CpSatConfig, MilpConfig  # noqa: E402
+from solvers.cpsat import CpSatModel, complete_solution, make_solver  # noqa: E402
+from solvers.registry import BACKENDS  # noqa: E402
 from solvers.model import Anchors, ModelData  # noqa: E402
-from solvers.search import SearchConfig, _bucket_free, _window_order, search  # noqa: E402
+from solvers.search import SearchConfig, bucket_free, window_order, search  # noqa: E402
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag  # noqa: E402
 
 _LIMIT_S = 20.0
@@ -81,9 +83,10 @@ def _cpsat_optimum_us(problem: Problem, mem_budget_bytes: int | None, cfg: CpSat
     return int(round(solver.ObjectiveValue()))
 
 
-def _milp_optimum(problem: Problem, mem_budget_bytes: int | None, cfg: milp.MilpConfig = milp.MilpConfig()):
+def _milp_optimum(problem: Problem, mem_budget_bytes: int | None, cfg: MilpConfig = MilpConfig()):
     """Proven optimum of the MILP (warm-started from the traced schedule) and its model."""
-    model, start = milp.build(ModelData(problem, cfg, mem_budget_bytes), problem.traced_schedule(), 2.0, 0, 1)
+    model, start = milp.build(ModelData(problem, cfg, mem_budget_bytes), problem.traced_schedule(), 2.0, 0, 1,
+                              complete_solution)
     if start is not None:
         model.set_initial(start)
     out = milp.solve_lp(model, _LIMIT_S, 0, cfg, warm=start is not None)
@@ -115,7 +118,7 @@ def test_milp_optimum_equals_cpsat_with_bucket_cap():
     """A bucket cap of one parameter's payload forbids every merge: same optimum in both."""
     problem = GRAPHS["fwd-1"]()
     cap = max(c.payload_bytes for c in problem.colls.values())
-    opt_us, model = _milp_optimum(problem, None, milp.MilpConfig(max_bucket_bytes=cap))
+    opt_us, model = _milp_optimum(problem, None, MilpConfig(max_bucket_bytes=cap))
     assert opt_us == _cpsat_optimum_us(problem, None, CpSatConfig(max_bucket_bytes=cap))
     assert all(len(b.members) == 1 for b in model.extract().buckets)
 
@@ -173,9 +176,9 @@ def test_infeasible_budget_raises():
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        milp.MilpConfig(backend="gurobi")
+        MilpConfig(backend="gurobi")
     with pytest.raises(ValueError):
-        milp.MilpConfig(abs_gap_us=1.0)
+        MilpConfig(abs_gap_us=1.0)
 
 
 # -- windows of the search (solvers.search) ---------------------------------------------------
@@ -184,12 +187,12 @@ def _window_models(p: Problem, kind_free: str, budget: int | None):
     incumbent, and the MILP of the same data (fresh data for each, as the solvers build them)."""
     inc = solve(p, solver="fsdp2").schedule
     anchors = Anchors(p)
-    order = _window_order(p)
+    order = window_order(p)
     names = order[:8] if kind_free == "head" else order[len(order) // 2 : len(order) // 2 + 8]
-    free = _bucket_free(inc, names)
+    free = bucket_free(inc, names)
     cp = CpSatModel(ModelData(p, CpSatConfig(), budget, free=free, reference=inc, anchors=anchors))
     cp.model.Minimize(cp.objective)
-    data = ModelData(p, milp.MilpConfig(), budget, free=free, reference=inc, anchors=anchors)
+    data = ModelData(p, MilpConfig(), budget, free=free, reference=inc, anchors=anchors)
     return cp, milp.MilpModel(data), free
 
 
@@ -202,7 +205,7 @@ def test_window_milp_optimum_equals_cpsat(kind, where):
     solver = make_solver(_LIMIT_S, 0, 1, CpSatConfig())
     status = solver.Solve(cp.model)
     assert solver.StatusName(status) == "OPTIMAL"
-    out = milp.solve_lp(model, _LIMIT_S, 0, milp.MilpConfig())
+    out = milp.solve_lp(model, _LIMIT_S, 0, MilpConfig())
     assert out.status == "optimal"
     assert round(out.objective_us) == round(solver.ObjectiveValue())
     sched = model.extract()
@@ -238,8 +241,8 @@ def test_cbc_crash_is_retried_without_preprocessing(monkeypatch, caplog):
 
     monkeypatch.setattr(pulp.LpProblem, "solve", crashing)
     p = _two_gathers_one_scatter()
-    model = milp.MilpModel(ModelData(p, milp.MilpConfig(), None))
-    out = milp.solve_lp(model, _LIMIT_S, 0, milp.MilpConfig(backend="cbc"))
+    model = milp.MilpModel(ModelData(p, MilpConfig(), None))
+    out = milp.solve_lp(model, _LIMIT_S, 0, MilpConfig(backend="cbc"))
     assert out.status == "optimal" and round(out.objective_us) == 7000
     assert len(calls) == 2 and "CBC failed" in caplog.text
 
@@ -254,7 +257,8 @@ def test_failing_window_solver_is_skipped_not_fatal(monkeypatch):
 
     monkeypatch.setattr(milp, "solve_lp", always_crash)
     p = _fsdp(n_layers=4, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
-    res = search({"m": p}, None, backend=milp.MilpBackend(), time_limit_s=2.0, config=SearchConfig(window_members=8))
+    config = SearchConfig(window_members=8)
+    res = search({"m": p}, None, backend=BACKENDS["milp"](config), time_limit_s=2.0, config=config)
     validate_schedule(p, res.schedule)
     (windows,) = [s for s in res.stages if s.name == "windows"]
     assert windows.gained_ms == 0.0 and windows.work_s > 0

@@ -31,8 +31,9 @@ from solvers.core.simulator import simulate
 from solvers.core.validator import validate_schedule
 from solvers.cpsat import CpSatBackend
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
+from solvers.objective import Ordering
 from solvers.search import Objective, SearchConfig, search
-from solvers.polish import regret
+from solvers.objective import regret
 from solvers.starts import fit_by_delays, starts
 
 #: one window frees every collective of these graphs: one backend call, whatever the work left
@@ -102,6 +103,17 @@ def test_a_limit_too_small_for_a_stage_skips_it():
     no_share = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0,
                       config=SearchConfig(window_share=0.0))
     assert [s.name for s in no_share.stages] == ["starts", "polish"]
+
+
+def test_starts_only_runs_the_first_stage_alone():
+    """``starts_only`` stops after the starts whatever the limit: the answer is the best start
+    that fits, the one a limit too small for any other stage also gives."""
+    p = _backward(2)
+    only = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0, starts_only=True)
+    assert [s.name for s in only.stages] == ["starts"]
+    assert only.status == SolveStatus.HEURISTIC
+    tiny = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1e-6)
+    assert only.schedule.digest() == tiny.schedule.digest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,6 +343,26 @@ def test_a_slowdown_under_a_strict_model_comes_before_any_regret():
     assert lenient.key(tiny_loss) < lenient.key(far)
 
 
+def test_the_polish_and_the_search_order_schedules_alike():
+    """One order for every stage (:class:`Ordering`): the polish's comparison takes a score as
+    lower exactly when the search's key ranks it first, with the strict models first or without;
+    a difference of float noise is no gain."""
+    problems = _two_clusters("forward", n_layers=1)
+    objective = Objective(problems, None, baseline_weight=10.0, strict_models=("fast",))
+    objective.reference_ms = {"fast": 10.0, "slow": 20.0}
+    objective.baseline_ms = {"fast": 10.4, "slow": 20.5}
+    steps = [{"fast": f, "slow": s} for f, s in [(10.0, 24.0), (10.401, 20.0), (10.45, 20.0), (10.5, 21.0),
+                                                  (11.0, 20.0), (10.2, 20.6)]]
+    for strict in (True, False):
+        order = objective.ordering(strict)
+        for a in steps:
+            for b in steps:
+                assert Ordering.improves((0, *order.key(a)), (0, *order.key(b))) == (order.key(a) < order.key(b))
+    noisy = {"fast": 10.2 * (1 - 1e-15), "slow": 20.6}
+    assert not Ordering.improves((0, *objective.ordering().key(noisy)), (0, *objective.ordering().key(steps[-1])))
+    assert Ordering.improves((0, 1.0, 1.0, 1.0), (1, 0.0, 0.0, 0.0))  # fewer bytes over the budget first
+
+
 def test_a_slowdown_against_the_best_baseline_weighs_more_than_regret():
     """With the baselines' steps known, a schedule slower than the best baseline under one model
     ranks after one a little further from the fastest start but no slower than any baseline,
@@ -458,8 +490,7 @@ class _Proposes:
     def __init__(self, proposal: Schedule | None = None, error: Exception | None = None):
         self.proposal, self.error, self.calls = proposal, error, 0
 
-    def solve_window(self, problem, mem_budget_bytes, schedule, free, limit_s, seed, num_workers, anchors,
-                     ties=None):
+    def solve_window(self, problem, mem_budget_bytes, schedule, free, limit_s, seed, num_workers, anchors):
         self.calls += 1
         if self.error is not None:
             raise self.error
@@ -473,6 +504,23 @@ def _windows_stage(result):
 
 def _stub_search(p, budget, backend):
     return search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=ONE_WINDOW)
+
+
+def test_window_stride_sets_how_far_apart_the_windows_start(binding):
+    """One sweep solves a window every ``window_stride`` collectives where any is exposed (by
+    default half a window, so that windows overlap): windows side by side are fewer, windows
+    one collective apart more."""
+    p, budget, _ = binding
+
+    def windows_solved(stride):
+        backend = _Proposes(None)
+        search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=SearchConfig(
+            window_members=8, window_sweeps=1, window_share=1.0, window_s=0.01, window_stride=stride))
+        return backend.calls
+
+    halves = windows_solved(None)
+    assert halves == windows_solved(4)
+    assert windows_solved(1) > halves > windows_solved(8) >= 1
 
 
 def test_windows_keep_a_proposal_that_is_better_and_fits(binding):

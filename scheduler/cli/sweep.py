@@ -220,7 +220,7 @@ def default_budgets(problem: Problem, high_bytes: int, n: int = DEFAULT_SWEEP_PO
     the schedule solved without a budget): every point is feasible, and the plot spans the range
     in which the budget decides. Fewer when the range is narrower than ``n`` bytes."""
     try:
-        search({"model": problem}, 1, backend=None, time_limit_s=1e-9)
+        search({"model": problem}, 1, backend=None, starts_only=True)
         low = 1
     except InfeasibleBudgetError as e:
         low = e.min_peak_bytes or high_bytes
