@@ -78,7 +78,13 @@ def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind,
     report = gm.meta[REPORT_KEY]
     assert liveness_peak(gm) <= budget, report.chosen_candidate
     assert judge_graph(gm).max_peak_bytes <= budget
-    assert report.reexported_peak_bytes == report.peak_bytes_after <= budget
+    # the execution model counts the written graph to the byte in the traced order of compute;
+    # in torch's it may count more than the written graph at a reduce-scatter bucket's wait with
+    # casts after it (never less: the budget is held by the written graph's counts either way)
+    if report.compute_order == "traced":
+        assert report.reexported_peak_bytes == report.peak_bytes_after <= budget
+    else:
+        assert report.reexported_peak_bytes <= report.peak_bytes_after <= budget
     chosen = next(c for c in report.candidates if c["name"] == report.chosen_candidate)
     assert max(chosen["figures"]["peak_bytes"], chosen["figures"]["liveness_peak_bytes"]) <= budget
 

@@ -33,7 +33,7 @@ def pg():
 def _llama_backward():
     from conftest import FAKE_WORLD, capture_llama_debug
 
-    return FAKE_WORLD, capture_llama_debug().backward
+    return FAKE_WORLD, copy.deepcopy(capture_llama_debug().backward)  # the capture is shared: rewrite a copy
 
 
 def test_an_order_that_runs_a_node_before_its_input_is_refused(pg):

@@ -26,6 +26,7 @@ from scheduler import apply_schedule, export_dag, optimize_schedule
 from scheduler.api import REPORT_KEY, SCHEDULE_KEY
 from scheduler.check.written import judge_graph
 from scheduler.options import AgreementOptions, SolverOptions
+from solvers.core.order import problem_of
 from solvers import Problem
 from solvers.core import validate_schedule
 from solvers.registry import solve_problems
@@ -115,7 +116,7 @@ def test_written_schedule_validates_and_runs(meshes, case):
     all-reduce's result) beside FSDP re-gathers; ``saving_forward``: a forward that returns
     every gathered weight (``AG_dp -> wait -> mm``, the wait also an output). Without a budget
     the search merges or moves collectives; its schedule is the one installed (no fallback to
-    the traced graph), it validates on the traced graph's problem, every collective that keeps
+    the traced graph), it validates on the traced graph's problem in its own order of compute, every collective that keeps
     its traced place is named in a report note with its reason, and the written graph lints and
     runs, returning what the traced graph returns (shapes and dtypes)."""
     g, _ = meshes
@@ -127,7 +128,7 @@ def test_written_schedule_validates_and_runs(meshes, case):
     schedule = written.meta[SCHEDULE_KEY]
     problem = Problem.from_dag(export_dag(gm, cost_model="analytic"))
     assert schedule.digest() != problem.traced_schedule().digest()
-    validate_schedule(problem, schedule)
+    validate_schedule(problem_of(problem, schedule), schedule)  # in its own order of compute
     # what keeps its traced place (the chains of norm_grads) is named in a note with its reason
     for c in problem.colls.values():
         if not c.movable:
