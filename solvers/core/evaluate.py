@@ -26,19 +26,19 @@ same numbers from work that grows with the number of buckets, not of nodes:
   between them.
 
 One source of the rules. The storages, their owners, their uses and those never freed are the
-simulator's own static analysis (``simulator._static``: ``mem_owner`` / ``trk_owner``,
+simulator's own static analysis (``memory.static_memory``: ``mem_owner`` / ``trk_owner``,
 ``mem_uses`` / ``trk_uses``, ``*_never_free``, ``preds``, ``inputs``), and so is what each step
 does with them: a compute node's storages (``steps``: the results it allocates by each count, those
 nothing reads, which the execution model's count drops at once) and a bucket's issue and wait as
-the micro-operations the simulator itself runs (``_Static.bucket_ops``: allocations, records,
+the micro-operations the simulator itself runs (``StaticMemory.bucket_ops``: allocations, records,
 releases, frees). Where a merged bucket's members are views of one result (a reduce-scatter, an
-all-gather on one rank: ``simulator._copied_out``), the releases of a member's storage go to
-that result, as ``simulator._merged_memory`` makes them. Two guards keep a change of the
-simulator from making the evaluator silently wrong: the build checks that the releases the
-operations make of every storage are exactly its uses in the static data (and that a collective
-releases alone what it releases in a bucket), and the first evaluator of a graph compares its
-peaks with the simulator's on the traced schedule and on one with merged buckets. Where either
-fails, where an operation is one the templates do not know, or where a storage cannot be placed
+all-gather on one rank: ``memory.copied_out``), the releases of a member's storage go to
+that result, as ``memory.merged_memory`` makes them. A change of those rules reaches
+both at once; what keeps it from making the evaluator silently wrong is a guard at build time
+(the releases the operations make of every storage are exactly its uses in the static data, and a
+collective releases alone what it releases in a bucket) and the tests
+(``tests/test_evaluate.py``: the evaluator's numbers against the simulator's on every graph and
+schedule kind, the traced and a merged schedule of each among them). Where the guard fails, where an operation is one the templates do not know, or where a storage cannot be placed
 (one made by several collectives, by a node and a collective, made inside the window of a
 collective that frees it, or the result of a merged bucket whose members are views of it read by
 another collective), the evaluator does not guess: :attr:`Evaluator.fast` is False and every
@@ -67,19 +67,20 @@ from typing import Any
 
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
-from solvers.core.simulator import (ALLOC, DROP, FREE, REC, REL, WAIT, ScheduleInvalidError, SimResult,
-                                    _copied_out, _each, _Static, _static, simulate)
+from solvers.core.memory import (ALLOC, DROP, FREE, REC, REL, WAIT, StaticMemory, copied_out, each_storage,
+                                 static_memory)
+from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
 from solvers.core.streams import Streams, stream_of
 
 logger = logging.getLogger(__name__)
 
-# the simulator's micro-operations (``simulator.ALLOC`` ...) as the evaluator reads them: a
+# the micro-operations (``memory.ALLOC`` ...) as the evaluator reads them: a
 # release by node name (REL) and by storage (DROP) both become _USE, one use of a storage
 _ALLOC, _REC, _FREE, _USE = ALLOC, REC, FREE, max(ALLOC, REC, REL, DROP, FREE) + 1
 _ISSUE, _WAIT = 0, 1
 _MEM, _TRK = 0, 1
 #: the storage a merged bucket's result becomes for the releases of member ``m``'s storage, where
-#: the members are views of that result (``simulator._merged_memory``): ``(_WAITB, m)``
+#: the members are views of that result (``memory.merged_memory``): ``(_WAITB, m)``
 _WAITB = ("wait",)
 _ALONE, _MERGED = 0, 1
 #: never: a storage that is not freed
@@ -172,11 +173,11 @@ class _MemoryModel:
     def __init__(self, p: Problem):
         # cached per problem: hold its parts, never the problem itself (the cache is weak)
         self.colls, self.n = p.colls, p.n
-        self.st = _static(p)
+        self.st = static_memory(p)
         self.reason: str | None = None
         #: movable collectives whose merged buckets' members are views of one result
-        #: (``simulator._merged_memory``): the releases of such a member's storage go to it
-        self.viewed = frozenset(m for m, c in p.colls.items() if c.movable and not _copied_out(p.colls, (m,)))
+        #: (``memory.merged_memory``): the releases of such a member's storage go to it
+        self.viewed = frozenset(m for m, c in p.colls.items() if c.movable and not copied_out(p.colls, (m,)))
         #: (single member, merged) -> :meth:`ops`, read by the analysis and the templates
         self.resolved: dict[tuple[tuple[str, ...], bool], tuple[list, list]] = {}
         try:
@@ -184,8 +185,6 @@ class _MemoryModel:
         except _Unsupported as e:
             self.reason = str(e)
         self.templates: dict[tuple[str, ...], _Template] = {}
-        #: whether the first evaluator has compared it with the simulator (:meth:`Evaluator._canary`)
-        self.checked = False
 
     # -- static analysis ---------------------------------------------------------------------
     def _build(self, p: Problem) -> None:
@@ -278,7 +277,7 @@ class _MemoryModel:
         self._classify(s_alloc, s_rel, s_free, c_alloc, c_rel, touching)
 
     def ops(self, members: tuple[str, ...], merged: bool) -> tuple[list, list]:
-        """The simulator's micro-operations of a bucket (:meth:`_Static.bucket_ops`), per count
+        """The simulator's micro-operations of a bucket (:meth:`StaticMemory.bucket_ops`), per count
         as ``(anchor, sub, code, key, amount, member)``: releases resolved to the storages they
         use (several for a node holding several results), a member's storage under the bucket's
         result ``(_WAITB, member)`` where merged members are views of it."""
@@ -302,7 +301,7 @@ class _MemoryModel:
                         if viewed and o in members:
                             ops.append((anchor, sub, _USE, (_WAITB, o), 0, member))
                         else:
-                            ops.extend((anchor, sub, _USE, k, 0, member) for k in _each(o))
+                            ops.extend((anchor, sub, _USE, k, 0, member) for k in each_storage(o))
                     elif code == DROP:
                         ops.append((anchor, sub, _USE, key, 0, member))
                     else:
@@ -801,19 +800,16 @@ def _sparse_table(values: list[int]) -> list[list[int]]:
     return table
 
 
-def _node_ops(st: _Static, name: str) -> tuple[list, list]:
-    """``_Simulator._run_node`` on ``st.steps``, per count as ``(sub, code, key, amount)``: its
-    storages allocated, a record, those nothing reads freed (the execution model's count), its
-    inputs' storages used."""
-    _, allocs, trk_allocs, unread = st.steps[name]
+def _node_ops(st: StaticMemory, name: str) -> tuple[list, list]:
+    """:meth:`StaticMemory.node_ops` per count as ``(sub, code, key, amount)``, each release of
+    an input resolved to the storages it uses (:data:`_USE`)."""
     out: tuple[list, list] = ([], [])
-    for c, (made, owner) in enumerate(((allocs, st.mem_owner), (trk_allocs, st.trk_owner))):
-        ops = out[c]
-        ops.extend((0, _ALLOC, key, nbytes) for key, nbytes in made if nbytes)
-        ops.append((1, _REC, None, 0))
-        if c == _MEM:
-            ops.extend((2, _FREE, key, 0) for key in unread)
-        ops.extend((3, _USE, key, 0) for u in st.preds[name] for key in _each(owner.get(u, u)))
+    for c, (owner, ops) in enumerate(zip((st.mem_owner, st.trk_owner), st.node_ops(name))):
+        for sub, code, key, amount, _ in ops:
+            if code == REL:
+                out[c].extend((sub, _USE, k, 0) for k in each_storage(owner.get(key, key)))
+            else:
+                out[c].append((sub, code, key, amount))
     return out
 
 
@@ -953,7 +949,7 @@ def _memory_model(p: Problem) -> _MemoryModel:
 def _fingerprint(p: Problem) -> tuple:
     """Everything a memory model reads of a problem: problems with equal fingerprints (one
     graph priced by several cost models) have equal peaks under every schedule."""
-    st = _static(p)
+    st = static_memory(p)
     # in the export's order: exports of one graph list it alike (another order only costs a share)
     return (p.seq, tuple((n, a["kind"], int(a["size_bytes"]), a["alias_of"], st.preds[n])
                          for n, a in p.dag.nodes(data=True)),
@@ -981,37 +977,8 @@ class Evaluator:
         self.fallbacks = 0
         self.after = _collective_dependencies(problem)
         self.involved = {m for c, _, d in self.after for m in (c, d)}
-        if not self.memory.checked:
-            self.memory.checked = True
-            if self.memory.reason is None:
-                self._canary()
         self.fast = self.memory.reason is None
         self.reason = self.memory.reason
-
-    def _canary(self) -> None:
-        """Once per memory model: the traced schedule and one with merged buckets, evaluated
-        and simulated. A difference means the simulator's rules changed in a way the static
-        data do not show (:func:`_bucket_ops` no longer mirrors it): every schedule is then
-        simulated, and the warning asks for the evaluator to be brought up to date."""
-        p = self.problem
-        self.fast = True
-        for name, schedule in (("traced", p.traced_schedule()), ("merged", _merged_schedule(p))):
-            # the traced schedule is valid; the merged one where it passes the checks (its
-            # compute nodes run in order: Schedule.from_positions)
-            try:
-                plan = None if schedule is None else self.plan(schedule)
-            except ScheduleInvalidError:
-                continue
-            found = None if plan is None else self.peaks(plan)
-            if found is None:
-                continue
-            sim = simulate(p.dag, schedule, problem=p)
-            if found != (sim.peak_bytes, sim.tracker_peak_bytes):
-                self.memory.reason = (f"the evaluator's peaks {found} differ from the simulator's "
-                                      f"{(sim.peak_bytes, sim.tracker_peak_bytes)} on the {name} schedule")
-                logger.warning("evaluator: %s; every schedule of this graph is simulated (solvers/core/evaluate.py "
-                               "no longer mirrors the simulator's rules)", self.memory.reason)
-                return
 
     # -- plans ---------------------------------------------------------------------------
     def plan(self, schedule: Schedule) -> Plan:
@@ -1188,30 +1155,6 @@ def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
     collective ``d`` (:attr:`Problem.issue_after`), so runs after ``d``'s wait. The windows do
     not say it (they count compute nodes only)."""
     return tuple((name, _ISSUE, d) for name in p.colls for d in sorted(p.issue_after[name]))
-
-
-def _merged_schedule(p: Problem) -> Schedule | None:
-    """Consecutive pairs of each chain merged where their windows meet, issued at the window's
-    start and waited at its end; everything else alone where traced (None: nothing to merge)."""
-    buckets, issue, wait = [], [], []
-    paired: set[str] = set()
-    for chain in p.chains.values():
-        for a, b in zip(chain[::2], chain[1::2]):
-            lo = max(p.colls[a].ready, p.colls[b].ready)
-            hi = min(p.colls[a].needed, p.colls[b].needed)
-            if lo <= hi:
-                buckets.append(Bucket((a, b)))
-                issue.append(lo)
-                wait.append(hi)
-                paired.update((a, b))
-    if not paired:
-        return None
-    for m, c in p.colls.items():
-        if m not in paired:
-            buckets.append(Bucket((m,)))
-            issue.append(c.traced_issue)
-            wait.append(c.traced_wait)
-    return Schedule.from_positions(p.seq, buckets, issue, wait)
 
 
 #: the evaluator of each problem (problems are not changed once built)
