@@ -1,20 +1,16 @@
-"""Check: simulate any schedule on the execution model of DESIGN.md.
+"""Check: simulate any schedule on the execution model of DESIGN.md, with its full trace.
 
-Execution model:
-- One compute stream runs the schedule's node steps in order, each for its ``runtime_ms``.
-- Each process group has one FIFO communication stream (a group the schedule splits has a
-  second one for its all-gathers, :attr:`Schedule.split_groups`). An issue step first spends
-  the bucket's copy-in time on the compute stream (prologue casts, plus the copy into the
-  bucket buffer when merged); the collective then starts at ``max(compute time, stream
-  free)`` and lasts ``Problem.bucket_comm_ms``, or longer where another stream of the same
-  ranks moves data at the same time: streams of one link share its bandwidth
-  (:mod:`solvers.core.streams`). A wait step blocks the compute stream until the bucket
-  completes, then (merged all-gathers) spends the copy-out time.
-- Memory: what each step allocates and frees, by the execution model's count and by torch's
-  ``MemoryTracker`` rules, is :mod:`solvers.core.memory`'s rule set; the simulator runs its
-  micro-operations step by step (the fast evaluator, :mod:`solvers.core.evaluate`, analyses the
-  same operations once per graph).
-- Step time is when the compute stream finishes (every collective is waited on).
+The execution model lives in two modules, each the only statement of its rules:
+
+- time: :mod:`solvers.core.timeline` (the compute stream, FIFO communication streams that share
+  a link's bandwidth where they share a link, copy-in at issue, copy-out at wait), walked by its
+  :class:`~solvers.core.timeline.Clock`;
+- memory: :mod:`solvers.core.memory` (what each step allocates and frees, by the execution
+  model's count and by torch's ``MemoryTracker`` rules), as micro-operations run step by step.
+
+The simulator runs both over one schedule and records everything (:class:`SimResult`); the fast
+evaluator (:mod:`solvers.core.evaluate`) walks the same clock without records and analyses the
+same memory operations once per graph.
 """
 
 from __future__ import annotations
@@ -22,17 +18,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from solvers.core.memory import (ALLOC, DROP, REC, REL, LiveMemory, Op, copied_out, merged_memory,
+from solvers.core.memory import (ALLOC, DROP, REC, REL, Op, copied_out, merged_memory,
                                  static_memory)
 from solvers.core.problem import Problem
-from solvers.core.schedule import Schedule, Step
-from solvers.core.streams import Streams, stream_of
+from solvers.core.schedule import Schedule
+from solvers.core.streams import shared_links, stream_of
+from solvers.core.timeline import BucketCost, Clock, plan_steps
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -42,7 +38,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class SimResult:
-    """Outcome of one simulated run.
+    """The outcome of one run of a schedule on the execution model: the one result type, the
+    simulator's (:func:`simulate`: every field) and the fast evaluator's
+    (:mod:`solvers.core.evaluate`, which calls it ``Evaluation``: the figures a search reads,
+    the trace fields left empty; ``compute_ms`` within float rounding, the nodes' total summed
+    first).
 
     Attributes:
         step_ms: when the compute stream finishes.
@@ -50,16 +50,18 @@ class SimResult:
         exposed_comm_ms: time the compute stream spends blocked in waits.
         comm_ms: busy time of each process group's stream.
         peak_bytes: maximum live bytes over the run.
-        peak_step: index into the schedule's steps where the peak occurs.
-        tracker_peak_bytes: maximum live bytes of the same run by torch's ``MemoryTracker``
-            rules on the written graph (module docstring).
-        tracker_peak_step: index into the steps where that peak occurs (-1: the inputs).
-        node_times: node name -> (start_ms, end_ms) on the compute stream.
-        bucket_times: bucket index -> (issue_ms, start_ms, end_ms, wait_done_ms).
-        memory: (time_ms, live_bytes) after every step.
-        step_live_bytes: live bytes during every step (after its allocations, before its frees).
-        bucket_exposed_ms: bucket index -> time the compute stream waited for it (ms).
         n_collectives: number of collectives issued (buckets).
+        tracker_peak_bytes: maximum live bytes of the same run by torch's ``MemoryTracker``
+            rules on the written graph (:mod:`solvers.core.memory`).
+        peak_step: index into the schedule's steps where the peak occurs (trace).
+        tracker_peak_step: index into the steps where that peak occurs (-1: the inputs; trace).
+        node_times: node name -> (start_ms, end_ms) on the compute stream (trace).
+        bucket_times: bucket index -> (issue_ms, start_ms, end_ms, wait_done_ms) (trace).
+        memory: (time_ms, live_bytes) after every step (trace).
+        step_live_bytes: live bytes during every step (after its allocations, before its
+            frees; trace).
+        bucket_exposed_ms: bucket index -> time the compute stream waited for it (ms; trace).
+        schedule: the schedule run (trace).
     """
 
     step_ms: float
@@ -67,16 +69,22 @@ class SimResult:
     exposed_comm_ms: float
     comm_ms: dict[str, float]
     peak_bytes: int
-    peak_step: int
-    node_times: dict[str, tuple[float, float]]
-    bucket_times: dict[int, tuple[float, float, float, float]]
-    memory: list[tuple[float, int]]
     n_collectives: int
     tracker_peak_bytes: int = 0
+    peak_step: int = -1
     tracker_peak_step: int = -1
+    node_times: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    bucket_times: dict[int, tuple[float, float, float, float]] = dataclasses.field(default_factory=dict)
+    memory: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     step_live_bytes: list[int] = dataclasses.field(repr=False, default_factory=list)
     bucket_exposed_ms: dict[int, float] = dataclasses.field(repr=False, default_factory=dict)
     schedule: Schedule = dataclasses.field(repr=False, default=None)  # type: ignore[assignment]
+
+    def figures(self) -> "SimResult":
+        """The figures alone, without the trace (what the fast evaluator returns)."""
+        return SimResult(step_ms=self.step_ms, compute_ms=self.compute_ms, exposed_comm_ms=self.exposed_comm_ms,
+                         comm_ms=dict(self.comm_ms), peak_bytes=self.peak_bytes,
+                         tracker_peak_bytes=self.tracker_peak_bytes, n_collectives=self.n_collectives)
 
     @property
     def max_peak_bytes(self) -> int:
@@ -176,16 +184,23 @@ def simulate_ranks(problems: "Sequence[Problem]", schedule: Schedule | None = No
             raise ValueError(f"the problem of rank {r} is not the graph of rank 0: every rank must run the same graph")
         _check_shape(p, schedule)
     sims = [Simulator(p, schedule) for p in problems]
-    if any(sim.streams.shared for sim in sims):
+    if any(sim.clock.links for sim in sims):
         raise ValueError("simulate_ranks does not synchronise streams that share a network link (two groups of "
                          "the same ranks, or a split schedule): simulate each rank alone")
-    for k, step in enumerate(schedule.steps):
-        for sim in sims:
-            sim.step(k, step)
-        if step.kind == "issue":
-            start = max(sim.streams.start(step.ref) for sim in sims)
+    plan = sims[0].plan
+    done = 0
+    for i, (is_issue, b, _) in enumerate(plan):
+        if is_issue:
             for sim in sims:
-                sim.streams.hold(step.ref, start)
+                sim.clock.advance(plan, done, i + 1)
+            done = i + 1
+            start = max(sim.clock.start[b] for sim in sims)
+            for sim in sims:
+                sim.clock.hold(b, start)
+    for sim in sims:
+        sim.run_memory()
+        sim.clock.advance(plan, done)
+        sim.clock.finish()
     return [sim.result() for sim in sims]
 
 
@@ -230,15 +245,15 @@ class ScheduleInvalidError(ValueError):
 
 
 class Simulator:
-    """One run of a schedule: the compute-stream clock ``t``, the streams, and the memory by
-    both counts (``mem``: the execution model's; ``trk``: torch's tracker rules)."""
+    """One run of a schedule: the time walk (:class:`~solvers.core.timeline.Clock`, recording)
+    and the memory by both counts (``mem``: the execution model's; ``trk``: torch's tracker
+    rules), each step's micro-operations of :mod:`solvers.core.memory` run in order."""
 
     def __init__(self, problem: Problem, schedule: Schedule):
         self.p = problem
         self.s = schedule
         st = static_memory(problem)
         self.st = st
-        self.steps = st.steps
         merged = [(b, bucket.members) for b, bucket in enumerate(schedule.buckets)
                   if len(bucket.members) > 1 and not copied_out(problem.colls, bucket.members)]
         self.mem = merged_memory(st.mem_owner, st.mem_uses, st.mem_never_free, st.mem_nodes, merged)
@@ -249,23 +264,47 @@ class Simulator:
             for mem in (self.mem, self.trk):
                 mem.alloc_node(n, size)
         self.trk.record()
-        self.t = 0.0
-        self.busy = 0.0
-        self.exposed = 0.0
-        split = frozenset(schedule.split_groups)
-        self.split = split
-        self.streams = Streams(problem.stream_links(schedule.split_groups) if split or problem.shares_links else None)
-        self.comm_busy: dict[str, float] = defaultdict(float)
-        self.node_times: dict[str, tuple[float, float]] = {}
-        self.bucket_times: dict[int, tuple[float, float, float, float]] = {}
-        self.bucket_exposed: dict[int, float] = {}
-        self.memory: list[tuple[float, int]] = [(0.0, self.mem.total)]
+        self._initial_total = self.mem.total
         self.peak, self.peak_step = self.mem.total, -1
         self.tracker_peak_step = -1
         self.step_live: list[int] = []
-        self.issued: set[int] = set()
-        self.waited: set[int] = set()
-        self.waited_members: set[str] = set()
+        self.totals: list[int] = []
+        self.plan = plan_steps(schedule)
+        self.clock = Clock([st.steps[s.ref][0] for s in schedule.steps if s.kind == "node"], self._costs(),
+                           shared_links(problem.stream_links(schedule.split_groups))
+                           if schedule.split_groups or problem.shares_links else None, record=True)
+
+    def _costs(self) -> list[BucketCost]:
+        """Each bucket's :data:`~solvers.core.timeline.BucketCost`, after the order of the
+        steps is checked: a collective issued after the waits of those whose results it reads,
+        each bucket waited after its issue and waited at all."""
+        p, buckets = self.p, self.s.buckets
+        split = frozenset(self.s.split_groups)
+        costs: list[BucketCost] = [(0.0, 0.0, 0.0, "")] * len(buckets)
+        issued: set[int] = set()
+        waited: set[int] = set()
+        waited_members: set[str] = set()
+        for step in self.s.steps:
+            b = step.ref
+            if step.kind == "issue":
+                members = buckets[b].members
+                for m in members:
+                    if not p.issue_after[m] <= waited_members:
+                        raise ScheduleInvalidError(f"bucket {b} issues {m!r} before the wait of "
+                                                   f"{sorted(p.issue_after[m] - waited_members)[:3]}, whose result it reads")
+                c0 = p.colls[members[0]]
+                costs[b] = (p.copy_in_ms(members), p.copy_out_ms(members), p.bucket_comm_ms(members),
+                            stream_of(c0.coll_type, c0.group_name, split))
+                issued.add(b)
+            elif step.kind == "wait":
+                if b not in issued:
+                    raise ScheduleInvalidError(f"bucket {b} is waited before it is issued")
+                waited.add(b)
+                waited_members.update(buckets[b].members)
+        missing = set(range(len(buckets))) - waited
+        if missing:
+            raise ScheduleInvalidError(f"buckets {sorted(missing)[:5]} are never waited on")
+        return costs
 
     def _record(self, k: int, live: int) -> None:
         if live > self.peak:
@@ -273,79 +312,59 @@ class Simulator:
         self.step_live.append(live)
 
     def run(self) -> SimResult:
-        for k, step in enumerate(self.s.steps):
-            self.step(k, step)
+        self.run_memory()
+        self.clock.advance(self.plan)
+        self.clock.finish()
         return self.result()
 
-    def step(self, k: int, step: Step) -> None:
-        """Run step ``k`` of the schedule."""
-        before = self.trk.peak
-        if step.kind == "node":
-            self._run_node(k, step.ref)
-        elif step.kind == "issue":
-            self._issue(k, step.ref)
-        else:
-            self._wait(k, step.ref)
-        if self.trk.peak > before:
-            self.tracker_peak_step = k
-        self.memory.append((self.t, self.mem.total))
+    def run_memory(self) -> None:
+        """Every step's memory, in order."""
+        for k, step in enumerate(self.s.steps):
+            before = self.trk.peak
+            if step.kind == "node":
+                self._run_node(k, step.ref)
+            else:
+                self._run_bucket(k, step.ref, step.kind == "issue")
+            if self.trk.peak > before:
+                self.tracker_peak_step = k
+            self.totals.append(self.mem.total)
 
     def result(self) -> SimResult:
-        """The run's result, after its last step."""
-        missing = set(range(len(self.s.buckets))) - self.waited
-        if missing:
-            raise ScheduleInvalidError(f"buckets {sorted(missing)[:5]} are never waited on")
+        """The run's result, after its memory and its clock have run."""
+        clock = self.clock
+        names = [s.ref for s in self.s.steps if s.kind == "node"]
         return SimResult(
-            step_ms=self.t,
-            compute_ms=self.busy,
-            exposed_comm_ms=self.exposed,
-            comm_ms=dict(self.comm_busy),
+            step_ms=clock.t,
+            compute_ms=clock.busy,
+            exposed_comm_ms=clock.exposed,
+            comm_ms=dict(clock.comm),
             peak_bytes=self.peak,
             peak_step=self.peak_step,
-            node_times=self.node_times,
-            bucket_times=self.bucket_times,
-            memory=self.memory,
+            node_times=dict(zip(names, clock.node_times)),
+            bucket_times=clock.bucket_times,
+            memory=[(0.0, self._initial_total)] + list(zip(clock.times, self.totals)),
             n_collectives=len(self.s.buckets),
             tracker_peak_bytes=self.trk.peak,
             tracker_peak_step=self.tracker_peak_step,
             step_live_bytes=self.step_live,
-            bucket_exposed_ms=self.bucket_exposed,
+            bucket_exposed_ms=clock.bucket_exposed,
             schedule=self.s,
         )
 
     def _run_node(self, k: int, name: str) -> None:
-        """A compute or view node: runs for its runtime; memory as
-        :meth:`~solvers.core.memory.StaticMemory.node_ops` says."""
-        rt = self.steps[name][0]
-        self.node_times[name] = (self.t, self.t + rt)
-        self.t += rt
-        self.busy += rt
+        """A compute or view node: memory as :meth:`~solvers.core.memory.StaticMemory.node_ops`
+        says (its time is the clock's)."""
         mem_ops, trk_ops = self.st.node_ops(name)
         self._record(k, self._apply(-1, mem_ops, trk_ops))
 
-    def _issue(self, k: int, b: int) -> None:
-        """Issue bucket ``b``: copy-in (and prologue casts) on the compute stream, outputs and
-        the bucket buffer allocated (:meth:`~solvers.core.memory.StaticMemory.bucket_ops`), then the collective queued on
-        its group's stream."""
-        p = self.p
-        members = self.s.buckets[b].members
-        for m in members:
-            if not p.issue_after[m] <= self.waited_members:
-                raise ScheduleInvalidError(f"bucket {b} issues {m!r} before the wait of "
-                                           f"{sorted(p.issue_after[m] - self.waited_members)[:3]}, whose result it reads")
-        cin = p.copy_in_ms(members)
-        t_issue = self.t
-        self.t += cin
-        self.busy += cin
-        (mem_issue, _), (trk_issue, _) = self.st.bucket_ops(members)
-        self._record(k, self._apply(b, mem_issue, trk_issue))
-        c0 = p.colls[members[0]]
-        dur = p.bucket_comm_ms(members)
-        stream = stream_of(c0.coll_type, c0.group_name, self.split)
-        self.streams.issue(b, stream, self.t, dur)
-        self.comm_busy[stream] += dur
-        self.bucket_times[b] = (t_issue, float("nan"), float("nan"), float("nan"))
-        self.issued.add(b)
+    def _run_bucket(self, k: int, b: int, issue: bool) -> None:
+        """Bucket ``b``'s issue or wait: memory as
+        :meth:`~solvers.core.memory.StaticMemory.bucket_ops` says (its time is the clock's)."""
+        (mem_issue, mem_wait), (trk_issue, trk_wait) = self.st.bucket_ops(self.s.buckets[b].members)
+        if issue:
+            self._record(k, self._apply(b, mem_issue, trk_issue))
+        else:
+            self._record(k, self._apply(b, mem_wait, trk_wait))
 
     def _apply(self, b: int, mem_ops: tuple[Op, ...], trk_ops: tuple[Op, ...]) -> int:
         """Run one step's micro-operations (:data:`~solvers.core.memory.Op`; of bucket ``b``,
@@ -370,24 +389,3 @@ class Simulator:
                 else:
                     mem.free(key)
         return live
-
-    def _wait(self, k: int, b: int) -> None:
-        """Wait on bucket ``b``: the compute stream blocks until it completes, then copies out
-        (merged all-gathers) and runs the epilogues; memory as :meth:`~solvers.core.memory.StaticMemory.bucket_ops` says."""
-        p = self.p
-        if b not in self.issued:
-            raise ScheduleInvalidError(f"bucket {b} is waited before it is issued")
-        members = self.s.buckets[b].members
-        end = self.streams.end(b)
-        if end > self.t:
-            self.exposed += end - self.t
-            self.bucket_exposed[b] = end - self.t
-            self.t = end
-        cout = p.copy_out_ms(members)
-        self.t += cout
-        self.busy += cout
-        (_, mem_wait), (_, trk_wait) = self.st.bucket_ops(members)
-        self._record(k, self._apply(b, mem_wait, trk_wait))
-        self.bucket_times[b] = (self.bucket_times[b][0], self.streams.start(b), end, self.t)
-        self.waited.add(b)
-        self.waited_members.update(members)
