@@ -28,9 +28,9 @@ from functools import cached_property
 
 import networkx as nx
 
+from solvers.core.bounds import lower_bound_ms
 from solvers.core.schedule import Bucket, Schedule, ScheduleError
 from solvers.core.streams import stream_of
-from solvers.core.bounds import lower_bound_ms
 from solvers.core.units import fit_line, interpolate
 
 #: casts that torch's ``merge_all_gather_bucket`` folds into a bucket's copy-in when they feed

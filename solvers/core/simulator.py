@@ -290,8 +290,9 @@ class Simulator:
                 members = buckets[b].members
                 for m in members:
                     if not p.issue_after[m] <= waited_members:
-                        raise ScheduleInvalidError(f"bucket {b} issues {m!r} before the wait of "
-                                                   f"{sorted(p.issue_after[m] - waited_members)[:3]}, whose result it reads")
+                        early = sorted(p.issue_after[m] - waited_members)[:3]
+                        raise ScheduleInvalidError(f"bucket {b} issues {m!r} before the wait of {early}, whose result "
+                                                   "it reads")
                 c0 = p.colls[members[0]]
                 costs[b] = (p.copy_in_ms(members), p.copy_out_ms(members), p.bucket_comm_ms(members),
                             stream_of(c0.coll_type, c0.group_name, split))
