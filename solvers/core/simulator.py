@@ -270,7 +270,8 @@ class Simulator:
         self.step_live: list[int] = []
         self.totals: list[int] = []
         self.plan = plan_steps(schedule)
-        self.clock = Clock([st.steps[s.ref][0] for s in schedule.steps if s.kind == "node"], self._costs(),
+        self.nodes = [s.ref for s in schedule.steps if s.kind == "node"]
+        self.clock = Clock([st.steps[n][0] for n in self.nodes], self._costs(),
                            shared_links(problem.stream_links(schedule.split_groups))
                            if schedule.split_groups or problem.shares_links else None, record=True)
 
@@ -333,7 +334,6 @@ class Simulator:
     def result(self) -> SimResult:
         """The run's result, after its memory and its clock have run."""
         clock = self.clock
-        names = [s.ref for s in self.s.steps if s.kind == "node"]
         return SimResult(
             step_ms=clock.t,
             compute_ms=clock.busy,
@@ -341,7 +341,7 @@ class Simulator:
             comm_ms=dict(clock.comm),
             peak_bytes=self.peak,
             peak_step=self.peak_step,
-            node_times=dict(zip(names, clock.node_times)),
+            node_times=dict(zip(self.nodes, clock.node_times)),
             bucket_times=clock.bucket_times,
             memory=[(0.0, self._initial_total)] + list(zip(clock.times, self.totals)),
             n_collectives=len(self.s.buckets),
@@ -373,7 +373,11 @@ class Simulator:
         the execution model's count records in the step."""
         live = 0
         for mem, ops, own in ((self.mem, mem_ops, True), (self.trk, trk_ops, False)):
+            release = mem.release
             for _, code, key, amount, member in ops:
+                if code == REL:  # the commonest: one use of an input's storage, never the bucket's own
+                    release(key)
+                    continue
                 if member is None and key is not None:
                     key = f"{key}:{b}"
                 if code == ALLOC:
@@ -383,8 +387,6 @@ class Simulator:
                         live = max(live, mem.total + amount)
                     else:
                         mem.peak = max(mem.peak, mem.total + amount)
-                elif code == REL:
-                    mem.release(key)
                 elif code == DROP:
                     mem.drop(key)
                 else:
