@@ -39,7 +39,7 @@ from random_programs import random_program, trace_program
 from scheduler import export_dag
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
 from solvers import solve
-from solvers.core import simulator
+from solvers.core import memory, simulator
 from solvers.core.evaluate import Evaluator, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule
@@ -412,31 +412,88 @@ def test_rules_out_of_step_with_the_static_data_fall_back():
     """Where the simulator's uses of a storage are not the releases the evaluator's rules make
     (the simulator's rules changed under it), the evaluator does not guess."""
     problem = Problem.from_dag(make_fsdp_dag(n_layers=2, graph_kind="backward"))
-    st = simulator._static(problem)
+    st = memory.static_memory(problem)
     key = next(k for k, n in st.mem_uses.items() if n and k not in st.mem_never_free)
-    simulator._STATIC[problem] = dataclasses.replace(st, mem_uses={**st.mem_uses, key: st.mem_uses[key] + 1})
+    memory._STATIC[problem] = dataclasses.replace(st, mem_uses={**st.mem_uses, key: st.mem_uses[key] + 1})
     ev = Evaluator(problem)
     assert not ev.fast
     for schedule in heuristic_schedules(problem):
         assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
 
 
-def test_a_rule_change_the_static_data_do_not_show_falls_back(monkeypatch):
-    """A simulator whose compute nodes also allocate a scratch storage that is never freed
-    (its uses unchanged): the evaluator's first comparison with the simulator sees it, and
-    every schedule is simulated."""
-    original = simulator._Simulator._run_node
+def merged_pairs_schedule(problem: Problem) -> Schedule | None:
+    """Consecutive pairs of each chain merged where their windows meet, issued at the window's
+    start and waited at its end; everything else alone where traced (None: nothing to merge)."""
+    buckets, issue, wait = [], [], []
+    paired: set[str] = set()
+    colls = problem.colls
+    for chain in problem.chains.values():
+        for a, b in zip(chain[::2], chain[1::2]):
+            lo, hi = max(colls[a].ready, colls[b].ready), min(colls[a].needed, colls[b].needed)
+            if lo <= hi:
+                buckets.append(Bucket((a, b)))
+                issue.append(lo)
+                wait.append(hi)
+                paired.update((a, b))
+    if not paired:
+        return None
+    for m, c in colls.items():
+        if m not in paired:
+            buckets.append(Bucket((m,)))
+            issue.append(c.traced_issue)
+            wait.append(c.traced_wait)
+    return Schedule.from_positions(problem.seq, buckets, issue, wait)
+
+
+def canary(problem: Problem) -> dict[str, tuple]:
+    """The evaluator's peaks and the simulator's on the traced schedule and on one with merged
+    buckets (:func:`merged_pairs_schedule`; left out where it is invalid or fails the
+    evaluator's cheap checks): name -> (evaluator's, simulator's). They differ where the
+    simulator follows a rule that the evaluator's analysis does not see."""
+    ev = Evaluator(problem)
+    out = {}
+    for name, schedule in (("traced", problem.traced_schedule()), ("merged", merged_pairs_schedule(problem))):
+        try:
+            plan = None if schedule is None else ev.plan(schedule)
+        except ScheduleInvalidError:
+            continue
+        found = None if plan is None else ev.peaks(plan)
+        if found is not None:
+            sim = simulate(problem.dag, schedule, problem=problem)
+            out[name] = (found, (sim.peak_bytes, sim.tracker_peak_bytes))
+    return out
+
+
+def assert_canary(problem: Problem) -> None:
+    compared = canary(problem)
+    assert "traced" in compared
+    assert all(found == simulated for found, simulated in compared.values()), compared
+
+
+@pytest.mark.parametrize("kw", SYNTHETIC, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_canary_on_synthetic_dags(kw):
+    """The traced and a merged schedule of each synthetic DAG: the evaluator's peaks are the
+    simulator's (the same check runs on every captured graph below, :func:`check_graph`)."""
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=4, **kw))
+    assert "merged" in canary(problem)
+    assert_canary(problem)
+
+
+def test_canary_sees_a_rule_change_the_static_data_do_not_show(monkeypatch):
+    """A simulator whose compute nodes also allocate a scratch storage that is never freed (its
+    uses unchanged, so the evaluator's build-time guard passes): the canary names the
+    difference, so a change made to one side only fails the tests."""
+    original = simulator.Simulator._run_node
 
     def with_scratch(self, k, name):
         original(self, k, name)
         self.mem.alloc(f"scratch:{name}", 4096)
 
-    monkeypatch.setattr(simulator._Simulator, "_run_node", with_scratch)
+    monkeypatch.setattr(simulator.Simulator, "_run_node", with_scratch)
     problem = Problem.from_dag(make_fsdp_dag(n_layers=3, params_per_layer=3, graph_kind="backward", seed=77))
-    ev = Evaluator(problem)
-    assert not ev.fast and ev.reason
-    for schedule in heuristic_schedules(problem):
-        assert_same(simulate(problem.dag, schedule, problem=problem), ev.evaluate(schedule))
+    assert Evaluator(problem).fast
+    compared = canary(problem)
+    assert len(compared) == 2 and all(found != simulated for found, simulated in compared.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,6 +518,7 @@ def test_llama_debug(llama_debug, kind):
     problem = Problem.from_dag(_export(getattr(llama_debug, kind)))
     ev = Evaluator(problem)
     assert ev.fast
+    assert_canary(problem)
     rng = random.Random(4)
     for schedule in heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(40)]:
         check(ev, schedule)
@@ -540,6 +598,7 @@ def check_graph(problem: Problem, rng: random.Random, n_random: int = 20, neighb
     schedule, none simulated instead. Returns the schedules checked (the neighbours aside)."""
     ev = Evaluator(problem)
     assert ev.fast, ev.reason
+    assert_canary(problem)
     schedules = heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(n_random)]
     for schedule in schedules:
         check(ev, schedule)
@@ -551,7 +610,7 @@ def check_graph(problem: Problem, rng: random.Random, n_random: int = 20, neighb
 def _views_merged(problem: Problem, schedules: list[Schedule]) -> bool:
     """Whether a schedule merges a bucket whose members are views of its result (a
     reduce-scatter, an all-gather on one rank)."""
-    return any(len(b.members) > 1 and not simulator._copied_out(problem.colls, b.members)
+    return any(len(b.members) > 1 and not memory.copied_out(problem.colls, b.members)
                for s in schedules for b in s.buckets)
 
 
@@ -613,7 +672,7 @@ def test_multi_output_ops(group_name):
     of its own, freed after its last reader while its siblings live on; a value read by nothing
     is freed at once by the execution model's count and never by torch's."""
     problem = Problem.from_dag(export_dag(_multi_output_step(group_name)))
-    steps = simulator._static(problem).steps
+    steps = memory.static_memory(problem).steps
     assert sum(len(steps[n][1]) > 1 for n in problem.seq) >= 4  # topk, sort, batch norm, attention
     assert any(steps[n][3] for n in problem.seq)  # the exp, read by nothing
     check_graph(problem, random.Random(9), n_random=40)
@@ -655,7 +714,7 @@ def test_random_programs_of_functional_collectives_hold_every_rule():
     with gloo_group() as name:
         for seed in range(40):
             problem = Problem.from_dag(export_dag(trace_program(random_program(seed), name)))
-            dag, steps = problem.dag, simulator._static(problem).steps
+            dag, steps = problem.dag, memory.static_memory(problem).steps
             if any(a.get("external_wait") == "input" for _, a in dag.nodes(data=True)):
                 seen.add("input wait")
             if any(c.result_readers for c in problem.colls.values()):

@@ -11,44 +11,50 @@ import pytest
 from solvers.core.evaluate import Evaluator
 from solvers.core.problem import Problem
 from solvers.core.simulator import ScheduleInvalidError, simulate
-from solvers.core.streams import Streams
+from solvers.core.streams import Link
+from solvers.core.timeline import Clock
 from solvers.core.schedule import Schedule
 from solvers.heuristics import HEURISTICS
 
 
 def test_alone_on_a_link_is_fifo():
-    s = Streams({})
-    s.issue(0, "g", 0.0, 10.0)
-    s.issue(1, "g", 1.0, 2.0)
-    s.issue(2, "h", 1.0, 3.0)
-    assert (s.end(0), s.end(1), s.end(2)) == (10.0, 12.0, 4.0)
+    """Three buckets issued back to back (no compute between them), two on stream g: the second
+    waits for the first, the one on h starts at once."""
+    clock = Clock([], [(0.0, 0.0, 10.0, "g"), (1.0, 0.0, 2.0, "g"), (0.0, 0.0, 3.0, "h")], record=True)
+    clock.advance([(True, 0, 0), (True, 1, 0), (True, 2, 0), (False, 0, 0), (False, 1, 0), (False, 2, 0)])
+    assert [clock.bucket_times[b][1:3] for b in range(3)] == [(0.0, 10.0), (10.0, 12.0), (1.0, 4.0)]
+
+
+def _shared(*issues):
+    """A link of streams a and b (or g and g+ag): each ``(bucket, stream, issue ms, ms alone)``."""
+    link = Link()
+    for b, stream, t, d in issues:
+        link.add(b, stream, t, d)
+    return link
 
 
 def test_shared_link_is_processor_sharing():
     # a long reduce-scatter, then a short all-gather on the second stream: both move at half
     # speed while both run; the short one ends far sooner than behind the long one, the long
     # one later, and the link is busy exactly as long as for the two in a row
-    s = Streams({"g": "link", "g+ag": "link"})
-    s.issue(0, "g", 0.0, 10.0)
-    s.issue(1, "g+ag", 1.0, 2.0)
-    s.issue(2, "g+ag", 1.5, 1.0)
-    assert s.end(1) == pytest.approx(5.0)  # 1 ms at half speed from 1 to 5
-    assert s.start(2) == pytest.approx(5.0) and s.end(2) == pytest.approx(7.0)
-    assert s.end(0) == pytest.approx(13.0)  # total work 13 ms: the link never ran faster than one stream
+    s = _shared((0, "g", 0.0, 10.0), (1, "g+ag", 1.0, 2.0), (2, "g+ag", 1.5, 1.0))
+    assert s.span(1)[1] == pytest.approx(5.0)  # 1 ms at half speed from 1 to 5
+    assert s.span(2) == pytest.approx((5.0, 7.0))
+    assert s.span(0)[1] == pytest.approx(13.0)  # total work 13 ms: the link never ran faster than one stream
 
 
 def test_shared_link_never_beats_total_work():
     rng = random.Random(0)
     for _ in range(200):
-        s = Streams({"a": "l", "b": "l"})
+        s = Link()
         jobs = []
         t = 0.0
         for b in range(8):
             t += rng.random()
             d = rng.uniform(0.1, 3.0)
-            s.issue(b, rng.choice("ab"), t, d)
+            s.add(b, rng.choice("ab"), t, d)
             jobs.append((t, d))
-        ends = [s.end(b) for b in range(8)]
+        ends = [s.span(b)[1] for b in range(8)]
         first = min(t for t, _ in jobs)
         assert max(ends) >= first + sum(d for _, d in jobs) - 1e-9 or max(ends) >= max(
             t + d for t, d in jobs) - 1e-9

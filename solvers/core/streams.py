@@ -17,8 +17,9 @@ gives two streams double the bandwidth would make splitting look free, and a mod
 contention (NCCL kernels of two streams competing for SMs) would need a measurement of it.
 
 A stream alone on its link is priced exactly as before any link existed: ``end = max(issue,
-stream free) + duration``, in those float operations, so schedules that split nothing on graphs
-whose groups have distinct ranks get the simulator's numbers bit for bit.
+stream free) + duration``, in those float operations (:class:`solvers.core.timeline.Clock`, the
+one walk of the execution model's time, which asks a :class:`Link` only for the streams that
+share one).
 """
 
 from __future__ import annotations
@@ -39,82 +40,26 @@ def stream_of(coll_type: str, group_name: str, split_groups: frozenset[str] | tu
     return group_name
 
 
-class Streams:
-    """The communication streams of one run: :meth:`issue` queues a bucket, :meth:`end` says
-    when it completes (module docstring).
-
-    Args:
-        link_of: stream -> its link; streams that share a link with no other stream may be
-            left out (they are priced alone).
-
-    The end of a bucket on a shared link is known once every bucket that could overlap it has
-    been issued; a run asks for it at the bucket's wait, and every bucket issued after that
-    wait starts after the wait returns, so the answer is final.
-    """
-
-    def __init__(self, link_of: Mapping[str, Hashable] | None = None):
-        shared: dict[Hashable, list[str]] = {}
-        for stream, link in (link_of or {}).items():
-            shared.setdefault(link, []).append(stream)
-        self._links: dict[str, _Link] = {}
-        for streams in shared.values():
-            if len(streams) > 1:
-                link = _Link()
-                for s in streams:
-                    self._links[s] = link
-        self.free: dict[str, float] = {}
-        self._end: dict[int, float] = {}
-        self._start: dict[int, float] = {}
-        self._on: dict[int, _Link] = {}
-        #: bucket -> its stream (streams alone on their link)
-        self._stream: dict[int, str] = {}
-
-    def issue(self, b: int, stream: str, t: float, duration: float) -> None:
-        """Queue bucket ``b`` on ``stream`` at compute time ``t``, for ``duration`` ms alone."""
-        link = self._links.get(stream)
-        if link is None:
-            free = self.free.get(stream, 0.0)
-            start = t if t >= free else free
-            self._start[b] = start
-            self._end[b] = self.free[stream] = start + duration
-            self._stream[b] = stream
-        else:
-            link.add(b, stream, t, duration)
-            self._on[b] = link
-
-    @property
-    def shared(self) -> bool:
-        """Whether any two streams share a link."""
-        return bool(self._links)
-
-    def hold(self, b: int, start: float) -> None:
-        """Start bucket ``b``, the last issued, no earlier than ``start`` (its stream alone on its
-        link): when the other ranks of its group are ready later (lockstep ranks). It keeps its
-        duration, and its stream stays busy until it ends."""
-        if b in self._on:
-            raise ValueError(f"bucket {b} runs on a shared link; it cannot be held")
-        if start > self._start[b]:
-            self._end[b] = self.free[self._stream[b]] = start + (self._end[b] - self._start[b])
-            self._start[b] = start
-
-    def end(self, b: int) -> float:
-        """When bucket ``b`` completes."""
-        e = self._end.get(b)
-        if e is None:
-            link = self._on[b]
-            link.resolve(b)
-            self._start[b], e = link.done[b]
-            self._end[b] = e
-        return e
-
-    def start(self, b: int) -> float:
-        """When bucket ``b`` starts to move data (after :meth:`end`)."""
-        self.end(b)
-        return self._start[b]
+def shared_links(link_of: Mapping[str, Hashable] | None) -> dict[str, "Link"]:
+    """Stream -> the :class:`Link` it shares with other streams, for the streams of ``link_of``
+    (stream -> its link) that share one; a stream alone on its link is left out: it is priced
+    alone, FIFO (:class:`solvers.core.timeline.Clock`)."""
+    by_link: dict[Hashable, list[str]] = {}
+    for stream, link in (link_of or {}).items():
+        by_link.setdefault(link, []).append(stream)
+    out: dict[str, Link] = {}
+    for streams in by_link.values():
+        if len(streams) > 1:
+            link = Link()
+            for stream in streams:
+                out[stream] = link
+    return out
 
 
-class _Link:
-    """Processor sharing among the FIFO streams of one link, simulated as far as asked."""
+class Link:
+    """Processor sharing among the FIFO streams of one link, simulated as far as asked: a run
+    :meth:`add` s each bucket at its issue and asks for its :meth:`span` at its wait; every
+    bucket issued after that wait starts after the wait returns, so the answer is final."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -126,6 +71,11 @@ class _Link:
 
     def add(self, b: int, stream: str, t: float, duration: float) -> None:
         self.queues.setdefault(stream, deque()).append((b, t, duration))
+
+    def span(self, b: int) -> tuple[float, float]:
+        """(start, end) of bucket ``b`` on the link, ms."""
+        self.resolve(b)
+        return self.done[b]
 
     def resolve(self, b: int) -> None:
         """Advance until bucket ``b`` has ended."""

@@ -7,6 +7,7 @@ Sizes travel as integer bytes (``mem_budget_bytes``), times as float millisecond
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 import re
@@ -137,3 +138,12 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     if beta < 0:  # time does not grow with size (noise): a constant
         alpha, beta = sy / sw, 0.0
     return float(alpha), float(beta)
+
+
+def interpolate(table: Sequence[Sequence[float]], x: float) -> float:
+    """Piecewise-linear value at ``x`` of increasing ``[[x, y], ...]`` points (x in range)."""
+    i = bisect.bisect_left([p[0] for p in table], x)
+    if table[i][0] == x:
+        return float(table[i][1])
+    (x0, y0), (x1, y1) = table[i - 1], table[i]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
