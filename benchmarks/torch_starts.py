@@ -4,7 +4,7 @@ For each of autoparallel's published graphs (``--repros DIR``, :mod:`harness.rep
 process each (the fake process group is global):
 
 - **fidelity**: each variant of torch's pass (:data:`scheduler.torch_overlap.VARIANTS`) run as
-  a start and read back over the traced problem (:func:`scheduler.torch_overlap.read_back`),
+  a start and read back over the traced problem (:func:`scheduler.readback.read_back`),
   written back with our write-back and judged (:func:`scheduler.check.written.judge_graph`)
   under torch's estimators and the analytic model, against torch's own written graph judged the
   same way; the repairs the read-back made;
@@ -55,7 +55,8 @@ def passes(repros: str, name: str) -> dict[str, Any]:
     from harness.repros import load_repro
     from scheduler.check.written import graph_digest, judge_graph
     from scheduler.export.dag import export_dag
-    from scheduler.torch_overlap import VARIANTS, TorchPassError, read_back, torch_overlap_schedule
+    from scheduler.readback import TorchPassError, read_back
+    from scheduler.torch_overlap import VARIANTS, torch_overlap_schedule
     from scheduler.writeback import apply_schedule, copy_module
     from solvers.core import Problem, simulate
 

@@ -247,7 +247,7 @@ def optimize_schedule(
     # what this call spent around the answer: a cache hit costs its export and its write-back
     answer.report.stages = [*([exported] if exported is not None else []), *answer.report.stages,
                             StageRecord(name="write-back", wall_s=time.perf_counter() - t_install).to_json()]
-    answer.report.compile_id = _compile_id()
+    answer.report.compile_id = current_compile_id()
     gm.meta[REPORT_KEY] = answer.report
     gm.meta[SCHEDULE_KEY] = answer.schedule
     logger.info("%s", answer.report.summary_line())
@@ -475,7 +475,7 @@ def _orders(problems: Mapping[str, Problem], solver: SolverOptions, runs: Sequen
 
     torch's pass moves compute nodes (it runs a collective's input early to issue it early); over
     the traced order its schedule is read back with repairs that can cost much of its gain, over
-    its own order (:func:`scheduler.torch_overlap.torch_order`) exactly."""
+    its own order (:func:`scheduler.readback.torch_order`) exactly."""
     traced = ("traced", problems, [(r.name, r.schedule) for r in runs if r.schedule is not None])
     ordered = next((r for r in runs if r.schedule_in_order is not None), None)
     if solver.compute_order == "traced" or ordered is None:
@@ -866,7 +866,7 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def _compile_id() -> str | None:
+def current_compile_id() -> str | None:
     """torch's id of the compile in progress ("0/0"), None outside ``torch.compile``."""
     from torch._guards import CompileContext
 

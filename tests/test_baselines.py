@@ -77,7 +77,7 @@ def _collectives(gm) -> Counter:
 
 
 def _n_collectives(gm) -> int:
-    return baselines._collective_count(gm)
+    return baselines.collective_count(gm)
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,13 +27,12 @@ from scheduler.api import REPORT_KEY  # noqa: E402
 from scheduler.check.written import graph_digest, judge_graph  # noqa: E402
 from scheduler.export.dag import export_dag  # noqa: E402
 from scheduler.options import AgreementOptions  # noqa: E402
+from scheduler.readback import TorchPassError, read_back  # noqa: E402
 from scheduler.torch_overlap import (  # noqa: E402
     TORCH,
     TORCH_NO_PREBUCKETING,
     VARIANTS,
-    TorchPassError,
     collective_count,
-    read_back,
     torch_overlap_schedule,
     torch_starts,
 )
@@ -170,14 +169,14 @@ def test_issues_and_waits_keep_their_place_between_the_nodes_torch_keeps_in_orde
     """
     from types import SimpleNamespace
 
-    from scheduler.torch_overlap import _anchored_gaps
+    from scheduler.readback import anchored_gaps
 
     seq = ["mm0", "v1", "mm2", "v3", "mm4"]
     problem = SimpleNamespace(pos={n: i for i, n in enumerate(seq)}, n=len(seq), compute_ms=[5.0, 0.0, 5.0, 0.0, 5.0])
-    assert _anchored_gaps(problem, ["mm0", "mm2", "v1", "mm4", "v3"]) == [0, 1, 3, 3, 5, 5]
-    assert _anchored_gaps(problem, seq) == [0, 1, 2, 3, 4, 5]  # torch's own order: its gaps
+    assert anchored_gaps(problem, ["mm0", "mm2", "v1", "mm4", "v3"]) == [0, 1, 3, 3, 5, 5]
+    assert anchored_gaps(problem, seq) == [0, 1, 2, 3, 4, 5]  # torch's own order: its gaps
     # a node torch folded away (absent from its graph): the others still anchor
-    assert _anchored_gaps(problem, ["mm0", "mm2", "mm4", "v3"]) == [0, 1, 3, 5, 5]
+    assert anchored_gaps(problem, ["mm0", "mm2", "mm4", "v3"]) == [0, 1, 3, 5, 5]
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +316,7 @@ _ON_RANK = textwrap.dedent("""
     from test_torch_overlap import _layers, DIM, TOKENS, WORLD
     from scheduler.check.written import graph_digest
     from scheduler.export.dag import export_dag
-    from scheduler.torch_overlap import TORCH, read_back, torch_overlap_schedule
+    from scheduler.torch_overlap import TORCH, torch_overlap_schedule
     from solvers.core import Problem
     dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=WORLD)
     with FakeTensorMode():

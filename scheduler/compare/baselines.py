@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from scheduler.costs.hardware import Cluster
 from scheduler.costs.models import CostModel
 from scheduler.export.dag import export_dag
-from scheduler.torch_overlap import TorchPassError as TorchBaselineError
-from scheduler.torch_overlap import collective_count as _collective_count
-from scheduler.torch_overlap import cpu_estimator_patches as _cpu_estimator_patches
-from scheduler.torch_overlap import process_groups_for as _process_groups_for
+from scheduler.readback import TorchPassError as TorchBaselineError
+from scheduler.torch_overlap import collective_count
+from scheduler.torch_overlap import cpu_estimator_patches
+from scheduler.torch_overlap import process_groups_for
 from scheduler.torch_overlap import torch_overlap_schedule
 from solvers.core.simulator import SimResult, simulate
 
@@ -61,7 +61,7 @@ def simulate_torch_baseline(
 
     cluster = cluster or Cluster()
     rewritten = torch_overlap_schedule(gm, cluster=cluster, **kw)
-    with _process_groups_for(rewritten):
+    with process_groups_for(rewritten):
         dag = export_dag(rewritten, cost_model=cost_model, cluster=cluster, name="torch-overlap")
     return simulate(dag)
 
@@ -79,7 +79,7 @@ def manual_bucket_plans(gm: "torch.fx.GraphModule") -> tuple[list[str], dict[str
     final norm and output), as torchtitan's plan ``["tok_embeddings", "layers.0", ...,
     ["norm", "output"]]``. Collectives that are no data-parallel parameter's stay out of the
     plan (left in place)."""
-    with _process_groups_for(gm):
+    with process_groups_for(gm):
         dag = export_dag(gm)
     entry: dict[str, str] = {}
     roots: dict[str | None, int] = {}
@@ -141,7 +141,7 @@ def torch_manual_schedule(
         return [] if key is None else [(key.split(".")[0], nn.Module), (key, nn.Module)]
 
     out = gm if inplace else copy.deepcopy(gm)
-    with _process_groups_for(out), _cpu_estimator_patches(cluster or Cluster()):
+    with process_groups_for(out), cpu_estimator_patches(cluster or Cluster()):
         try:
             out = manual_overlap_bucketing(out, plans, module_stack_fn=module_stack, bucket_mode=bucket_mode)
             out.graph.lint()
@@ -150,7 +150,7 @@ def torch_manual_schedule(
             raise TorchBaselineError(
                 f"torch's manual scheduler failed on this graph ({type(e).__name__}: {e}); the per-block "
                 "baseline is unavailable for it") from e
-    logger.info("torch manual per-block plan: %d entries, %d collectives after", len(plans), _collective_count(out))
+    logger.info("torch manual per-block plan: %d entries, %d collectives after", len(plans), collective_count(out))
     return out
 
 

@@ -13,7 +13,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from scheduler.api import REPORT_KEY, _compile_id, optimize_schedule
+from scheduler.api import REPORT_KEY, current_compile_id, optimize_schedule
 from scheduler.costs.spec import cost_model_files
 from scheduler.export.dag import graph_has_collectives
 from scheduler.integrate.fsdp2 import count_fully_sharded_inputs, fsdp2_evidence, fsdp2_note, fully_sharded_modules
@@ -111,13 +111,13 @@ class _FSDP2Watch:
         """Count the FSDP2 parameters among a backend's inputs (dynamo's real tensors)."""
         modules = fully_sharded_modules()
         if modules:
-            compile_id = _compile_id()
+            compile_id = current_compile_id()
             n = count_fully_sharded_inputs(example_inputs, modules)
             self.inputs_read[compile_id] = max(n, self.inputs_read.get(compile_id, 0))
 
     def check(self, gm: "torch.fx.GraphModule") -> str | None:
         """The note for ``gm``'s report (None: not an FSDP2 graph); warns on the compile's first."""
-        compile_id = _compile_id()
+        compile_id = current_compile_id()
         evidence = fsdp2_evidence(has_collectives=graph_has_collectives(gm),
                                   n_inputs_read=self.inputs_read.get(compile_id, 0))
         if evidence is None:
