@@ -45,7 +45,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -53,15 +52,15 @@ from typing import TYPE_CHECKING, Any
 import networkx as nx
 
 from scheduler.integrate import cache, consensus
-from scheduler.check.written import Candidate, Figures, choose, write_and_judge
+from scheduler.check.written import Candidate, choose, write_and_judge
 from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
 from scheduler.costs.pricing import export_problems
 from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
 from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
-from scheduler.report import ScheduleReport, make_report, read_provenance
-from scheduler.torch_overlap import TorchStart, torch_starts
+from scheduler.report import ScheduleReport, fixed_collective_notes, make_report, read_provenance, unchanged_report
+from scheduler.orders import better_order, search_orders, starts_in_order, torch_notes, torch_rows, torch_starts_for
 from scheduler.writeback import apply_schedule, copy_graph
 from solvers.core import (
     InfeasibleBudgetError,
@@ -77,8 +76,7 @@ from solvers.core import (
     simulate,
     validate_schedule,
 )
-from solvers.core.evaluate import ModelEvaluator
-from solvers.core.order import in_order, node_order, problem_of
+from solvers.core.order import problem_of
 from solvers.registry import BACKENDS, solve_problems
 from solvers.search import search
 
@@ -87,12 +85,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: relative difference of two simulated step times taken as float noise, not as slower
-_SAME_STEP = 1e-9
 #: key of the report in ``gm.meta``
 REPORT_KEY = "fsdp_sched_report"
-#: ``gm.meta`` key of the installed schedule over the traced graph's problem: a start for another
-#: solve of the same graph (``SolverOptions(extra_starts=...)``)
+#: ``gm.meta`` key of the installed schedule: a start for another solve (``SolverOptions(extra_starts=...)``)
 SCHEDULE_KEY = "fsdp_sched_schedule"
 #: the digest every rank with a graph that has no collectives agrees on (nothing is written)
 _NOTHING = hashlib.sha256(b"fsdp-sched: a graph without collectives").hexdigest()
@@ -105,7 +100,7 @@ class _Answer:
 
     schedule: Schedule | None
     report: ScheduleReport
-    #: the written graph's figures with what they were judged on (:func:`_judged_record`)
+    #: the written graph's figures and what they were judged on (``cache.judged_record``)
     judged: dict[str, Any] | None = None
 
     def digest(self) -> str:
@@ -188,7 +183,7 @@ def optimize_schedule(
             keeps its graph as traced.
     """
     t0 = time.perf_counter()
-    group = consensus.agreement_group(agreement.group) if _is_options(agreement, AgreementOptions) and \
+    group = consensus.agreement_group(agreement.group) if isinstance(agreement, AgreementOptions) and \
         agreement.enabled else None
     src = 0
     answer: _Answer | None = None
@@ -202,7 +197,7 @@ def optimize_schedule(
     try:
         budget = own_budget = check_arguments(gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver,
                                               agreement=agreement, writeback=writeback)
-        src = _source_rank(group, agreement)
+        src = consensus.source_rank(group, agreement if isinstance(agreement, AgreementOptions) else None)
     except Exception as e:
         if group is None:
             raise
@@ -227,7 +222,7 @@ def optimize_schedule(
             if topology_note is not None:
                 logger.warning("fsdp-sched: %s", topology_note)
                 notes = [*notes, topology_note]
-            if group is None or agreement.broadcast_from is None or _rank(group) == src:
+            if group is None or agreement.broadcast_from is None or consensus.group_rank(group) == src:
                 answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
                                            writeback=writeback, t0=t0)
                 answer.report.notes += notes
@@ -273,12 +268,13 @@ def check_arguments(gm: Any, mem_budget: Any, *, cost_model: Any, cluster: Any, 
         raise TypeError(f"cluster={cluster!r} must be a scheduler.Cluster or None")
     for name, value, cls in (("solver", solver, SolverOptions), ("agreement", agreement, AgreementOptions),
                              ("writeback", writeback, WriteBackOptions)):
-        if not _is_options(value, cls):
+        if not isinstance(value, cls):
             raise TypeError(f"{name}={value!r} must be a scheduler.{cls.__name__}")
     if cost_model is not None:
         resolve_cost_model(cost_model, cluster)  # raises ValueError naming a bad cost model
-    if agreement.broadcast_from is not None and agreement.broadcast_from >= _world_size():
-        raise ValueError(f"broadcast_from={agreement.broadcast_from} must be a rank of the world (< {_world_size()})")
+    if agreement.broadcast_from is not None and agreement.broadcast_from >= consensus.world_size():
+        raise ValueError(f"broadcast_from={agreement.broadcast_from} must be a rank of the world "
+                         f"(< {consensus.world_size()})")
     return budget
 
 
@@ -302,28 +298,28 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     """Steps 3 and 4 of the module docstring on this rank: the schedule to install and its
     report (from the cache when it holds this solve)."""
     if not problems:
-        return _Answer(None, _unchanged_report(None, budget=budget, requested=solver.solver_name,
+        return _Answer(None, unchanged_report(None, budget=budget, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
     problem = next(iter(problems.values()))
     if not problem.colls:
         _check_traced_fits(problem, budget)
-        return _Answer(None, _unchanged_report(problem, budget=budget, requested=solver.solver_name,
+        return _Answer(None, unchanged_report(problem, budget=budget, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
-    graph_key = _graph_key(problems, solver, writeback)
-    key = _cache_key(graph_key, budget)
+    graph_key = cache.graph_key(problems, solver, writeback)
+    key = cache.entry_key(graph_key, budget)
     hit = _cached(gm, problems, key, graph_key, budget, cost_model=cost_model, cluster=cluster, solver=solver,
                   writeback=writeback)
     if hit is not None:
         return hit
     t_torch = time.perf_counter()
-    torch_runs = _torch_starts(gm, problem, cluster, solver)
+    torch_runs = torch_starts_for(gm, problem, cluster, solver)
     torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
         outcomes, all_notes, refusal = [], [], None
-        orders = _orders(problems, solver, torch_runs)
+        orders = search_orders(problems, solver, torch_runs)
         for name, base, named in orders:
             try:
-                result, notes = _solve(base, budget, _starts_in_order(solver, problem, next(iter(base.values()))),
+                result, notes = _solve(base, budget, starts_in_order(solver, problem, next(iter(base.values()))),
                                        baselines=named)
             except InfeasibleBudgetError as e:  # the other order may fit
                 refusal = refusal or e
@@ -339,9 +335,9 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
         if not outcomes:
             assert refusal is not None
             raise refusal
-        k, order_notes = _better_order(outcomes, solver)
+        k, order_notes = better_order(outcomes, solver)
         _, base, _, result = outcomes[k]
-        notes = all_notes[k] + _torch_notes(torch_runs) + order_notes
+        notes = all_notes[k] + torch_notes(torch_runs) + order_notes
         torch_stage += [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
@@ -362,8 +358,8 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                      cost_model=cost_model)
     report = dataclasses.replace(report, start=result.start, start_step_ms=dict(result.start_step_ms),
                                  search_step_ms=dict(result.step_ms_by_model),
-                                 torch_starts=_torch_rows(problems, torch_runs))
-    answer = _Answer(chosen.schedule, report, judged=_judged_record(graph_key, chosen))
+                                 torch_starts=torch_rows(problems, torch_runs))
+    answer = _Answer(chosen.schedule, report, judged=cache.judged_record(graph_key, chosen))
     if key is not None:
         cache.store(key, answer.to_json())
     return answer
@@ -392,7 +388,7 @@ def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], 
     stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
                           step_ms=traced.figures.step_ms)]
     report = _report(problems, traced, [traced], budget, solver=solver, found_by="traced",
-                     status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*_fixed_collective_notes(problem), note],
+                     status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*fixed_collective_notes(problem), note],
                      fell_back=True, stages=stages, t0=t0, t_judge=t_judge, cost_model=cost_model)
     return _Answer(traced.schedule, report)
 
@@ -427,7 +423,7 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
     named starts that are baselines too (torch's pass read back)."""
     problem = next(iter(problems.values()))
-    notes = _fixed_collective_notes(problem)
+    notes = fixed_collective_notes(problem)
     try:
         result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
                                 time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
@@ -458,101 +454,6 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     return result, notes
 
 
-def _torch_starts(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster | None, solver: SolverOptions
-                  ) -> list[TorchStart]:
-    """torch's pass in each variant of ``solver.torch_starts``, read back over ``problem``; none
-    for a solver that takes no starts (a heuristic, a callable)."""
-    if not solver.torch_starts or not (isinstance(solver.solver, str) and solver.solver in BACKENDS):
-        return []
-    return torch_starts(gm, problem, solver.torch_starts, cluster=cluster)
-
-
-def _orders(problems: Mapping[str, Problem], solver: SolverOptions, runs: Sequence[TorchStart]
-            ) -> list[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]]:
-    """The orders of compute the search runs in (``solver.compute_order``): each as its name
-    (``"traced"``, ``"torch"``), the problems of the graph in that order and torch's starts read
-    back over them.
-
-    torch's pass moves compute nodes (it runs a collective's input early to issue it early); over
-    the traced order its schedule is read back with repairs that can cost much of its gain, over
-    its own order (:func:`scheduler.readback.torch_order`) exactly."""
-    traced = ("traced", problems, [(r.name, r.schedule) for r in runs if r.schedule is not None])
-    ordered = next((r for r in runs if r.schedule_in_order is not None), None)
-    if solver.compute_order == "traced" or ordered is None:
-        return [traced]
-    rebased = {label: in_order(p, ordered.order) for label, p in problems.items()}  # type: ignore[arg-type]
-    torch = ("torch", rebased, [(r.name, r.schedule_in_order) for r in runs
-                                if r.order == ordered.order and r.schedule_in_order is not None])
-    return [torch] if solver.compute_order == "torch" else [traced, torch]
-
-
-def _better_order(outcomes: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveResult]],
-                  solver: SolverOptions) -> tuple[int, list[str]]:
-    """Which of the searches in the orders of :func:`_orders` to take (an index of ``outcomes``:
-    name, problems, torch's starts, result), and the report's note. First the one no slower than
-    torch's own schedule under the strict models (the one model where there is one): the search
-    in torch's order never is, the traced order's only where reading torch's schedule back over
-    it lost nothing; then the smaller worst-case regret under the models judged by; then the
-    traced order."""
-    note = "compute in torch's order (SolverOptions.compute_order)"
-    if len(outcomes) == 1:
-        return 0, [] if outcomes[0][0] == "traced" else [note]
-    labels = list(outcomes[0][1])
-    strict = [label for label in labels if label in solver.search.strict_models] if len(labels) > 1 else labels
-    _, rebased, in_torch, _ = next(o for o in outcomes if o[0] == "torch")
-    torchs = {label: simulate(rebased[label].dag, in_torch[0][1], problem=rebased[label]).step_ms
-              for label in strict} if in_torch else {}
-    steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
-    best = {label: min(step[label] for step in steps) for label in labels}
-    keys = [(any(step[label] > torchs[label] * (1 + _SAME_STEP) for label in torchs),
-             max(step[label] / best[label] for label in labels), k) for k, step in enumerate(steps)]
-    k = min(keys)[2]
-    if outcomes[k][0] == "traced":
-        return k, []
-    other = keys[1 - k]
-    why = "the traced order's is slower than torch's own schedule under a strict model" if other[0] else \
-        f"its worst-case regret {keys[k][1] - 1:.2%} against the traced order's {other[1] - 1:.2%}"
-    return k, [f"{note}: {why}"]
-
-
-def _starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> SolverOptions:
-    """``solver`` without the extra starts that belong to a search in the other order of compute
-    (:func:`_orders`): in the traced order, those running the same nodes in another
-    order; in torch's, those in the traced order. Any other start is given, to be refused by name
-    if it is not one of this graph."""
-    if base is traced:
-        keep = tuple(s for s in solver.extra_starts
-                     if node_order(s) == traced.seq or sorted(node_order(s)) != sorted(traced.seq))
-    else:
-        keep = tuple(s for s in solver.extra_starts if node_order(s) != traced.seq)
-    return solver if keep == solver.extra_starts else dataclasses.replace(solver, extra_starts=keep)
-
-
-def _torch_notes(runs: Sequence[TorchStart]) -> list[str]:
-    """The report's notes on torch's starts: each skipped one and each repair, with its reason."""
-    notes = []
-    for run in runs:
-        if run.skipped is not None:
-            notes.append(f"{run.name} is no start: {run.skipped}")
-        notes += [f"{run.name} read back: {repair}" for repair in run.repairs]
-    return notes
-
-
-def _torch_rows(problems: dict[str, Problem], runs: Sequence[TorchStart]) -> list[dict[str, Any]]:
-    """The report's rows of torch's starts (:meth:`TorchStart.to_json`), each with its simulated
-    step time under every cost model (ms) and its peak (bytes)."""
-    rows = []
-    evaluator = ModelEvaluator(problems) if any(r.schedule is not None for r in runs) else None
-    for run in runs:
-        row = run.to_json()
-        if run.schedule is not None and evaluator is not None:
-            sims = evaluator.evaluate(run.schedule)
-            row["step_ms"] = {label: sims[label].step_ms for label in problems}
-            row["peak_bytes"] = max(e.peak_bytes for e in sims.values())
-        rows.append(row)
-    return rows
-
-
 def _criterion(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
     labels = list(problems)
     if len(labels) == 1:
@@ -568,55 +469,14 @@ def _check_traced_fits(problem: Problem, budget: int | None) -> None:
     """A graph without collectives has one schedule: it must fit the budget too."""
     peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     if budget is not None and peak > budget:
-        raise InfeasibleBudgetError(
-            f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} ({peak} B), over mem_budget "
-            f"{fmt_bytes(budget)} ({budget} B): raise mem_budget to at least {peak} B", budget_bytes=budget,
-            min_peak_bytes=peak)
-
-
-def _fixed_collective_notes(problem: Problem) -> list[str]:
-    """A note per reason some collectives keep their traced place (their names, the first few
-    of each)."""
-    by_reason: dict[str, list[str]] = {}
-    for c in problem.colls.values():
-        if not c.movable:
-            by_reason.setdefault(c.fixed_reason or "not movable", []).append(c.name)
-    notes = []
-    for reason, names in by_reason.items():
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        notes.append(f"{len(names)} collective(s) left in place ({shown}): {reason}")
-        logger.info("fsdp-sched: %s", notes[-1])
-    return notes
+        raise InfeasibleBudgetError(f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} "
+                                    f"({peak} B), over mem_budget {fmt_bytes(budget)} ({budget} B): raise mem_budget to "
+                                    f"at least {peak} B", budget_bytes=budget, min_peak_bytes=peak)
 
 
 # --------------------------------------------------------------------------------------------
 # the cache
 # --------------------------------------------------------------------------------------------
-def _graph_key(problems: dict[str, Problem], solver: SolverOptions, writeback: WriteBackOptions) -> str | None:
-    """What decides the schedule besides the budget: the graph (its export under the primary
-    cost model), the models judged, the options; None when the solve is not a function of data
-    alone (a hook, a solver given as a callable)."""
-    if solver.schedule_hook is not None or not isinstance(solver.solver, str):
-        return None
-    options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
-               "num_workers": solver.num_workers, "fallback": solver.fallback,
-               "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
-               "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,
-               "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
-               "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
-               "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
-               "graph": cache.dag_fingerprint(next(iter(problems.values())).dag)}
-    return cache.cache_key("", mem_budget_bytes=None, options=options)
-
-
-def _cache_key(graph_key: str | None, budget: int | None) -> str | None:
-    """The schedule cache's key of this solve (:mod:`scheduler.integrate.cache`), None when caching is off
-    or the solve is not a function of data alone."""
-    if cache.cache_dir() is None or graph_key is None:
-        return None
-    return cache.cache_key(graph_key, mem_budget_bytes=budget, options={})
-
-
 def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, graph_key: str | None,
             budget: int | None, *, cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions
             ) -> _Answer | None:
@@ -652,7 +512,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
     (:data:`scheduler.report.PROVENANCE_FIELDS`, each checked) is kept from the stored report.
 
     The written graph's figures are a function of the graph, the schedule, the options and the
-    code: an answer that records them for this very graph (``graph_key``, :func:`_graph_key`:
+    code: an answer that records them for this very graph (``graph_key``, :func:`scheduler.integrate.cache.graph_key`:
     the DAG's fingerprint, the options and the versions, the library's source included) and this
     schedule, sealed (:func:`_recorded_figures`), is not written and judged again; they are held
     against ``budget`` all the same. Any other answer (no key given: another rank's; a record of
@@ -671,7 +531,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         if raw is not None:
             raise ScheduleError(f"{source} holds a schedule, and this rank's graph has no collectives to schedule; "
                                 "every rank must trace the identical graph")
-        return _Answer(None, _unchanged_report(problem, budget=budget, requested=said["requested_solver"],
+        return _Answer(None, unchanged_report(problem, budget=budget, requested=said["requested_solver"],
                                                notes=said["notes"]))
     if raw is None:
         raise ScheduleError(f"{source} holds no schedule, and this graph has {len(problem.colls)} collectives to "
@@ -689,7 +549,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
     t_judge = time.perf_counter()
     chosen = Candidate(name=said["chosen_candidate"] or said["solver"], schedule=schedule)
-    chosen.figures = _recorded_figures(data.get("judged"), graph_key, schedule)
+    chosen.figures = cache.recorded_figures(data.get("judged"), graph_key, schedule)
     notes = list(said["notes"])
     if chosen.figures is None:
         chosen.figures = write_and_judge(gm, own, schedule, cost_model=cost_model, cluster=cluster,
@@ -707,37 +567,6 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
                      fell_back=said["fell_back"], stages=stages, t0=t0, t_judge=t_judge, criterion=said["criterion"])
     report.requested_solver = said["requested_solver"]
     return _Answer(schedule, report)
-
-
-def _judged_record(graph_key: str | None, chosen: Candidate) -> dict[str, Any] | None:
-    """What a cache entry keeps of the judging of ``chosen``'s written graph: its figures, the
-    graph (``graph_key``) and schedule they were judged on, and a seal over the three, so that
-    an entry copied under another key or edited is judged again (:func:`_recorded_figures`).
-    None when the solve is not a function of data alone (no graph key)."""
-    if graph_key is None or chosen.figures is None:
-        return None
-    record = {"graph": graph_key, "digest": chosen.schedule.digest(), "figures": chosen.figures.to_json()}
-    return {**record, "seal": cache.cache_key("", mem_budget_bytes=None, options=record)}
-
-
-def _recorded_figures(record: Any, graph_key: str | None, schedule: Schedule) -> Figures | None:
-    """The figures of :func:`_judged_record`'s ``record`` when it was made for this graph
-    (``graph_key``) and ``schedule`` and its seal holds; None otherwise (judge again)."""
-    if graph_key is None or not isinstance(record, dict):
-        return None
-    body = {k: record.get(k) for k in ("graph", "digest", "figures")}
-    if body["graph"] != graph_key or body["digest"] != schedule.digest() or not isinstance(body["figures"], dict):
-        return None
-    try:
-        if record.get("seal") != cache.cache_key("", mem_budget_bytes=None, options=body):
-            return None
-        figures = Figures(**body["figures"])
-    except (TypeError, ValueError):
-        return None
-    numbers = dataclasses.astuple(figures)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
-        return None
-    return figures
 
 
 # --------------------------------------------------------------------------------------------
@@ -766,7 +595,7 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
         if failure is not None:
             raise failure
         if agreed.action == "skip":
-            chosen = _Answer(None, _unchanged_report(problem, budget=own_budget, requested="-", notes=agreed.notes))
+            chosen = _Answer(None, unchanged_report(problem, budget=own_budget, requested="-", notes=agreed.notes))
         else:
             if agreed.adopted_from is None:
                 chosen = agreed.schedule
@@ -793,11 +622,11 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
     note = (f"the schedule was not written back on any rank: taking or writing it back failed on rank(s) "
             f"{sorted(failures)} (rank {rank}: {failures[rank]}); every rank keeps the graph as traced")
     logger.warning("fsdp-sched: %s", note)
-    requested = solver.solver_name if _is_options(solver, SolverOptions) else "-"
+    requested = solver.solver_name if isinstance(solver, SolverOptions) else "-"
     try:
-        return _Answer(None, _unchanged_report(problem, budget=own_budget, requested=requested, notes=[note]))
+        return _Answer(None, unchanged_report(problem, budget=own_budget, requested=requested, notes=[note]))
     except Exception:  # after the last round: this rank must return as the others do
-        return _Answer(None, _unchanged_report(None, budget=own_budget, requested=requested, notes=[note]))
+        return _Answer(None, unchanged_report(None, budget=own_budget, requested=requested, notes=[note]))
 
 
 def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answer, writeback: WriteBackOptions
@@ -824,60 +653,12 @@ def _writes(problem: Problem | None, answer: _Answer) -> bool:
     return answer.schedule.digest() != problem.traced_schedule().digest()
 
 
-def _unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]
-                      ) -> ScheduleReport:
-    """The report of a graph left as traced."""
-    if problem is not None:
-        before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
-        return make_report(problem, before, before, graph_name=str(problem.dag.graph.get("name", "graph")),
-                           mem_budget_bytes=budget, t0=time.perf_counter(), solver="none", requested=requested,
-                           status="unchanged", best_bound=None, notes=notes, fell_back=False)
-    nan = float("nan")  # this rank could not even export its graph
-    return ScheduleReport(graph_name="graph", solver="none", requested_solver=requested, status="unchanged",
-                          solve_time_s=0.0, mem_budget_bytes=budget, step_ms_before=nan, step_ms_after=nan,
-                          peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
-                          exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
-                          lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes))
-
-
-def _is_options(value: Any, cls: type) -> bool:
-    return isinstance(value, cls)
-
-
-def _source_rank(group: Any, agreement: Any) -> int:
-    """The group rank whose schedule wins: ``broadcast_from``'s, else 0 (a bad value falls back
-    to 0 here: its check's error reaches every rank through the agreement)."""
-    if group is None or not _is_options(agreement, AgreementOptions) or agreement.broadcast_from is None:
-        return 0
-    import torch.distributed as dist
-
-    if not 0 <= agreement.broadcast_from < dist.get_world_size():
-        return 0
-    try:
-        return dist.get_group_rank(group, agreement.broadcast_from)
-    except (ValueError, RuntimeError) as e:
-        raise ValueError(f"broadcast_from={agreement.broadcast_from} is not a rank of the agreement group "
-                         f"({type(e).__name__}: {e}); name a global rank of AgreementOptions.group") from None
-
-
-def _rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group)
-
-
 def current_compile_id() -> str | None:
     """torch's id of the compile in progress ("0/0"), None outside ``torch.compile``."""
     from torch._guards import CompileContext
 
     compile_id = CompileContext.current_compile_id()
     return None if compile_id is None else str(compile_id)
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -906,7 +687,7 @@ def solve_dag(dag: nx.DiGraph, mem_budget: int | str | None = None, *, solver: S
     before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
     if not problem.colls:
         _check_traced_fits(problem, budget)
-        return before.schedule, _unchanged_report(problem, budget=budget, requested=solver.solver_name,
+        return before.schedule, unchanged_report(problem, budget=budget, requested=solver.solver_name,
                                                   notes=["the graph has no collectives: left unchanged"])
     label = str(dag.graph.get("cost_model", "model"))
     result, notes = _solve({label: problem}, budget, solver)

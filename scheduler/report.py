@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any
@@ -15,8 +16,10 @@ from scheduler.costs.family import merged_cost_sources
 from scheduler.costs.hardware import graph_topology, topology_line
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, SolveStatus
-from solvers.core.simulator import SimResult
+from solvers.core.simulator import SimResult, simulate
 from solvers.core.units import fmt_bytes, fmt_ms
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -435,3 +438,34 @@ def bucket_stats(problem: Problem, schedule: Schedule):
             rs_delay.append(computes[issue[b]] - computes[min(ready, issue[b])])
             rs_wait.append(computes[wait[b]] - computes[issue[b]])
     return buckets, types, prefetch, rs_delay, rs_wait
+
+
+def fixed_collective_notes(problem: Problem) -> list[str]:
+    """A note per reason some collectives keep their traced place (their names, the first few
+    of each)."""
+    by_reason: dict[str, list[str]] = {}
+    for c in problem.colls.values():
+        if not c.movable:
+            by_reason.setdefault(c.fixed_reason or "not movable", []).append(c.name)
+    notes = []
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        notes.append(f"{len(names)} collective(s) left in place ({shown}): {reason}")
+        logger.info("fsdp-sched: %s", notes[-1])
+    return notes
+
+
+def unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]
+                      ) -> ScheduleReport:
+    """The report of a graph left as traced."""
+    if problem is not None:
+        before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
+        return make_report(problem, before, before, graph_name=str(problem.dag.graph.get("name", "graph")),
+                           mem_budget_bytes=budget, t0=time.perf_counter(), solver="none", requested=requested,
+                           status="unchanged", best_bound=None, notes=notes, fell_back=False)
+    nan = float("nan")  # this rank could not even export its graph
+    return ScheduleReport(graph_name="graph", solver="none", requested_solver=requested, status="unchanged",
+                          solve_time_s=0.0, mem_budget_bytes=budget, step_ms_before=nan, step_ms_after=nan,
+                          peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
+                          exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
+                          lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes))

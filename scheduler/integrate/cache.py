@@ -32,11 +32,13 @@ write is a warning, and a directory that cannot be made turns caching off with o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -44,12 +46,16 @@ import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
 import solvers
 from scheduler.export.dagfile import dag_to_json
+
+if TYPE_CHECKING:
+    from scheduler.check.written import Candidate, Figures
+    from solvers.core.schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -328,3 +334,67 @@ def _sorted_sets(obj: Any) -> Any:
 def _sha256(doc: Any) -> str:
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# the keys of a solve
+# --------------------------------------------------------------------------------------------
+def graph_key(problems: Mapping[str, Any], solver: Any, writeback: Any) -> str | None:
+    """What decides the schedule besides the budget: the graph (its export under the primary
+    cost model), the models judged, the options; None when the solve is not a function of data
+    alone (a hook, a solver given as a callable)."""
+    if solver.schedule_hook is not None or not isinstance(solver.solver, str):
+        return None
+    options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
+               "num_workers": solver.num_workers, "fallback": solver.fallback,
+               "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
+               "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,
+               "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
+               "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
+               "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
+               "graph": dag_fingerprint(next(iter(problems.values())).dag)}
+    return cache_key("", mem_budget_bytes=None, options=options)
+
+
+def entry_key(graph_key: str | None, budget: int | None) -> str | None:
+    """The schedule cache's key of this solve , None when caching is off
+    or the solve is not a function of data alone."""
+    if cache_dir() is None or graph_key is None:
+        return None
+    return cache_key(graph_key, mem_budget_bytes=budget, options={})
+
+
+# --------------------------------------------------------------------------------------------
+# judged figures kept with an entry
+# --------------------------------------------------------------------------------------------
+def judged_record(graph_key: str | None, chosen: Candidate) -> dict[str, Any] | None:
+    """What a cache entry keeps of the judging of ``chosen``'s written graph: its figures, the
+    graph (``graph_key``) and schedule they were judged on, and a seal over the three, so that
+    an entry copied under another key or edited is judged again (:func:`recorded_figures`).
+    None when the solve is not a function of data alone (no graph key)."""
+    if graph_key is None or chosen.figures is None:
+        return None
+    record = {"graph": graph_key, "digest": chosen.schedule.digest(), "figures": chosen.figures.to_json()}
+    return {**record, "seal": cache_key("", mem_budget_bytes=None, options=record)}
+
+
+def recorded_figures(record: Any, graph_key: str | None, schedule: Schedule) -> Figures | None:
+    """The figures of :func:`judged_record`'s ``record`` when it was made for this graph
+    (``graph_key``) and ``schedule`` and its seal holds; None otherwise (judge again)."""
+    from scheduler.check.written import Figures
+
+    if graph_key is None or not isinstance(record, dict):
+        return None
+    body = {k: record.get(k) for k in ("graph", "digest", "figures")}
+    if body["graph"] != graph_key or body["digest"] != schedule.digest() or not isinstance(body["figures"], dict):
+        return None
+    try:
+        if record.get("seal") != cache_key("", mem_budget_bytes=None, options=body):
+            return None
+        figures = Figures(**body["figures"])
+    except (TypeError, ValueError):
+        return None
+    numbers = dataclasses.astuple(figures)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in numbers):
+        return None
+    return figures

@@ -306,3 +306,34 @@ def _broadcast_objects(payload: list[Any], src: int, group: Any) -> None:
 
     with unset_fake_temporarily():
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src), group=group)
+
+
+# --------------------------------------------------------------------------------------------
+# ranks
+# --------------------------------------------------------------------------------------------
+def source_rank(group: Any, agreement: Any) -> int:
+    """The group rank whose schedule wins: ``broadcast_from``'s, else 0 (a bad value falls back
+    to 0 here: its check's error reaches every rank through the agreement)."""
+    if group is None or agreement is None or agreement.broadcast_from is None:
+        return 0
+    import torch.distributed as dist
+
+    if not 0 <= agreement.broadcast_from < dist.get_world_size():
+        return 0
+    try:
+        return dist.get_group_rank(group, agreement.broadcast_from)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"broadcast_from={agreement.broadcast_from} is not a rank of the agreement group "
+                         f"({type(e).__name__}: {e}); name a global rank of AgreementOptions.group") from None
+
+
+def group_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,125 @@
+"""The orders of compute the search runs in, and torch's pass as its starts.
+
+torch's overlap scheduler (:mod:`scheduler.torch_overlap`) is run on a copy of the graph and read
+back as starts (:mod:`scheduler.readback`). It also moves compute nodes: it runs a collective's
+input early so that the collective issues early. Over the traced order its schedule is read
+back with repairs, over its own order exactly; ``SolverOptions.compute_order`` says in which
+orders the search runs (:func:`search_orders`) and :func:`better_order` which answer is taken.
+Any order that runs every node after its inputs is the same graph
+(:mod:`solvers.core.order`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from scheduler.costs.hardware import Cluster
+from scheduler.options import SolverOptions
+from scheduler.torch_overlap import TorchStart, torch_starts
+from solvers.core import Problem, Schedule, SolveResult, simulate
+from solvers.core.order import in_order, node_order
+from solvers.core.evaluate import ModelEvaluator
+from solvers.registry import BACKENDS
+
+if TYPE_CHECKING:
+    import torch.fx
+
+#: relative difference of two simulated step times taken as float noise, not as slower
+SAME_STEP = 1e-9
+
+
+def torch_starts_for(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster | None, solver: SolverOptions
+                  ) -> list[TorchStart]:
+    """torch's pass in each variant of ``solver.torch_starts``, read back over ``problem``; none
+    for a solver that takes no starts (a heuristic, a callable)."""
+    if not solver.torch_starts or not (isinstance(solver.solver, str) and solver.solver in BACKENDS):
+        return []
+    return torch_starts(gm, problem, solver.torch_starts, cluster=cluster)
+
+
+def search_orders(problems: Mapping[str, Problem], solver: SolverOptions, runs: Sequence[TorchStart]
+            ) -> list[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]]:
+    """The orders of compute the search runs in (``solver.compute_order``): each as its name
+    (``"traced"``, ``"torch"``), the problems of the graph in that order and torch's starts read
+    back over them.
+
+    torch's pass moves compute nodes (it runs a collective's input early to issue it early); over
+    the traced order its schedule is read back with repairs that can cost much of its gain, over
+    its own order (:func:`scheduler.readback.torch_order`) exactly."""
+    traced = ("traced", problems, [(r.name, r.schedule) for r in runs if r.schedule is not None])
+    ordered = next((r for r in runs if r.schedule_in_order is not None), None)
+    if solver.compute_order == "traced" or ordered is None:
+        return [traced]
+    rebased = {label: in_order(p, ordered.order) for label, p in problems.items()}  # type: ignore[arg-type]
+    torch = ("torch", rebased, [(r.name, r.schedule_in_order) for r in runs
+                                if r.order == ordered.order and r.schedule_in_order is not None])
+    return [torch] if solver.compute_order == "torch" else [traced, torch]
+
+
+def better_order(outcomes: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveResult]],
+                  solver: SolverOptions) -> tuple[int, list[str]]:
+    """Which of the searches in the orders of :func:`search_orders` to take (an index of ``outcomes``:
+    name, problems, torch's starts, result), and the report's note. First the one no slower than
+    torch's own schedule under the strict models (the one model where there is one): the search
+    in torch's order never is, the traced order's only where reading torch's schedule back over
+    it lost nothing; then the smaller worst-case regret under the models judged by; then the
+    traced order."""
+    note = "compute in torch's order (SolverOptions.compute_order)"
+    if len(outcomes) == 1:
+        return 0, [] if outcomes[0][0] == "traced" else [note]
+    labels = list(outcomes[0][1])
+    strict = [label for label in labels if label in solver.search.strict_models] if len(labels) > 1 else labels
+    _, rebased, in_torch, _ = next(o for o in outcomes if o[0] == "torch")
+    torchs = {label: simulate(rebased[label].dag, in_torch[0][1], problem=rebased[label]).step_ms
+              for label in strict} if in_torch else {}
+    steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
+    best = {label: min(step[label] for step in steps) for label in labels}
+    keys = [(any(step[label] > torchs[label] * (1 + SAME_STEP) for label in torchs),
+             max(step[label] / best[label] for label in labels), k) for k, step in enumerate(steps)]
+    k = min(keys)[2]
+    if outcomes[k][0] == "traced":
+        return k, []
+    other = keys[1 - k]
+    why = "the traced order's is slower than torch's own schedule under a strict model" if other[0] else \
+        f"its worst-case regret {keys[k][1] - 1:.2%} against the traced order's {other[1] - 1:.2%}"
+    return k, [f"{note}: {why}"]
+
+
+def starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> SolverOptions:
+    """``solver`` without the extra starts that belong to a search in the other order of compute
+    (:func:`search_orders`): in the traced order, those running the same nodes in another
+    order; in torch's, those in the traced order. Any other start is given, to be refused by name
+    if it is not one of this graph."""
+    if base is traced:
+        keep = tuple(s for s in solver.extra_starts
+                     if node_order(s) == traced.seq or sorted(node_order(s)) != sorted(traced.seq))
+    else:
+        keep = tuple(s for s in solver.extra_starts if node_order(s) != traced.seq)
+    return solver if keep == solver.extra_starts else dataclasses.replace(solver, extra_starts=keep)
+
+
+def torch_notes(runs: Sequence[TorchStart]) -> list[str]:
+    """The report's notes on torch's starts: each skipped one and each repair, with its reason."""
+    notes = []
+    for run in runs:
+        if run.skipped is not None:
+            notes.append(f"{run.name} is no start: {run.skipped}")
+        notes += [f"{run.name} read back: {repair}" for repair in run.repairs]
+    return notes
+
+
+def torch_rows(problems: dict[str, Problem], runs: Sequence[TorchStart]) -> list[dict[str, Any]]:
+    """The report's rows of torch's starts (:meth:`TorchStart.to_json`), each with its simulated
+    step time under every cost model (ms) and its peak (bytes)."""
+    rows = []
+    evaluator = ModelEvaluator(problems) if any(r.schedule is not None for r in runs) else None
+    for run in runs:
+        row = run.to_json()
+        if run.schedule is not None and evaluator is not None:
+            sims = evaluator.evaluate(run.schedule)
+            row["step_ms"] = {label: sims[label].step_ms for label in problems}
+            row["peak_bytes"] = max(e.peak_bytes for e in sims.values())
+        rows.append(row)
+    return rows
