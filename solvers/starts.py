@@ -31,7 +31,7 @@ from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import simulate
 from solvers.entries import chain_ordered, chain_units, from_entries
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
-from solvers.objective import Evaluated, Objective, SearchConfig
+from solvers.objective import Evaluated, Objective, SearchConfig, schedule_content
 
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,20 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
     bytes over the budget keeps almost all its overlap."""
     p = objective.primary
-    seen: set[str] = set()
+    # each distinct schedule evaluated once: those tried, by the hash of their content (a
+    # digest of each would cost more than evaluating some of them)
+    seen: dict[int, list[Schedule]] = {}
     tried: list[Evaluated] = []
 
     def consider(name: str, schedule: Schedule | None) -> Evaluated | None:
-        if schedule is None or schedule.digest() in seen:
+        if schedule is None:
             return None
-        seen.add(schedule.digest())
-        e = objective.evaluate(schedule, name)
+        content = schedule_content(schedule)
+        h = hash(content)
+        if any(schedule_content(s) == content for s in seen.get(h, ())):
+            return None
+        seen.setdefault(h, []).append(schedule)
+        e = objective.evaluate(schedule, name, h)
         if e is not None:
             tried.append(e)
         return e
