@@ -78,8 +78,11 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     for name, fn in HEURISTICS.items():
         if name == "traced":
             continue
-        consider(name, fn(p, mem_budget_bytes=None).schedule)
-        if objective.mem_budget_bytes is not None:  # the heuristic's own ladder down to the budget
+        unshrunk = fn(p, mem_budget_bytes=None)
+        consider(name, unshrunk.schedule)
+        # the heuristic's own ladder down to the budget, whose first rung is ``unshrunk``: when that
+        # fits, the ladder ends there and its schedule was tried already
+        if objective.mem_budget_bytes is not None and unshrunk.peak_bytes > objective.mem_budget_bytes:
             try:
                 consider(f"{name}, shrunk to the budget", fn(p, mem_budget_bytes=objective.mem_budget_bytes).schedule)
             except InfeasibleBudgetError:
