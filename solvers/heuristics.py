@@ -220,7 +220,8 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
 
     steps: list[Step] = []
     for p in range(n + 1):
-        steps.extend(order_gap(per_gap[p], priority, after))
+        if per_gap[p]:  # most gaps hold no issue or wait
+            steps.extend(order_gap(per_gap[p], priority, after))
         if p < n:
             steps.append(Step("node", problem.seq[p]))
     return Schedule(tuple(Bucket(b.members) for b in plan), tuple(steps))

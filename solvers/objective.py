@@ -229,6 +229,23 @@ class Evaluated:
     name: str = ""
     #: the start this schedule was found from (None: it is a start itself)
     origin: "Evaluated | None" = None
+    #: ``hash(schedule_content(schedule))``, made on first use (:meth:`same_schedule`)
+    _content_hash: int | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def same_schedule(self, other: "Evaluated") -> bool:
+        """Whether the two schedules are equal (equal digests), compared by their contents'
+        hashes first: most schedules differ, and a digest of each costs more than its hash."""
+        if self.schedule is other.schedule:
+            return True
+        return self.content_hash == other.content_hash and \
+            schedule_content(self.schedule) == schedule_content(other.schedule)
+
+    @property
+    def content_hash(self) -> int:
+        """``hash(schedule_content(schedule))`` (within this process; never a digest)."""
+        if self._content_hash is None:
+            self._content_hash = hash(schedule_content(self.schedule))
+        return self._content_hash
 
     @property
     def start(self) -> "Evaluated":
@@ -274,16 +291,16 @@ class Objective:
         self.strict = tuple(label for label in self.labels if label in strict_models) if len(self.labels) > 1 else ()
         self.evaluations = 0
 
-    def evaluate(self, schedule: Schedule, name: str = "") -> Evaluated | None:
+    def evaluate(self, schedule: Schedule, name: str = "", content_hash: int | None = None) -> Evaluated | None:
         """``schedule`` under every model (:class:`solvers.core.evaluate.ModelEvaluator`: the
         simulator's numbers; memory once, a timeline per model); None when it is no valid
-        schedule of the graph."""
+        schedule of the graph. ``content_hash``: :attr:`Evaluated.content_hash` when the caller has it."""
         self.evaluations += 1
         try:
             sims = self.evaluator.evaluate(schedule)
         except (ScheduleInvalidError, ScheduleError, ValueError):
             return None
-        return Evaluated(schedule, sims, name)
+        return Evaluated(schedule, sims, name, _content_hash=content_hash)
 
     def fits(self, e: Evaluated) -> bool:
         return self.mem_budget_bytes is None or e.peak_bytes <= self.mem_budget_bytes
@@ -313,6 +330,16 @@ class Objective:
         """The polish's simulations (one model's evaluation of one neighbour, as
         :func:`solvers.polish.polish` counts them) in ``work_s`` seconds of work on this graph."""
         return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
+
+
+def schedule_content(schedule: Schedule) -> tuple:
+    """What :meth:`Schedule.digest` hashes, as a tuple: two schedules have equal contents iff
+    they are equal (and so iff their digests are). Comparing contents costs a pass over the
+    steps; a digest also serialises and hashes them, which the starts would pay for every
+    schedule they try."""
+    steps = schedule.steps
+    return (tuple(b.members for b in schedule.buckets), tuple([s.kind for s in steps]),
+            tuple([s.ref for s in steps]), schedule.split_groups)
 
 
 def _steps(e: Evaluated) -> dict[str, float]:

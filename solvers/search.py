@@ -277,7 +277,7 @@ def search(
         froms = _polish_starts(objective, found, best, config.polish_starts)
         if split_best is not None:  # each choice of streams polished, the better kept
             other = split_best if not best.schedule.split_groups else found[0]
-            froms = [f for f in froms if f.schedule.digest() != other.schedule.digest()][:config.polish_starts - 1]
+            froms = [f for f in froms if not f.same_schedule(other)][:config.polish_starts - 1]
             froms.append(other)
         for k, start in enumerate(froms):
             share = (n_polish - used) // (len(froms) - k)
@@ -314,7 +314,7 @@ def search(
     if objective.key(floor) < objective.key(best):
         best = floor
     origin = best.start
-    alternatives = tuple(e.schedule for e in found if e.schedule.digest() != best.schedule.digest())
+    alternatives = tuple(e.schedule for e in found if not e.same_schedule(best))
     status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in stages) else \
         SolveStatus.HEURISTIC
     notes = (f"best start: {found[0].name}",)
@@ -332,7 +332,7 @@ def _polish_starts(objective: Objective, found: Sequence[Evaluated], best: Evalu
     if len(objective.labels) > 1:
         for label in objective.labels:
             fastest = min(found, key=lambda e: (e.step_ms(label), objective.regret_key(e)))
-            if all(fastest.schedule.digest() != o.schedule.digest() for o in out):
+            if all(not fastest.same_schedule(o) for o in out):
                 out.append(fastest)
     return out[:most]
 

@@ -29,9 +29,9 @@ from solvers.core.evaluate import evaluator_of
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import simulate
-from solvers.entries import chain_ordered, chain_units, from_entries
+from solvers.entries import Entry, chain_ordered, chain_units, from_entries
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
-from solvers.objective import Evaluated, Objective, SearchConfig
+from solvers.objective import Evaluated, Objective, SearchConfig, schedule_content
 
 
 logger = logging.getLogger(__name__)
@@ -50,14 +50,20 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
     bytes over the budget keeps almost all its overlap."""
     p = objective.primary
-    seen: set[str] = set()
+    # each distinct schedule evaluated once: those tried, by the hash of their content (a
+    # digest of each would cost more than evaluating some of them)
+    seen: dict[int, list[Schedule]] = {}
     tried: list[Evaluated] = []
 
     def consider(name: str, schedule: Schedule | None) -> Evaluated | None:
-        if schedule is None or schedule.digest() in seen:
+        if schedule is None:
             return None
-        seen.add(schedule.digest())
-        e = objective.evaluate(schedule, name)
+        content = schedule_content(schedule)
+        h = hash(content)
+        if any(schedule_content(s) == content for s in seen.get(h, ())):
+            return None
+        seen.setdefault(h, []).append(schedule)
+        e = objective.evaluate(schedule, name, h)
         if e is not None:
             tried.append(e)
         return e
@@ -72,8 +78,11 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     for name, fn in HEURISTICS.items():
         if name == "traced":
             continue
-        consider(name, fn(p, mem_budget_bytes=None).schedule)
-        if objective.mem_budget_bytes is not None:  # the heuristic's own ladder down to the budget
+        unshrunk = fn(p, mem_budget_bytes=None)
+        consider(name, unshrunk.schedule)
+        # the heuristic's own ladder down to the budget, whose first rung is ``unshrunk``: when that
+        # fits, the ladder ends there and its schedule was tried already
+        if objective.mem_budget_bytes is not None and unshrunk.peak_bytes > objective.mem_budget_bytes:
             try:
                 consider(f"{name}, shrunk to the budget", fn(p, mem_budget_bytes=objective.mem_budget_bytes).schedule)
             except InfeasibleBudgetError:
@@ -82,17 +91,19 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     base = fsdp2_schedule(p)
     deepest = max(config.start_aheads)
     deep_names: set[str] = set()
+    every = regroupings(p, config.start_sizes, config.start_aheads)
     for chain in sorted(p.chains, key=repr):
         found = []
-        for r in regroupings(p, config.start_sizes, config.start_aheads):
-            if r.chain != chain or (e := consider(f"regular {r.describe()}", regroup(p, base, r))) is None:
+        entries, units = _entries_of(base), chain_units(p, p.chains[chain])
+        for r in every:
+            if r.chain != chain or (e := consider(f"regular {r.describe()}", _regroup(p, entries, units, r))) is None:
                 continue
             found.append(e)
             if r.ahead != deepest or not objective.fits(e):
                 continue
             for ahead in config.start_deep_aheads:  # deeper while they fit (SearchConfig.start_deep_aheads)
                 deep = dataclasses.replace(r, ahead=ahead)
-                d = consider(f"regular {deep.describe()}", regroup(p, base, deep))
+                d = consider(f"regular {deep.describe()}", _regroup(p, entries, units, deep))
                 if d is None:
                     continue
                 if not objective.fits(d):
@@ -250,8 +261,21 @@ def _group_sizes(n: int, head: int, size: int, tail: int) -> list[int] | None:
 def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
     """``schedule`` with chain ``r.chain`` bucketed by ``r`` (other buckets kept); None when
     that is no valid schedule ."""
+    return _regroup(p, _entries_of(schedule), chain_units(p, p.chains[r.chain]), r)
+
+
+def _entries_of(schedule: Schedule) -> list[Entry]:
+    """``schedule``'s buckets as entries (bucket, issue gap, wait gap)."""
+    issued_at, waited_at = schedule.positions()
+    return [(b, issued_at[k], waited_at[k]) for k, b in enumerate(schedule.buckets)]
+
+
+def _regroup(p: Problem, entries: Sequence[Entry], units: Sequence[tuple[str, ...]], r: Regrouping
+             ) -> Schedule | None:
+    """:func:`regroup` of the schedule of ``entries`` (:func:`_entries_of`), chain ``r.chain``
+    in ``units`` (:func:`~solvers.entries.chain_units`): the starts regroup one schedule many
+    ways, and read its entries and the chain's units once."""
     names = p.chains[r.chain]
-    units = chain_units(p, names)
     sizes = _group_sizes(len(units), r.head, r.size, r.tail)
     if sizes is None:
         return None
@@ -260,8 +284,6 @@ def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
         groups.append(tuple(m for u in units[at:at + k] for m in u))
         at += k
     in_chain = set(names)
-    issued_at, waited_at = schedule.positions()
-    entries = [(b, issued_at[k], waited_at[k]) for k, b in enumerate(schedule.buckets)]
     kept = [e for e in entries if e[0].members[0] not in in_chain]
     issued = [i for bk, i, _ in entries if bk.members[0] in in_chain]
     waited = [w for bk, _, w in entries if bk.members[0] in in_chain]
