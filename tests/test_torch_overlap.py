@@ -38,6 +38,7 @@ from scheduler.torch_overlap import (  # noqa: E402
 )
 from scheduler.writeback import apply_schedule, copy_module  # noqa: E402
 from solvers.core import Problem, validate_schedule  # noqa: E402
+from solvers.core.order import problem_of  # noqa: E402
 
 from conftest import FAKE_WORLD as WORLD  # noqa: E402
 
@@ -229,7 +230,8 @@ def test_a_failing_torch_pass_is_skipped_not_fatal(traced, monkeypatch):
     rows = {row["name"]: row for row in report.torch_starts}
     assert "cyclic extra dep" in rows[TORCH]["skipped"] and rows[TORCH_NO_PREBUCKETING]["skipped"] is None
     assert any("cyclic extra dep" in note for note in report.notes)
-    validate_schedule(problem, written.meta["fsdp_sched_schedule"])
+    schedule = written.meta["fsdp_sched_schedule"]
+    validate_schedule(problem_of(problem, schedule), schedule)
 
 
 def test_a_read_back_that_fails_is_skipped_not_fatal(traced, monkeypatch):
@@ -316,6 +318,7 @@ _ON_RANK = textwrap.dedent("""
     from test_torch_overlap import _layers, DIM, TOKENS, WORLD
     from scheduler.check.written import graph_digest
     from scheduler.export.dag import export_dag
+    from scheduler.readback import read_back
     from scheduler.torch_overlap import TORCH, torch_overlap_schedule
     from solvers.core import Problem
     dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=WORLD)

@@ -31,6 +31,7 @@ from scheduler.cli.common import (
 from scheduler.export.dagfile import save_dag
 from scheduler.options import AgreementOptions, SolverOptions
 from solvers.core import InfeasibleBudgetError, Problem, simulate
+from solvers.core.order import problem_of
 from solvers.registry import available_solvers
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
             schedule, report = solve_dag(dag, budget, solver=solver)
         except InfeasibleBudgetError as e:
             raise infeasible_budget(e) from None
-    sim = simulate(dag, schedule, problem=problem)
+    problem = problem_of(problem, schedule)  # the installed schedule may run compute in torch's order
+    sim = simulate(problem.dag, schedule, problem=problem)
     (out / f"{stem}_schedule.json").write_text(json.dumps(schedule.to_json()))
     (out / f"{stem}_report.json").write_text(json.dumps(report.to_json(), indent=1))
     files = [out / f"{stem}_schedule.json", out / f"{stem}_report.json",
