@@ -48,9 +48,11 @@ agreement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from solvers.core.schedule import ScheduleError
@@ -262,14 +264,26 @@ def _device(group: Any):
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """The agreement's collectives as eager code runs them, also inside a compile: no fake mode,
+    and no Python dispatcher, which would hold the GIL while gloo waits for its lock, and gloo's
+    worker thread may need the GIL to release the tensors of an earlier collective (both ranks
+    then wait for ever)."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), no_python_dispatcher():
+        yield
+
+
 def _all_gather_records(status: int, digest: str | None, group: Any) -> list[tuple[int, str | None]]:
     """One all-gather of (status byte, 32 digest bytes) per rank."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     raw = bytes([status]) + (bytes.fromhex(digest) if digest else bytes(_DIGEST_BYTES))
-    with unset_fake_temporarily():  # compilers run passes under their fake mode
+    with _eager():  # compilers run passes under their fake mode and the Python dispatcher
         mine = torch.tensor(list(raw), dtype=torch.uint8, device=_device(group))
         out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.uint8, device=mine.device)
         dist.all_gather_single(out, mine, group=group)
@@ -281,9 +295,8 @@ def _all_gather_ints(values: list[int], group: Any) -> list[list[int]]:
     """One all-gather of ``values`` (int64) per rank."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():
+    with _eager():
         mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device(group))
         out = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=mine.device)
         dist.all_gather_single(out, mine, group=group)
@@ -292,19 +305,17 @@ def _all_gather_ints(values: list[int], group: Any) -> list[list[int]]:
 
 def _all_gather_objects(obj: Any, group: Any) -> list[Any]:
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     out: list[Any] = [None] * dist.get_world_size(group)
-    with unset_fake_temporarily():
+    with _eager():
         dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def _broadcast_objects(payload: list[Any], src: int, group: Any) -> None:
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():
+    with _eager():
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, src), group=group)
 
 
