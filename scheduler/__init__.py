@@ -37,7 +37,7 @@ _EXPORTS = {
     "ScheduleInvalidError": "solvers.core.simulator",
     "validate_schedule": "solvers.core.validator",
     "optimize_schedule": "scheduler.api",
-    "solve_dag": "scheduler.api",
+    "solve_dag": "scheduler.solving",
     "ScheduleReport": "scheduler.report",
     "parse_bytes": "solvers.core.units",
     "backend": "scheduler.integrate.compile",

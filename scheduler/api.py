@@ -1,4 +1,4 @@
-"""The entry points: :func:`optimize_schedule` on an FX graph, :func:`solve_dag` on a saved DAG.
+"""The entry point: :func:`optimize_schedule` on an FX graph (:func:`scheduler.solving.solve_dag` on a saved DAG).
 
 One :func:`optimize_schedule` call is a straight line:
 
@@ -46,21 +46,20 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
-
-import networkx as nx
 
 from scheduler.integrate import cache, consensus
 from scheduler.check.written import Candidate, choose, write_and_judge
-from scheduler.costs.family import cost_models, fixed_parts, merged_cost_sources
+from scheduler.costs.family import cost_models, merged_cost_sources
 from scheduler.costs.pricing import export_problems
 from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
 from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import DagError, graph_has_collectives
 from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, fixed_collective_notes, make_report, read_provenance, unchanged_report
-from scheduler.orders import better_order, search_orders, starts_in_order, torch_notes, torch_rows, torch_starts_for
+from scheduler.orders import torch_notes, torch_rows, torch_starts_for
+from scheduler.solving import check_traced_fits, criterion_of, search_in_orders
 from scheduler.writeback import apply_schedule, copy_graph
 from solvers.core import (
     InfeasibleBudgetError,
@@ -68,7 +67,6 @@ from solvers.core import (
     Schedule,
     ScheduleError,
     ScheduleInvalidError,
-    SolveResult,
     SolveStatus,
     StageRecord,
     fmt_bytes,
@@ -77,8 +75,6 @@ from solvers.core import (
     validate_schedule,
 )
 from solvers.core.order import problem_of
-from solvers.registry import BACKENDS, solve_problems
-from solvers.search import search
 
 if TYPE_CHECKING:
     import torch.fx
@@ -302,7 +298,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
                                                notes=["the graph has no collectives: left unchanged"]))
     problem = next(iter(problems.values()))
     if not problem.colls:
-        _check_traced_fits(problem, budget)
+        check_traced_fits(problem, budget)
         return _Answer(None, unchanged_report(problem, budget=budget, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
     graph_key = cache.graph_key(problems, solver, writeback)
@@ -315,30 +311,9 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     torch_runs = torch_starts_for(gm, problem, cluster, solver)
     torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
-        outcomes, all_notes, refusal = [], [], None
-        orders = search_orders(problems, solver, torch_runs)
-        for name, base, named in orders:
-            try:
-                result, notes = _solve(base, budget, starts_in_order(solver, problem, next(iter(base.values()))),
-                                       baselines=named)
-            except InfeasibleBudgetError as e:  # the other order may fit
-                refusal = refusal or e
-                continue
-            except Exception as e:  # torch's order is a second chance, never the call's failure
-                if name != "torch" or len(orders) == 1:
-                    raise
-                logger.warning("fsdp-sched: the search in torch's order of compute failed (%s: %s)",
-                               type(e).__name__, e)
-                continue
-            outcomes.append((name, base, named, result))
-            all_notes.append(notes)
-        if not outcomes:
-            assert refusal is not None
-            raise refusal
-        k, order_notes = better_order(outcomes, solver)
-        _, base, _, result = outcomes[k]
-        notes = all_notes[k] + torch_notes(torch_runs) + order_notes
-        torch_stage += [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
+        (_, base, _, result), notes, other_stages = search_in_orders(problems, budget, solver, torch_runs)
+        notes += torch_notes(torch_runs)
+        torch_stage += other_stages
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
         t_choose = time.perf_counter()
@@ -408,70 +383,13 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
                          notes=notes, fell_back=fell_back, stages=tuple(stages))
     f = chosen.figures
     return dataclasses.replace(
-        report, criterion=criterion if criterion is not None else _criterion(problems, solver, cost_model),
+        report, criterion=criterion if criterion is not None else criterion_of(problems, solver, cost_model),
         cost_models=list(problems), cost_sources=merged_cost_sources({label: problems[label].dag for label in problems}),
         compute_order="traced" if own is problem else "torch",
         verified=True, chosen_candidate=chosen.name, reexported_step_ms=f.step_ms,
         reexported_peak_bytes=f.peak_bytes, liveness_peak_bytes=f.liveness_peak_bytes,
         tracker_peak_bytes=f.tracker_peak_bytes, verify_time_s=time.perf_counter() - t_judge,
         candidates=[c.summary() for c in judged])
-
-
-def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptions,
-           baselines: Sequence[tuple[str, Schedule]] = ()) -> tuple[SolveResult, list[str]]:
-    """The search (or the solver asked for), its hook applied, and the report's notes. A solver
-    that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
-    named starts that are baselines too (torch's pass read back)."""
-    problem = next(iter(problems.values()))
-    notes = fixed_collective_notes(problem)
-    try:
-        result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
-                                time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
-                                extra_starts=solver.extra_starts, config=solver.search,
-                                all_gather_stream=solver.all_gather_stream, baselines=baselines)
-        validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
-    except Exception as e:  # a failed solve must not fail training when a valid schedule exists
-        # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
-        # A heuristic that cannot reach the budget is not a failure to hide but a question the
-        # plan's starts answer (the traced order among them), whatever ``fallback`` says: a
-        # budget the graph itself holds is never refused
-        infeasible = isinstance(e, InfeasibleBudgetError)
-        if (infeasible and solver.solver in BACKENDS) or (not solver.fallback and not infeasible):
-            raise
-        logger.warning("fsdp-sched: %s failed (%s: %s); falling back to the best start", solver.solver_name,
-                       type(e).__name__, e)
-        notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
-        starts = search(problems, budget, backend=None, starts_only=True, extra_starts=solver.extra_starts,
-                        config=solver.search, all_gather_stream=solver.all_gather_stream, baselines=baselines)
-        result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
-    notes += list(result.notes)
-    if solver.schedule_hook is not None:
-        new = solver.schedule_hook(problem, result.schedule)
-        if new is not None and new.digest() != result.schedule.digest():
-            sim = validate_schedule(problem, new, mem_budget_bytes=budget)
-            result = dataclasses.replace(result, schedule=new, objective_ms=sim.step_ms, alternatives=())
-            notes.append("schedule replaced by schedule_hook")
-    return result, notes
-
-
-def _criterion(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
-    labels = list(problems)
-    if len(labels) == 1:
-        return f"fastest under {labels[0]}"
-    strict = [label for label in labels if label in solver.search.strict_models]
-    first = f"no slower than the best baseline under {' and '.join(strict)}, then " if strict else ""
-    fixed = fixed_parts(cost_model)
-    shared = f", each with {fixed} and the rest priced by its own model" if fixed else ""
-    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)}){shared}"
-
-
-def _check_traced_fits(problem: Problem, budget: int | None) -> None:
-    """A graph without collectives has one schedule: it must fit the budget too."""
-    peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    if budget is not None and peak > budget:
-        raise InfeasibleBudgetError(f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} "
-                                    f"({peak} B), over mem_budget {fmt_bytes(budget)} ({budget} B): raise mem_budget to "
-                                    f"at least {peak} B", budget_bytes=budget, min_peak_bytes=peak)
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,42 +577,3 @@ def current_compile_id() -> str | None:
 
     compile_id = CompileContext.current_compile_id()
     return None if compile_id is None else str(compile_id)
-
-
-# --------------------------------------------------------------------------------------------
-# solve_dag (torch-free)
-# --------------------------------------------------------------------------------------------
-def solve_dag(dag: nx.DiGraph, mem_budget: int | str | None = None, *, solver: SolverOptions = SolverOptions()
-              ) -> tuple[Schedule, ScheduleReport]:
-    """Find and validate a schedule of a cost-annotated DAG (no torch graph needed: notebooks,
-    the CLI). The DAG's own cost model decides.
-
-    Returns:
-        The validated schedule and its :class:`ScheduleReport`.
-
-    Raises:
-        TypeError, ValueError: a bad argument.
-        InfeasibleBudgetError: no schedule found keeps peak memory under the budget.
-        ScheduleError: the solver failed and ``solver.fallback`` is False.
-    """
-    if not isinstance(dag, nx.DiGraph):
-        raise TypeError(f"dag={type(dag).__name__} must be a networkx DiGraph (scheduler.export_dag / load_dag)")
-    if not isinstance(solver, SolverOptions):
-        raise TypeError(f"solver={solver!r} must be a scheduler.SolverOptions")
-    budget = parse_bytes(mem_budget)
-    t0 = time.perf_counter()
-    problem = Problem.from_dag(dag)
-    before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
-    if not problem.colls:
-        _check_traced_fits(problem, budget)
-        return before.schedule, unchanged_report(problem, budget=budget, requested=solver.solver_name,
-                                                  notes=["the graph has no collectives: left unchanged"])
-    label = str(dag.graph.get("cost_model", "model"))
-    result, notes = _solve({label: problem}, budget, solver)
-    sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
-    report = make_report(problem, before, sim, graph_name=str(dag.graph.get("name", "graph")), mem_budget_bytes=budget,
-                         t0=t0, solver=result.solver, requested=solver.solver_name, status=result.status.value,
-                         best_bound=result.best_bound_ms, notes=notes,
-                         fell_back=result.status == SolveStatus.FALLBACK, stages=result.stages)
-    report.criterion = f"fastest under {label}"
-    return result.schedule, report

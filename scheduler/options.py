@@ -70,10 +70,11 @@ class SolverOptions:
     #: the order of the compute nodes the search schedules around: ``"traced"``; ``"torch"``,
     #: the order torch's pass (the first of ``torch_starts``) runs them in, where it moves them
     #: (it runs a collective's input early so that it issues early), over which its schedule is
-    #: a start without repairs; ``"choose"``: the search runs in both and keeps the one no
-    #: slower than torch's own schedule under the strict models, then of smaller worst-case
-    #: regret, then the traced one (a second search: its starts cost most of it). Any order
-    #: runs every node after its inputs: the graph computes the same
+    #: a start without repairs; ``"choose"``: the starts run in both, the rest of the search in
+    #: the one whose best start is no slower than torch's own schedule under the strict models,
+    #: then of smaller worst-case regret, then the traced one (in the other too where that
+    #: answer ends slower than torch's own schedule; :func:`scheduler.solving.search_in_orders`).
+    #: Any order runs every node after its inputs: the graph computes the same
     compute_order: str = "choose"
     #: the plan's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
     #: ``SearchConfig.milp``)

@@ -12,19 +12,23 @@ Any order that runs every node after its inputs is the same graph
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.costs.hardware import Cluster
 from scheduler.options import SolverOptions
 from scheduler.torch_overlap import TorchStart, torch_starts
-from solvers.core import Problem, Schedule, SolveResult, simulate
+from solvers.core import InfeasibleBudgetError, Problem, Schedule, SolveResult, simulate
 from solvers.core.order import in_order, node_order
 from solvers.core.evaluate import ModelEvaluator
-from solvers.registry import BACKENDS
+from solvers.registry import BACKENDS, check_starts
+from solvers.search import Started, begin
 
 if TYPE_CHECKING:
     import torch.fx
+
+logger = logging.getLogger(__name__)
 
 #: relative difference of two simulated step times taken as float noise, not as slower
 SAME_STEP = 1e-9
@@ -58,33 +62,82 @@ def search_orders(problems: Mapping[str, Problem], solver: SolverOptions, runs: 
     return [torch] if solver.compute_order == "torch" else [traced, torch]
 
 
-def better_order(outcomes: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveResult]],
-                  solver: SolverOptions) -> tuple[int, list[str]]:
-    """Which of the searches in the orders of :func:`search_orders` to take (an index of ``outcomes``:
-    name, problems, torch's starts, result), and the report's note. First the one no slower than
-    torch's own schedule under the strict models (the one model where there is one): the search
-    in torch's order never is, the traced order's only where reading torch's schedule back over
-    it lost nothing; then the smaller worst-case regret under the models judged by; then the
-    traced order."""
+#: one order's search: its name, its problems, torch's starts read back over them, its result
+Outcome = tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveResult]
+
+
+def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]],
+                 budget: int | None, solver: SolverOptions, traced: Problem
+                 ) -> tuple[list[tuple[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]], Started]],
+                            InfeasibleBudgetError | None]:
+    """The search's first stage (its starts, :func:`solvers.search.begin`) in each order of
+    :func:`search_orders`, so that its later stages run in the order whose starts are better
+    (:func:`better_order`) and not in both. An order in which no start fits is left out (the
+    other may fit; the first refusal is returned for when none does); a failure in torch's order
+    is a warning, never the call's failure."""
+    begun, refusal = [], None
+    for name, base, named in orders:
+        options = starts_in_order(solver, traced, next(iter(base.values())))
+        try:
+            check_starts(next(iter(base.values())), options.extra_starts, named)
+            started = begin(base, budget, config=options.search, extra_starts=options.extra_starts,
+                            all_gather_stream=options.all_gather_stream, baselines=named)
+        except InfeasibleBudgetError as e:
+            refusal = refusal or e
+            continue
+        except Exception as e:  # torch's order is a second chance, never the call's failure
+            if name != "torch":
+                raise
+            logger.warning("fsdp-sched: the search in torch's order of compute failed (%s: %s)", type(e).__name__, e)
+            continue
+        begun.append(((name, base, named), started))
+    return begun, refusal
+
+
+def better_order(outcomes: Sequence[Outcome], solver: SolverOptions, *, on_starts: bool = False
+                 ) -> tuple[int, list[str]]:
+    """Which of the searches in the orders of :func:`search_orders` to take (an index of
+    ``outcomes``), and the report's note. First the one no slower than torch's own schedule
+    under the strict models (the one model where there is one): the search in torch's order
+    never is, the traced order's only where reading torch's schedule back over it lost nothing;
+    then the smaller worst-case regret under the models judged by; then the traced order.
+    ``on_starts``: the results are each order's best start (the note says so)."""
     note = "compute in torch's order (SolverOptions.compute_order)"
     if len(outcomes) == 1:
         return 0, [] if outcomes[0][0] == "traced" else [note]
     labels = list(outcomes[0][1])
-    strict = [label for label in labels if label in solver.search.strict_models] if len(labels) > 1 else labels
-    _, rebased, in_torch, _ = next(o for o in outcomes if o[0] == "torch")
-    torchs = {label: simulate(rebased[label].dag, in_torch[0][1], problem=rebased[label]).step_ms
-              for label in strict} if in_torch else {}
     steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
     best = {label: min(step[label] for step in steps) for label in labels}
-    keys = [(any(step[label] > torchs[label] * (1 + SAME_STEP) for label in torchs),
-             max(step[label] / best[label] for label in labels), k) for k, step in enumerate(steps)]
+    torchs = torch_steps(outcomes, solver)
+    keys = [(slower_than_torch(outcome[3], torchs), max(step[label] / best[label] for label in labels), k)
+            for k, (outcome, step) in enumerate(zip(outcomes, steps))]
     k = min(keys)[2]
     if outcomes[k][0] == "traced":
         return k, []
     other = keys[1 - k]
-    why = "the traced order's is slower than torch's own schedule under a strict model" if other[0] else \
-        f"its worst-case regret {keys[k][1] - 1:.2%} against the traced order's {other[1] - 1:.2%}"
+    which = "best start" if on_starts else "search"
+    why = f"the traced order's {which} is slower than torch's own schedule under a strict model" if other[0] else \
+        f"its {which}'s worst-case regret {keys[k][1] - 1:.2%} against the traced order's {other[1] - 1:.2%}"
     return k, [f"{note}: {why}"]
+
+
+def torch_steps(outcomes: Sequence[Outcome], solver: SolverOptions) -> dict[str, float]:
+    """torch's own schedule's step time (its schedule read back over its own order, the torch
+    order's of ``outcomes``) under each strict model (the one model where there is one), ms;
+    empty where there is no search in torch's order."""
+    torch_order = next((o for o in outcomes if o[0] == "torch"), None)
+    if torch_order is None or not torch_order[2]:
+        return {}
+    _, rebased, in_torch, _ = torch_order
+    labels = list(rebased)
+    strict = [label for label in labels if label in solver.search.strict_models] if len(labels) > 1 else labels
+    return {label: simulate(rebased[label].dag, in_torch[0][1], problem=rebased[label]).step_ms for label in strict}
+
+
+def slower_than_torch(result: SolveResult, torchs: Mapping[str, float]) -> bool:
+    """Whether ``result`` is slower than torch's own schedule (:func:`torch_steps`) under a
+    strict model, by more than float noise."""
+    return any(result.step_ms_by_model[label] > ms * (1 + SAME_STEP) for label, ms in torchs.items())
 
 
 def starts_in_order(solver: SolverOptions, traced: Problem, base: Problem) -> SolverOptions:

@@ -20,7 +20,7 @@ from solvers.cpsat import CpSatBackend, complete_solution
 from solvers.heuristics import HEURISTICS
 from solvers.milp import MilpBackend
 from solvers.objective import SearchConfig
-from solvers.search import DEFAULT_TIME_LIMIT_S, WindowBackend, search
+from solvers.search import DEFAULT_TIME_LIMIT_S, Started, WindowBackend, search
 
 logger = logging.getLogger(__name__)
 
@@ -147,17 +147,21 @@ def solve_problems(
     config: SearchConfig = SearchConfig(),
     all_gather_stream: str = "shared",
     baselines: Sequence[tuple[str, Schedule]] = (),
+    started: Started | None = None,
 ) -> SolveResult:
     """Solve one graph priced by one or several cost models (label -> problem; the first is the
     primary one): the plan of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
     all of them; a heuristic or a callable on the primary problem alone. ``baselines`` (named
-    schedules, :func:`solvers.search.search`) are taken by the plan only."""
+    schedules, :func:`solvers.search.search`) and ``started`` (the plan's first stage run
+    already, :func:`solvers.search.begin`) are taken by the plan only."""
     if isinstance(solver, str) and solver in BACKENDS:
-        for given in (*extra_starts, *(s for _, s in baselines)):
-            _check_hint_shape(next(iter(problems.values())), given)
+        if started is None:
+            check_starts(next(iter(problems.values())), extra_starts, baselines)
         return search(problems, mem_budget_bytes, backend=BACKENDS[solver](config), time_limit_s=time_limit_s, seed=seed,
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
-                      all_gather_stream=all_gather_stream, baselines=baselines)
+                      all_gather_stream=all_gather_stream, baselines=baselines, started=started)
+    if started is not None:
+        raise ValueError(f"started is the plan's first stage: solver {solver_name(solver)!r} runs no plan")
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
                  time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
     if all_gather_stream == "separate":  # a heuristic's schedule as it is, its all-gathers on their own stream
@@ -188,6 +192,14 @@ def solve_budgets(problem: Problem, budgets: Iterable[int | None], *, solver: st
         found.append(out[budget])
         logger.info("budget %s: step %.3f ms", budget, out[budget].objective_ms)
     return {b: out[b] for b in budgets}
+
+
+def check_starts(problem: Problem, extra_starts: Sequence[Schedule],
+                 baselines: Sequence[tuple[str, Schedule]] = ()) -> None:
+    """Every start given to the plan is shaped as a schedule of ``problem`` (ValueError if not):
+    before :func:`solvers.search.begin`, which would fail deep inside on one that is not."""
+    for given in (*extra_starts, *(s for _, s in baselines)):
+        _check_hint_shape(problem, given)
 
 
 def _check_hint_shape(problem: Problem, hint: Schedule) -> None:

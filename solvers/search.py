@@ -68,6 +68,7 @@ same graph.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,73 @@ def _exposed_by_collective(p: Problem, schedule: Schedule) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 # the plan
 # --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Started:
+    """The plan after its first stage (:func:`begin`): the starts evaluated, from which
+    :func:`search` continues. Lets a caller compare the starts of several problems of one graph
+    (the orders of compute of :mod:`scheduler.orders`) and run the later stages on one."""
+
+    objective: Objective
+    #: the starts that fit, best first by the objective's regret
+    found: list[Evaluated]
+    #: the best start with the all-gathers on their own stream, where the streams are chosen
+    split_best: Evaluated | None
+    #: the incumbent: the better of ``found[0]`` and ``split_best``
+    best: Evaluated
+    stages: list[StageRecord]
+    #: when the plan began (``time.perf_counter``)
+    t0: float
+
+    def result(self) -> SolveResult:
+        """The plan ended here: the best start that fits, or none better by the objective's
+        key (:func:`search` with ``starts_only``)."""
+        return _result(self, self.best)
+
+
+def begin(
+    problems: Mapping[str, Problem],
+    mem_budget_bytes: int | None,
+    *,
+    config: SearchConfig = SearchConfig(),
+    extra_starts: Sequence[Schedule] = (),
+    all_gather_stream: str = "shared",
+    baselines: Sequence[tuple[str, Schedule]] = (),
+) -> Started:
+    """The plan's first stage (the starts); arguments as :func:`search`'s.
+
+    Raises:
+        InfeasibleBudgetError: as :func:`search`.
+    """
+    if all_gather_stream not in ALL_GATHER_STREAMS:
+        raise ValueError(f"all_gather_stream={all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
+    t0 = time.perf_counter()
+    objective = Objective(problems, mem_budget_bytes, config.baseline_weight, config.strict_models)
+    # a start keeps its streams only where the caller lets the search choose them
+    given = [s.with_split(()) if all_gather_stream == "shared" else s for s in extra_starts]
+    named = [(name, s.with_split(()) if all_gather_stream == "shared" else s) for name, s in baselines]
+    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)], named)
+    if not found:
+        peak = smallest if smallest is not None else 0
+        raise InfeasibleBudgetError(
+            f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
+            f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
+            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+    groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
+    split_best = None
+    if groups:
+        # the starts again with the all-gathers on their own stream (memory is the same)
+        split = [e for f in found if (e := objective.evaluate(f.schedule.with_split(groups), f.name)) is not None]
+        split.sort(key=objective.regret_key)
+        if all_gather_stream == "separate":
+            found = split
+        elif split:
+            split_best = split[0]
+    best = found[0] if split_best is None or objective.regret_key(found[0]) <= objective.regret_key(split_best) \
+        else split_best
+    stages = [_stage("starts", t0, 0.0, objective.evaluations, best, objective.labels[0], best)]
+    return Started(objective, found, split_best, best, stages, t0)
+
+
 def search(
     problems: Mapping[str, Problem],
     mem_budget_bytes: int | None,
@@ -189,6 +257,7 @@ def search(
     all_gather_stream: str = "shared",
     baselines: Sequence[tuple[str, Schedule]] = (),
     starts_only: bool = False,
+    started: Started | None = None,
 ) -> SolveResult:
     """Run the plan (module docstring) and return its best schedule.
 
@@ -212,6 +281,8 @@ def search(
             key than any start that fits.
         starts_only: run the first stage alone: the best start that fits, no windows, no
             polish (``time_limit_s`` then unused).
+        started: the first stage as :func:`begin` ran it on these arguments: the plan goes on
+            from there (``problems``, ``extra_starts`` and ``baselines`` then unused).
 
     Returns:
         A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
@@ -221,37 +292,12 @@ def search(
         InfeasibleBudgetError: no start fits the budget; ``min_peak_bytes`` is the smallest
             peak of any start, a schedule that fits a budget that large.
     """
-    if all_gather_stream not in ALL_GATHER_STREAMS:
-        raise ValueError(f"all_gather_stream={all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
-    t0 = time.perf_counter()
-    objective = Objective(problems, mem_budget_bytes, config.baseline_weight, config.strict_models)
+    if started is None:
+        started = begin(problems, mem_budget_bytes, config=config, extra_starts=extra_starts,
+                        all_gather_stream=all_gather_stream, baselines=baselines)
+    objective, found, split_best, best = started.objective, started.found, started.split_best, started.best
     primary = objective.labels[0]
-    stages: list[StageRecord] = []
-
-    t = time.perf_counter()
-    # a start keeps its streams only where the caller lets the search choose them
-    given = [s.with_split(()) if all_gather_stream == "shared" else s for s in extra_starts]
-    named = [(name, s.with_split(()) if all_gather_stream == "shared" else s) for name, s in baselines]
-    found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)], named)
-    if not found:
-        peak = smallest if smallest is not None else 0
-        raise InfeasibleBudgetError(
-            f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
-            f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
-    groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
-    split_best = None
-    if groups:
-        # the starts again with the all-gathers on their own stream (memory is the same)
-        split = [e for f in found if (e := objective.evaluate(f.schedule.with_split(groups), f.name)) is not None]
-        split.sort(key=objective.regret_key)
-        if all_gather_stream == "separate":
-            found = split
-        elif split:
-            split_best = split[0]
-    best = found[0] if split_best is None or objective.regret_key(found[0]) <= objective.regret_key(split_best) \
-        else split_best
-    stages.append(_stage("starts", t, 0.0, objective.evaluations, best, primary, best))
+    stages = list(started.stages)
 
     left_s = 0.0 if starts_only else time_limit_s
     # windows with one cost model only: under several, a window solved under one of them
@@ -307,20 +353,28 @@ def search(
                 best = e
             stages.append(_stage("strict", t, left_s * result.simulations / n_polish, result.simulations, best,
                                  primary, before))
+    return _result(dataclasses.replace(started, stages=stages), best)
 
-    # no stage may end worse than a start it could have kept: with too little work for the
-    # polish, the start best by the regret may lose to a baseline that another start does not
+
+def _result(started: Started, best: Evaluated) -> SolveResult:
+    """The plan's answer: ``best``, or the start best by the objective's key where that is
+    better (no stage may end worse than a start it could have kept: with too little work for
+    the polish, the start best by the regret may lose to a baseline that another start does
+    not)."""
+    objective, found = started.objective, started.found
+    primary = objective.labels[0]
     floor = min(found, key=objective.key)
     if objective.key(floor) < objective.key(best):
         best = floor
     origin = best.start
     alternatives = tuple(e.schedule for e in found if not e.same_schedule(best))
-    status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in stages) else \
+    status = SolveStatus.FEASIBLE if best is not found[0] or any(s.name != "starts" for s in started.stages) else \
         SolveStatus.HEURISTIC
     notes = (f"best start: {found[0].name}",)
+    problems = objective.problems
     return SolveResult(best.schedule, status, "search", best.step_ms(primary), problems[primary].lower_bound_ms(),
-                       time.perf_counter() - t0, best.peak_bytes, notes, alternatives=alternatives,
-                       stages=tuple(stages), start=origin.name,
+                       time.perf_counter() - started.t0, best.peak_bytes, notes, alternatives=alternatives,
+                       stages=tuple(started.stages), start=origin.name,
                        start_step_ms={label: origin.step_ms(label) for label in objective.labels},
                        step_ms_by_model={label: best.step_ms(label) for label in objective.labels})
 

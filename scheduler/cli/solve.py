@@ -14,7 +14,8 @@ import json
 import logging
 from pathlib import Path
 
-from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule, solve_dag
+from scheduler.api import REPORT_KEY, SCHEDULE_KEY, optimize_schedule
+from scheduler.solving import solve_dag
 from scheduler.cli.common import (
     GRAPHS,
     CliError,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.whatif import plots
-from scheduler.api import solve_dag
+from scheduler.solving import solve_dag
 from scheduler.cli.common import (
     CliError,
     dag_hash,

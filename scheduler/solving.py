@@ -1,0 +1,202 @@
+"""Step 3 of :func:`scheduler.optimize_schedule`, the solve, and :func:`solve_dag`, the same
+solve on a saved DAG (no torch graph: notebooks, the CLI).
+
+:func:`search_in_orders` runs the search (:mod:`solvers.search`) in the orders of compute
+``SolverOptions.compute_order`` names (:mod:`scheduler.orders`): with two, the starts in both and
+the later stages in the order whose starts are better. :func:`solve_graph` is one solve: the
+search or the solver asked for, the best start that fits where a solver fails
+(``SolverOptions.fallback``), the schedule hook applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+
+from scheduler.costs.family import fixed_parts
+from scheduler.options import SolverOptions
+from scheduler.orders import (
+    Outcome,
+    begin_orders,
+    better_order,
+    search_orders,
+    slower_than_torch,
+    starts_in_order,
+    torch_steps,
+)
+from scheduler.report import ScheduleReport, fixed_collective_notes, make_report, unchanged_report
+from solvers.core import (
+    InfeasibleBudgetError,
+    Problem,
+    Schedule,
+    SolveResult,
+    SolveStatus,
+    StageRecord,
+    simulate,
+    validate_schedule,
+)
+from solvers.core.units import fmt_bytes, parse_bytes
+from solvers.registry import BACKENDS, solve_problems
+from solvers.search import Started, search
+
+logger = logging.getLogger(__name__)
+
+
+def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+                      torch_runs: Sequence[Any]) -> tuple[Outcome, list[str], list[StageRecord]]:
+    """The search in the orders of compute ``solver.compute_order`` names (:mod:`scheduler.orders`).
+    With two: the starts in both, the later stages in the order whose starts are better, and in
+    the other too only where that answer is slower than torch's own schedule under a strict model
+    (then the better answer by :func:`better_order`). Returns the order's outcome, the report's
+    notes and the stages of the other order.
+
+    Raises:
+        InfeasibleBudgetError: no order has a start within ``budget``.
+    """
+    problem = next(iter(problems.values()))
+    orders = search_orders(problems, solver, torch_runs)
+    refusal: InfeasibleBudgetError | None = None
+    begun: list[tuple[Any, Started | None]] = [(orders[0], None)]
+    starts_notes: list[str] = []
+    if len(orders) > 1:
+        begun, refusal = begin_orders(orders, budget, solver, problem)
+        if not begun:
+            assert refusal is not None
+            raise refusal
+        k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
+                                       on_starts=True)
+        begun = [begun[k], *begun[:k], *begun[k + 1:]]
+    torchs = torch_steps([(*order, None) for order, _ in begun], solver)
+    outcomes: list[Outcome] = []
+    all_notes: list[list[str]] = []
+    for order, started in begun:
+        if outcomes and not slower_than_torch(outcomes[0][3], torchs):
+            break
+        name, base, named = order
+        try:
+            result, notes = solve_graph(base, budget, starts_in_order(solver, problem, next(iter(base.values()))),
+                                   baselines=named, started=started)
+        except InfeasibleBudgetError as e:  # the other order may fit
+            refusal = refusal or e
+            continue
+        except Exception as e:  # torch's order is a second chance, never the call's failure
+            if name != "torch" or len(orders) == 1:
+                raise
+            logger.warning("fsdp-sched: the search in torch's order of compute failed (%s: %s)",
+                           type(e).__name__, e)
+            continue
+        outcomes.append((name, base, named, result))
+        all_notes.append(notes)
+    if not outcomes:
+        assert refusal is not None
+        raise refusal
+    if len(outcomes) > 1 or outcomes[0][1] is not begun[0][0][1]:
+        k, order_notes = better_order(outcomes, solver)
+    else:
+        k, order_notes = 0, starts_notes if len(orders) > 1 else better_order(outcomes, solver)[1]
+    finished = {id(o[1]) for o in outcomes}
+    others = [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
+    others += [st for order, started in begun if started is not None and id(order[1]) not in finished
+               for st in started.stages]
+    return outcomes[k], all_notes[k] + order_notes, others
+
+
+def solve_graph(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+           baselines: Sequence[tuple[str, Schedule]] = (), started: Started | None = None
+           ) -> tuple[SolveResult, list[str]]:
+    """The search (or the solver asked for), its hook applied, and the report's notes. A solver
+    that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
+    named starts that are baselines too (torch's pass read back); ``started``: the plan's
+    first stage run already on these (:func:`scheduler.orders.begin_orders`)."""
+    problem = next(iter(problems.values()))
+    notes = fixed_collective_notes(problem)
+    try:
+        result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
+                                time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
+                                extra_starts=solver.extra_starts, config=solver.search,
+                                all_gather_stream=solver.all_gather_stream, baselines=baselines, started=started)
+        validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
+    except Exception as e:  # a failed solve must not fail training when a valid schedule exists
+        # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
+        # A heuristic that cannot reach the budget is not a failure to hide but a question the
+        # plan's starts answer (the traced order among them), whatever ``fallback`` says: a
+        # budget the graph itself holds is never refused
+        infeasible = isinstance(e, InfeasibleBudgetError)
+        if (infeasible and solver.solver in BACKENDS) or (not solver.fallback and not infeasible):
+            raise
+        logger.warning("fsdp-sched: %s failed (%s: %s); falling back to the best start", solver.solver_name,
+                       type(e).__name__, e)
+        notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
+        starts = started.result() if started is not None else search(
+            problems, budget, backend=None, starts_only=True, extra_starts=solver.extra_starts, config=solver.search,
+            all_gather_stream=solver.all_gather_stream, baselines=baselines)
+        result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
+    notes += list(result.notes)
+    if solver.schedule_hook is not None:
+        new = solver.schedule_hook(problem, result.schedule)
+        if new is not None and new.digest() != result.schedule.digest():
+            sim = validate_schedule(problem, new, mem_budget_bytes=budget)
+            result = dataclasses.replace(result, schedule=new, objective_ms=sim.step_ms, alternatives=())
+            notes.append("schedule replaced by schedule_hook")
+    return result, notes
+
+
+def criterion_of(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:
+    labels = list(problems)
+    if len(labels) == 1:
+        return f"fastest under {labels[0]}"
+    strict = [label for label in labels if label in solver.search.strict_models]
+    first = f"no slower than the best baseline under {' and '.join(strict)}, then " if strict else ""
+    fixed = fixed_parts(cost_model)
+    shared = f", each with {fixed} and the rest priced by its own model" if fixed else ""
+    return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)}){shared}"
+
+
+def check_traced_fits(problem: Problem, budget: int | None) -> None:
+    """A graph without collectives has one schedule: it must fit the budget too."""
+    peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
+    if budget is not None and peak > budget:
+        raise InfeasibleBudgetError(f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} "
+                                    f"({peak} B), over mem_budget {fmt_bytes(budget)} ({budget} B): raise mem_budget to "
+                                    f"at least {peak} B", budget_bytes=budget, min_peak_bytes=peak)
+
+
+def solve_dag(dag: nx.DiGraph, mem_budget: int | str | None = None, *, solver: SolverOptions = SolverOptions()
+              ) -> tuple[Schedule, ScheduleReport]:
+    """Find and validate a schedule of a cost-annotated DAG (no torch graph needed: notebooks,
+    the CLI). The DAG's own cost model decides.
+
+    Returns:
+        The validated schedule and its :class:`ScheduleReport`.
+
+    Raises:
+        TypeError, ValueError: a bad argument.
+        InfeasibleBudgetError: no schedule found keeps peak memory under the budget.
+        ScheduleError: the solver failed and ``solver.fallback`` is False.
+    """
+    if not isinstance(dag, nx.DiGraph):
+        raise TypeError(f"dag={type(dag).__name__} must be a networkx DiGraph (scheduler.export_dag / load_dag)")
+    if not isinstance(solver, SolverOptions):
+        raise TypeError(f"solver={solver!r} must be a scheduler.SolverOptions")
+    budget = parse_bytes(mem_budget)
+    t0 = time.perf_counter()
+    problem = Problem.from_dag(dag)
+    before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
+    if not problem.colls:
+        check_traced_fits(problem, budget)
+        return before.schedule, unchanged_report(problem, budget=budget, requested=solver.solver_name,
+                                                  notes=["the graph has no collectives: left unchanged"])
+    label = str(dag.graph.get("cost_model", "model"))
+    result, notes = solve_graph({label: problem}, budget, solver)
+    sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
+    report = make_report(problem, before, sim, graph_name=str(dag.graph.get("name", "graph")), mem_budget_bytes=budget,
+                         t0=t0, solver=result.solver, requested=solver.solver_name, status=result.status.value,
+                         best_bound=result.best_bound_ms, notes=notes,
+                         fell_back=result.status == SolveStatus.FALLBACK, stages=result.stages)
+    report.criterion = f"fastest under {label}"
+    return result.schedule, report
