@@ -28,7 +28,6 @@ one run); for fsdp-sched its status, the candidate installed and its report's no
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -39,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from harness.output import finish  # noqa: E402  (benchmarks/harness)
 
 logger = logging.getLogger("benchmarks.moe")
 
@@ -178,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cost_models = tuple(args.cost_models)
     rows = run(args.layers, args.world, args.ep, tuple(args.graphs), cost_models, tuple(args.budgets), args.preset)
-    print(format_rows(rows, cost_models))
-    print(f"({time.perf_counter() - t0:.0f} s in all)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0
+    return finish(format_rows(rows, cost_models), rows, t0, args.json)
 
 
 if __name__ == "__main__":

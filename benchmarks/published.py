@@ -29,7 +29,6 @@ rows slower, and compile time against torch's pass.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import multiprocessing
@@ -43,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from harness.output import finish  # noqa: E402  (benchmarks/harness)
 
 logger = logging.getLogger("benchmarks.published")
 
@@ -258,13 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     with ctx.Pool(max(1, args.jobs), maxtasksperchild=1) as pool:
         for graph_rows in pool.imap(_one, work):
             rows += graph_rows
-    print(format_tables(rows))
-    print()
-    print(format_summary(rows))
-    print(f"({time.perf_counter() - t0:.0f} s in all)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0
+    return finish(f"{format_tables(rows)}\n\n{format_summary(rows)}", rows, t0, args.json)
 
 
 if __name__ == "__main__":

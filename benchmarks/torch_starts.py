@@ -37,6 +37,8 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from harness.output import finish  # noqa: E402  (benchmarks/harness)
+
 logger = logging.getLogger("benchmarks.torch_starts")
 
 #: ``--configs`` -> ``SolverOptions.torch_starts``
@@ -180,11 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in pool.imap(_run, jobs):
             logger.info("%s", json.dumps(row)[:300])
             rows.append(row)
-    print(format_rows(rows))
-    print(f"({time.perf_counter() - t0:.0f} s in all)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0
+    return finish(format_rows(rows), rows, t0, args.json)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,48 @@ def group_name():
         dist.destroy_process_group()
 
 
+#: hidden size and tokens of :func:`three_fsdp_layers`
+LAYER_DIM, LAYER_TOKENS = 256, 512
+
+
+def three_fsdp_layers(gname: str):
+    """Three FSDP all-gathers (bf16 casts of fp32 shards) and two reduce-scatters, traced with
+    make_fx on the fake group ``gname`` of FAKE_WORLD ranks::
+
+        primals_i -> _to_copy -> AG_i -> wait -> mm(h_{i-1}, .) -> h_i        (i = 1, 2, 3; h_0 = x)
+        mm(h_1.T, h_2) -> _to_copy (fp32) -> RS_1 -> wait ->  output
+        mm(h_2.T, h_3) -> _to_copy (fp32) -> RS_2 -> wait ->  output
+        h_3 (via _unsafe_view)                             ->  output
+
+    Every wait follows its collective directly, as in traced FSDP graphs. torch's pass
+    pre-buckets the three all-gathers into one and the two reduce-scatters into one; without
+    pre-bucketing it prefetches the all-gathers and defers the reduce-scatters' waits."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ops = torch.ops._c10d_functional
+
+    def gather(shard):
+        return ops.wait_tensor(ops.all_gather_into_tensor(shard.to(torch.bfloat16), FAKE_WORLD, gname))
+
+    def reduce(grad):
+        return ops.wait_tensor(ops.reduce_scatter_tensor(grad.float(), "sum", FAKE_WORLD, gname))
+
+    def f(primals_1, primals_2, primals_3, x):
+        h1 = torch.mm(x, gather(primals_1))
+        h2 = torch.mm(h1, gather(primals_2))
+        h3 = torch.mm(h2, gather(primals_3))
+        g1 = reduce(torch.mm(h1.t(), h2))
+        g2 = reduce(torch.mm(h2.t(), h3))
+        return torch.ops.aten._unsafe_view(h3, [LAYER_TOKENS * LAYER_DIM]), g1, g2
+
+    with FakeTensorMode():
+        shards = [torch.randn(LAYER_DIM // FAKE_WORLD, LAYER_DIM) for _ in range(3)]
+        x = torch.randn(LAYER_TOKENS, LAYER_DIM, dtype=torch.bfloat16)
+    return make_fx(f, tracing_mode="fake")(*shards, x)
+
+
 _CAPTURES: dict = {}
 
 

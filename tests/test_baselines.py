@@ -23,46 +23,14 @@ from solvers.core.simulator import simulate  # noqa: E402
 from solvers.core.validator import validate_schedule  # noqa: E402
 from solvers.core.problem import Problem  # noqa: E402
 
-from conftest import FAKE_WORLD as WORLD  # noqa: E402  (ranks of the group_name fixture)
+from conftest import FAKE_WORLD as WORLD, three_fsdp_layers  # noqa: E402  (ranks of the group_name fixture)
 DIM, TOKENS = 256, 512
 
 
 
-def _three_layers(gname: str):
-    """Three FSDP all-gathers (bf16 casts of fp32 shards) and two reduce-scatters::
-
-        primals_i -> _to_copy -> AG_i -> wait -> mm(h_{i-1}, .) -> h_i        (i = 1, 2, 3; h_0 = x)
-        mm(h_1.T, h_2) -> _to_copy (fp32) -> RS_1 -> wait ->  output
-        mm(h_2.T, h_3) -> _to_copy (fp32) -> RS_2 -> wait ->  output
-        h_3 (via _unsafe_view)                             ->  output
-
-    Every wait follows its collective directly, as in traced FSDP graphs.
-    """
-    ops = torch.ops._c10d_functional
-
-    def gather(shard):
-        return ops.wait_tensor(ops.all_gather_into_tensor(shard.to(torch.bfloat16), WORLD, gname))
-
-    def reduce(grad):
-        return ops.wait_tensor(ops.reduce_scatter_tensor(grad.float(), "sum", WORLD, gname))
-
-    def f(primals_1, primals_2, primals_3, x):
-        h1 = torch.mm(x, gather(primals_1))
-        h2 = torch.mm(h1, gather(primals_2))
-        h3 = torch.mm(h2, gather(primals_3))
-        g1 = reduce(torch.mm(h1.t(), h2))
-        g2 = reduce(torch.mm(h2.t(), h3))
-        return torch.ops.aten._unsafe_view(h3, [TOKENS * DIM]), g1, g2
-
-    return f
-
-
 @pytest.fixture(scope="module")
 def traced(group_name):
-    with FakeTensorMode():
-        shards = [torch.randn(DIM // WORLD, DIM) for _ in range(3)]
-        x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
-    return make_fx(_three_layers(group_name), tracing_mode="fake")(*shards, x)
+    return three_fsdp_layers(group_name)
 
 
 def _collectives(gm) -> Counter:

@@ -40,44 +40,12 @@ from scheduler.writeback import apply_schedule, copy_module  # noqa: E402
 from solvers.core import Problem, validate_schedule  # noqa: E402
 from solvers.core.order import problem_of  # noqa: E402
 
-from conftest import FAKE_WORLD as WORLD  # noqa: E402
-
-DIM, TOKENS = 256, 512
-
-
-def _layers(gname: str):
-    """Three FSDP all-gathers (bf16 casts of fp32 shards) and two reduce-scatters::
-
-        primals_i -> _to_copy -> AG_i -> wait -> mm(h_{i-1}, .) -> h_i        (i = 1, 2, 3; h_0 = x)
-        mm(h_1.T, h_2) -> _to_copy (fp32) -> RS_1 -> wait ->  output
-        mm(h_2.T, h_3) -> _to_copy (fp32) -> RS_2 -> wait ->  output
-
-    torch pre-buckets the three all-gathers into one and the two reduce-scatters into one;
-    without pre-bucketing it prefetches the all-gathers and defers the reduce-scatters' waits.
-    """
-    ops = torch.ops._c10d_functional
-
-    def gather(shard):
-        return ops.wait_tensor(ops.all_gather_into_tensor(shard.to(torch.bfloat16), WORLD, gname))
-
-    def reduce(grad):
-        return ops.wait_tensor(ops.reduce_scatter_tensor(grad.float(), "sum", WORLD, gname))
-
-    def f(primals_1, primals_2, primals_3, x):
-        h1 = torch.mm(x, gather(primals_1))
-        h2 = torch.mm(h1, gather(primals_2))
-        h3 = torch.mm(h2, gather(primals_3))
-        return h3, reduce(torch.mm(h1.t(), h2)), reduce(torch.mm(h2.t(), h3))
-
-    return f
+from conftest import FAKE_WORLD as WORLD, three_fsdp_layers  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def traced(group_name):
-    with FakeTensorMode():
-        shards = [torch.randn(DIM // WORLD, DIM) for _ in range(3)]
-        x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
-    return make_fx(_layers(group_name), tracing_mode="fake")(*shards, x)
+    return three_fsdp_layers(group_name)
 
 
 def _long_head(gname: str, n_small: int = 32, n_long: int = 8):
@@ -312,20 +280,15 @@ def test_two_calls_give_the_same_start(traced):
 _ON_RANK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
     sys.path.insert(0, {tests!r})
-    from test_torch_overlap import _layers, DIM, TOKENS, WORLD
+    from conftest import FAKE_WORLD as WORLD, three_fsdp_layers
     from scheduler.check.written import graph_digest
     from scheduler.export.dag import export_dag
     from scheduler.readback import read_back
     from scheduler.torch_overlap import TORCH, torch_overlap_schedule
     from solvers.core import Problem
     dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=WORLD)
-    with FakeTensorMode():
-        shards = [torch.randn(DIM // WORLD, DIM) for _ in range(3)]
-        x = torch.randn(TOKENS, DIM, dtype=torch.bfloat16)
-    gm = make_fx(_layers(dist.group.WORLD.group_name), tracing_mode="fake")(*shards, x)
+    gm = three_fsdp_layers(dist.group.WORLD.group_name)
     written = torch_overlap_schedule(gm, reuse=True)
     print(graph_digest(written), read_back(written, Problem.from_dag(export_dag(gm)))[0].digest())
     """)

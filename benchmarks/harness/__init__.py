@@ -7,4 +7,5 @@ memory, on the written graphs) is in the library, :mod:`scheduler.compare`, so t
 
 - :mod:`harness.repros`: other people's graphs, autoparallel's published FSDP repros and their
   collective tables, read from a folder the user fetched.
+- :mod:`harness.output`: how a benchmark ends (its tables, its wall time, its JSON rows).
 """
