@@ -161,7 +161,7 @@ class Schedule:
             steps.extend(nodes[at:gap])
             at = gap
             group = events[k:end]
-            if after:
+            if after and _reads_in_gap(group, after):
                 steps.extend(order_gap([("issue" if ph == 1 else "wait", b) for _, ph, b in group],
                                        lambda e: (1 if e[0] == "issue" else (2 if issue_at[e[1]] == wait_at[e[1]] else 0),
                                                   e[1]), after))
@@ -236,6 +236,14 @@ def _node_steps(seq: Sequence[str]) -> tuple[Step, ...]:
             _NODE_STEPS.clear()
         cached = _NODE_STEPS[id(seq)] = (seq, tuple(Step("node", name) for name in seq))
     return cached[1]
+
+
+def _reads_in_gap(group: Sequence[tuple[int, int, int]], after: Mapping[int, Iterable[int]]) -> bool:
+    """Whether an issue of this gap's events ``(gap, phase, bucket)`` reads the result of a
+    bucket waited in the same gap. Where none does, :func:`order_gap` orders them as they are
+    sorted (its priority is their phase, then their bucket), so it need not run."""
+    waited = {b for _, phase, b in group if phase != 1}
+    return any(d != b and d in waited for _, phase, b in group if phase == 1 for d in after.get(b, ()))
 
 
 def order_gap(
