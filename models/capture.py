@@ -103,7 +103,7 @@ class CapturedGraphs:
     """Wall-clock seconds of the capture."""
 
 
-def _user_fqn(name: str) -> str:
+def user_fqn(name: str) -> str:
     """'layers.0.attention.wq.parametrizations.weight.original' -> 'layers.0.attention.wq.weight'."""
     return name.replace(".parametrizations.", ".").removesuffix(".original")
 
@@ -175,7 +175,7 @@ def _checkpoint_notice_dropped():
 # annotation
 
 
-def _trace_back_to_placeholder(node: fx.Node) -> fx.Node | None:
+def trace_back_to_placeholder(node: fx.Node) -> fx.Node | None:
     """Follow first arguments through pass-through ops up to a placeholder (None if blocked)."""
     while node.op != "placeholder":
         if node.op != "call_function" or (node.target not in _PASS_THROUGH and not _is_getitem(node)):
@@ -222,7 +222,9 @@ def _group_name(collective: fx.Node) -> str:
     return str(collective.args[-1])
 
 
-def _mark(collective: fx.Node, role: str, fqn: str | None, index: int | None) -> None:
+def mark_collective(collective: fx.Node, role: str, fqn: str | None, index: int | None) -> None:
+    """Tag ``collective`` and its waits with their FSDP role (``"fsdp"``, ``"tp"``, ...), the
+    parameter's name and its registration index, as the export reads them."""
     for n in [collective, *_waits_of(collective)]:
         n.meta["fsdp_role"] = role
         if fqn is not None:
@@ -260,12 +262,12 @@ class _Annotator:
     def _mark_param(self, collective: fx.Node, fqn: str | None) -> None:
         fsdp = fqn is not None and _group_name(collective) in self.dp_group_names
         role = "fsdp" if fsdp else "other" if collective.target is ALL_TO_ALL else "tp"
-        _mark(collective, role, fqn, self.index_of.get(fqn) if fqn else None)
+        mark_collective(collective, role, fqn, self.index_of.get(fqn) if fqn else None)
 
     def annotate_forward(self, gm: fx.GraphModule) -> None:
         for node in gm.graph.nodes:
             if node.target in COLLECTIVES:
-                ph = _trace_back_to_placeholder(node.args[0])
+                ph = trace_back_to_placeholder(node.args[0])
                 self._mark_param(node, self.primal_fqn.get(ph.name) if ph is not None else None)
         self._finish(gm, "forward")
 
@@ -288,12 +290,12 @@ class _Annotator:
             if node.target not in COLLECTIVES or node in marked:
                 continue
             fqn = None
-            ph = _trace_back_to_placeholder(node.args[0])
+            ph = trace_back_to_placeholder(node.args[0])
             if ph is not None:
                 fqn = self.primal_fqn.get(ph.name)
                 fw_node = self.forward_nodes.get(ph.name)
                 if fqn is None and fw_node is not None:
-                    fw_ph = _trace_back_to_placeholder(fw_node)
+                    fw_ph = trace_back_to_placeholder(fw_node)
                     fqn = self.primal_fqn.get(fw_ph.name) if fw_ph is not None else None
             self._mark_param(node, fqn)
         self._finish(gm, "backward")
@@ -370,8 +372,8 @@ def capture_fsdp_graphs(name: str, *, world_size: int, n_layers: int | None = No
             parallelize(model, mesh, fsdp_options)
             fsdp_groups = dp_group_names(mesh, fsdp_options)
         named = list(model.named_parameters())
-        param_fqns = [_user_fqn(n) for n, _ in named]
-        fqn_by_id = {id(p): _user_fqn(n) for n, p in named}
+        param_fqns = [user_fqn(n) for n, _ in named]
+        fqn_by_id = {id(p): user_fqn(n) for n, p in named}
         annotator = _Annotator(param_fqns, fsdp_groups)
         captured: dict[str, Any] = {}
 

@@ -53,12 +53,12 @@ from models.capture import (
     ALL_GATHER,
     COLLECTIVES,
     WAIT,
-    _mark,
-    gradient_collectives,
-    _trace_back_to_placeholder,
-    _user_fqn,
     capture_config,
     fake_process_group,
+    gradient_collectives,
+    mark_collective,
+    trace_back_to_placeholder,
+    user_fqn,
 )
 from models.fsdp import SAC_SAVE_OPS, FSDPOptions, ReplicateParametrization, dp_group_names, mesh_for, parallelize
 from models.llama import LlamaConfig, Transformer, TransformerBlock
@@ -226,7 +226,7 @@ def annotate_joint(gm: fx.GraphModule, param_fqns: list[str], dp_group_names: li
 
     def mark(coll: fx.Node, i: int | None) -> None:
         fsdp = i is not None and str(coll.args[-1]) in dp_group_names
-        _mark(coll, "fsdp" if fsdp else "tp", param_fqns[i] if i is not None else None, i)
+        mark_collective(coll, "fsdp" if fsdp else "tp", param_fqns[i] if i is not None else None, i)
 
     marked: set[fx.Node] = set()
     grads = gm.graph.find_nodes(op="output")[0].args[0][1:]
@@ -236,7 +236,7 @@ def annotate_joint(gm: fx.GraphModule, param_fqns: list[str], dp_group_names: li
             marked.add(coll)
     for node in gm.graph.nodes:
         if node.target in COLLECTIVES and node not in marked:
-            ph = _trace_back_to_placeholder(node.args[0])
+            ph = trace_back_to_placeholder(node.args[0])
             i = index_of_input.get(ph) if ph is not None else None
             mark(node, i if i is not None and i < n_params else None)
     gm.meta["fsdp_graph_kind"] = "joint"
@@ -346,7 +346,7 @@ def joint_graph_of(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
     ask; ``dp_group_names``: :func:`models.fsdp.dp_group_names` of its mesh): returns (graph,
     fake inputs, parameter FQNs, buffer names)."""
     gm, inputs = trace_joint_step(model, tokens, labels)
-    param_fqns = [_user_fqn(n) for n, _ in model.named_parameters()]
+    param_fqns = [user_fqn(n) for n, _ in model.named_parameters()]
     annotate_joint(gm, param_fqns, dp_group_names)
     gm = apply_recompute(gm, options)
     return gm, inputs, param_fqns, [n for n, _ in model.named_buffers()]
