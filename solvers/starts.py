@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from solvers.core.evaluate import evaluator_of
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
-from solvers.core.simulator import simulate
+from solvers.core.simulator import peak_step
 from solvers.entries import Entry, chain_ordered, chain_units, from_entries
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
 from solvers.objective import Evaluated, Objective, SearchConfig, schedule_content
@@ -155,7 +155,7 @@ def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *
     for _ in range(max_moves):
         if peak <= mem_budget_bytes:
             return schedule
-        at = simulate(problem.dag, schedule, problem=problem).peak_step  # where the peak is
+        at = peak_step(problem, schedule, peak)  # where the peak is
         best: tuple[tuple, Schedule, int] | None = None
         for cand in _peak_moves(problem, schedule, at):
             e = evaluator.evaluate(cand)

@@ -76,3 +76,24 @@ def test_a_heuristic_over_the_budget_is_still_shrunk_to_it():
     found, _ = starts(objective, dataclasses.replace(SearchConfig(), fit_moves=0))
     assert shrunk.peak_bytes < own
     assert any(e.schedule.digest() == shrunk.schedule.digest() for e in found)
+
+
+def test_the_peak_step_from_the_evaluators_peak_is_the_simulators():
+    """fit_by_delays finds where memory peaks by the memory rules alone, stopping at the peak
+    the evaluator gave (solvers.core.simulator.peak_step): the same step as a full simulation,
+    on every regular start of the graph, the traced order and the FSDP2-like plan."""
+    from solvers.core.evaluate import evaluator_of
+    from solvers.core.simulator import peak_step, simulate
+
+    for kind in ("forward", "backward"):
+        p = Problem.from_dag(make_fsdp_dag(n_layers=4, graph_kind=kind, reshard_after_forward=True, seed=1))
+        base = fsdp2_schedule(p)
+        schedules = [p.traced_schedule(), base,
+                     *(s for r in regroupings(p, (1, 2, 3), (1, 2, 4)) if (s := regroup(p, base, r)) is not None)]
+        steps = set()
+        for s in schedules:
+            full = simulate(p.dag, s, problem=p)
+            assert evaluator_of(p).evaluate(s).peak_bytes == full.peak_bytes
+            assert peak_step(p, s, full.peak_bytes) == full.peak_step
+            steps.add(full.peak_step)
+        assert len(schedules) > 5 and len(steps) > 1  # schedules that peak at different steps

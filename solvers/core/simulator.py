@@ -134,6 +134,16 @@ class SimResult:
         return path
 
 
+def peak_step(problem: Problem, schedule: Schedule, peak_bytes: int) -> int:
+    """:attr:`SimResult.peak_step` of ``schedule``, whose peak by the memory count is
+    ``peak_bytes`` (the fast evaluator's, :mod:`solvers.core.evaluate`): the memory rules run up
+    to the first step that reaches it, the clock not at all."""
+    _check_shape(problem, schedule)
+    sim = Simulator(problem, schedule)
+    sim.run_memory(until=peak_bytes)
+    return sim.peak_step
+
+
 def simulate(dag: nx.DiGraph, schedule: Schedule | None = None, *, problem: Problem | None = None) -> SimResult:
     """Simulate ``schedule`` (default: the traced order) of a cost-annotated DAG.
 
@@ -319,8 +329,11 @@ class Simulator:
         self.clock.finish()
         return self.result()
 
-    def run_memory(self) -> None:
-        """Every step's memory, in order."""
+    def run_memory(self, until: int | None = None) -> None:
+        """Every step's memory, in order; with ``until``, only up to the first step where the
+        memory count reaches that many bytes."""
+        if until is not None and self.peak >= until:
+            return
         for k, step in enumerate(self.s.steps):
             before = self.trk.peak
             if step.kind == "node":
@@ -330,6 +343,8 @@ class Simulator:
             if self.trk.peak > before:
                 self.tracker_peak_step = k
             self.totals.append(self.mem.total)
+            if until is not None and self.peak >= until:
+                return
 
     def result(self) -> SimResult:
         """The run's result, after its memory and its clock have run."""
