@@ -197,7 +197,9 @@ class Evaluator:
             while end < len(keys) and keys[end][0] == keys[k][0]:
                 end += 1
             group = keys[k:end]
-            if any(is_issue and b in after for _, _, b, is_issue in group):
+            waited = {b for _, _, b, is_issue in group if not is_issue}
+            # where no issue here reads a bucket waited here, order_gap keeps the sorted order
+            if any(d != b and d in waited for _, _, b, is_issue in group if is_issue for d in after.get(b, ())):
                 phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
                 steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
                                   lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)
