@@ -71,9 +71,9 @@ class SolverOptions:
     #: the order torch's pass (the first of ``torch_starts``) runs them in, where it moves them
     #: (it runs a collective's input early so that it issues early), over which its schedule is
     #: a start without repairs; ``"choose"``: the starts run in both, the rest of the search in
-    #: the one whose best start is no slower than torch's own schedule under the strict models,
-    #: then of smaller worst-case regret, then the traced one (in the other too where that
-    #: answer ends slower than torch's own schedule; :func:`scheduler.solving.search_in_orders`).
+    #: the one whose best start has the smaller worst-case regret (the traced one on a tie), and
+    #: in the other too where that answer ends slower than torch's own schedule under a strict
+    #: model, the answer no slower than it kept (:func:`scheduler.solving.search_in_orders`).
     #: Any order runs every node after its inputs: the graph computes the same
     compute_order: str = "choose"
     #: the plan's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,

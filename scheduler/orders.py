@@ -101,14 +101,17 @@ def better_order(outcomes: Sequence[Outcome], solver: SolverOptions, *, on_start
     under the strict models (the one model where there is one): the search in torch's order
     never is, the traced order's only where reading torch's schedule back over it lost nothing;
     then the smaller worst-case regret under the models judged by; then the traced order.
-    ``on_starts``: the results are each order's best start (the note says so)."""
+    ``on_starts``: the results are each order's best start, compared by the regret alone (a
+    start a little slower than torch's own schedule under one strict model may be polished
+    past it; :func:`scheduler.solving.search_in_orders` finishes the other order too where the
+    answer ends slower)."""
     note = "compute in torch's order (SolverOptions.compute_order)"
     if len(outcomes) == 1:
         return 0, [] if outcomes[0][0] == "traced" else [note]
     labels = list(outcomes[0][1])
     steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
     best = {label: min(step[label] for step in steps) for label in labels}
-    torchs = torch_steps(outcomes, solver)
+    torchs = {} if on_starts else torch_steps(outcomes, solver)
     keys = [(slower_than_torch(outcome[3], torchs), max(step[label] / best[label] for label in labels), k)
             for k, (outcome, step) in enumerate(zip(outcomes, steps))]
     k = min(keys)[2]

@@ -3,7 +3,8 @@ solve on a saved DAG (no torch graph: notebooks, the CLI).
 
 :func:`search_in_orders` runs the search (:mod:`solvers.search`) in the orders of compute
 ``SolverOptions.compute_order`` names (:mod:`scheduler.orders`): with two, the starts in both and
-the later stages in the order whose starts are better. :func:`solve_graph` is one solve: the
+the later stages in the order whose best start is better (in both where the first answer ends
+slower than torch's own schedule). :func:`solve_graph` is one solve: the
 search or the solver asked for, the best start that fits where a solver fails
 (``SolverOptions.fallback``), the schedule hook applied.
 """
@@ -50,9 +51,9 @@ logger = logging.getLogger(__name__)
 def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
                       torch_runs: Sequence[Any]) -> tuple[Outcome, list[str], list[StageRecord]]:
     """The search in the orders of compute ``solver.compute_order`` names (:mod:`scheduler.orders`).
-    With two: the starts in both, the later stages in the order whose starts are better, and in
-    the other too only where that answer is slower than torch's own schedule under a strict model
-    (then the better answer by :func:`better_order`). Returns the order's outcome, the report's
+    With two: the starts in both, the later stages in the order whose best start has the smaller
+    worst-case regret, and in the other too only where that answer is slower than torch's own
+    schedule under a strict model (then the better answer by :func:`better_order`). Returns the order's outcome, the report's
     notes and the stages of the other order.
 
     Raises:

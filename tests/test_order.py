@@ -140,3 +140,29 @@ def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alo
     assert report.search_step_ms["analytic"] <= torchs * (1 + 1e-9)
     assert [s["name"] for s in report.stages].count("polish") == 1
     assert [s["name"] for s in report.stages].count("starts") == 2
+
+
+def test_the_order_is_chosen_on_its_starts_by_the_regret_alone():
+    """On the starts, a traced-order start a little slower than torch's own schedule under one
+    strict model but of smaller worst-case regret is the order polished (the polish may pass
+    torch's schedule; the answer is checked against it when finished), as on autoparallel's
+    published DeepSeek-V3 backward, whose traced start loses a little under the analytic model,
+    gains much under torch's, and ends faster than torch's schedule under both."""
+    from scheduler.orders import better_order
+    from solvers.core import SolveResult, SolveStatus
+
+    def result(**steps):
+        return SolveResult(None, SolveStatus.FEASIBLE, "search", steps["analytic"], 0.0, 0.0, 0,
+                           step_ms_by_model=steps)
+
+    traced = ("traced", {"analytic": None, "torch": None}, [], result(analytic=247.5, torch=191.3))
+    torch_order = ("torch", {"analytic": None, "torch": None}, [("torch-overlap", None)],
+                   result(analytic=247.3, torch=200.0))
+    solver = SolverOptions()
+    assert better_order([traced, torch_order], solver, on_starts=True) == (0, [])
+    k, notes = better_order([torch_order, traced], solver, on_starts=True)
+    assert k == 1 and notes == []
+    # the torch order's start of smaller regret is taken, and said so
+    faster = ("torch", {"analytic": None, "torch": None}, [("torch-overlap", None)], result(analytic=240.0, torch=185.0))
+    k, notes = better_order([traced, faster], solver, on_starts=True)
+    assert k == 1 and len(notes) == 1
