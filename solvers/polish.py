@@ -45,13 +45,13 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from solvers.core.evaluate import ModelEvaluator, Plan
+from solvers.core.evaluate import ModelEvaluator, ReadSchedule
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_window
-from solvers.entries import Entry, chain_ordered, chain_units, from_entries
+from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.objective import Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
@@ -142,18 +142,18 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     schedule, score, sims = current
     moves, k, unchanged = 0, 0, 0
     stopped = "converged: no move lowers the worst-case regret"
-    neighbours = _neighbours(search.p0, _entries(schedule), config)
+    neighbours = _neighbours(search.p0, _plan_of(schedule), config)
     while neighbours and unchanged < len(neighbours):
         if search.simulations >= config.max_simulations:
             stopped = f"work limit: {config.max_simulations} simulations"
             break
         k %= len(neighbours)
-        found = search.evaluate_entries(neighbours[k], score)
+        found = search.evaluate_plan(neighbours[k], score)
         if found is not None:
             schedule, score, sims = found
             moves += 1
             unchanged = 0
-            neighbours = _neighbours(search.p0, _entries(schedule), config)
+            neighbours = _neighbours(search.p0, _plan_of(schedule), config)
             logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d simulations)",
                          moves, score[0], score[1], score[2], search.simulations)
         else:
@@ -202,37 +202,38 @@ class _Search:
         #: largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
 
-    def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float, float]):
-        """:meth:`evaluate` of the schedule of ``entries`` (:func:`solvers.entries.from_entries`)
-        without building it: an accepted one is returned as its :class:`~solvers.core.evaluate.Plan`
-        (:func:`_entries` reads it, :meth:`schedule_of` builds the schedule)."""
-        ordered = chain_ordered(self.p0, entries)
+    def evaluate_plan(self, plan: list[PlannedBucket], bar: tuple[int, float, float, float]):
+        """:meth:`evaluate` of the schedule of ``plan`` (:func:`solvers.core.plan.build_schedule`)
+        without building it: an accepted one is returned as its
+        :class:`~solvers.core.evaluate.ReadSchedule` (:func:`_plan_of` reads it, :meth:`schedule_of`
+        builds the schedule)."""
+        ordered = chain_ordered(self.p0, plan)
         if ordered is None:
             return None
         # counted as one simulation, the cost of building the schedule before the evaluator read
-        # entries directly, so that work limits keep their meaning
+        # plans directly, so that work limits keep their meaning
         self.simulations += 1
         try:
-            plan = self.evaluator.plan_entries(ordered, self.split_groups)
+            read = self.evaluator.read_plan(ordered, self.split_groups)
         except ValueError:
             return None
-        return self.evaluate(plan, bar)
+        return self.evaluate(read, bar)
 
-    def schedule_of(self, schedule: Schedule | Plan) -> Schedule:
-        """The schedule of an accepted plan (:meth:`evaluate_entries`), as ``from_entries`` builds it."""
-        if isinstance(schedule, Plan):
-            return schedule.schedule or from_entries(self.p0, list(schedule.entries)).with_split(self.split_groups)
+    def schedule_of(self, schedule: Schedule | ReadSchedule) -> Schedule:
+        """The schedule of an accepted plan (:meth:`evaluate_plan`), as ``build_schedule`` builds it."""
+        if isinstance(schedule, ReadSchedule):
+            return schedule.schedule or build_schedule(self.p0, list(schedule.plan)).with_split(self.split_groups)
         return schedule
 
-    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float, float] | None):
+    def evaluate(self, schedule: Schedule | ReadSchedule, bar: tuple[int, float, float, float] | None):
         """(schedule, (excess bytes over the budget, strict slowdown, worst regret, total),
         evaluations by label)
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
         None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
         the simulator's numbers, memory counted once) and stops at the first that rules it out;
         each model evaluated counts as one simulation."""
-        plan = schedule if isinstance(schedule, Plan) else self.evaluator.plan(schedule)
-        evaluation = self.evaluator.lazy(plan)
+        read = schedule if isinstance(schedule, ReadSchedule) else self.evaluator.read(schedule)
+        evaluation = self.evaluator.lazy(read)
         sims = {}
         # excess, loss and worst only grow as models are added: a partial score already worse
         # than the bar in its first unequal term rules the schedule out
@@ -262,30 +263,30 @@ class _Search:
         return self.ordering.regret(label, step_ms)
 
 
-def _entries(schedule: Schedule | Plan) -> list[Entry]:
-    if isinstance(schedule, Plan) and schedule.entries is not None:
-        return list(schedule.entries)  # the buckets and gaps of the schedule they build, in its order
+def _plan_of(schedule: Schedule | ReadSchedule) -> list[PlannedBucket]:
+    if isinstance(schedule, ReadSchedule) and schedule.plan is not None:
+        return list(schedule.plan)  # the buckets and gaps of the schedule it builds, in its order
     issue, wait = schedule.positions()
-    return [(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
+    return [PlannedBucket(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
 
 
-def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[list[Entry]]:
-    """Every schedule one move from ``entries`` (module docstring), merges first, then
-    transfers, then shifts, as entry lists (:func:`solvers.entries.chain_ordered` keeps each
+def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> list[list[PlannedBucket]]:
+    """Every schedule one move from ``plan`` (module docstring), merges first, then
+    transfers, then shifts, as plans (:func:`solvers.core.plan.chain_ordered` keeps each
     chain's issue order)."""
     index = {m: (key, i) for key, names in p.chains.items() for i, m in enumerate(names)}
     by_chain: dict[tuple, list[int]] = {}
-    for e, (bk, _, _) in enumerate(entries):
+    for e, (bk, _, _) in enumerate(plan):
         if bk.members[0] in index:
             by_chain.setdefault(index[bk.members[0]][0], []).append(e)
-    merges: list[list[Entry]] = []
-    transfers: list[list[Entry]] = []
+    merges: list[list[PlannedBucket]] = []
+    transfers: list[list[PlannedBucket]] = []
     for key, es in by_chain.items():
-        es.sort(key=lambda e: index[entries[e][0].members[0]][1])
-        gather = p.colls[entries[es[0]][0].members[0]].coll_type == "all_gather"
+        es.sort(key=lambda e: index[plan[e][0].members[0]][1])
+        gather = p.colls[plan[es[0]][0].members[0]].coll_type == "all_gather"
         for a, b in zip(es, es[1:]):
-            rest = [x for e, x in enumerate(entries) if e not in (a, b)]
-            (b1, i1, w1), (b2, i2, w2) = entries[a], entries[b]
+            rest = [x for e, x in enumerate(plan) if e not in (a, b)]
+            (b1, i1, w1), (b2, i2, w2) = plan[a], plan[b]
             members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
             if _fits_cap(p, members, config):
                 # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
@@ -294,9 +295,9 @@ def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[
                 if merged is not None:
                     merges.append(rest + [merged])
             if config.transfers:
-                transfers.extend(rest + pair for pair in _transfers(p, entries[a], entries[b], gather, config))
-    shifts: list[list[Entry]] = []
-    for e, (bk, i, w) in enumerate(entries):
+                transfers.extend(rest + pair for pair in _transfers(p, plan[a], plan[b], gather, config))
+    shifts: list[list[PlannedBucket]] = []
+    for e, (bk, i, w) in enumerate(plan):
         if bk.members[0] not in index:
             continue  # fixed collectives stay where they are
         lo = max(p.colls[m].ready for m in bk.members)
@@ -304,13 +305,13 @@ def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[
         for k in config.steps:
             for d in (-k, k):
                 if lo <= i + d <= w:
-                    shifts.append([*entries[:e], (bk, i + d, w), *entries[e + 1:]])
+                    shifts.append([*plan[:e], PlannedBucket(bk, i + d, w), *plan[e + 1:]])
                 if i <= w + d <= hi:
-                    shifts.append([*entries[:e], (bk, i, w + d), *entries[e + 1:]])
+                    shifts.append([*plan[:e], PlannedBucket(bk, i, w + d), *plan[e + 1:]])
     return merges + transfers + shifts
 
 
-def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
     """A bucket of ``members`` at these gaps, moved into its window (issued once every member
     is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
     is waited by that read); None when the window is empty."""
@@ -318,7 +319,7 @@ def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entr
     issue = max(issue, lo)
     if issue > hi:
         return None
-    return Bucket(members), issue, min(max(wait, issue), hi)
+    return PlannedBucket(Bucket(members), issue, min(max(wait, issue), hi))
 
 
 def _fits_cap(p: Problem, members: Sequence[str], config: PolishConfig) -> bool:
@@ -328,8 +329,8 @@ def _fits_cap(p: Problem, members: Sequence[str], config: PolishConfig) -> bool:
         sum(p.colls[m].payload_bytes for m in members) <= config.max_bucket_bytes
 
 
-def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
-               config: PolishConfig) -> list[list[Entry]]:
+def _transfers(p: Problem, first: PlannedBucket, second: PlannedBucket, gather: bool,
+               config: PolishConfig) -> list[list[PlannedBucket]]:
     """The moves of the boundary between consecutive buckets of one chain: the first bucket's
     last unit (:func:`chain_units`) or last collective to the second, the second's first unit
     or first collective to the first (a unit of one collective is one move). The bucket that
@@ -339,23 +340,23 @@ def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
     are ready (and waited no earlier)."""
     (b1, i1, w1), (b2, i2, w2) = first, second
 
-    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
         if gather:
             wait = min(wait, min(p.colls[m].needed for m in piece))
             return _placed(p, members, min(issue, wait), wait)
         issue = max(issue, max(p.colls[m].ready for m in piece))
         return _placed(p, members, issue, max(wait, issue))
 
-    out: list[list[Entry | None]] = []
+    out: list[list[PlannedBucket | None]] = []
     if len(b1.members) > 1:  # the first bucket's tail joins the second
         for k in sorted({len(chain_units(p, b1.members)[-1]), 1}):
             if k < len(b1.members):
                 piece = b1.members[-k:]
-                out.append([(Bucket(b1.members[:-k]), i1, w1), taking(piece + b2.members, piece, i2, w2)])
+                out.append([PlannedBucket(Bucket(b1.members[:-k]), i1, w1), taking(piece + b2.members, piece, i2, w2)])
     if len(b2.members) > 1:  # the second bucket's head joins the first
         for k in sorted({len(chain_units(p, b2.members)[0]), 1}):
             if k < len(b2.members):
                 piece = b2.members[:k]
-                out.append([taking(b1.members + piece, piece, i1, w1), (Bucket(b2.members[k:]), i2, w2)])
+                out.append([taking(b1.members + piece, piece, i1, w1), PlannedBucket(Bucket(b2.members[k:]), i2, w2)])
     return [pair for pair in out  # type: ignore[misc]
             if all(e is not None and _fits_cap(p, e[0].members, config) for e in pair)]

@@ -145,14 +145,14 @@ def _one_all_gather_bucket(problem):
     """The traced order with every all-gather of the graph in one bucket, issued at the first
     gap and waited where its first member is needed."""
     from solvers.core.schedule import Bucket
-    from solvers.entries import chain_ordered, from_entries
+    from solvers.core.plan import build_schedule, chain_ordered
 
     traced = problem.traced_schedule()
     issue, wait = traced.positions()
     gathers = tuple(m for key, names in problem.chains.items() if key[0] == "all_gather" for m in names)
     entries = [(b, issue[k], wait[k]) for k, b in enumerate(traced.buckets) if b.members[0] not in gathers]
     entries.append((Bucket(gathers), 0, min(problem.colls[m].needed for m in gathers)))
-    return from_entries(problem, chain_ordered(problem, entries))
+    return build_schedule(problem, chain_ordered(problem, entries))
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])

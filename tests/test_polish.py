@@ -19,7 +19,7 @@ from solvers.polish import PolishConfig, polish
 from solvers.registry import solve
 from solvers.search import SearchConfig
 from solvers.starts import Regrouping, regroup, regroupings
-from solvers.entries import chain_units
+from solvers.core.plan import chain_units
 
 
 def reference_times(problems, schedules, budget):
