@@ -426,7 +426,7 @@ def _solve(problems: dict[str, Problem], budget: int | None, solver: SolverOptio
     notes = fixed_collective_notes(problem)
     try:
         result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
-                                time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
+                                work_limit=solver.work_limit, seed=solver.seed, num_workers=solver.num_workers,
                                 extra_starts=solver.extra_starts, config=solver.search,
                                 all_gather_stream=solver.all_gather_stream, baselines=baselines)
         validate_schedule(problem, result.schedule, mem_budget_bytes=budget)

@@ -223,7 +223,7 @@ class Solution(Decisions):
     objective_us: int
 
 
-#: ``complete(data, schedule, limit_s, seed, num_workers) -> Solution | None``: ``schedule``
+#: ``complete(data, schedule, work_limit, seed, num_workers) -> Solution | None``: ``schedule``
 #: completed to a full solution of ``data``'s model (its decisions fixed, the tightest times),
 #: None when its decisions do not fit; a backend that needs a warm start is given one
 #: (:func:`solvers.cpsat.complete_solution`), never imports another backend

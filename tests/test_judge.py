@@ -237,7 +237,7 @@ def test_data_dependent_sizes_counted_at_the_exports_estimates(moe, kind):
     traced = simulate(dag, problem.traced_schedule(), problem=problem)
     assert (traced.peak_bytes, traced.tracker_peak_bytes) == (liveness_peak(gm), torch_tracker_peak(gm))
     budget = traced.peak_bytes
-    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=1.0))
+    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(work_limit=1.0))
     report = out.meta[REPORT_KEY]
     assert report.verified and not report.fell_back
     assert liveness_peak(out) <= budget

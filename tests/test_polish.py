@@ -50,7 +50,7 @@ def forward_case():
     problems = _problems("forward")
     p = problems["fast"]
     budget = int(simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes * 1.15)
-    solved = {label: solve(q, solver="cpsat", mem_budget_bytes=budget, time_limit_s=2).schedule
+    solved = {label: solve(q, solver="cpsat", mem_budget_bytes=budget, work_limit=2).schedule
               for label, q in problems.items()}
     return problems, budget, solved, reference_times(problems, list(solved.values()), budget)
 

@@ -250,7 +250,7 @@ def heuristic_sim(problem, name: str):
     """(SimResult, SolveResult) of heuristic ``name`` without a budget."""
     if name == "traced":
         return simulate(problem.dag, problem.traced_schedule(), problem=problem), None
-    res = solve(problem, solver=name, time_limit_s=10.0)
+    res = solve(problem, solver=name, work_limit=10.0)
     return simulate(problem.dag, res.schedule, problem=problem), res
 
 

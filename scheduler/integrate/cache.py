@@ -2,7 +2,7 @@
 
 A solve takes seconds; every rank of a job, and every restart of it, asks for the same schedule.
 An entry is looked up by a key that covers everything that decides the schedule, so that a hit
-is the answer the solve would have given (or, for time-limited solves, an equally valid one):
+is the answer the solve would have given (or, for work-limited solves, an equally valid one):
 
 - the DAG (:func:`dag_fingerprint`): every node in graph order with all its attributes (costs
   ``runtime_ms``, sizes ``size_bytes``, aliasing, collective metadata), every edge, and the
@@ -345,7 +345,7 @@ def graph_key(problems: Mapping[str, Any], solver: Any, writeback: Any) -> str |
     alone (a hook, a solver given as a callable)."""
     if solver.schedule_hook is not None or not isinstance(solver.solver, str):
         return None
-    options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
+    options = {"solver": solver.solver, "work_limit": solver.work_limit, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,

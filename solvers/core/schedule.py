@@ -289,8 +289,8 @@ class StageRecord:
     name: str
     #: wall time of the stage (s)
     wall_s: float
-    #: deterministic work charged to the stage (s of the solve's work clock, ``time_limit_s``)
-    work_s: float = 0.0
+    #: deterministic work charged to the stage (work units of the solve's ``work_limit``)
+    work: float = 0.0
     #: schedules simulated by the stage (starts, polish moves, candidates)
     simulations: int = 0
     #: best simulated (or, for judging, re-exported) step time when the stage ended, ms; None
