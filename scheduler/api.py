@@ -351,7 +351,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     if chosen.name != ranked[0][0]:
         notes.append(f"the search's schedule did not hold the budget on its written graph; installed {chosen.name}")
     stages = torch_stage + list(result.stages) + [StageRecord(name="judge", wall_s=time.perf_counter() - t_choose,
-                                                simulations=len(judged), step_ms=chosen.figures.step_ms)]
+                                                evaluations=len(judged), step_ms=chosen.figures.step_ms)]
     report = _report(problems, chosen, judged, budget, solver=solver, found_by=result.solver,
                      status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
                      fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose,
@@ -385,7 +385,7 @@ def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], 
     note = (f"no rewritten schedule was found within the budget ({refusal}); the graph as traced holds it (peak "
             f"{fmt_bytes(traced.figures.max_peak_bytes)} by {traced.figures.decided_by}) and is left unchanged")
     logger.warning("fsdp-sched: %s", note)
-    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, evaluations=1,
                           step_ms=traced.figures.step_ms)]
     report = _report(problems, traced, [traced], budget, solver=solver, found_by="traced",
                      status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*fixed_collective_notes(problem), note],
@@ -560,7 +560,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         raise ScheduleError(f"{source}: its written graph peaks at {fmt_bytes(chosen.figures.max_peak_bytes)} "
                             f"({chosen.figures.max_peak_bytes} B) by {chosen.figures.decided_by}, over the budget "
                             f"{fmt_bytes(budget)} ({budget} B)")
-    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, evaluations=1,
                           step_ms=chosen.figures.step_ms)]
     report = _report(problems, chosen, [chosen], budget, solver=solver, found_by=said["solver"],
                      status=said["status"], best_bound=said["best_bound_ms"], notes=notes,

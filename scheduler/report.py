@@ -103,7 +103,7 @@ class ScheduleReport:
     #: the stages of the call, in order: the export, the solve's (:attr:`SolveResult.stages`)
     #: or the cache's lookup, the choice's (:mod:`scheduler.check.written`), the write-back; each a
     #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work,
-    #: simulations, step_ms, gained_ms)
+    #: evaluations, step_ms, gained_ms)
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: labels of the cost models the schedule was judged under (the first is the report's)
     cost_models: list[str] = dataclasses.field(default_factory=list)

@@ -329,8 +329,8 @@ class Objective:
         none)."""
         return self.ordering().key(_steps(e))[0]
 
-    def simulations_for(self, work: float, config: SearchConfig) -> int:
-        """The polish's simulations (one model's evaluation of one neighbour, as
+    def evaluations_for(self, work: float, config: SearchConfig) -> int:
+        """The polish's evaluations (one model's evaluation of one neighbour, as
         :func:`solvers.polish.polish` counts them) in ``work`` work units on this graph."""
         return int(work * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
 

@@ -34,7 +34,7 @@ wait by ``k`` gaps for ``k`` in :attr:`PolishConfig.steps`. Moves are scanned cy
 the one after the last accepted; a neighbour is evaluated under the model of largest regret
 first and rejected as soon as one model's regret exceeds the current worst, so most rejected
 moves cost one evaluation. The search stops after a full scan without gain or when
-:attr:`PolishConfig.max_simulations` are spent: work is counted in evaluations, not seconds,
+:attr:`PolishConfig.max_evaluations` are spent: work is counted in evaluations, not seconds,
 so every rank gets the same schedule from the same graph.
 """
 
@@ -45,13 +45,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
+from solvers.config import renamed_fields
 from solvers.core.evaluate import ModelEvaluator, ReadSchedule
+from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_window
-from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.objective import Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
@@ -59,13 +60,15 @@ __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
 logger = logging.getLogger(__name__)
 
 
+@renamed_fields(max_simulations="max_evaluations")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolishConfig:
     """Limits and moves of :func:`polish`."""
 
-    #: deterministic work limit, in simulations: one per model and neighbour evaluated (fewer
-    #: when a neighbour is rejected early), and one more per neighbour built
-    max_simulations: int = 4000
+    #: deterministic work limit, in evaluations: one per model and neighbour evaluated (fewer
+    #: when a neighbour is rejected early), and one more per neighbour built. Was
+    #: ``max_simulations``, which still works for one release (deprecated)
+    max_evaluations: int = 4000
     #: gap distances a bucket's issue or wait is moved by, largest first
     steps: tuple[int, ...] = (8, 2, 1)
     #: move the boundary between consecutive buckets by one unit or collective (:func:`_transfers`)
@@ -74,8 +77,8 @@ class PolishConfig:
     max_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_simulations < 1:
-            raise ValueError(f"max_simulations must be >= 1, got {self.max_simulations}")
+        if self.max_evaluations < 1:
+            raise ValueError(f"max_evaluations must be >= 1, got {self.max_evaluations}")
         if not self.steps or any(k < 1 for k in self.steps):
             raise ValueError(f"steps must be positive gap distances, got {self.steps}")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes < 1:
@@ -94,7 +97,8 @@ class PolishResult:
     peak_bytes: int
     #: moves accepted
     moves: int
-    simulations: int
+    #: evaluations spent (as :attr:`PolishConfig.max_evaluations` counts them)
+    evaluations: int
     solve_time_s: float
     #: why the search stopped
     stopped: str
@@ -144,8 +148,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     stopped = "converged: no move lowers the worst-case regret"
     neighbours = _neighbours(search.p0, _plan_of(schedule), config)
     while neighbours and unchanged < len(neighbours):
-        if search.simulations >= config.max_simulations:
-            stopped = f"work limit: {config.max_simulations} simulations"
+        if search.evaluations >= config.max_evaluations:
+            stopped = f"work limit: {config.max_evaluations} evaluations"
             break
         k %= len(neighbours)
         found = search.evaluate_plan(neighbours[k], score)
@@ -154,8 +158,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             moves += 1
             unchanged = 0
             neighbours = _neighbours(search.p0, _plan_of(schedule), config)
-            logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d simulations)",
-                         moves, score[0], score[1], score[2], search.simulations)
+            logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d evaluations)",
+                         moves, score[0], score[1], score[2], search.evaluations)
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
@@ -168,15 +172,15 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     regrets = {label: search.regret(label, sims[label].step_ms) for label in search.labels}
     result = PolishResult(schedule=search.schedule_of(schedule),
                            step_ms={label: sims[label].step_ms for label in search.labels}, regret=regrets,
-                           peak_bytes=peak, moves=moves, simulations=search.simulations,
+                           peak_bytes=peak, moves=moves, evaluations=search.evaluations,
                            solve_time_s=time.perf_counter() - t0, stopped=stopped)
-    logger.info("polish: worst-case regret %.2f %% after %d moves, %d simulations, %.1f s (%s)",
-                100 * result.worst_regret, moves, search.simulations, result.solve_time_s, stopped)
+    logger.info("polish: worst-case regret %.2f %% after %d moves, %d evaluations, %.1f s (%s)",
+                100 * result.worst_regret, moves, search.evaluations, result.solve_time_s, stopped)
     return result
 
 
 class _Search:
-    """The models, the references and the simulation count of one :func:`polish`."""
+    """The models, the references and the evaluation count of one :func:`polish`."""
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
                  mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
@@ -195,7 +199,7 @@ class _Search:
                                                                  self.labels}, baseline_ms, baseline_weight,
                                  strict_models)
         self.strict = self.ordering.strict
-        self.simulations = 0
+        self.evaluations = 0
         #: the start's :attr:`Schedule.split_groups`, which every move keeps
         self.split_groups = split_groups
         #: model labels: a strict one the schedule loses to the baseline under, then the one of
@@ -210,9 +214,9 @@ class _Search:
         ordered = chain_ordered(self.p0, plan)
         if ordered is None:
             return None
-        # counted as one simulation, the cost of building the schedule before the evaluator read
+        # counted as one evaluation, the cost of building the schedule before the evaluator read
         # plans directly, so that work limits keep their meaning
-        self.simulations += 1
+        self.evaluations += 1
         try:
             read = self.evaluator.read_plan(ordered, self.split_groups)
         except ValueError:
@@ -231,7 +235,7 @@ class _Search:
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
         None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
         the simulator's numbers, memory counted once) and stops at the first that rules it out;
-        each model evaluated counts as one simulation."""
+        each model evaluated counts as one evaluation."""
         read = schedule if isinstance(schedule, ReadSchedule) else self.evaluator.read(schedule)
         evaluation = self.evaluator.lazy(read)
         sims = {}
@@ -244,7 +248,7 @@ class _Search:
             except ScheduleInvalidError:
                 return None
             finally:
-                self.simulations += 1
+                self.evaluations += 1
             excess = max(excess, self.ordering.excess(sim.peak_bytes))
             loss = max(loss, self.ordering.loss(label, sim.step_ms))
             r = self.regret(label, sim.step_ms)

@@ -98,9 +98,9 @@ ALL_GATHER_STREAMS = ("shared", "choose", "separate")
 #: work a sum of window limits may exceed its share by: the sum is a float, and a
 #: share that holds n windows exactly must run all n
 WORK_TOLERANCE = 1e-9
-#: the least polish worth running, in simulations per cost model: its start's evaluation and
+#: the least polish worth running, in evaluations per cost model: its start's evaluation and
 #: one neighbour's (with less, the polish could not try a single move)
-POLISH_MIN_SIMULATIONS_PER_MODEL = 2
+POLISH_MIN_EVALUATIONS_PER_MODEL = 2
 
 
 class WindowBackend(Protocol):
@@ -263,14 +263,14 @@ def search(
         work_left = max(0.0, work_left - spent)
         stages.append(_stage("windows", t, spent, objective.evaluations - n0, best, primary, before))
 
-    def polish(start: Evaluated, simulations: int, strict_models: tuple[str, ...] = ()) -> polishing.PolishResult:
+    def polish(start: Evaluated, evaluations: int, strict_models: tuple[str, ...] = ()) -> polishing.PolishResult:
         return polishing.polish(objective.problems, start.schedule, _polish_reference(objective), mem_budget_bytes,
-                                polishing.PolishConfig(max_simulations=simulations, steps=config.polish_steps),
+                                polishing.PolishConfig(max_evaluations=evaluations, steps=config.polish_steps),
                                 baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
                                 strict_models=strict_models, evaluator=objective.evaluator)
 
-    n_polish = objective.simulations_for(work_left, config)
-    if n_polish >= POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
+    n_polish = objective.evaluations_for(work_left, config)
+    if n_polish >= POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
         t, before = time.perf_counter(), best
         polished, used = best, 0
         # a local search ends where its start leads: with several models, also from the best
@@ -282,10 +282,10 @@ def search(
             froms.append(other)
         for k, start in enumerate(froms):
             share = (n_polish - used) // (len(froms) - k)
-            if share < POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
+            if share < POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
                 continue
             result = polish(start, share)
-            used += result.simulations
+            used += result.evaluations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None:
                 e.origin = start.start
@@ -306,7 +306,7 @@ def search(
                 e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
                 best = e
-            stages.append(_stage("strict", t, work_left * result.simulations / n_polish, result.simulations, best,
+            stages.append(_stage("strict", t, work_left * result.evaluations / n_polish, result.evaluations, best,
                                  primary, before))
 
     # no stage may end worse than a start it could have kept: with too little work for the
@@ -346,5 +346,5 @@ def _polish_reference(objective: Objective) -> dict[str, float]:
 
 def _stage(name: str, t0: float, work: float, evaluations: int, e: Evaluated, label: str,
            before: Evaluated) -> StageRecord:
-    return StageRecord(name=name, wall_s=time.perf_counter() - t0, work=work, simulations=evaluations,
+    return StageRecord(name=name, wall_s=time.perf_counter() - t0, work=work, evaluations=evaluations,
                        step_ms=e.step_ms(label), gained_ms=max(0.0, before.step_ms(label) - e.step_ms(label)))

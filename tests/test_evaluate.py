@@ -806,13 +806,13 @@ def test_polish_and_regular_starts_as_with_the_simulator(llama_debug, kind, monk
     budget = int(traced.peak_bytes * 1.3)
     starts = [p0.traced_schedule(), solve(p0, solver="fsdp2").schedule]
     reference = {label: min(simulate(p.dag, s, problem=p).step_ms for s in starts) for label, p in problems.items()}
-    config = PolishConfig(max_simulations=400)
+    config = PolishConfig(max_evaluations=400)
 
     def run():
         out = []
         for start in starts:
             r = polish(problems, start, reference, budget, config)
-            out.append((r.schedule.digest(), r.simulations, r.moves, r.stopped, r.regret))
+            out.append((r.schedule.digest(), r.evaluations, r.moves, r.stopped, r.regret))
         regular = [regroup(p0, starts[1], r) for r in regroupings(p0, (1, 2, 3), (1, 2))]
         out.append([(s.digest(), {label: ModelEvaluator(problems).evaluate(s)[label].step_ms for label in problems})
                     for s in regular if s is not None])

@@ -75,7 +75,7 @@ def test_stages_are_recorded_with_their_work_and_gains(binding):
     config = SearchConfig()
     assert [s.name for s in result.stages] == ["starts", "windows", "polish"]
     starts_, windows_, polish_ = result.stages
-    assert starts_.gained_ms == 0.0 and starts_.simulations >= len(HEURISTICS) and starts_.work == 0.0
+    assert starts_.gained_ms == 0.0 and starts_.evaluations >= len(HEURISTICS) and starts_.work == 0.0
     for before, stage in zip(result.stages, result.stages[1:]):
         assert stage.step_ms <= before.step_ms
         assert stage.gained_ms == pytest.approx(before.step_ms - stage.step_ms)
@@ -625,7 +625,7 @@ def test_same_schedule_again_with_a_clock_running_three_times_fast(binding, monk
     monkeypatch.setattr(time, "perf_counter", lambda: t0 + 3.0 * (real() - t0))
     slow = search({"analytic": p}, budget, backend=CpSatBackend(), work_limit=2.0)
     assert slow.schedule.digest() == first.schedule.digest()
-    assert [s.simulations for s in slow.stages] == [s.simulations for s in first.stages]
+    assert [s.evaluations for s in slow.stages] == [s.evaluations for s in first.stages]
 
 
 def test_same_schedule_in_two_processes(tmp_path):

@@ -291,8 +291,9 @@ class StageRecord:
     wall_s: float
     #: deterministic work charged to the stage (work units of the solve's ``work_limit``)
     work: float = 0.0
-    #: schedules simulated by the stage (starts, polish moves, candidates)
-    simulations: int = 0
+    #: schedules evaluated by the stage, one model's evaluation each (starts, polish moves,
+    #: candidates); was ``simulations``
+    evaluations: int = 0
     #: best simulated (or, for judging, re-exported) step time when the stage ended, ms; None
     #: when the stage produced no schedule
     step_ms: float | None = None
