@@ -250,7 +250,7 @@ def _with_budget(
     raise InfeasibleBudgetError(
         f"heuristic {name!r} cannot keep peak memory under {mem_budget_bytes} B (smallest peak "
         f"{best_peak} B); raise the budget to at least that, or use solver='cpsat'",
-        budget_bytes=int(mem_budget_bytes or 0),
+        mem_budget_bytes=int(mem_budget_bytes or 0),
         min_peak_bytes=best_peak,
     )
 

@@ -586,7 +586,7 @@ def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = N
     if out.status == "infeasible":
         raise InfeasibleBudgetError(
             f"the LP relaxation is infeasible under {mem_budget_bytes} B; raise mem_budget",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=None,
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=None,
         )
     return out.objective_us / US_PER_MS if out.objective_us is not None else math.nan
 

@@ -168,7 +168,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
         raise InfeasibleBudgetError(
             f"the polish could not bring its start under the budget of {fmt_bytes(mem_budget_bytes or 0)}: "
             f"the smallest peak it reached is {fmt_bytes(peak)} ({peak} B); start from a schedule that fits",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     regrets = {label: search.regret(label, sims[label].step_ms) for label in search.labels}
     result = PolishResult(schedule=search.schedule_of(schedule),
                            step_ms={label: sims[label].step_ms for label in search.labels}, regret=regrets,

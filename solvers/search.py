@@ -239,7 +239,7 @@ def search(
         raise InfeasibleBudgetError(
             f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
             f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
     split_best = None
     if groups:

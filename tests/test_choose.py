@@ -107,7 +107,7 @@ def test_no_written_graph_that_fits_raises_with_a_peak_that_works_as_a_budget(ba
     with pytest.raises(InfeasibleBudgetError) as err:
         choose(gm, problem, [("fsdp2", fsdp2)], 1, **WRITE)
     least = min(judged.max_peak_bytes, traced.max_peak_bytes)
-    assert err.value.min_peak_bytes == least and err.value.budget_bytes == 1
+    assert err.value.min_peak_bytes == least and err.value.mem_budget_bytes == 1
     chosen, _ = choose(gm, problem, [("fsdp2", fsdp2)], err.value.min_peak_bytes, **WRITE)
     assert chosen.figures.max_peak_bytes <= err.value.min_peak_bytes
 

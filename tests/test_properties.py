@@ -73,7 +73,7 @@ def solve_checked(problem: Problem, solver: str, budget: int | None):
     try:
         result = solve(problem, solver=solver, mem_budget_bytes=budget, work_limit=WORK_LIMIT)
     except InfeasibleBudgetError as e:
-        assert e.budget_bytes == budget
+        assert e.mem_budget_bytes == budget
         return None
     sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
     assert sim.peak_bytes <= (budget if budget is not None else math.inf)

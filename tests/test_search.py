@@ -607,7 +607,7 @@ def test_an_unreachable_budget_names_a_peak_that_works_as_a_budget():
     traced = _peak(p, p.traced_schedule())
     with pytest.raises(InfeasibleBudgetError) as err:
         search({"m": p}, traced // 2, backend=CpSatBackend(), work_limit=1.0)
-    assert err.value.budget_bytes == traced // 2
+    assert err.value.mem_budget_bytes == traced // 2
     assert traced // 2 < err.value.min_peak_bytes <= traced
     result = search({"m": p}, err.value.min_peak_bytes, backend=CpSatBackend(), work_limit=1.0)
     assert _peak(p, result.schedule) <= err.value.min_peak_bytes

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import heapq
 import json
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -28,14 +29,22 @@ class ScheduleError(RuntimeError):
 class InfeasibleBudgetError(ScheduleError):
     """No schedule of the graph keeps peak memory under the requested budget.
 
-    ``min_peak_bytes`` is the smallest peak any schedule in the search space reaches (as found
-    by the solver), so that the caller can raise the budget to at least that value.
+    ``mem_budget_bytes`` is that budget; ``min_peak_bytes`` the smallest peak any schedule in
+    the search space reaches (as found by the solver), so that the caller can raise the budget
+    to at least that value.
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int | None):
+    def __init__(self, message: str, *, mem_budget_bytes: int, min_peak_bytes: int | None):
         super().__init__(message)
-        self.budget_bytes = budget_bytes
+        self.mem_budget_bytes = mem_budget_bytes
         self.min_peak_bytes = min_peak_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """Deprecated name of :attr:`mem_budget_bytes` (for one release)."""
+        warnings.warn("InfeasibleBudgetError.budget_bytes is deprecated and will be removed in the next release: use "
+                      "InfeasibleBudgetError.mem_budget_bytes", DeprecationWarning, stacklevel=2)
+        return self.mem_budget_bytes
 
 
 class SolveStatus(str, Enum):
