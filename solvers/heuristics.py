@@ -43,7 +43,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence, Set as AbstractSet
 
-from solvers.core.evaluate import Evaluation, evaluate as evaluate_schedule
+from solvers.core.evaluate import Evaluation, evaluate
 from solvers.core.plan import PlannedBucket
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step, order_gap
@@ -64,7 +64,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # --------------------------------------------------------------------------------------------
 # shared helpers
 # --------------------------------------------------------------------------------------------
-def evaluate(
+def heuristic_result(
     problem: Problem,
     schedule: Schedule,
     solver_name: str,
@@ -73,15 +73,15 @@ def evaluate(
     notes: Sequence[str] = (),
     sim: Evaluation | None = None,
 ) -> SolveResult:
-    """Evaluate ``schedule`` (:func:`solvers.core.evaluate.evaluate`: the simulator's numbers)
-    and wrap it as a :class:`SolveResult`.
+    """``schedule`` as a :class:`SolveResult`, with the simulator's numbers
+    (:func:`solvers.core.evaluate.evaluate`).
 
     Args:
         t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
         notes: remarks stored on the result.
         sim: the schedule's evaluation when the caller has it already.
     """
-    sim = sim or evaluate_schedule(problem, schedule)
+    sim = sim or evaluate(problem, schedule)
     return SolveResult(
         schedule=schedule,
         status=status,
@@ -237,8 +237,8 @@ def _with_budget(
     first = True
     for cfg in configs:
         sched = build(problem, cfg)
-        sim = evaluate_schedule(problem, sched)
-        res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
+        sim = evaluate(problem, sched)
+        res = heuristic_result(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
                        sim=sim)
         peak = sim.peak_bytes
         if mem_budget_bytes is None or peak <= mem_budget_bytes:

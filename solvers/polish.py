@@ -140,7 +140,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     t0 = time.perf_counter()
     search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups,
                      strict_models, evaluator)
-    current = search.evaluate(start, None)
+    current = search.scored(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
     schedule, score, sims = current
@@ -152,7 +152,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             stopped = f"work limit: {config.max_evaluations} evaluations"
             break
         k %= len(neighbours)
-        found = search.evaluate_plan(neighbours[k], score)
+        found = search.scored_plan(neighbours[k], score)
         if found is not None:
             schedule, score, sims = found
             moves += 1
@@ -206,8 +206,8 @@ class _Search:
         #: largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
 
-    def evaluate_plan(self, plan: list[PlannedBucket], bar: tuple[int, float, float, float]):
-        """:meth:`evaluate` of the schedule of ``plan`` (:func:`solvers.core.plan.build_schedule`)
+    def scored_plan(self, plan: list[PlannedBucket], bar: tuple[int, float, float, float]):
+        """:meth:`scored` of the schedule of ``plan`` (:func:`solvers.core.plan.build_schedule`)
         without building it: an accepted one is returned as its
         :class:`~solvers.core.evaluate.ReadSchedule` (:func:`_plan_of` reads it, :meth:`schedule_of`
         builds the schedule)."""
@@ -221,15 +221,15 @@ class _Search:
             read = self.evaluator.read_plan(ordered, self.split_groups)
         except ValueError:
             return None
-        return self.evaluate(read, bar)
+        return self.scored(read, bar)
 
     def schedule_of(self, schedule: Schedule | ReadSchedule) -> Schedule:
-        """The schedule of an accepted plan (:meth:`evaluate_plan`), as ``build_schedule`` builds it."""
+        """The schedule of an accepted plan (:meth:`scored_plan`), as ``build_schedule`` builds it."""
         if isinstance(schedule, ReadSchedule):
             return schedule.schedule or build_schedule(self.p0, list(schedule.plan)).with_split(self.split_groups)
         return schedule
 
-    def evaluate(self, schedule: Schedule | ReadSchedule, bar: tuple[int, float, float, float] | None):
+    def scored(self, schedule: Schedule | ReadSchedule, bar: tuple[int, float, float, float] | None):
         """(schedule, (excess bytes over the budget, strict slowdown, worst regret, total),
         evaluations by label)
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else

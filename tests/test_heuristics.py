@@ -15,9 +15,9 @@ from solvers.heuristics import (
     SimpleFSDPConfig,
     autoparallel_schedule,
     compute_gaps,
-    evaluate,
     fsdp2_blocks,
     fsdp2_schedule,
+    heuristic_result,
     simplefsdp_schedule,
 )
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
@@ -220,11 +220,11 @@ def test_fixed_collectives_stay_where_traced():
         assert (issue[idx], wait[idx]) == (p.colls["ar"].traced_issue, p.colls["ar"].traced_wait)
 
 
-def test_evaluate_reports_simulation():
+def test_heuristic_result_reports_simulation():
     import time
 
     p = _problem(graph_kind="forward")
-    res = evaluate(p, p.traced_schedule(), "mine", SolveStatus.FEASIBLE, time.perf_counter(), notes=("x",))
+    res = heuristic_result(p, p.traced_schedule(), "mine", SolveStatus.FEASIBLE, time.perf_counter(), notes=("x",))
     assert (res.solver, res.status, res.notes) == ("mine", SolveStatus.FEASIBLE, ("x",))
     assert res.objective_ms == pytest.approx(solve(p, solver="traced").objective_ms)
     assert res.solve_time_s >= 0
