@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 except InfeasibleBudgetError as e:
                     rows.append(_row(gname, label, h, note=f"infeasible (min peak {e.min_peak_bytes / 2**30:.3f} GiB)" if e.min_peak_bytes else "infeasible"))
             try:
-                r = solve(problem, solver="cpsat", mem_budget_bytes=budget, time_limit_s=args.time_limit)
+                r = solve(problem, solver="cpsat", mem_budget_bytes=budget, work_limit=args.time_limit)
                 rows.append(_row(gname, label, "fsdp-sched cpsat", r, simulate(dag, r.schedule, problem=problem), note="; ".join(r.notes)[:120]))
             except InfeasibleBudgetError as e:
                 rows.append(_row(gname, label, "fsdp-sched cpsat", note=str(e)[:120]))

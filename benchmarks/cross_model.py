@@ -50,14 +50,14 @@ TARGET_REGRET = 0.02
 ROBUST = "fsdp-sched (robust default)"
 
 
-def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "fsdp2") -> dict[str, Any]:
+def cross_case(gm: Any, *, cluster: Any, work_limit: float, budget_of: str = "fsdp2") -> dict[str, Any]:
     """Every candidate of one graph judged under the family (module docstring)."""
     from scheduler.compare.judged import judge_baseline, judge_product
     from scheduler.costs.family import cost_model_family
     from scheduler.options import SolverOptions
 
     family = cost_model_family(cluster)
-    solver = SolverOptions(time_limit_s=time_limit_s)
+    solver = SolverOptions(work_limit=work_limit)
     judged = {name: judge_baseline(gm, name, family, cluster=cluster) for name in BASELINES}
     budget = judged["fsdp2"].max_peak_bytes if budget_of == "fsdp2" else None
     for label, model in ((f"fsdp-sched under {m}", m) for m in BASE):
@@ -77,7 +77,7 @@ def cross_case(gm: Any, *, cluster: Any, time_limit_s: float, budget_of: str = "
     return {"budget_bytes": budget, "labels": list(family), "rows": rows}
 
 
-def run(models: list[str], time_limit_s: float, budget_of: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+def run(models: list[str], work_limit: float, budget_of: str, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
     from models.capture import fake_process_group
     from scheduler.costs.hardware import Cluster
 
@@ -90,7 +90,7 @@ def run(models: list[str], time_limit_s: float, budget_of: str, kinds: tuple[str
         for kind in kinds:
             t0 = time.perf_counter()
             with fake_process_group(world_size):
-                case = cross_case(getattr(graphs, kind), cluster=cluster, time_limit_s=time_limit_s,
+                case = cross_case(getattr(graphs, kind), cluster=cluster, work_limit=work_limit,
                                   budget_of=budget_of)
             case.update(model=spec, graph=kind, time_s=time.perf_counter() - t0)
             out.append(case)
@@ -117,12 +117,12 @@ def _format(case: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from solvers.search import DEFAULT_TIME_LIMIT_S
+    from solvers.search import DEFAULT_WORK_LIMIT
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
                         help="preset:n_layers:world_size or foreign:style:n_layers:world_size")
-    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_WORK_LIMIT,
                         help="work limit per solve, s (default: optimize_schedule's, %(default)s)")
     parser.add_argument("--budget", choices=("fsdp2", "none"), default="fsdp2",
                         help="the FSDP2-like peak (default) or no limit")

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODELS = ("llama3-8b:8:64",)
 
 
-def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: tuple[str, ...] | None = None,
+def run(models: list[str], work_limit: float, solve_under: str, cost_models: tuple[str, ...] | None = None,
         gpus_per_node: int = 8, baselines: tuple[str, ...] | None = None, all_gather_stream: str = "shared",
         kinds: tuple[str, ...] = ("forward", "backward"), merge_all_reduces: bool = False
         ) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -70,7 +70,7 @@ def run(models: list[str], time_limit_s: float, solve_under: str, cost_models: t
                     getattr(graphs, kind), graph=kind,
                     cluster=Cluster(n_gpus=world_size, gpus_per_node=min(gpus_per_node, world_size)),
                     cost_models=cost_models or equal_memory.COST_MODELS, baselines=baselines or equal_memory.BASELINES,
-                    solver=SolverOptions(time_limit_s=time_limit_s, all_gather_stream=all_gather_stream,
+                    solver=SolverOptions(work_limit=work_limit, all_gather_stream=all_gather_stream,
                                          merge_all_reduces=merge_all_reduces),
                     solve_under=solve_under, on_row=_progress)
                 mine += comparison.rows
@@ -89,12 +89,12 @@ def _progress(row: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from scheduler.compare import equal_memory
-    from solvers.search import DEFAULT_TIME_LIMIT_S
+    from solvers.search import DEFAULT_WORK_LIMIT
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS),
                         help="preset:n_layers:world_size or foreign:style:n_layers:world_size")
-    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_WORK_LIMIT,
                         help="work limit per solve, s (default: optimize_schedule's, %(default)s)")
     parser.add_argument("--solve-under", choices=equal_memory.SOLVE_UNDER, default="robust",
                         help="robust: no cost model, as users run it (default); each: under each judging model")

@@ -6,8 +6,8 @@ process group) exported with the analytic cost model, and each schedule:
 * the heuristics' schedules (traced, FSDP2-like, SimpleFSDP-like, AutoParallel-like): one
   ``simulate(dag, schedule, problem=p)`` against one ``Evaluator(p).evaluate(schedule)``;
 * neighbours of the minimax polish (``solvers.polish._neighbours`` of the FSDP2-like schedule):
-  the schedule built from entries (``solvers.entries.from_entries``) and simulated, against
-  ``Evaluator.plan_entries`` + ``evaluate`` (what the polish does now);
+  the schedule built from the plan (``solvers.core.plan.build_schedule``) and simulated, against
+  ``Evaluator.read_plan`` + ``evaluate`` (what the polish does now);
 * with ``--family`` (default on): the same graph exported under the robust option's six cost
   models (``scheduler.costs.family.cost_model_family``), one schedule judged under all six:
   six simulations against ``ModelEvaluator.evaluate`` (memory counted once, six timelines).
@@ -74,8 +74,8 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
     from solvers.core.evaluate import Evaluator, ModelEvaluator
     from solvers.core.problem import Problem
     from solvers.core.simulator import simulate
-    from solvers.entries import chain_ordered, from_entries
-    from solvers.polish import PolishConfig, _entries, _neighbours
+    from solvers.core.plan import build_schedule, chain_ordered
+    from solvers.polish import PolishConfig, _neighbours, _plan_of
 
     dag = scheduler.export_dag(gm, cost_model="analytic", cluster=cluster)
     p = Problem.from_dag(dag)
@@ -95,17 +95,17 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
         rows.append({**base, "schedule": name, "buckets": len(s.buckets), "fell_back": f"{ev.fallbacks - before}/1",
                      "simulate_ms": cpu_ms(lambda: simulate(dag, s, problem=p), repeats),
                      "evaluate_ms": cpu_ms(lambda: ev.evaluate(s), max(repeats, 20))})
-    moves = _neighbours(p, _entries(schedules["fsdp2"]), PolishConfig())
+    moves = _neighbours(p, _plan_of(schedules["fsdp2"]), PolishConfig())
     random.Random(0).shuffle(moves)
     picked = [o for o in (chain_ordered(p, e) for e in moves) if o is not None][:neighbours]
     before = ev.fallbacks
     for o in picked:
-        if not same(simulate(dag, from_entries(p, o), problem=p), ev.evaluate(ev.plan_entries(o))):
+        if not same(simulate(dag, build_schedule(p, o), problem=p), ev.evaluate(ev.read_plan(o))):
             raise AssertionError(f"{graph} {kind}: the evaluator differs from the simulator on a neighbour")
     if picked:
         fell_back = f"{ev.fallbacks - before}/{len(picked)}"
-        sim_ms = cpu_ms(lambda: [simulate(dag, from_entries(p, o), problem=p) for o in picked], repeats) / len(picked)
-        ev_ms = cpu_ms(lambda: [ev.evaluate(ev.plan_entries(o)) for o in picked], repeats) / len(picked)
+        sim_ms = cpu_ms(lambda: [simulate(dag, build_schedule(p, o), problem=p) for o in picked], repeats) / len(picked)
+        ev_ms = cpu_ms(lambda: [ev.evaluate(ev.read_plan(o)) for o in picked], repeats) / len(picked)
         rows.append({**base, "schedule": f"{len(picked)} polish neighbours (build + judge)",
                      "buckets": len(schedules["fsdp2"].buckets), "fell_back": fell_back, "simulate_ms": sim_ms,
                      "evaluate_ms": ev_ms})

@@ -80,7 +80,7 @@ class FidelityConfig:
     steps: int = 5
     warmup_steps: int = 2
     #: solver time limit per graph, s
-    time_limit_s: float = 10.0
+    work_limit: float = 10.0
     #: per-rank payload sizes (bytes) of the collective fit
     collective_sizes: tuple[int, ...] = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
     #: timing cache directory (default: $FSDP_SCHED_CACHE or ~/.cache/fsdp-sched)
@@ -137,7 +137,7 @@ def _rank_main(rank: int, world_size: int, cfg: FidelityConfig) -> list[dict[str
         graphs: dict[str, Any] = {}
         backend = _recording_backend(
             graphs, cost_model=cost, cluster=cluster,
-            solver=scheduler.SolverOptions(solver=solver, time_limit_s=cfg.time_limit_s, seed=0,
+            solver=scheduler.SolverOptions(solver=solver, work_limit=cfg.work_limit, seed=0,
                                            fallback=False),  # the solver's own schedule, not a better start
             agreement=scheduler.AgreementOptions(broadcast_from=0),
         )
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-size", type=int, default=FidelityConfig.world_size)
     p.add_argument("--solvers", default=",".join(FidelityConfig.solvers))
     p.add_argument("--steps", type=int, default=FidelityConfig.steps)
-    p.add_argument("--time-limit-s", type=float, default=FidelityConfig.time_limit_s)
+    p.add_argument("--work-limit", "--time-limit-s", type=float, default=FidelityConfig.work_limit)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--profile", action="store_true",
                    help="also predict each step from a torch.profiler trace of the run and a collective table "
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["overrides"] = {k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
     cfg = FidelityConfig(
         model=args.model, world_size=args.world_size, solvers=tuple(args.solvers.split(",")),
-        steps=args.steps, time_limit_s=args.time_limit_s, cache_dir=args.cache_dir, profile=args.profile, **kwargs,
+        steps=args.steps, work_limit=args.work_limit, cache_dir=args.cache_dir, profile=args.profile, **kwargs,
     )
     start = time.perf_counter()
     rows = run(cfg)

@@ -11,7 +11,7 @@ Each case is drawn from one seed (its reproducer: ``--start SEED --cases 1``):
 - an argument combination for :func:`scheduler.optimize_schedule`: a budget (none, a fraction
   of the program's own peak from 0.3 to 1.3, as bytes or a string), a solver, a time limit, a
   payload order, control deps, fallback, a seed; about one case in five replaces one
-  argument by a bad value (the ones users tried: ``payload_order="foo"``, ``time_limit_s`` of
+  argument by a bad value (the ones users tried: ``payload_order="foo"``, ``work_limit`` of
   0, -1, NaN, inf, ``"5"`` or None, ``seed="x"``, a budget of ``2**63``, ``"1e400 GiB"``,
   ``"abc"`` or 0, ...).
 
@@ -66,7 +66,7 @@ HEURISTICS = ("traced", "fsdp2", "simplefsdp", "autoparallel")
 #: bad values users passed, per argument (each must raise TypeError or ValueError naming it)
 BAD = {
     "payload_order": ["foo", None, 1],
-    "time_limit_s": [0, -1, math.nan, math.inf, "5", None],
+    "work_limit": [0, -1, math.nan, math.inf, "5", None],
     "seed": ["x", -1, 1.5, 2**40],
     "solver": [None, 42, "nope"],
     "num_workers": [-1, 0, "2"],
@@ -88,7 +88,7 @@ def draw_arguments(rnd: random.Random, own_peak: int) -> tuple[dict[str, Any], s
     kwargs: dict[str, Any] = {
         "mem_budget": budget if budget is None or rnd.random() < 0.7 else f"{budget} B",
         "solver": rnd.choice(("cpsat", "cpsat", "milp", *HEURISTICS)),
-        "time_limit_s": rnd.choice((0.2, 0.5, 1.0)),
+        "work_limit": rnd.choice((0.2, 0.5, 1.0)),
         "payload_order": rnd.choice(("registration", "execution")),
         "control_deps": rnd.random() < 0.2,
         "fallback": rnd.random() < 0.85,
@@ -104,7 +104,7 @@ def draw_arguments(rnd: random.Random, own_peak: int) -> tuple[dict[str, Any], s
 def optimize(gm: torch.fx.GraphModule, kwargs: dict[str, Any]) -> torch.fx.GraphModule:
     """optimize_schedule with the drawn arguments, the options objects built from them (a bad
     value raises when its object is built, before the graph is touched)."""
-    solver = {k: kwargs[k] for k in ("solver", "time_limit_s", "seed", "num_workers", "fallback", "extra_starts")
+    solver = {k: kwargs[k] for k in ("solver", "work_limit", "seed", "num_workers", "fallback", "extra_starts")
               if k in kwargs}
     writeback = {k: kwargs[k] for k in ("payload_order", "control_deps") if k in kwargs}
     return optimize_schedule(gm, kwargs["mem_budget"], solver=SolverOptions(**solver),
@@ -169,7 +169,7 @@ def direct_solve(rnd: random.Random, gm: torch.fx.GraphModule, own_peak: int) ->
     solver = rnd.choice(("cpsat", "milp", *HEURISTICS))
     budget = None if rnd.random() < 0.3 else max(1, int(own_peak * rnd.uniform(0.5, 1.2)))
     try:
-        result = solve(problem, solver=solver, mem_budget_bytes=budget, time_limit_s=0.5)
+        result = solve(problem, solver=solver, mem_budget_bytes=budget, work_limit=0.5)
     except InfeasibleBudgetError:
         return
     sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)

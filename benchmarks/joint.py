@@ -99,16 +99,16 @@ def capture_options(*, sac: bool, reshard: bool) -> dict[str, Any]:
 
 
 def run_spec(spec: str, *, sac: bool = False, reshard: bool = True, baselines: Sequence[str] = BASELINES,
-             cost_models: Sequence[str] = COST_MODELS, time_limit_s: float | None = None) -> JointRun:
+             cost_models: Sequence[str] = COST_MODELS, work_limit: float | None = None) -> JointRun:
     """Capture the joint graph of ``spec`` and compare fsdp-sched at each baseline's peak with
-    it under each of ``cost_models`` (module docstring). ``time_limit_s``: the solver's work
+    it under each of ``cost_models`` (module docstring). ``work_limit``: the solver's work
     limit (None: ``optimize_schedule``'s default)."""
     import models
     from models.capture import fake_process_group
     from scheduler.costs.hardware import Cluster
     from scheduler.options import SolverOptions
 
-    solver = SolverOptions() if time_limit_s is None else SolverOptions(time_limit_s=time_limit_s)
+    solver = SolverOptions() if work_limit is None else SolverOptions(work_limit=work_limit)
     if spec.startswith("foreign:"):
         return _run_foreign(spec, baselines=baselines, cost_models=cost_models, solver=solver)
     preset, n_layers, world_size = parse_spec(spec)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     runs = []
     for spec in args.models:
-        runs.append(run_spec(spec, sac=args.sac, reshard=args.reshard, time_limit_s=args.time_limit))
+        runs.append(run_spec(spec, sac=args.sac, reshard=args.reshard, work_limit=args.time_limit))
         if args.json:  # after each spec, so that a long run leaves what it has
             args.json.write_text(json.dumps([r.to_json() for r in runs], indent=1))
     rows = [row for r in runs for row in r.comparison.rows]

@@ -52,7 +52,7 @@ def main() -> None:
                 out = {}
                 for solver in ("cpsat", "milp"):
                     t0 = time.perf_counter()
-                    res = solve(problem, solver=solver, mem_budget_bytes=budget, time_limit_s=args.time_limit)
+                    res = solve(problem, solver=solver, mem_budget_bytes=budget, work_limit=args.time_limit)
                     out[solver] = (res.objective_ms, time.perf_counter() - t0)
                 (c_ms, c_s), (m_ms, m_s) = out["cpsat"], out["milp"]
                 print(f"| {model} ({args.n_layers} layers) | {g} | {label} | {c_ms:.3f} | {c_s:.1f} | {m_ms:.3f} | "

@@ -222,7 +222,7 @@ def _solve_row(problem, dag, gname: str, label: str, budget: int | None, solver:
     from solvers import InfeasibleBudgetError, solve
 
     try:
-        r = solve(problem, solver=solver, mem_budget_bytes=budget, time_limit_s=time_limit)
+        r = solve(problem, solver=solver, mem_budget_bytes=budget, work_limit=time_limit)
     except InfeasibleBudgetError as e:
         note = f"infeasible (min peak {_fmt_bytes(e.min_peak_bytes)})" if e.min_peak_bytes else "infeasible"
         return _row(gname, label, method, budget=budget, note=note), None

@@ -42,7 +42,7 @@ def _solve(problem, dag, solver: str, budget: int | None, limit: float) -> dict:
 
     t = time.perf_counter()
     try:
-        r = solve(problem, solver=solver, mem_budget_bytes=budget, time_limit_s=limit)
+        r = solve(problem, solver=solver, mem_budget_bytes=budget, work_limit=limit)
     except (InfeasibleBudgetError, ScheduleError) as e:
         return {"solve_s": round(time.perf_counter() - t, 1), "note": f"{type(e).__name__}: {str(e)[:90]}"}
     wall = time.perf_counter() - t

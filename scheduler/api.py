@@ -186,13 +186,14 @@ def optimize_schedule(
     problem: Problem | None = None
     exported: dict[str, Any] | None = None
     error: BaseException | None = None
-    budget: int | None = None
-    own_budget: int | None = None
+    mem_budget_bytes: int | None = None
+    own_mem_budget_bytes: int | None = None
     notes: list[str] = []
     problems: Mapping[str, Problem] = {}
     try:
-        budget = own_budget = check_arguments(gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver,
-                                              agreement=agreement, writeback=writeback)
+        mem_budget_bytes = own_mem_budget_bytes = check_arguments(
+            gm, mem_budget, cost_model=cost_model, cluster=cluster, solver=solver, agreement=agreement,
+            writeback=writeback)
         src = consensus.source_rank(group, agreement if isinstance(agreement, AgreementOptions) else None)
     except Exception as e:
         if group is None:
@@ -202,8 +203,8 @@ def optimize_schedule(
         # the first collective of the agreement: from here to the last, a failure on this rank
         # is told to every rank, never raised on this rank alone
         try:
-            agreed = consensus.agree_on_budget(budget, failed=error is not None, src=src, group=group)
-            budget, notes = agreed.mem_budget_bytes, agreed.notes
+            agreed = consensus.agree_on_budget(mem_budget_bytes, failed=error is not None, src=src, group=group)
+            mem_budget_bytes, notes = agreed.mem_budget_bytes, agreed.notes
             if agreed.problem is not None and error is None:
                 error = ValueError(agreed.problem)
         except Exception as e:
@@ -219,8 +220,8 @@ def optimize_schedule(
                 logger.warning("fsdp-sched: %s", topology_note)
                 notes = [*notes, topology_note]
             if group is None or agreement.broadcast_from is None or consensus.group_rank(group) == src:
-                answer = _solve_and_choose(gm, problems, budget, cost_model=cost_model, cluster=cluster, solver=solver,
-                                           writeback=writeback, t0=t0)
+                answer = _solve_and_choose(gm, problems, mem_budget_bytes, cost_model=cost_model, cluster=cluster,
+                                           solver=solver, writeback=writeback, t0=t0)
                 answer.report.notes += notes
         except Exception as e:
             if group is None:
@@ -233,8 +234,8 @@ def optimize_schedule(
         assert answer is not None
         _install(gm, problem, answer, writeback)
     else:
-        answer = _agree_and_install(gm, group, src, answer, error, problems, own_budget, cost_model=cost_model,
-                                    cluster=cluster, solver=solver, writeback=writeback, t0=t0)
+        answer = _agree_and_install(gm, group, src, answer, error, problems, own_mem_budget_bytes,
+                                    cost_model=cost_model, cluster=cluster, solver=solver, writeback=writeback, t0=t0)
     # what this call spent around the answer: a cache hit costs its export and its write-back
     answer.report.stages = [*([exported] if exported is not None else []), *answer.report.stages,
                             StageRecord(name="write-back", wall_s=time.perf_counter() - t_install).to_json()]
@@ -259,7 +260,7 @@ def check_arguments(gm: Any, mem_budget: Any, *, cost_model: Any, cluster: Any, 
 
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"gm={type(gm).__name__} must be a torch.fx.GraphModule (an FX graph of the training step)")
-    budget = parse_bytes(mem_budget)
+    mem_budget_bytes = parse_bytes(mem_budget)
     if cluster is not None and not isinstance(cluster, Cluster):
         raise TypeError(f"cluster={cluster!r} must be a scheduler.Cluster or None")
     for name, value, cls in (("solver", solver, SolverOptions), ("agreement", agreement, AgreementOptions),
@@ -271,7 +272,7 @@ def check_arguments(gm: Any, mem_budget: Any, *, cost_model: Any, cluster: Any, 
     if agreement.broadcast_from is not None and agreement.broadcast_from >= consensus.world_size():
         raise ValueError(f"broadcast_from={agreement.broadcast_from} must be a rank of the world "
                          f"(< {consensus.world_size()})")
-    return budget
+    return mem_budget_bytes
 
 
 def _export(gm: "torch.fx.GraphModule", cost_model: Any, cluster: Cluster | None, solver: SolverOptions
@@ -288,22 +289,22 @@ def _export(gm: "torch.fx.GraphModule", cost_model: Any, cluster: Cluster | None
         return {}
 
 
-def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], budget: int | None, *,
+def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], mem_budget_bytes: int | None, *,
                       cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions,
                       t0: float) -> _Answer:
     """Steps 3 and 4 of the module docstring on this rank: the schedule to install and its
     report (from the cache when it holds this solve)."""
     if not problems:
-        return _Answer(None, unchanged_report(None, budget=budget, requested=solver.solver_name,
+        return _Answer(None, unchanged_report(None, mem_budget_bytes=mem_budget_bytes, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
     problem = next(iter(problems.values()))
     if not problem.colls:
-        check_traced_fits(problem, budget)
-        return _Answer(None, unchanged_report(problem, budget=budget, requested=solver.solver_name,
+        check_traced_fits(problem, mem_budget_bytes)
+        return _Answer(None, unchanged_report(problem, mem_budget_bytes=mem_budget_bytes, requested=solver.solver_name,
                                                notes=["the graph has no collectives: left unchanged"]))
     graph_key = cache.graph_key(problems, solver, writeback)
-    key = cache.entry_key(graph_key, budget)
-    hit = _cached(gm, problems, key, graph_key, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+    key = cache.entry_key(graph_key, mem_budget_bytes)
+    hit = _cached(gm, problems, key, graph_key, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
                   writeback=writeback)
     if hit is not None:
         return hit
@@ -311,23 +312,23 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     torch_runs = torch_starts_for(gm, problem, cluster, solver)
     torch_stage = [StageRecord(name="torch", wall_s=time.perf_counter() - t_torch)] if torch_runs else []
     try:
-        (_, base, _, result), notes, other_stages = search_in_orders(problems, budget, solver, torch_runs)
+        (_, base, _, result), notes, other_stages = search_in_orders(problems, mem_budget_bytes, solver, torch_runs)
         notes += torch_notes(torch_runs)
         torch_stage += other_stages
         ranked = [(result.solver, result.schedule)] + [(f"{result.solver} [next start {i + 1}]", s)
                                                          for i, s in enumerate(result.alternatives)]
         t_choose = time.perf_counter()
-        chosen, judged = choose(gm, next(iter(base.values())), ranked, budget, cost_model=cost_model,
+        chosen, judged = choose(gm, next(iter(base.values())), ranked, mem_budget_bytes, cost_model=cost_model,
                                 cluster=cluster, payload_order=writeback.payload_order,
                                 control_deps=writeback.control_deps)
     except InfeasibleBudgetError as e:
-        return _traced_answer(gm, problems, budget, e, cost_model=cost_model, cluster=cluster, solver=solver,
+        return _traced_answer(gm, problems, mem_budget_bytes, e, cost_model=cost_model, cluster=cluster, solver=solver,
                               writeback=writeback, t0=t0)
     if chosen.name != ranked[0][0]:
         notes.append(f"the search's schedule did not hold the budget on its written graph; installed {chosen.name}")
     stages = torch_stage + list(result.stages) + [StageRecord(name="judge", wall_s=time.perf_counter() - t_choose,
-                                                simulations=len(judged), step_ms=chosen.figures.step_ms)]
-    report = _report(problems, chosen, judged, budget, solver=solver, found_by=result.solver,
+                                                evaluations=len(judged), step_ms=chosen.figures.step_ms)]
+    report = _report(problems, chosen, judged, mem_budget_bytes, solver=solver, found_by=result.solver,
                      status=result.status.value, best_bound=result.best_bound_ms, notes=notes,
                      fell_back=result.status == SolveStatus.FALLBACK, stages=stages, t0=t0, t_judge=t_choose,
                      cost_model=cost_model)
@@ -340,10 +341,10 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     return answer
 
 
-def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], budget: int | None,
+def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], mem_budget_bytes: int | None,
                    refusal: InfeasibleBudgetError, *, cost_model: Any, cluster: Any, solver: SolverOptions,
                    writeback: WriteBackOptions, t0: float) -> _Answer:
-    """The graph as traced, when no schedule was found within ``budget`` but the traced graph
+    """The graph as traced, when no schedule was found within ``mem_budget_bytes`` but the traced graph
     holds it by the counts that judge every candidate (:attr:`Figures.max_peak_bytes` of the
     graph itself): a budget the graph itself holds is never refused, whatever count the search
     or a written copy disagreed by. Else ``refusal`` is raised again."""
@@ -355,32 +356,32 @@ def _traced_answer(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], 
                                          payload_order=writeback.payload_order, control_deps=writeback.control_deps)
     except (ScheduleError, ValueError, RuntimeError) as e:  # its peak unknown: the refusal stands
         raise refusal from e
-    if budget is not None and traced.figures.max_peak_bytes > budget:
+    if mem_budget_bytes is not None and traced.figures.max_peak_bytes > mem_budget_bytes:
         raise refusal
     note = (f"no rewritten schedule was found within the budget ({refusal}); the graph as traced holds it (peak "
             f"{fmt_bytes(traced.figures.max_peak_bytes)} by {traced.figures.decided_by}) and is left unchanged")
     logger.warning("fsdp-sched: %s", note)
-    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, evaluations=1,
                           step_ms=traced.figures.step_ms)]
-    report = _report(problems, traced, [traced], budget, solver=solver, found_by="traced",
+    report = _report(problems, traced, [traced], mem_budget_bytes, solver=solver, found_by="traced",
                      status=SolveStatus.FALLBACK.value, best_bound=None, notes=[*fixed_collective_notes(problem), note],
                      fell_back=True, stages=stages, t0=t0, t_judge=t_judge, cost_model=cost_model)
     return _Answer(traced.schedule, report)
 
 
-def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Candidate], budget: int | None, *,
-            solver: SolverOptions, found_by: str, status: str, best_bound: float | None, notes: list[str],
-            fell_back: bool, stages: list[StageRecord], t0: float, t_judge: float,
-            criterion: str | None = None, cost_model: Any = None) -> ScheduleReport:
+def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Candidate],
+            mem_budget_bytes: int | None, *, solver: SolverOptions, found_by: str, status: str,
+            best_bound: float | None, notes: list[str], fell_back: bool, stages: list[StageRecord], t0: float,
+            t_judge: float, criterion: str | None = None, cost_model: Any = None) -> ScheduleReport:
     """The report of ``chosen`` (judged on its written graph) on this graph: every figure
     computed here, from the schedule on this graph's problem and from its written graph."""
     problem = next(iter(problems.values()))
     own = problem_of(problem, chosen.schedule)
     sim = validate_schedule(own, chosen.schedule)
     report = make_report(own, simulate(problem.dag, problem.traced_schedule(), problem=problem), sim,
-                         graph_name=str(problem.dag.graph.get("name", "graph")), mem_budget_bytes=budget, t0=t0,
-                         solver=found_by, requested=solver.solver_name, status=status, best_bound=best_bound,
-                         notes=notes, fell_back=fell_back, stages=tuple(stages))
+                         graph_name=str(problem.dag.graph.get("name", "graph")),
+                         mem_budget_bytes=mem_budget_bytes, t0=t0, solver=found_by, requested=solver.solver_name,
+                         status=status, best_bound=best_bound, notes=notes, fell_back=fell_back, stages=tuple(stages))
     f = chosen.figures
     return dataclasses.replace(
         report, criterion=criterion if criterion is not None else criterion_of(problems, solver, cost_model),
@@ -396,8 +397,8 @@ def _report(problems: Mapping[str, Problem], chosen: Candidate, judged: list[Can
 # the cache
 # --------------------------------------------------------------------------------------------
 def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: str | None, graph_key: str | None,
-            budget: int | None, *, cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions
-            ) -> _Answer | None:
+            mem_budget_bytes: int | None, *, cost_model: Any, cluster: Any, solver: SolverOptions,
+            writeback: WriteBackOptions) -> _Answer | None:
     """The cached answer under ``key``, checked on this graph like a fresh candidate
     (:func:`_given`, its written graph's figures read from the entry where they were judged on
     this graph, ``graph_key``); None on a miss, and with a warning naming the entry when it cannot
@@ -408,7 +409,7 @@ def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: st
     if entry is None:
         return None
     try:
-        answer = _given(gm, problems, entry, budget, cost_model=cost_model, cluster=cluster, solver=solver,
+        answer = _given(gm, problems, entry, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
                         writeback=writeback, source=f"schedule cache entry {key[:16]}", t0=t0, graph_key=graph_key)
     except Exception as e:  # a bad entry is a miss: the graph is solved and the entry overwritten
         logger.warning("fsdp-sched: schedule cache entry %s ignored: it does not hold on this graph (%s: %s)",
@@ -420,12 +421,12 @@ def _cached(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], key: st
     return answer
 
 
-def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: Any, budget: int | None, *,
+def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: Any, mem_budget_bytes: int | None, *,
            cost_model: Any, cluster: Any, solver: SolverOptions, writeback: WriteBackOptions, source: str,
            t0: float, graph_key: str | None = None) -> _Answer:
     """An answer this rank did not solve (a cache entry, another rank's: :meth:`_Answer.to_json`)
     taken as a fresh candidate of this graph: its schedule validated on this graph's problem
-    within ``budget`` and these options, written on a copy and judged there, and its report made
+    within ``mem_budget_bytes`` and these options, written on a copy and judged there, and its report made
     here from those figures. Only how the schedule was found
     (:data:`scheduler.report.PROVENANCE_FIELDS`, each checked) is kept from the stored report.
 
@@ -433,7 +434,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
     code: an answer that records them for this very graph (``graph_key``, :func:`scheduler.integrate.cache.graph_key`:
     the DAG's fingerprint, the options and the versions, the library's source included) and this
     schedule, sealed (:func:`_recorded_figures`), is not written and judged again; they are held
-    against ``budget`` all the same. Any other answer (no key given: another rank's; a record of
+    against ``mem_budget_bytes`` all the same. Any other answer (no key given: another rank's; a record of
     another graph or schedule, or one edited) is written and judged here.
 
     Raises:
@@ -449,8 +450,8 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
         if raw is not None:
             raise ScheduleError(f"{source} holds a schedule, and this rank's graph has no collectives to schedule; "
                                 "every rank must trace the identical graph")
-        return _Answer(None, unchanged_report(problem, budget=budget, requested=said["requested_solver"],
-                                               notes=said["notes"]))
+        return _Answer(None, unchanged_report(problem, mem_budget_bytes=mem_budget_bytes,
+                                               requested=said["requested_solver"], notes=said["notes"]))
     if raw is None:
         raise ScheduleError(f"{source} holds no schedule, and this graph has {len(problem.colls)} collectives to "
                             "schedule")
@@ -460,7 +461,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
                             "process group, and all_gather_stream='shared' keeps every collective on its own group")
     try:
         own = problem_of(problem, schedule)
-        validate_schedule(own, schedule, mem_budget_bytes=budget)
+        validate_schedule(own, schedule, mem_budget_bytes=mem_budget_bytes)
     except ScheduleInvalidError as e:
         raise ScheduleInvalidError(f"{source} does not hold on this graph: {e}") from None
     except ScheduleError as e:  # its order of the graph's nodes is not one the graph can run
@@ -474,13 +475,13 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
                                          payload_order=writeback.payload_order, control_deps=writeback.control_deps)
     else:
         notes.append(f"the written graph's figures are those of {source}, judged on this graph when it was stored")
-    if budget is not None and chosen.figures.max_peak_bytes > budget:
+    if mem_budget_bytes is not None and chosen.figures.max_peak_bytes > mem_budget_bytes:
         raise ScheduleError(f"{source}: its written graph peaks at {fmt_bytes(chosen.figures.max_peak_bytes)} "
                             f"({chosen.figures.max_peak_bytes} B) by {chosen.figures.decided_by}, over the budget "
-                            f"{fmt_bytes(budget)} ({budget} B)")
-    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, simulations=1,
+                            f"{fmt_bytes(mem_budget_bytes)} ({mem_budget_bytes} B)")
+    stages = [StageRecord(name="judge", wall_s=time.perf_counter() - t_judge, evaluations=1,
                           step_ms=chosen.figures.step_ms)]
-    report = _report(problems, chosen, [chosen], budget, solver=solver, found_by=said["solver"],
+    report = _report(problems, chosen, [chosen], mem_budget_bytes, solver=solver, found_by=said["solver"],
                      status=said["status"], best_bound=said["best_bound_ms"], notes=notes,
                      fell_back=said["fell_back"], stages=stages, t0=t0, t_judge=t_judge, criterion=said["criterion"])
     report.requested_solver = said["requested_solver"]
@@ -491,11 +492,12 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
 # agreement and install
 # --------------------------------------------------------------------------------------------
 def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer: _Answer | None,
-                       error: BaseException | None, problems: Mapping[str, Problem], own_budget: int | None, *,
-                       cost_model: Any, cluster: Any, solver: Any, writeback: Any, t0: float) -> _Answer:
+                       error: BaseException | None, problems: Mapping[str, Problem],
+                       own_mem_budget_bytes: int | None, *, cost_model: Any, cluster: Any, solver: Any,
+                       writeback: Any, t0: float) -> _Answer:
     """Rounds 1 and 2 of :mod:`scheduler.integrate.consensus` around the write-back: one
     answer on every rank of ``group`` (this rank's, or the source rank's checked on this graph
-    within this rank's own budget ``own_budget``), written back on every rank, or on none.
+    within this rank's own budget ``own_mem_budget_bytes``), written back on every rank, or on none.
 
     Everything between the two rounds runs under one guard: a failure on this rank (decoding or
     checking the received answer, writing back) is told to every rank in round 2, and every
@@ -513,12 +515,13 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
         if failure is not None:
             raise failure
         if agreed.action == "skip":
-            chosen = _Answer(None, unchanged_report(problem, budget=own_budget, requested="-", notes=agreed.notes))
+            chosen = _Answer(None, unchanged_report(problem, mem_budget_bytes=own_mem_budget_bytes, requested="-",
+                                                    notes=agreed.notes))
         else:
             if agreed.adopted_from is None:
                 chosen = agreed.schedule
             else:
-                chosen = _given(gm, problems, json.loads(agreed.received), own_budget, cost_model=cost_model,
+                chosen = _given(gm, problems, json.loads(agreed.received), own_mem_budget_bytes, cost_model=cost_model,
                                 cluster=cluster, solver=solver, writeback=writeback,
                                 source=f"the schedule of rank {agreed.adopted_from}", t0=t0)
             chosen.report.notes += agreed.notes
@@ -542,9 +545,11 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
     logger.warning("fsdp-sched: %s", note)
     requested = solver.solver_name if isinstance(solver, SolverOptions) else "-"
     try:
-        return _Answer(None, unchanged_report(problem, budget=own_budget, requested=requested, notes=[note]))
+        return _Answer(None, unchanged_report(problem, mem_budget_bytes=own_mem_budget_bytes, requested=requested,
+                                              notes=[note]))
     except Exception:  # after the last round: this rank must return as the others do
-        return _Answer(None, unchanged_report(None, budget=own_budget, requested=requested, notes=[note]))
+        return _Answer(None, unchanged_report(None, mem_budget_bytes=own_mem_budget_bytes, requested=requested,
+                                              notes=[note]))
 
 
 def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answer, writeback: WriteBackOptions

@@ -10,15 +10,17 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler.torch_overlap import TORCH, VARIANTS
+from solvers.config import renamed_fields
 from solvers.core.schedule import Schedule
 from solvers.registry import SOLVERS, available_solvers
 from solvers.objective import SearchConfig
-from solvers.search import ALL_GATHER_STREAMS, DEFAULT_TIME_LIMIT_S
+from solvers.search import ALL_GATHER_STREAMS, DEFAULT_WORK_LIMIT
 
 #: the orders of compute :attr:`SolverOptions.compute_order` accepts
 COMPUTE_ORDERS = ("traced", "torch", "choose")
 
 
+@renamed_fields(time_limit_s="work_limit")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SolverOptions:
     """How the schedule is found (:mod:`solvers.search`)."""
@@ -26,13 +28,16 @@ class SolverOptions:
     #: ``"cpsat"`` (default) or ``"milp"``: the plan of :mod:`solvers.search` with that model
     #: backend for its windows (its knobs: ``search.cpsat``, ``search.milp``); a heuristic's
     #: name (``solvers.available_solvers()``): that heuristic's schedule alone; or a callable
-    #: ``fn(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers, extra_starts)
+    #: ``fn(problem, *, mem_budget_bytes, work_limit, seed, hint, num_workers, extra_starts)
     #: -> SolveResult`` in place of the search, every keyword always passed (``hint`` None,
     #: ``extra_starts`` this option's; :data:`solvers.registry.SolverFn`)
     solver: str | Callable[..., Any] = "cpsat"
-    #: deterministic work of the search (s): the same stages and the same schedule on every
-    #: rank whatever the machine's load; see :mod:`solvers.search` for how it is shared
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    #: deterministic work of the search, in work units (about one second of one core each: the
+    #: model backend's deterministic clock, the polish's counted evaluations; never the wall
+    #: clock): the same stages and the same schedule on every rank whatever the machine's load;
+    #: see :mod:`solvers.search` for how it is shared. Was ``time_limit_s``, which still works
+    #: for one release (deprecated)
+    work_limit: float = DEFAULT_WORK_LIMIT
     #: the model backend's random seed
     seed: int = 0
     #: the model backend's threads (1: deterministic)
@@ -95,10 +100,10 @@ class SolverOptions:
                                  "callable")
         elif not callable(self.solver):
             raise TypeError(f"solver={self.solver!r} must be a solver name ({available_solvers()}) or a callable")
-        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, (int, float)):
-            raise TypeError(f"time_limit_s={self.time_limit_s!r} must be a number of seconds")
-        if not (math.isfinite(self.time_limit_s) and self.time_limit_s > 0):
-            raise ValueError(f"time_limit_s={self.time_limit_s!r} must be a finite number > 0")
+        if isinstance(self.work_limit, bool) or not isinstance(self.work_limit, (int, float)):
+            raise TypeError(f"work_limit={self.work_limit!r} must be a number of work units")
+        if not (math.isfinite(self.work_limit) and self.work_limit > 0):
+            raise ValueError(f"work_limit={self.work_limit!r} must be a finite number > 0")
         _check_int("seed", self.seed, 0, 2**31 - 1)
         _check_int("num_workers", self.num_workers, 1, 1024)
         _check_bool("fallback", self.fallback)

@@ -102,8 +102,8 @@ class ScheduleReport:
     criterion: str = ""
     #: the stages of the call, in order: the export, the solve's (:attr:`SolveResult.stages`)
     #: or the cache's lookup, the choice's (:mod:`scheduler.check.written`), the write-back; each a
-    #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work_s,
-    #: simulations, step_ms, gained_ms)
+    #: :meth:`solvers.core.schedule.StageRecord.to_json` dict (name, wall_s, work,
+    #: evaluations, step_ms, gained_ms)
     stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: labels of the cost models the schedule was judged under (the first is the report's)
     cost_models: list[str] = dataclasses.field(default_factory=list)
@@ -455,17 +455,17 @@ def fixed_collective_notes(problem: Problem) -> list[str]:
     return notes
 
 
-def unchanged_report(problem: Problem | None, *, budget: int | None, requested: str, notes: list[str]
+def unchanged_report(problem: Problem | None, *, mem_budget_bytes: int | None, requested: str, notes: list[str]
                       ) -> ScheduleReport:
     """The report of a graph left as traced."""
     if problem is not None:
         before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
         return make_report(problem, before, before, graph_name=str(problem.dag.graph.get("name", "graph")),
-                           mem_budget_bytes=budget, t0=time.perf_counter(), solver="none", requested=requested,
-                           status="unchanged", best_bound=None, notes=notes, fell_back=False)
+                           mem_budget_bytes=mem_budget_bytes, t0=time.perf_counter(), solver="none",
+                           requested=requested, status="unchanged", best_bound=None, notes=notes, fell_back=False)
     nan = float("nan")  # this rank could not even export its graph
     return ScheduleReport(graph_name="graph", solver="none", requested_solver=requested, status="unchanged",
-                          solve_time_s=0.0, mem_budget_bytes=budget, step_ms_before=nan, step_ms_after=nan,
+                          solve_time_s=0.0, mem_budget_bytes=mem_budget_bytes, step_ms_before=nan, step_ms_after=nan,
                           peak_bytes_before=0, peak_bytes_after=0, exposed_comm_ms_before=nan,
                           exposed_comm_ms_after=nan, n_collectives_before=0, n_collectives_after=0,
                           lower_bound_ms=nan, best_bound_ms=nan, gap=0.0, notes=list(notes))

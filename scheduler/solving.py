@@ -48,7 +48,7 @@ from solvers.search import Started, search
 logger = logging.getLogger(__name__)
 
 
-def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | None, solver: SolverOptions,
                       torch_runs: Sequence[Any]) -> tuple[Outcome, list[str], list[StageRecord]]:
     """The search in the orders of compute ``solver.compute_order`` names (:mod:`scheduler.orders`).
     With two: the starts in both, the later stages in the order whose best start has the smaller
@@ -57,7 +57,7 @@ def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver
     notes and the stages of the other order.
 
     Raises:
-        InfeasibleBudgetError: no order has a start within ``budget``.
+        InfeasibleBudgetError: no order has a start within ``mem_budget_bytes``.
     """
     problem = next(iter(problems.values()))
     orders = search_orders(problems, solver, torch_runs)
@@ -65,7 +65,7 @@ def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver
     begun: list[tuple[Any, Started | None]] = [(orders[0], None)]
     starts_notes: list[str] = []
     if len(orders) > 1:
-        begun, refusal = begin_orders(orders, budget, solver, problem)
+        begun, refusal = begin_orders(orders, mem_budget_bytes, solver, problem)
         if not begun:
             assert refusal is not None
             raise refusal
@@ -80,7 +80,7 @@ def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver
             break
         name, base, named = order
         try:
-            result, notes = solve_graph(base, budget, starts_in_order(solver, problem, next(iter(base.values()))),
+            result, notes = solve_graph(base, mem_budget_bytes, starts_in_order(solver, problem, next(iter(base.values()))),
                                    baselines=named, started=started)
         except InfeasibleBudgetError as e:  # the other order may fit
             refusal = refusal or e
@@ -107,7 +107,7 @@ def search_in_orders(problems: Mapping[str, Problem], budget: int | None, solver
     return outcomes[k], all_notes[k] + order_notes, others
 
 
-def solve_graph(problems: Mapping[str, Problem], budget: int | None, solver: SolverOptions,
+def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, solver: SolverOptions,
            baselines: Sequence[tuple[str, Schedule]] = (), started: Started | None = None
            ) -> tuple[SolveResult, list[str]]:
     """The search (or the solver asked for), its hook applied, and the report's notes. A solver
@@ -117,11 +117,11 @@ def solve_graph(problems: Mapping[str, Problem], budget: int | None, solver: Sol
     problem = next(iter(problems.values()))
     notes = fixed_collective_notes(problem)
     try:
-        result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=budget,
-                                time_limit_s=solver.time_limit_s, seed=solver.seed, num_workers=solver.num_workers,
+        result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=mem_budget_bytes,
+                                work_limit=solver.work_limit, seed=solver.seed, num_workers=solver.num_workers,
                                 extra_starts=solver.extra_starts, config=solver.search,
                                 all_gather_stream=solver.all_gather_stream, baselines=baselines, started=started)
-        validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
+        validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
         # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
         # A heuristic that cannot reach the budget is not a failure to hide but a question the
@@ -134,14 +134,14 @@ def solve_graph(problems: Mapping[str, Problem], budget: int | None, solver: Sol
                        type(e).__name__, e)
         notes.append(f"{solver.solver_name} failed ({type(e).__name__}: {e}); fell back to the best start that fits")
         starts = started.result() if started is not None else search(
-            problems, budget, backend=None, starts_only=True, extra_starts=solver.extra_starts, config=solver.search,
+            problems, mem_budget_bytes, backend=None, starts_only=True, extra_starts=solver.extra_starts, config=solver.search,
             all_gather_stream=solver.all_gather_stream, baselines=baselines)
         result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
     notes += list(result.notes)
     if solver.schedule_hook is not None:
         new = solver.schedule_hook(problem, result.schedule)
         if new is not None and new.digest() != result.schedule.digest():
-            sim = validate_schedule(problem, new, mem_budget_bytes=budget)
+            sim = validate_schedule(problem, new, mem_budget_bytes=mem_budget_bytes)
             result = dataclasses.replace(result, schedule=new, objective_ms=sim.step_ms, alternatives=())
             notes.append("schedule replaced by schedule_hook")
     return result, notes
@@ -158,13 +158,14 @@ def criterion_of(problems: Mapping[str, Problem], solver: SolverOptions, cost_mo
     return f"{first}least worst-case regret over {len(labels)} cost models ({', '.join(labels)}){shared}"
 
 
-def check_traced_fits(problem: Problem, budget: int | None) -> None:
+def check_traced_fits(problem: Problem, mem_budget_bytes: int | None) -> None:
     """A graph without collectives has one schedule: it must fit the budget too."""
     peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    if budget is not None and peak > budget:
+    if mem_budget_bytes is not None and peak > mem_budget_bytes:
         raise InfeasibleBudgetError(f"the graph has no collectives to schedule and peaks at {fmt_bytes(peak)} "
-                                    f"({peak} B), over mem_budget {fmt_bytes(budget)} ({budget} B): raise mem_budget to "
-                                    f"at least {peak} B", budget_bytes=budget, min_peak_bytes=peak)
+                                    f"({peak} B), over mem_budget {fmt_bytes(mem_budget_bytes)} "
+                                    f"({mem_budget_bytes} B): raise mem_budget to at least {peak} B",
+                                    mem_budget_bytes=mem_budget_bytes, min_peak_bytes=peak)
 
 
 def solve_dag(dag: nx.DiGraph, mem_budget: int | str | None = None, *, solver: SolverOptions = SolverOptions()
@@ -184,18 +185,18 @@ def solve_dag(dag: nx.DiGraph, mem_budget: int | str | None = None, *, solver: S
         raise TypeError(f"dag={type(dag).__name__} must be a networkx DiGraph (scheduler.export_dag / load_dag)")
     if not isinstance(solver, SolverOptions):
         raise TypeError(f"solver={solver!r} must be a scheduler.SolverOptions")
-    budget = parse_bytes(mem_budget)
+    mem_budget_bytes = parse_bytes(mem_budget)
     t0 = time.perf_counter()
     problem = Problem.from_dag(dag)
     before = simulate(problem.dag, problem.traced_schedule(), problem=problem)
     if not problem.colls:
-        check_traced_fits(problem, budget)
-        return before.schedule, unchanged_report(problem, budget=budget, requested=solver.solver_name,
+        check_traced_fits(problem, mem_budget_bytes)
+        return before.schedule, unchanged_report(problem, mem_budget_bytes=mem_budget_bytes, requested=solver.solver_name,
                                                   notes=["the graph has no collectives: left unchanged"])
     label = str(dag.graph.get("cost_model", "model"))
-    result, notes = solve_graph({label: problem}, budget, solver)
-    sim = validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
-    report = make_report(problem, before, sim, graph_name=str(dag.graph.get("name", "graph")), mem_budget_bytes=budget,
+    result, notes = solve_graph({label: problem}, mem_budget_bytes, solver)
+    sim = validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
+    report = make_report(problem, before, sim, graph_name=str(dag.graph.get("name", "graph")), mem_budget_bytes=mem_budget_bytes,
                          t0=t0, solver=result.solver, requested=solver.solver_name, status=result.status.value,
                          best_bound=result.best_bound_ms, notes=notes,
                          fell_back=result.status == SolveStatus.FALLBACK, stages=result.stages)

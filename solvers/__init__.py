@@ -2,10 +2,11 @@
 
 Layers, bottom up (each imports only the ones above it in this list):
 
-- :mod:`solvers.core`: units, the problem and schedule types, the execution model (the
-  simulator, its fast exact twin :mod:`solvers.core.evaluate`, the validator);
+- :mod:`solvers.core`: units, the problem and the one schedule type, the plan that builds
+  schedules (:mod:`solvers.core.plan`: (bucket, issue gap, wait gap) per bucket), the
+  execution model (the simulator, its fast exact twin :mod:`solvers.core.evaluate`, the
+  validator);
 - :mod:`solvers.heuristics`: today's FSDP schedules (traced, FSDP2, SimpleFSDP, AutoParallel);
-  :mod:`solvers.entries`: schedules as (bucket, issue gap, wait gap) entries;
 - the plan's stages: :mod:`solvers.starts` (starts), :mod:`solvers.config` /
   :mod:`solvers.model` / :mod:`solvers.cpsat` / :mod:`solvers.milp` (the window model and its
   two backends), :mod:`solvers.polish` (the local search);

@@ -11,6 +11,45 @@ which holds one config of each backend (``SearchConfig.cpsat``, ``SearchConfig.m
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+_C = TypeVar("_C")
+
+
+def renamed_fields(**old_to_new: str) -> Callable[[type[_C]], type[_C]]:
+    """Class decorator of a frozen dataclass whose fields were renamed: for one release each old
+    name still works, with a :class:`DeprecationWarning`, as a keyword of the constructor (and so
+    of ``dataclasses.replace``) and as an attribute. Given with the new name, the old one wins,
+    since ``dataclasses.replace`` passes every field by its new name."""
+
+    def wrap(cls: type[_C]) -> type[_C]:
+        init = cls.__init__
+
+        def warn(old: str, new: str) -> None:
+            warnings.warn(f"{cls.__name__}.{old} is deprecated and will be removed in the next release: use "
+                          f"{cls.__name__}.{new}", DeprecationWarning, stacklevel=3)
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs) -> None:
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    warn(old, new)
+                    kwargs[new] = kwargs.pop(old)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        for old, new in old_to_new.items():
+            def read(self, old=old, new=new):
+                warn(old, new)
+                return getattr(self, new)
+
+            setattr(cls, old, property(read, doc=f"Deprecated name of :attr:`{new}`."))
+        return cls
+
+    return wrap
 
 
 
@@ -69,10 +108,11 @@ class SolverConfig(ModelConfig):
 class CpSatConfig(SolverConfig):
     """Knobs of the CP-SAT backend (the shared ones: :class:`SolverConfig`)."""
 
-    #: CP-SAT deterministic time units per second of a limit (a completion solve's): its
-    #: deterministic clock runs slower than one core's wall time, so this scale keeps a limit of
-    #: T s near T s of wall time while the amount of search (hence the schedule) stays the same
-    #: on every rank and machine
+    #: CP-SAT deterministic time units per work unit of a limit (a completion solve's; a work
+    #: unit is about one second of one core, ``SolverOptions.work_limit``): its deterministic
+    #: clock runs slower than one core's wall time, so this scale keeps a limit of T units near
+    #: T s of wall time while the amount of search (hence the schedule) stays the same on every
+    #: rank and machine
     deterministic_units_per_second: float = 0.25
     #: the same for the windows, which run without probing and SAT inprocessing
     #: (:meth:`CpSatBackend.solve_window`): their clock runs slower against the wall clock
@@ -95,7 +135,7 @@ class MilpConfig(SolverConfig):
     abs_gap_us: float = 0.5
     #: branch-and-bound node limit (None: none); unlike the wall-clock limit it is deterministic
     max_nodes: int | None = None
-    #: fraction of the time limit for completing the warm start (times for its decisions)
+    #: fraction of the work limit for completing the warm start (times for its decisions)
     warm_start_share: float = 0.1
 
     def __post_init__(self) -> None:

@@ -19,7 +19,6 @@ differs).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import defaultdict
 
@@ -320,7 +319,7 @@ class CpSatModel:
         for var, v in values:
             m.AddHint(var, v)
 
-    def complete(self, schedule: Schedule, limit_s: float, seed: int, num_workers: int,
+    def complete(self, schedule: Schedule, work_limit: float, seed: int, num_workers: int,
                  cfg: CpSatConfig) -> cp_model.CpSolver | None:
         """A solver holding a full solution of this model (every variable) that takes
         ``schedule``'s decisions, or None when they do not fit the model (windows, budget)."""
@@ -339,17 +338,17 @@ class CpSatModel:
             for key, v in vals.items():
                 if key in var:
                     sub.add_hint(sub.get_int_var_from_proto_index(var[key].Index()), v)
-        solver = make_solver(limit_s, seed, num_workers, cfg)
+        solver = make_solver(work_limit, seed, num_workers, cfg)
         status = solver.Solve(sub)
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return solver
         logger.debug("warm start does not fit the model: %s", STATUS_NAMES.get(status))
         return None
 
-    def start_from(self, schedule: Schedule, limit_s: float, seed: int, num_workers: int, cfg: CpSatConfig) -> None:
+    def start_from(self, schedule: Schedule, work_limit: float, seed: int, num_workers: int, cfg: CpSatConfig) -> None:
         """Hint the model with ``schedule`` completed to a full solution (:meth:`complete`), or
         with its decisions alone (member by member) when they cannot be completed."""
-        solver = self.complete(schedule, limit_s, seed, num_workers, cfg)
+        solver = self.complete(schedule, work_limit, seed, num_workers, cfg)
         if solver is None:
             self._hint_decisions(self.data.decisions_of(schedule, per_bucket=False))
             return
@@ -396,12 +395,12 @@ def _order_encoding(m: cp_model.CpModel, var, lo: int, hi: int, name: str) -> di
     return bs
 
 
-def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConfig) -> cp_model.CpSolver:
-    """A CP-SAT solver with a deterministic limit of ``time_limit_s`` (see :class:`CpSatConfig`)."""
+def make_solver(work_limit: float, seed: int, num_workers: int, cfg: CpSatConfig) -> cp_model.CpSolver:
+    """A CP-SAT solver with a deterministic limit of ``work_limit`` (see :class:`CpSatConfig`)."""
     solver = cp_model.CpSolver()
     prm = solver.parameters
-    prm.max_deterministic_time = float(time_limit_s) * cfg.deterministic_units_per_second
-    prm.max_time_in_seconds = float(time_limit_s) * cfg.wall_clock_factor + cfg.wall_clock_slack_s
+    prm.max_deterministic_time = float(work_limit) * cfg.deterministic_units_per_second
+    prm.max_time_in_seconds = float(work_limit) * cfg.wall_clock_factor + cfg.wall_clock_slack_s
     prm.random_seed = int(seed)
     prm.num_workers = int(num_workers)
     prm.log_search_progress = False
@@ -411,14 +410,14 @@ def make_solver(time_limit_s: float, seed: int, num_workers: int, cfg: CpSatConf
     return solver
 
 
-def complete_solution(data: ModelData, schedule: Schedule, limit_s: float, seed: int, num_workers: int,
+def complete_solution(data: ModelData, schedule: Schedule, work_limit: float, seed: int, num_workers: int,
                       cfg: CpSatConfig | None = None) -> Solution | None:
     """``schedule`` completed to a full solution of ``data``'s model with the tightest times
     (the objective minimised with the decisions fixed), or None when its decisions do not fit.
     The MILP starts from this."""
     model = CpSatModel(data)
     model.model.Minimize(model.objective)
-    solver = model.complete(schedule, limit_s, seed, num_workers, cfg or CpSatConfig())
+    solver = model.complete(schedule, work_limit, seed, num_workers, cfg or CpSatConfig())
     return None if solver is None else model.solution(solver)
 
 
@@ -444,7 +443,7 @@ class CpSatBackend:
         return status
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
+                     work_limit: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition: ``free`` decided, the rest of ``schedule`` fixed,
         hinted with ``schedule`` (:meth:`CpSatModel.hint_all`; no separate completion solve: the
         hint already starts the search from the incumbent, and a completion would spend the
@@ -453,9 +452,9 @@ class CpSatBackend:
         built = CpSatModel(ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors))
         built.model.Minimize(built.objective)
         built.hint_all(schedule)
-        solver = make_solver(limit_s, seed, num_workers, cfg)
+        solver = make_solver(work_limit, seed, num_workers, cfg)
         prm = solver.parameters
-        prm.max_deterministic_time = float(limit_s) * cfg.window_units_per_second
+        prm.max_deterministic_time = float(work_limit) * cfg.window_units_per_second
         # presolve rewrites the model and loses the hint, which is most of what a window
         # knows; probing and SAT inprocessing spend most of a window's small deterministic
         # budget before the search starts, and the search finds better windows without them
@@ -465,7 +464,7 @@ class CpSatBackend:
         status = self._run(solver, built.model)
         logger.debug("window (%d free): %s obj %.3f ms in %.2f s (limit %.2f)", len(free), status,
                      solver.ObjectiveValue() / US_PER_MS if status in ("optimal", "feasible") else float("nan"),
-                     solver.WallTime(), limit_s)
+                     solver.WallTime(), work_limit)
         if status not in ("optimal", "feasible"):
             return None
         return built.extract(solver)

@@ -41,10 +41,11 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set as AbstractSet
 
+from solvers.core.evaluate import Evaluation, evaluate
+from solvers.core.plan import PlannedBucket
 from solvers.core.problem import Problem
-from solvers.core.evaluate import Evaluation, evaluate as evaluate_schedule
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, SolveResult, SolveStatus, Step, order_gap
 
 logger = logging.getLogger(__name__)
@@ -63,21 +64,7 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # --------------------------------------------------------------------------------------------
 # shared helpers
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class PlannedBucket:
-    """A bucket with its issue and wait gaps (see :mod:`solvers.core.schedule`).
-
-    ``wait_first``: in its wait gap, the wait runs before that gap's issues (FSDP2 waits the
-    previous reduce-scatter before issuing the next); otherwise issues come first.
-    """
-
-    members: tuple[str, ...]
-    issue_at: int
-    wait_at: int
-    wait_first: bool = False
-
-
-def evaluate(
+def heuristic_result(
     problem: Problem,
     schedule: Schedule,
     solver_name: str,
@@ -86,15 +73,15 @@ def evaluate(
     notes: Sequence[str] = (),
     sim: Evaluation | None = None,
 ) -> SolveResult:
-    """Evaluate ``schedule`` (:func:`solvers.core.evaluate.evaluate`: the simulator's numbers)
-    and wrap it as a :class:`SolveResult`.
+    """``schedule`` as a :class:`SolveResult`, with the simulator's numbers
+    (:func:`solvers.core.evaluate.evaluate`).
 
     Args:
         t0: ``time.perf_counter()`` at the start of the solve; solve time is measured from it.
         notes: remarks stored on the result.
         sim: the schedule's evaluation when the caller has it already.
     """
-    sim = sim or evaluate_schedule(problem, schedule)
+    sim = sim or evaluate(problem, schedule)
     return SolveResult(
         schedule=schedule,
         status=status,
@@ -165,7 +152,7 @@ def split_by_bytes(problem: Problem, members: Sequence[str], cap_bytes: int) -> 
 def fixed_buckets(problem: Problem) -> list[PlannedBucket]:
     """Collectives the scheduler may not move: alone, at their traced gaps."""
     return [
-        PlannedBucket((c.name,), c.traced_issue, c.traced_wait)
+        PlannedBucket(Bucket((c.name,)), c.traced_issue, c.traced_wait)
         for c in problem.colls.values()
         if not c.movable
     ]
@@ -180,13 +167,15 @@ def compute_gaps(problem: Problem) -> list[int]:
     return cnt
 
 
-def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Schedule:
-    """Turn planned buckets into a :class:`Schedule`.
+def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket], *,
+                       waits_first: AbstractSet[Bucket] = frozenset()) -> Schedule:
+    """The heuristics' :class:`Schedule` of a plan (:mod:`solvers.core.plan`).
 
     Buckets are numbered by (issue gap, traced issue of the first member). Inside a gap the
-    steps run as: ``wait_first`` waits, issues (earliest needed first, so the FIFO stream
-    serves the nearest consumer first), other waits; a data dependency between two steps of
-    one gap (a fixed collective reading another's wait) overrides that order.
+    steps run as: the waits of ``waits_first`` (FSDP2 waits the previous reduce-scatter before
+    issuing the next), issues (earliest needed first, so the FIFO stream serves the nearest
+    consumer first), other waits; a data dependency between two steps of one gap (a fixed
+    collective reading another's wait) overrides that order.
     """
     n = problem.n
     plan = sorted(plan, key=lambda b: (b.issue_at, problem.colls[b.members[0]].traced_issue, b.members))
@@ -201,9 +190,9 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
     order_idx = {name: i for i, name in enumerate(problem.dag.graph["order"])}
     after = problem.bucket_reads([b.members for b in plan])
     # a bucket that reads another's result is issued after that one's wait
-    issue_at, wait_at = problem.after_waits([Bucket(b.members) for b in plan], after, [b.issue_at for b in plan],
+    issue_at, wait_at = problem.after_waits([b.bucket for b in plan], after, [b.issue_at for b in plan],
                                             [b.wait_at for b in plan])
-    plan = [b if (b.issue_at, b.wait_at) == (i, w) else dataclasses.replace(b, issue_at=i, wait_at=w)
+    plan = [b if (b.issue_at, b.wait_at) == (i, w) else PlannedBucket(b.bucket, i, w)
             for b, i, w in zip(plan, issue_at, wait_at)]
     # events per gap: ("issue" | "wait", bucket index)
     per_gap: list[list[tuple[str, int]]] = [[] for _ in range(n + 1)]
@@ -215,7 +204,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
         kind, i = ev
         b = plan[i]
         c0 = problem.colls[b.members[0]]
-        phase = 1 if kind == "issue" else (0 if b.wait_first else 2)
+        phase = 1 if kind == "issue" else (0 if b.bucket in waits_first else 2)
         return (phase, issue_window(problem, b.members)[1], order_idx[c0.name], i)
 
     steps: list[Step] = []
@@ -224,7 +213,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket]) -> Sched
             steps.extend(order_gap(per_gap[p], priority, after))
         if p < n:
             steps.append(Step("node", problem.seq[p]))
-    return Schedule(tuple(Bucket(b.members) for b in plan), tuple(steps))
+    return Schedule(tuple(b.bucket for b in plan), tuple(steps))
 
 
 def _clamp(v: int, lo: int, hi: int) -> int:
@@ -248,8 +237,8 @@ def _with_budget(
     first = True
     for cfg in configs:
         sched = build(problem, cfg)
-        sim = evaluate_schedule(problem, sched)
-        res = evaluate(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
+        sim = evaluate(problem, sched)
+        res = heuristic_result(problem, sched, name, SolveStatus.HEURISTIC, t0, notes=() if first else (f"shrunk to {cfg}",),
                        sim=sim)
         peak = sim.peak_bytes
         if mem_budget_bytes is None or peak <= mem_budget_bytes:
@@ -261,7 +250,7 @@ def _with_budget(
     raise InfeasibleBudgetError(
         f"heuristic {name!r} cannot keep peak memory under {mem_budget_bytes} B (smallest peak "
         f"{best_peak} B); raise the budget to at least that, or use solver='cpsat'",
-        budget_bytes=int(mem_budget_bytes or 0),
+        mem_budget_bytes=int(mem_budget_bytes or 0),
         min_peak_bytes=best_peak,
     )
 
@@ -273,7 +262,7 @@ def solve_traced(
     problem: Problem,
     *,
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    work_limit: float = 30.0,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
@@ -395,6 +384,7 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
     """The FSDP2-like schedule of ``problem`` (see :class:`FSDP2Config`)."""
     blocks = fsdp2_blocks(problem)
     plan = fixed_buckets(problem)
+    waits_first: set[Bucket] = set()
 
     def bucketed(key: tuple, part: list[str]) -> list[tuple[str, ...]]:
         if not config.block_buckets:
@@ -419,7 +409,7 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
                 # issued where the bucket `prefetch_blocks` earlier is needed
                 j = i - config.prefetch_blocks
                 at = wins[j][1] if j >= 0 else hi
-                plan.append(PlannedBucket(run, _clamp(at, lo, hi), hi))
+                plan.append(PlannedBucket(Bucket(run), _clamp(at, lo, hi), hi))
         else:
             issue = [lo for lo, _ in wins]
             for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
@@ -427,8 +417,9 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
                     wait = _clamp(issue[i + 1], issue[i], hi) if i + 1 < len(runs) else hi
                 else:
                     wait = issue[i]
-                plan.append(PlannedBucket(run, issue[i], wait, wait_first=True))
-    return schedule_from_plan(problem, plan)
+                plan.append(PlannedBucket(Bucket(run), issue[i], wait))
+                waits_first.add(plan[-1].bucket)
+    return schedule_from_plan(problem, plan, waits_first=waits_first)
 
 
 def _fsdp2_ladder(start: FSDP2Config) -> list[FSDP2Config]:
@@ -446,7 +437,7 @@ def solve_fsdp2(
     problem: Problem,
     *,
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    work_limit: float = 30.0,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
@@ -469,7 +460,7 @@ def solve_perblock(
     problem: Problem,
     *,
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    work_limit: float = 30.0,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
@@ -513,7 +504,7 @@ def simplefsdp_schedule(problem: Problem, config: SimpleFSDPConfig = SimpleFSDPC
                 traced = min(problem.colls[m].traced_issue for m in run)
                 issue = _clamp(traced, lo, hi)
                 wait = hi if (key[0] == "all_gather" or config.wait_reduce_scatter_at_use) else issue
-                plan.append(PlannedBucket(run, issue, wait))
+                plan.append(PlannedBucket(Bucket(run), issue, wait))
     return schedule_from_plan(problem, plan)
 
 
@@ -533,7 +524,7 @@ def solve_simplefsdp(
     problem: Problem,
     *,
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    work_limit: float = 30.0,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
@@ -612,10 +603,10 @@ def autoparallel_schedule(problem: Problem, config: AutoParallelConfig = AutoPar
             lo, hi = issue_window(problem, run)
             if key[0] == "all_gather":
                 issue = _clamp(_gap_back(cnt, hi, config.max_prefetch_compute_nodes), lo, hi)
-                plan.append(PlannedBucket(run, issue, hi))
+                plan.append(PlannedBucket(Bucket(run), issue, hi))
             else:
                 wait = _clamp(_gap_forward(cnt, lo, config.max_rs_compute_nodes), lo, hi)
-                plan.append(PlannedBucket(run, lo, wait))
+                plan.append(PlannedBucket(Bucket(run), lo, wait))
     return schedule_from_plan(problem, plan)
 
 
@@ -639,7 +630,7 @@ def solve_autoparallel(
     problem: Problem,
     *,
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = 30.0,
+    work_limit: float = 30.0,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,

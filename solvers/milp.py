@@ -498,13 +498,13 @@ def _highs_available() -> bool:
         return False
 
 
-def solve_lp(model: MilpModel, time_limit_s: float, seed: int, cfg: MilpConfig, *, mip: bool = True,
+def solve_lp(model: MilpModel, work_limit: float, seed: int, cfg: MilpConfig, *, mip: bool = True,
               warm: bool = False) -> LpOutcome:
     """Solve ``model.lp`` with the configured backend; the best bound comes from the solver
     (CBC: its log; HiGHS: the dual bound) when it reports one."""
     if model.infeasible:
         return LpOutcome("infeasible", None, None)
-    limit = max(0.1, float(time_limit_s))
+    limit = max(0.1, float(work_limit))
     use_highs = cfg.backend == "highs" or (cfg.backend == "auto" and _highs_available())
     lp = model.lp
     if use_highs:
@@ -570,7 +570,7 @@ def _cbc_bound(log_text: str) -> float | None:
     return None
 
 
-def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, time_limit_s: float = 30.0,
+def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, work_limit: float = 30.0,
                            config: MilpConfig | None = None) -> float:
     """Optimum of the MILP's LP relaxation (every binary in [0, 1]), in ms: a lower bound on
     the model's step time within its search space (anchors, windows). No warm start: the
@@ -582,20 +582,20 @@ def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = N
     cfg = config or MilpConfig()
     if not problem.chains:
         return problem.lower_bound_ms()
-    out = solve_lp(MilpModel(ModelData(problem, cfg, mem_budget_bytes), relax=True), time_limit_s, 0, cfg, mip=False)
+    out = solve_lp(MilpModel(ModelData(problem, cfg, mem_budget_bytes), relax=True), work_limit, 0, cfg, mip=False)
     if out.status == "infeasible":
         raise InfeasibleBudgetError(
             f"the LP relaxation is infeasible under {mem_budget_bytes} B; raise mem_budget",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=None,
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=None,
         )
     return out.objective_us / US_PER_MS if out.objective_us is not None else math.nan
 
 
-def build(data: ModelData, start: Schedule | None, limit_s: float, seed: int, num_workers: int,
+def build(data: ModelData, start: Schedule | None, work_limit: float, seed: int, num_workers: int,
           complete: Completion) -> tuple[MilpModel, Solution | None]:
     """The MILP of ``data`` bounded by ``start``'s model step time, and ``start`` completed to
     a full solution by ``complete`` (None when it does not fit the model)."""
-    sol = complete(data, start, limit_s, seed, num_workers) if start is not None else None
+    sol = complete(data, start, work_limit, seed, num_workers) if start is not None else None
     return MilpModel(data, sol.objective_us if sol is not None else None), sol
 
 
@@ -613,17 +613,17 @@ class MilpBackend:
         self.wall_cap_hits = 0
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
+                     work_limit: float, seed: int, num_workers: int, anchors: Anchors) -> Schedule | None:
         """One window of the decomposition as a MILP: started from the incumbent completed
         inside the window, bounded by its exit state."""
         cfg = self.config
         data = ModelData(problem, cfg, mem_budget_bytes, free=free, reference=schedule, anchors=anchors)
-        model, sol = build(data, schedule, max(0.2, limit_s * cfg.warm_start_share), seed, num_workers,
+        model, sol = build(data, schedule, max(0.2, work_limit * cfg.warm_start_share), seed, num_workers,
                            self.complete)
         if sol is not None:
             model.set_initial(sol)
         try:
-            out = solve_lp(model, max(0.2, limit_s * (1 - cfg.warm_start_share)), seed, cfg, warm=sol is not None)
+            out = solve_lp(model, max(0.2, work_limit * (1 - cfg.warm_start_share)), seed, cfg, warm=sol is not None)
         except pulp.PulpSolverError as e:  # one window failing must not end the search
             logger.warning("milp window (%d free): the solver failed (%s); window skipped", len(free), e)
             return None

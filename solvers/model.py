@@ -105,6 +105,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from solvers.config import ModelConfig
+from solvers.core.plan import PlannedBucket
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import simulate
@@ -200,7 +201,8 @@ class FixedInterval:
 @dataclasses.dataclass(frozen=True)
 class Decisions:
     """Values of the decision variables: bucket breaks, issue anchors, wait anchors (reduce-
-    scatters). Every backend's solution is read into this, and a schedule out of it."""
+    scatters). Every backend's solution is read into this, and a schedule out of it
+    (:meth:`ModelData.extract`, through a plan): the model's variables, not a schedule."""
 
     brk: dict[str, int]
     issue: dict[str, int]
@@ -221,7 +223,7 @@ class Solution(Decisions):
     objective_us: int
 
 
-#: ``complete(data, schedule, limit_s, seed, num_workers) -> Solution | None``: ``schedule``
+#: ``complete(data, schedule, work_limit, seed, num_workers) -> Solution | None``: ``schedule``
 #: completed to a full solution of ``data``'s model (its decisions fixed, the tightest times),
 #: None when its decisions do not fit; a backend that needs a warm start is given one
 #: (:func:`solvers.cpsat.complete_solution`), never imports another backend
@@ -489,27 +491,27 @@ class ModelData:
         """The schedule of decision values ``d``, with every fixed bucket at its reference
         position; buckets issue in order of issue gap, then wait gap."""
         p = self.p
-        entries: list[tuple[Bucket, int, int]] = []
+        plan: list[PlannedBucket] = []
         for chain in self.chains:
             cur: list[str] = []
             for k, x in enumerate(chain):
                 if k > 0 and d.brk[x.name]:
-                    entries.append(self._close(cur, d))
+                    plan.append(self._close(cur, d))
                     cur = []
                 cur.append(x.name)
             if cur:
-                entries.append(self._close(cur, d))
+                plan.append(self._close(cur, d))
         for b in self.fixed_buckets:
             members = self.reference.buckets[b].members
             gi, gw = self.ref_pos[members[0]]
-            entries.append((Bucket(tuple(members)), gi, gw))
-        order = sorted(range(len(entries)), key=lambda i: (entries[i][1], entries[i][2]))
-        return p.schedule_at([entries[i][0] for i in order], [entries[i][1] for i in order],
-                             [entries[i][2] for i in order])
+            plan.append(PlannedBucket(Bucket(tuple(members)), gi, gw))
+        order = sorted(range(len(plan)), key=lambda i: (plan[i].issue_at, plan[i].wait_at))
+        return p.schedule_at([plan[i].bucket for i in order], [plan[i].issue_at for i in order],
+                             [plan[i].wait_at for i in order])
 
-    def _close(self, members: list[str], d: Decisions) -> tuple[Bucket, int, int]:
+    def _close(self, members: list[str], d: Decisions) -> PlannedBucket:
         A, p = self.anchors, self.p
         first = members[0]
         gi = A.gaps[d.issue[first]]
         gw = A.gaps[d.wait[first]] if first in d.wait else min(p.colls[x].needed for x in members)
-        return Bucket(tuple(members)), gi, max(gi, gw)
+        return PlannedBucket(Bucket(tuple(members)), gi, max(gi, gw))

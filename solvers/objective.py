@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from solvers.config import CpSatConfig, MilpConfig
+from solvers.config import CpSatConfig, MilpConfig, renamed_fields
 from solvers.core.evaluate import Evaluation, ModelEvaluator
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, ScheduleError
 from solvers.core.simulator import ScheduleInvalidError
 
 
+@renamed_fields(window_s="window_work")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SearchConfig:
     """Every tuning value of the plan (module docstring)."""
@@ -50,8 +51,10 @@ class SearchConfig:
     near_miss_share: float = 0.05
     #: share of the work limit the CP-SAT windows get (0: no windows); the polish gets the rest
     window_share: float = 0.5
-    #: deterministic limit of one window (s of the backend's clock)
-    window_s: float = 0.3
+    #: deterministic work of one window (work units of ``SolverOptions.work_limit``, on the
+    #: backend's deterministic clock). Was ``window_s``, which still works for one release
+    #: (deprecated)
+    window_work: float = 0.3
     #: collectives a window frees (about three transformer blocks)
     window_members: int = 27
     #: collectives between the first of one window and the first of the next (None: half of
@@ -82,10 +85,10 @@ class SearchConfig:
     #: share of the polish's work the ``strict`` stage gets at least, when every polished
     #: schedule loses to a baseline under a strict model (and more where the polish left work)
     strict_share: float = 0.25
-    #: calibration of the polish's work in seconds: DAG nodes per second that one core
-    #: evaluates (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
-    #: evaluation of one neighbour, or the building of one); ``work_s`` seconds on a graph of
-    #: ``n`` nodes are ``work_s`` x this / ``n`` of them, a number of the graph and the limit
+    #: calibration of the polish's work units: DAG nodes per work unit (about a second of one
+    #: core) evaluated (:mod:`solvers.core.evaluate`) as the polish counts them (one model's
+    #: evaluation of one neighbour, or the building of one); ``work`` units on a graph of
+    #: ``n`` nodes are ``work`` x this / ``n`` of them, a number of the graph and the limit
     #: alone, so that every rank polishes alike
     evaluated_nodes_per_s: float = 1e7
     #: the CP-SAT backend's knobs and decision space (:class:`solvers.config.CpSatConfig`), for
@@ -109,8 +112,8 @@ class SearchConfig:
             raise ValueError(f"near_miss_share must be >= 0, got {self.near_miss_share}")
         if not 0 <= self.window_share <= 1:
             raise ValueError(f"window_share must be in [0, 1], got {self.window_share}")
-        if self.window_s <= 0 or self.window_members < 2 or self.window_sweeps < 0:
-            raise ValueError("window_s must be > 0, window_members >= 2 and window_sweeps >= 0")
+        if self.window_work <= 0 or self.window_members < 2 or self.window_sweeps < 0:
+            raise ValueError("window_work must be > 0, window_members >= 2 and window_sweeps >= 0")
         if self.window_stride is not None and self.window_stride < 1:
             raise ValueError(f"window_stride must be >= 1 or None, got {self.window_stride}")
         if self.polish_starts < 1:
@@ -326,10 +329,10 @@ class Objective:
         none)."""
         return self.ordering().key(_steps(e))[0]
 
-    def simulations_for(self, work_s: float, config: SearchConfig) -> int:
-        """The polish's simulations (one model's evaluation of one neighbour, as
-        :func:`solvers.polish.polish` counts them) in ``work_s`` seconds of work on this graph."""
-        return int(work_s * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
+    def evaluations_for(self, work: float, config: SearchConfig) -> int:
+        """The polish's evaluations (one model's evaluation of one neighbour, as
+        :func:`solvers.polish.polish` counts them) in ``work`` work units on this graph."""
+        return int(work * config.evaluated_nodes_per_s / max(1, self.primary.dag.number_of_nodes()))
 
 
 def schedule_content(schedule: Schedule) -> tuple:

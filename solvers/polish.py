@@ -34,7 +34,7 @@ wait by ``k`` gaps for ``k`` in :attr:`PolishConfig.steps`. Moves are scanned cy
 the one after the last accepted; a neighbour is evaluated under the model of largest regret
 first and rejected as soon as one model's regret exceeds the current worst, so most rejected
 moves cost one evaluation. The search stops after a full scan without gain or when
-:attr:`PolishConfig.max_simulations` are spent: work is counted in evaluations, not seconds,
+:attr:`PolishConfig.max_evaluations` are spent: work is counted in evaluations, not seconds,
 so every rank gets the same schedule from the same graph.
 """
 
@@ -45,13 +45,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from solvers.core.evaluate import ModelEvaluator, Plan
+from solvers.config import renamed_fields
+from solvers.core.evaluate import ModelEvaluator, ReadSchedule
+from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_window
-from solvers.entries import Entry, chain_ordered, chain_units, from_entries
 from solvers.objective import Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
@@ -59,13 +60,15 @@ __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
 logger = logging.getLogger(__name__)
 
 
+@renamed_fields(max_simulations="max_evaluations")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolishConfig:
     """Limits and moves of :func:`polish`."""
 
-    #: deterministic work limit, in simulations: one per model and neighbour evaluated (fewer
-    #: when a neighbour is rejected early), and one more per neighbour built
-    max_simulations: int = 4000
+    #: deterministic work limit, in evaluations: one per model and neighbour evaluated (fewer
+    #: when a neighbour is rejected early), and one more per neighbour built. Was
+    #: ``max_simulations``, which still works for one release (deprecated)
+    max_evaluations: int = 4000
     #: gap distances a bucket's issue or wait is moved by, largest first
     steps: tuple[int, ...] = (8, 2, 1)
     #: move the boundary between consecutive buckets by one unit or collective (:func:`_transfers`)
@@ -74,8 +77,8 @@ class PolishConfig:
     max_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_simulations < 1:
-            raise ValueError(f"max_simulations must be >= 1, got {self.max_simulations}")
+        if self.max_evaluations < 1:
+            raise ValueError(f"max_evaluations must be >= 1, got {self.max_evaluations}")
         if not self.steps or any(k < 1 for k in self.steps):
             raise ValueError(f"steps must be positive gap distances, got {self.steps}")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes < 1:
@@ -94,7 +97,8 @@ class PolishResult:
     peak_bytes: int
     #: moves accepted
     moves: int
-    simulations: int
+    #: evaluations spent (as :attr:`PolishConfig.max_evaluations` counts them)
+    evaluations: int
     solve_time_s: float
     #: why the search stopped
     stopped: str
@@ -136,26 +140,26 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     t0 = time.perf_counter()
     search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups,
                      strict_models, evaluator)
-    current = search.evaluate(start, None)
+    current = search.scored(start, None)
     if current is None:
         raise ValueError("the start schedule is not a valid schedule of the problems' graph")
     schedule, score, sims = current
     moves, k, unchanged = 0, 0, 0
     stopped = "converged: no move lowers the worst-case regret"
-    neighbours = _neighbours(search.p0, _entries(schedule), config)
+    neighbours = _neighbours(search.p0, _plan_of(schedule), config)
     while neighbours and unchanged < len(neighbours):
-        if search.simulations >= config.max_simulations:
-            stopped = f"work limit: {config.max_simulations} simulations"
+        if search.evaluations >= config.max_evaluations:
+            stopped = f"work limit: {config.max_evaluations} evaluations"
             break
         k %= len(neighbours)
-        found = search.evaluate_entries(neighbours[k], score)
+        found = search.scored_plan(neighbours[k], score)
         if found is not None:
             schedule, score, sims = found
             moves += 1
             unchanged = 0
-            neighbours = _neighbours(search.p0, _entries(schedule), config)
-            logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d simulations)",
-                         moves, score[0], score[1], score[2], search.simulations)
+            neighbours = _neighbours(search.p0, _plan_of(schedule), config)
+            logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d evaluations)",
+                         moves, score[0], score[1], score[2], search.evaluations)
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
@@ -164,19 +168,19 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
         raise InfeasibleBudgetError(
             f"the polish could not bring its start under the budget of {fmt_bytes(mem_budget_bytes or 0)}: "
             f"the smallest peak it reached is {fmt_bytes(peak)} ({peak} B); start from a schedule that fits",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     regrets = {label: search.regret(label, sims[label].step_ms) for label in search.labels}
     result = PolishResult(schedule=search.schedule_of(schedule),
                            step_ms={label: sims[label].step_ms for label in search.labels}, regret=regrets,
-                           peak_bytes=peak, moves=moves, simulations=search.simulations,
+                           peak_bytes=peak, moves=moves, evaluations=search.evaluations,
                            solve_time_s=time.perf_counter() - t0, stopped=stopped)
-    logger.info("polish: worst-case regret %.2f %% after %d moves, %d simulations, %.1f s (%s)",
-                100 * result.worst_regret, moves, search.simulations, result.solve_time_s, stopped)
+    logger.info("polish: worst-case regret %.2f %% after %d moves, %d evaluations, %.1f s (%s)",
+                100 * result.worst_regret, moves, search.evaluations, result.solve_time_s, stopped)
     return result
 
 
 class _Search:
-    """The models, the references and the simulation count of one :func:`polish`."""
+    """The models, the references and the evaluation count of one :func:`polish`."""
 
     def __init__(self, problems: Mapping[str, Problem], reference_ms: Mapping[str, float],
                  mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None = None,
@@ -195,44 +199,45 @@ class _Search:
                                                                  self.labels}, baseline_ms, baseline_weight,
                                  strict_models)
         self.strict = self.ordering.strict
-        self.simulations = 0
+        self.evaluations = 0
         #: the start's :attr:`Schedule.split_groups`, which every move keeps
         self.split_groups = split_groups
         #: model labels: a strict one the schedule loses to the baseline under, then the one of
         #: largest regret first (rejects most neighbours at once)
         self.order = list(self.labels)
 
-    def evaluate_entries(self, entries: list[Entry], bar: tuple[int, float, float, float]):
-        """:meth:`evaluate` of the schedule of ``entries`` (:func:`solvers.entries.from_entries`)
-        without building it: an accepted one is returned as its :class:`~solvers.core.evaluate.Plan`
-        (:func:`_entries` reads it, :meth:`schedule_of` builds the schedule)."""
-        ordered = chain_ordered(self.p0, entries)
+    def scored_plan(self, plan: list[PlannedBucket], bar: tuple[int, float, float, float]):
+        """:meth:`scored` of the schedule of ``plan`` (:func:`solvers.core.plan.build_schedule`)
+        without building it: an accepted one is returned as its
+        :class:`~solvers.core.evaluate.ReadSchedule` (:func:`_plan_of` reads it, :meth:`schedule_of`
+        builds the schedule)."""
+        ordered = chain_ordered(self.p0, plan)
         if ordered is None:
             return None
-        # counted as one simulation, the cost of building the schedule before the evaluator read
-        # entries directly, so that work limits keep their meaning
-        self.simulations += 1
+        # counted as one evaluation, the cost of building the schedule before the evaluator read
+        # plans directly, so that work limits keep their meaning
+        self.evaluations += 1
         try:
-            plan = self.evaluator.plan_entries(ordered, self.split_groups)
+            read = self.evaluator.read_plan(ordered, self.split_groups)
         except ValueError:
             return None
-        return self.evaluate(plan, bar)
+        return self.scored(read, bar)
 
-    def schedule_of(self, schedule: Schedule | Plan) -> Schedule:
-        """The schedule of an accepted plan (:meth:`evaluate_entries`), as ``from_entries`` builds it."""
-        if isinstance(schedule, Plan):
-            return schedule.schedule or from_entries(self.p0, list(schedule.entries)).with_split(self.split_groups)
+    def schedule_of(self, schedule: Schedule | ReadSchedule) -> Schedule:
+        """The schedule of an accepted plan (:meth:`scored_plan`), as ``build_schedule`` builds it."""
+        if isinstance(schedule, ReadSchedule):
+            return schedule.schedule or build_schedule(self.p0, list(schedule.plan)).with_split(self.split_groups)
         return schedule
 
-    def evaluate(self, schedule: Schedule | Plan, bar: tuple[int, float, float, float] | None):
+    def scored(self, schedule: Schedule | ReadSchedule, bar: tuple[int, float, float, float] | None):
         """(schedule, (excess bytes over the budget, strict slowdown, worst regret, total),
         evaluations by label)
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
         None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
         the simulator's numbers, memory counted once) and stops at the first that rules it out;
-        each model evaluated counts as one simulation."""
-        plan = schedule if isinstance(schedule, Plan) else self.evaluator.plan(schedule)
-        evaluation = self.evaluator.lazy(plan)
+        each model evaluated counts as one evaluation."""
+        read = schedule if isinstance(schedule, ReadSchedule) else self.evaluator.read(schedule)
+        evaluation = self.evaluator.lazy(read)
         sims = {}
         # excess, loss and worst only grow as models are added: a partial score already worse
         # than the bar in its first unequal term rules the schedule out
@@ -243,7 +248,7 @@ class _Search:
             except ScheduleInvalidError:
                 return None
             finally:
-                self.simulations += 1
+                self.evaluations += 1
             excess = max(excess, self.ordering.excess(sim.peak_bytes))
             loss = max(loss, self.ordering.loss(label, sim.step_ms))
             r = self.regret(label, sim.step_ms)
@@ -262,30 +267,30 @@ class _Search:
         return self.ordering.regret(label, step_ms)
 
 
-def _entries(schedule: Schedule | Plan) -> list[Entry]:
-    if isinstance(schedule, Plan) and schedule.entries is not None:
-        return list(schedule.entries)  # the buckets and gaps of the schedule they build, in its order
+def _plan_of(schedule: Schedule | ReadSchedule) -> list[PlannedBucket]:
+    if isinstance(schedule, ReadSchedule) and schedule.plan is not None:
+        return list(schedule.plan)  # the buckets and gaps of the schedule it builds, in its order
     issue, wait = schedule.positions()
-    return [(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
+    return [PlannedBucket(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
 
 
-def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[list[Entry]]:
-    """Every schedule one move from ``entries`` (module docstring), merges first, then
-    transfers, then shifts, as entry lists (:func:`solvers.entries.chain_ordered` keeps each
+def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> list[list[PlannedBucket]]:
+    """Every schedule one move from ``plan`` (module docstring), merges first, then
+    transfers, then shifts, as plans (:func:`solvers.core.plan.chain_ordered` keeps each
     chain's issue order)."""
     index = {m: (key, i) for key, names in p.chains.items() for i, m in enumerate(names)}
     by_chain: dict[tuple, list[int]] = {}
-    for e, (bk, _, _) in enumerate(entries):
+    for e, (bk, _, _) in enumerate(plan):
         if bk.members[0] in index:
             by_chain.setdefault(index[bk.members[0]][0], []).append(e)
-    merges: list[list[Entry]] = []
-    transfers: list[list[Entry]] = []
+    merges: list[list[PlannedBucket]] = []
+    transfers: list[list[PlannedBucket]] = []
     for key, es in by_chain.items():
-        es.sort(key=lambda e: index[entries[e][0].members[0]][1])
-        gather = p.colls[entries[es[0]][0].members[0]].coll_type == "all_gather"
+        es.sort(key=lambda e: index[plan[e][0].members[0]][1])
+        gather = p.colls[plan[es[0]][0].members[0]].coll_type == "all_gather"
         for a, b in zip(es, es[1:]):
-            rest = [x for e, x in enumerate(entries) if e not in (a, b)]
-            (b1, i1, w1), (b2, i2, w2) = entries[a], entries[b]
+            rest = [x for e, x in enumerate(plan) if e not in (a, b)]
+            (b1, i1, w1), (b2, i2, w2) = plan[a], plan[b]
             members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
             if _fits_cap(p, members, config):
                 # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
@@ -294,9 +299,9 @@ def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[
                 if merged is not None:
                     merges.append(rest + [merged])
             if config.transfers:
-                transfers.extend(rest + pair for pair in _transfers(p, entries[a], entries[b], gather, config))
-    shifts: list[list[Entry]] = []
-    for e, (bk, i, w) in enumerate(entries):
+                transfers.extend(rest + pair for pair in _transfers(p, plan[a], plan[b], gather, config))
+    shifts: list[list[PlannedBucket]] = []
+    for e, (bk, i, w) in enumerate(plan):
         if bk.members[0] not in index:
             continue  # fixed collectives stay where they are
         lo = max(p.colls[m].ready for m in bk.members)
@@ -304,13 +309,13 @@ def _neighbours(p: Problem, entries: list[Entry], config: PolishConfig) -> list[
         for k in config.steps:
             for d in (-k, k):
                 if lo <= i + d <= w:
-                    shifts.append([*entries[:e], (bk, i + d, w), *entries[e + 1:]])
+                    shifts.append([*plan[:e], PlannedBucket(bk, i + d, w), *plan[e + 1:]])
                 if i <= w + d <= hi:
-                    shifts.append([*entries[:e], (bk, i, w + d), *entries[e + 1:]])
+                    shifts.append([*plan[:e], PlannedBucket(bk, i, w + d), *plan[e + 1:]])
     return merges + transfers + shifts
 
 
-def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
     """A bucket of ``members`` at these gaps, moved into its window (issued once every member
     is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
     is waited by that read); None when the window is empty."""
@@ -318,7 +323,7 @@ def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> Entr
     issue = max(issue, lo)
     if issue > hi:
         return None
-    return Bucket(members), issue, min(max(wait, issue), hi)
+    return PlannedBucket(Bucket(members), issue, min(max(wait, issue), hi))
 
 
 def _fits_cap(p: Problem, members: Sequence[str], config: PolishConfig) -> bool:
@@ -328,8 +333,8 @@ def _fits_cap(p: Problem, members: Sequence[str], config: PolishConfig) -> bool:
         sum(p.colls[m].payload_bytes for m in members) <= config.max_bucket_bytes
 
 
-def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
-               config: PolishConfig) -> list[list[Entry]]:
+def _transfers(p: Problem, first: PlannedBucket, second: PlannedBucket, gather: bool,
+               config: PolishConfig) -> list[list[PlannedBucket]]:
     """The moves of the boundary between consecutive buckets of one chain: the first bucket's
     last unit (:func:`chain_units`) or last collective to the second, the second's first unit
     or first collective to the first (a unit of one collective is one move). The bucket that
@@ -339,23 +344,23 @@ def _transfers(p: Problem, first: Entry, second: Entry, gather: bool,
     are ready (and waited no earlier)."""
     (b1, i1, w1), (b2, i2, w2) = first, second
 
-    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> Entry | None:
+    def taking(members: tuple[str, ...], piece: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
         if gather:
             wait = min(wait, min(p.colls[m].needed for m in piece))
             return _placed(p, members, min(issue, wait), wait)
         issue = max(issue, max(p.colls[m].ready for m in piece))
         return _placed(p, members, issue, max(wait, issue))
 
-    out: list[list[Entry | None]] = []
+    out: list[list[PlannedBucket | None]] = []
     if len(b1.members) > 1:  # the first bucket's tail joins the second
         for k in sorted({len(chain_units(p, b1.members)[-1]), 1}):
             if k < len(b1.members):
                 piece = b1.members[-k:]
-                out.append([(Bucket(b1.members[:-k]), i1, w1), taking(piece + b2.members, piece, i2, w2)])
+                out.append([PlannedBucket(Bucket(b1.members[:-k]), i1, w1), taking(piece + b2.members, piece, i2, w2)])
     if len(b2.members) > 1:  # the second bucket's head joins the first
         for k in sorted({len(chain_units(p, b2.members)[0]), 1}):
             if k < len(b2.members):
                 piece = b2.members[:k]
-                out.append([taking(b1.members + piece, piece, i1, w1), (Bucket(b2.members[k:]), i2, w2)])
+                out.append([taking(b1.members + piece, piece, i1, w1), PlannedBucket(Bucket(b2.members[k:]), i2, w2)])
     return [pair for pair in out  # type: ignore[misc]
             if all(e is not None and _fits_cap(p, e[0].members, config) for e in pair)]

@@ -11,7 +11,9 @@ Neither backend imports the plan or the other backend.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from solvers.core.problem import Problem
@@ -20,14 +22,15 @@ from solvers.cpsat import CpSatBackend, complete_solution
 from solvers.heuristics import HEURISTICS
 from solvers.milp import MilpBackend
 from solvers.objective import SearchConfig
-from solvers.search import DEFAULT_TIME_LIMIT_S, Started, WindowBackend, search
+from solvers.search import DEFAULT_WORK_LIMIT, Started, WindowBackend, search
 
 logger = logging.getLogger(__name__)
 
 #: a solver of your own, as :func:`solve` calls it: ``fn(problem, *, mem_budget_bytes,
-#: time_limit_s, seed, hint, num_workers, extra_starts) -> SolveResult``, every keyword always
+#: work_limit, seed, hint, num_workers, extra_starts) -> SolveResult``, every keyword always
 #: passed (``hint`` None and ``extra_starts`` empty when none are given); a built-in heuristic is
-#: called without ``extra_starts``
+#: called without ``extra_starts``. One that takes ``time_limit_s`` instead of ``work_limit``
+#: (its name before) is still called so for one release, with a DeprecationWarning
 SolverFn = Callable[..., SolveResult]
 
 #: the model backends of the plan's windows, by solver name: each built from the plan's config
@@ -43,12 +46,12 @@ def _solve_with(backend: str) -> SolverFn:
     fastest that fits)."""
 
     def solve_exact(problem: Problem, *, mem_budget_bytes: int | None = None,
-                    time_limit_s: float = DEFAULT_TIME_LIMIT_S, seed: int = 0, hint: Schedule | None = None,
+                    work_limit: float = DEFAULT_WORK_LIMIT, seed: int = 0, hint: Schedule | None = None,
                     num_workers: int = 1, extra_starts: Sequence[Schedule] = (),
                     config: SearchConfig = SearchConfig()) -> SolveResult:
         label = str(problem.dag.graph.get("cost_model", "model"))
         return search({label: problem}, mem_budget_bytes, backend=BACKENDS[backend](config),
-                      time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, config=config,
+                      work_limit=work_limit, seed=seed, num_workers=num_workers, config=config,
                       extra_starts=(*((hint,) if hint is not None else ()), *extra_starts))
 
     solve_exact.__name__ = solve_exact.__qualname__ = f"solve_{backend}"
@@ -77,11 +80,12 @@ def solve(
     *,
     solver: str | SolverFn = "cpsat",
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    work_limit: float = DEFAULT_WORK_LIMIT,
     seed: int = 0,
     hint: Schedule | None = None,
     num_workers: int = 1,
     extra_starts: Sequence[Schedule] = (),
+    time_limit_s: float | None = None,
 ) -> SolveResult:
     """Solve ``problem`` with the named solver or heuristic.
 
@@ -89,29 +93,35 @@ def solve(
         solver: "cpsat", "milp", a heuristic name (see :func:`available_solvers`), or a callable
             with the signature of :data:`SolverFn` (your own solver).
         mem_budget_bytes: hard peak-memory budget (bytes); None for no limit.
-        time_limit_s: limit of the solve. For CP-SAT it is a budget of deterministic work (about
-            that many seconds of one core), so that every rank stops at the same
-            point and gets the same schedule; the search usually stops earlier, when a sweep of
-            windows brings no gain.
+        work_limit: limit of the solve, in work units of deterministic work (about a second of
+            one core each; the model backend's deterministic clock and the polish's counted
+            evaluations, never the wall clock), so that every rank stops at the same point and
+            gets the same schedule; the search usually stops earlier, when a sweep of windows
+            brings no gain.
         seed: solver random seed (fixed for determinism).
         hint: a schedule to warm-start from.
         num_workers: solver threads (1 keeps solves deterministic and cheap).
         extra_starts: exact solvers and callables only: more schedules to start from (e.g. the
             best schedule found at a smaller budget, see :func:`solve_budgets`); the exact
             solvers' result is never slower than the fastest of them that fits.
+        time_limit_s: deprecated name of ``work_limit`` (for one release; it warns).
 
     Raises:
         ValueError: unknown solver name.
         InfeasibleBudgetError: no schedule fits ``mem_budget_bytes``.
         ScheduleError: the solver failed in another way.
     """
+    if time_limit_s is not None:
+        warnings.warn("solve(time_limit_s=...) is deprecated and will be removed in the next release: use work_limit",
+                      DeprecationWarning, stacklevel=2)
+        work_limit = time_limit_s
     fn = SOLVERS.get(solver) if isinstance(solver, str) else solver
     if fn is None:
         raise ValueError(f"unknown solver {solver!r}; choose one of {available_solvers()}")
     if mem_budget_bytes is not None and mem_budget_bytes <= 0:
         raise ValueError(f"mem_budget_bytes must be > 0, got {mem_budget_bytes}")
-    if time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+    if work_limit <= 0:
+        raise ValueError(f"work_limit must be > 0, got {work_limit}")
     for given in (hint, *extra_starts):
         if given is not None:
             _check_hint_shape(problem, given)
@@ -120,10 +130,10 @@ def solve(
         raise ValueError(f"extra_starts are taken by the exact solvers {sorted(EXACT_SOLVERS)} and callables only, "
                          f"not by the heuristic {solver_name(solver)!r}")
     more = {} if heuristic else {"extra_starts": tuple(extra_starts)}
+    more[_work_keyword(fn)] = work_limit
     result = fn(
         problem,
         mem_budget_bytes=mem_budget_bytes,
-        time_limit_s=time_limit_s,
         seed=seed,
         hint=hint,
         num_workers=num_workers,
@@ -140,7 +150,7 @@ def solve_problems(
     *,
     solver: str | SolverFn = "cpsat",
     mem_budget_bytes: int | None = None,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    work_limit: float = DEFAULT_WORK_LIMIT,
     seed: int = 0,
     num_workers: int = 1,
     extra_starts: Sequence[Schedule] = (),
@@ -157,13 +167,13 @@ def solve_problems(
     if isinstance(solver, str) and solver in BACKENDS:
         if started is None:
             check_starts(next(iter(problems.values())), extra_starts, baselines)
-        return search(problems, mem_budget_bytes, backend=BACKENDS[solver](config), time_limit_s=time_limit_s, seed=seed,
+        return search(problems, mem_budget_bytes, backend=BACKENDS[solver](config), work_limit=work_limit, seed=seed,
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
                       all_gather_stream=all_gather_stream, baselines=baselines, started=started)
     if started is not None:
         raise ValueError(f"started is the plan's first stage: solver {solver_name(solver)!r} runs no plan")
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
-                 time_limit_s=time_limit_s, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
+                 work_limit=work_limit, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
     if all_gather_stream == "separate":  # a heuristic's schedule as it is, its all-gathers on their own stream
         p = next(iter(problems.values()))
         result = dataclasses.replace(result, schedule=result.schedule.with_split(p.splittable_groups()))
@@ -200,6 +210,20 @@ def check_starts(problem: Problem, extra_starts: Sequence[Schedule],
     before :func:`solvers.search.begin`, which would fail deep inside on one that is not."""
     for given in (*extra_starts, *(s for _, s in baselines)):
         _check_hint_shape(problem, given)
+
+
+def _work_keyword(fn: SolverFn) -> str:
+    """The keyword of ``fn``'s work limit: ``work_limit``, or for a solver of one's own written
+    before it was renamed, ``time_limit_s`` (with a DeprecationWarning)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as documented
+        return "work_limit"
+    if "time_limit_s" in params and "work_limit" not in params:
+        warnings.warn(f"solver {solver_name(fn)!r} takes time_limit_s, which is deprecated and will not be passed "
+                      "after the next release: rename its keyword to work_limit", DeprecationWarning, stacklevel=3)
+        return "time_limit_s"
+    return "work_limit"
 
 
 def _check_hint_shape(problem: Problem, hint: Schedule) -> None:

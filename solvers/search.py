@@ -19,7 +19,7 @@ starts     each chain of mergeable collectives bucketed          a fixed set: ab
            (:func:`solvers.starts.fit_by_delays`); the best that fits is the
            incumbent
 windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`` of    where memory binds, issues, waits and
-           rolling windows of the incumbent's collectives        ``time_limit_s``, in   merges around the peak move together,
+           rolling windows of the incumbent's collectives        ``work_limit``, in     merges around the peak move together,
            (bucketing, issue and wait gaps,                      the backend's          which one local move cannot do
            :mod:`solvers.model`), most exposed first; a          deterministic time
            window's schedule is kept only when it evaluates
@@ -59,7 +59,7 @@ A schedule over the budget never replaces one that fits. Windows run with one mo
 window is solved under one model, and with several its schedule trades that model against the
 others: none was kept under the family where the benchmarks tried (BENCHMARKS.md, the stages).
 
-Determinism: ``time_limit_s`` is deterministic work, shared by the windows (the backend's
+Determinism: ``work_limit`` is deterministic work, shared by the windows (the backend's
 deterministic clock) and the polish (evaluations, converted at
 :attr:`SearchConfig.evaluated_nodes_per_s`); the starts are a fixed set. The wall clock never
 decides what runs, so every rank runs the same stages and gets the same schedule from the
@@ -91,16 +91,17 @@ from solvers.starts import starts
 
 logger = logging.getLogger(__name__)
 
-#: default work limit of a solve (s of deterministic work)
-DEFAULT_TIME_LIMIT_S = 1.0
+#: default work limit of a solve (work units: deterministic work, about one second of one core;
+#: ``SolverOptions.work_limit``)
+DEFAULT_WORK_LIMIT = 1.0
 #: where a search may put all-gathers (:func:`search`'s ``all_gather_stream``)
 ALL_GATHER_STREAMS = ("shared", "choose", "separate")
-#: seconds of work a sum of window limits may exceed its share by: the sum is a float, and a
+#: work a sum of window limits may exceed its share by: the sum is a float, and a
 #: share that holds n windows exactly must run all n
-WORK_TOLERANCE_S = 1e-9
-#: the least polish worth running, in simulations per cost model: its start's evaluation and
+WORK_TOLERANCE = 1e-9
+#: the least polish worth running, in evaluations per cost model: its start's evaluation and
 #: one neighbour's (with less, the polish could not try a single move)
-POLISH_MIN_SIMULATIONS_PER_MODEL = 2
+POLISH_MIN_EVALUATIONS_PER_MODEL = 2
 
 
 class WindowBackend(Protocol):
@@ -110,16 +111,16 @@ class WindowBackend(Protocol):
     name: str
 
     def solve_window(self, problem: Problem, mem_budget_bytes: int | None, schedule: Schedule, free: set[str],
-                     limit_s: float, seed: int, num_workers: int, anchors) -> Schedule | None: ...
+                     work_limit: float, seed: int, num_workers: int, anchors) -> Schedule | None: ...
 
 
 # --------------------------------------------------------------------------------------------
 # stage 2: windows
 # --------------------------------------------------------------------------------------------
 def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, config: SearchConfig,
-            work_s: float, seed: int, num_workers: int) -> tuple[Evaluated, float]:
+            work_limit: float, seed: int, num_workers: int) -> tuple[Evaluated, float]:
     """Rolling windows of CP-SAT (or MILP) solves over the incumbent (module docstring).
-    Returns the best schedule and the deterministic work spent (s)."""
+    Returns the best schedule and the deterministic work spent (work units)."""
     from solvers.model import Anchors  # the formulation's anchors, built once per solve
 
     p = objective.primary
@@ -134,13 +135,13 @@ def windows(objective: Objective, incumbent: Evaluated, backend: WindowBackend, 
         exposed = _exposed_by_collective(p, incumbent.schedule)
         load = {s0: sum(exposed.get(n, 0.0) for n in order[s0:s0 + k]) for s0 in offsets}
         for s0 in sorted((s0 for s0 in offsets if load[s0] > 0), key=lambda s0: (-load[s0], s0)):
-            if spent + config.window_s > work_s + WORK_TOLERANCE_S:
+            if spent + config.window_work > work_limit + WORK_TOLERANCE:
                 return incumbent, spent
-            spent += config.window_s
+            spent += config.window_work
             free = bucket_free(incumbent.schedule, order[s0:s0 + k])
             try:
                 cand = backend.solve_window(p, objective.mem_budget_bytes, incumbent.schedule, free,
-                                            config.window_s, seed, num_workers, anchors)
+                                            config.window_work, seed, num_workers, anchors)
             except ScheduleError as e:
                 logger.debug("window at %d failed: %s", s0, e)
                 continue
@@ -227,7 +228,7 @@ def begin(
         raise InfeasibleBudgetError(
             f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
             f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
-            budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
     groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
     split_best = None
     if groups:
@@ -249,7 +250,7 @@ def search(
     mem_budget_bytes: int | None,
     *,
     backend: WindowBackend | None = None,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    work_limit: float = DEFAULT_WORK_LIMIT,
     seed: int = 0,
     num_workers: int = 1,
     config: SearchConfig = SearchConfig(),
@@ -265,7 +266,7 @@ def search(
         problems: model label -> the graph priced by that model; the first is the primary one.
         mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
         backend: the window solver (None: no windows).
-        time_limit_s: deterministic work (s; module docstring).
+        work_limit: deterministic work (work units; module docstring).
         seed, num_workers: the backend's.
         config: the plan's tuning values.
         extra_starts: schedules of the graph to start from too (e.g. the best at a smaller
@@ -280,7 +281,7 @@ def search(
             wherever one start is (:meth:`Objective.key`), and the result is never worse by that
             key than any start that fits.
         starts_only: run the first stage alone: the best start that fits, no windows, no
-            polish (``time_limit_s`` then unused).
+            polish (``work_limit`` then unused).
         started: the first stage as :func:`begin` ran it on these arguments: the plan goes on
             from there (``problems``, ``extra_starts`` and ``baselines`` then unused).
 
@@ -299,23 +300,23 @@ def search(
     primary = objective.labels[0]
     stages = list(started.stages)
 
-    left_s = 0.0 if starts_only else time_limit_s
+    work_left = 0.0 if starts_only else work_limit
     # windows with one cost model only: under several, a window solved under one of them
     # traded that model against the others and no window was ever taken (module docstring)
-    if backend is not None and len(objective.labels) == 1 and left_s * config.window_share >= config.window_s:
+    if backend is not None and len(objective.labels) == 1 and work_left * config.window_share >= config.window_work:
         t, n0, before = time.perf_counter(), objective.evaluations, best
-        best, spent = windows(objective, best, backend, config, left_s * config.window_share, seed, num_workers)
-        left_s = max(0.0, left_s - spent)
+        best, spent = windows(objective, best, backend, config, work_left * config.window_share, seed, num_workers)
+        work_left = max(0.0, work_left - spent)
         stages.append(_stage("windows", t, spent, objective.evaluations - n0, best, primary, before))
 
-    def polish(start: Evaluated, simulations: int, strict_models: tuple[str, ...] = ()) -> polishing.PolishResult:
+    def polish(start: Evaluated, evaluations: int, strict_models: tuple[str, ...] = ()) -> polishing.PolishResult:
         return polishing.polish(objective.problems, start.schedule, _polish_reference(objective), mem_budget_bytes,
-                                polishing.PolishConfig(max_simulations=simulations, steps=config.polish_steps),
+                                polishing.PolishConfig(max_evaluations=evaluations, steps=config.polish_steps),
                                 baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
                                 strict_models=strict_models, evaluator=objective.evaluator)
 
-    n_polish = objective.simulations_for(left_s, config)
-    if n_polish >= POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
+    n_polish = objective.evaluations_for(work_left, config)
+    if n_polish >= POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
         t, before = time.perf_counter(), best
         polished, used = best, 0
         # a local search ends where its start leads: with several models, also from the best
@@ -327,17 +328,17 @@ def search(
             froms.append(other)
         for k, start in enumerate(froms):
             share = (n_polish - used) // (len(froms) - k)
-            if share < POLISH_MIN_SIMULATIONS_PER_MODEL * len(objective.labels):
+            if share < POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
                 continue
             result = polish(start, share)
-            used += result.simulations
+            used += result.evaluations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None:
                 e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
                 polished = e
         best = polished
-        stages.append(_stage("polish", t, left_s * used / n_polish, used, best, primary, before))
+        stages.append(_stage("polish", t, work_left * used / n_polish, used, best, primary, before))
         if objective.strict_loss(best) > 0:
             # every polished schedule loses to a baseline under a strict model: the polish again,
             # the loss first, from the start that loses least (a baseline that is the best under
@@ -351,7 +352,7 @@ def search(
                 e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
                 best = e
-            stages.append(_stage("strict", t, left_s * result.simulations / n_polish, result.simulations, best,
+            stages.append(_stage("strict", t, work_left * result.evaluations / n_polish, result.evaluations, best,
                                  primary, before))
     return _result(dataclasses.replace(started, stages=stages), best)
 
@@ -397,7 +398,7 @@ def _polish_reference(objective: Objective) -> dict[str, float]:
     return dict(objective.reference_ms)
 
 
-def _stage(name: str, t0: float, work_s: float, evaluations: int, e: Evaluated, label: str,
+def _stage(name: str, t0: float, work: float, evaluations: int, e: Evaluated, label: str,
            before: Evaluated) -> StageRecord:
-    return StageRecord(name=name, wall_s=time.perf_counter() - t0, work_s=work_s, simulations=evaluations,
+    return StageRecord(name=name, wall_s=time.perf_counter() - t0, work=work, evaluations=evaluations,
                        step_ms=e.step_ms(label), gained_ms=max(0.0, before.step_ms(label) - e.step_ms(label)))

@@ -26,10 +26,10 @@ import logging
 from collections.abc import Sequence
 
 from solvers.core.evaluate import evaluator_of
+from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import peak_step
-from solvers.entries import Entry, chain_ordered, chain_units, from_entries
 from solvers.heuristics import HEURISTICS, fsdp2_schedule
 from solvers.objective import Evaluated, Objective, SearchConfig, schedule_content
 
@@ -231,7 +231,7 @@ def _set_reference(objective: Objective, evaluated: Sequence[Evaluated]) -> None
 @dataclasses.dataclass(frozen=True)
 class Regrouping:
     """A regular bucketing of one chain: its collectives in units of one block each
-    (:func:`~solvers.entries.chain_units`), ``head`` units in the first bucket, ``size`` in each
+    (:func:`~solvers.core.plan.chain_units`), ``head`` units in the first bucket, ``size`` in each
     of the middle ones (the last of them takes what is left), ``tail`` in the last; every bucket
     issued ``ahead`` buckets early."""
 
@@ -264,16 +264,16 @@ def regroup(p: Problem, schedule: Schedule, r: Regrouping) -> Schedule | None:
     return _regroup(p, _entries_of(schedule), chain_units(p, p.chains[r.chain]), r)
 
 
-def _entries_of(schedule: Schedule) -> list[Entry]:
-    """``schedule``'s buckets as entries (bucket, issue gap, wait gap)."""
+def _entries_of(schedule: Schedule) -> list[PlannedBucket]:
+    """``schedule``'s buckets as a plan (bucket, issue gap, wait gap)."""
     issued_at, waited_at = schedule.positions()
     return [(b, issued_at[k], waited_at[k]) for k, b in enumerate(schedule.buckets)]
 
 
-def _regroup(p: Problem, entries: Sequence[Entry], units: Sequence[tuple[str, ...]], r: Regrouping
+def _regroup(p: Problem, entries: Sequence[PlannedBucket], units: Sequence[tuple[str, ...]], r: Regrouping
              ) -> Schedule | None:
     """:func:`regroup` of the schedule of ``entries`` (:func:`_entries_of`), chain ``r.chain``
-    in ``units`` (:func:`~solvers.entries.chain_units`): the starts regroup one schedule many
+    in ``units`` (:func:`~solvers.core.plan.chain_units`): the starts regroup one schedule many
     ways, and read its entries and the chain's units once."""
     names = p.chains[r.chain]
     sizes = _group_sizes(len(units), r.head, r.size, r.tail)
@@ -301,7 +301,7 @@ def _regroup(p: Problem, entries: Sequence[Entry], units: Sequence[tuple[str, ..
     if ordered is None:
         return None
     try:
-        return from_entries(p, ordered)
+        return build_schedule(p, ordered)
     except ValueError:
         return None
 

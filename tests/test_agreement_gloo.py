@@ -50,7 +50,7 @@ def _case(rank: int, world_size: int, case: str) -> dict[str, Any]:
     where, who = CASES[case]
     faulty = who == "all" or rank == world_size - 1
     group_name = dist.group.WORLD.group_name
-    kwargs: dict[str, Any] = {"mem_budget": None, "cost_model": COSTS, "solver": SolverOptions(time_limit_s=1.0)}
+    kwargs: dict[str, Any] = {"mem_budget": None, "cost_model": COSTS, "solver": SolverOptions(work_limit=1.0)}
     gm = toy_graph(group_name, world_size)
     if faulty and case == "budget-unparsable":
         kwargs["mem_budget"] = "abc"
@@ -65,7 +65,7 @@ def _case(rank: int, world_size: int, case: str) -> dict[str, Any]:
     elif faulty and case == "solve-raises":
         def hook(problem, schedule):
             raise RuntimeError("injected solve failure")
-        kwargs["solver"] = SolverOptions(time_limit_s=1.0, schedule_hook=hook)
+        kwargs["solver"] = SolverOptions(work_limit=1.0, schedule_hook=hook)
     write = api.apply_schedule
     if faulty and case == "write-back-raises":
         def fail(*args, **kw):
@@ -118,7 +118,7 @@ def _budgets_body(rank: int, world_size: int) -> dict[str, Any]:
     from test_writeback import COSTS, toy_graph
 
     group_name = dist.group.WORLD.group_name
-    quick = SolverOptions(time_limit_s=1.0)
+    quick = SolverOptions(work_limit=1.0)
     try:  # the smallest peak a schedule reaches, asked of this rank alone
         optimize_schedule(toy_graph(group_name, world_size), 1, cost_model=COSTS, solver=quick,
                           agreement=AgreementOptions(enabled=False))
@@ -195,7 +195,7 @@ def _between_rounds_case(rank: int, world_size: int, case: str, cache_root: str)
 
     faulty = rank == world_size - 1
     group_name = dist.group.WORLD.group_name
-    solver = SolverOptions(time_limit_s=1.0)
+    solver = SolverOptions(work_limit=1.0)
     patched: list[tuple[Any, str, Any]] = []
     # no case reads an entry of another case: only the one that plants an entry has a cache
     cache_before = os.environ.get("FSDP_SCHED_CACHE")
@@ -208,7 +208,7 @@ def _between_rounds_case(rank: int, world_size: int, case: str, cache_root: str)
     if faulty and case == "cannot-decode-the-received-schedule":
         # as with another version of this library: its schedule differs, and it cannot read the
         # source rank's
-        solver = SolverOptions(time_limit_s=1.0, schedule_hook=lambda problem, schedule: problem.traced_schedule())
+        solver = SolverOptions(work_limit=1.0, schedule_hook=lambda problem, schedule: problem.traced_schedule())
 
         def cannot_decode(data):
             raise ValueError("a schedule format this version does not read")

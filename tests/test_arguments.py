@@ -40,13 +40,13 @@ def pg():
 BAD_OPTIONS = [
     (WriteBackOptions, {"payload_order": "foo"}, ValueError, "payload_order"),
     (WriteBackOptions, {"control_deps": 1}, TypeError, "control_deps"),
-    (SolverOptions, {"time_limit_s": 0}, ValueError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": -1}, ValueError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": math.nan}, ValueError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": math.inf}, ValueError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": "5"}, TypeError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": None}, TypeError, "time_limit_s"),
-    (SolverOptions, {"time_limit_s": True}, TypeError, "time_limit_s"),
+    (SolverOptions, {"work_limit": 0}, ValueError, "work_limit"),
+    (SolverOptions, {"work_limit": -1}, ValueError, "work_limit"),
+    (SolverOptions, {"work_limit": math.nan}, ValueError, "work_limit"),
+    (SolverOptions, {"work_limit": math.inf}, ValueError, "work_limit"),
+    (SolverOptions, {"work_limit": "5"}, TypeError, "work_limit"),
+    (SolverOptions, {"work_limit": None}, TypeError, "work_limit"),
+    (SolverOptions, {"work_limit": True}, TypeError, "work_limit"),
     (SolverOptions, {"seed": "x"}, TypeError, "seed"),
     (SolverOptions, {"seed": -1}, ValueError, "seed"),
     (SolverOptions, {"solver": None}, TypeError, "solver"),
@@ -82,11 +82,31 @@ def test_a_bad_option_is_named_when_the_options_are_built(cls, kwargs, error, na
 def test_options_are_frozen_and_take_keywords_only():
     options = SolverOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.time_limit_s = 5.0  # type: ignore[misc]
+        options.work_limit = 5.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         SolverOptions("cpsat")  # type: ignore[misc]
     # extra starts given as a list are kept as a tuple (hashable, and frozen like the rest)
     assert SolverOptions(extra_starts=[]).extra_starts == ()
+
+
+def test_the_old_names_of_the_work_limits_still_work_and_warn():
+    """``SolverOptions.time_limit_s`` and ``SearchConfig.window_s`` were renamed (they count
+    deterministic work, not seconds): for one release the old names still set and read the
+    fields, each with a DeprecationWarning that names the new one."""
+    with pytest.warns(DeprecationWarning, match="work_limit"):
+        old = SolverOptions(time_limit_s=2.5)
+    assert old == SolverOptions(work_limit=2.5)
+    with pytest.warns(DeprecationWarning, match="work_limit"):
+        assert old.time_limit_s == 2.5
+    with pytest.warns(DeprecationWarning, match="work_limit"):
+        assert dataclasses.replace(old, time_limit_s=4.0).work_limit == 4.0
+    with pytest.warns(DeprecationWarning, match="work_limit"), pytest.raises(ValueError, match="work_limit"):
+        SolverOptions(time_limit_s=0)  # still checked
+    with pytest.warns(DeprecationWarning, match="window_work"):
+        config = SearchConfig(window_s=0.1)
+    assert config == SearchConfig(window_work=0.1)
+    with pytest.warns(DeprecationWarning, match="window_work"):
+        assert config.window_s == 0.1
 
 
 BAD_CALL = [
@@ -94,7 +114,7 @@ BAD_CALL = [
     ({"cluster": "h100"}, TypeError, "cluster"),
     ({"agreement": AgreementOptions(broadcast_from=5)}, ValueError, "broadcast_from"),
     ({"solver": "cpsat"}, TypeError, "solver"),
-    ({"solver": {"time_limit_s": 2.0}}, TypeError, "solver"),
+    ({"solver": {"work_limit": 2.0}}, TypeError, "solver"),
     ({"agreement": False}, TypeError, "agreement"),
     ({"writeback": "registration"}, TypeError, "writeback"),
     ({"mem_budget": 2**63}, ValueError, "2**63"),

@@ -106,7 +106,7 @@ def test_expert_and_tensor_parallel_collectives_move_alone_within_their_windows(
         assert c.movable and not c.mergeable
         assert c.ready <= c.traced_issue <= c.traced_wait <= c.needed
     ref = gm(*args)
-    optimize_schedule(gm, cost_model=COSTS, solver=SolverOptions(time_limit_s=2.0))
+    optimize_schedule(gm, cost_model=COSTS, solver=SolverOptions(work_limit=2.0))
     after = [n.name for n in gm.graph.nodes]
     assert after.index("mm") < after.index("all_to_all_single") < after.index("wait_tensor_1") < after.index("all_reduce")
     for a, b in zip(ref, gm(*args)):
@@ -296,7 +296,7 @@ def test_bucket_mixing_dtypes_is_invalid():
 def test_a_hint_mixing_process_groups_is_not_returned(solver):
     """A bad warm start does not leak into the result: the solver's schedule still validates."""
     problem, members = _two_groups()
-    result = solve(problem, solver=solver, time_limit_s=2, hint=merged_schedule(problem, members))
+    result = solve(problem, solver=solver, work_limit=2, hint=merged_schedule(problem, members))
     validate_schedule(problem, result.schedule)
 
 
@@ -321,7 +321,7 @@ def test_solver_stopped_by_its_time_limit_returns_a_valid_reported_schedule():
     answer is still a valid schedule, and the report's stages show it."""
     dag = make_fsdp_dag(n_layers=16, params_per_layer=9, graph_kind="backward", seed=1)
     problem = Problem.from_dag(dag)
-    schedule, report = solve_dag(dag, solver=SolverOptions(solver="cpsat", time_limit_s=0.01))
+    schedule, report = solve_dag(dag, solver=SolverOptions(solver="cpsat", work_limit=0.01))
     validate_schedule(problem, schedule)
     # the limit is too small for a window: the stages say so
     assert report.status in (SolveStatus.HEURISTIC.value, SolveStatus.FEASIBLE.value)
@@ -334,7 +334,7 @@ def test_solver_exceeding_its_time_limit_falls_back():
         raise TimeoutError("wall clock cap reached")
 
     dag = small_dag()
-    schedule, report = solve_dag(dag, solver=SolverOptions(time_limit_s=0.01, solver=timed_out))
+    schedule, report = solve_dag(dag, solver=SolverOptions(work_limit=0.01, solver=timed_out))
     validate_schedule(Problem.from_dag(dag), schedule)
     assert report.fell_back and report.status == SolveStatus.FALLBACK.value
 
@@ -349,7 +349,7 @@ def test_large_graph_is_decomposed_into_rolling_windows():
     dag = make_fsdp_dag(n_layers=3, params_per_layer=9, graph_kind="forward", seed=2)
     problem = Problem.from_dag(dag)
     assert len(problem.colls) > 8
-    result = search({"m": problem}, None, backend=CpSatBackend(), time_limit_s=2,
+    result = search({"m": problem}, None, backend=CpSatBackend(), work_limit=2,
                     config=SearchConfig(window_members=6, window_sweeps=1))
     validate_schedule(problem, result.schedule)
     assert "windows" in [s.name for s in result.stages]
@@ -362,15 +362,15 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
     dag_path = tmp_path / "g.dag.json"
     save_dag(small_dag(), dag_path)
     args = ["-q", "sweep", str(dag_path), "--solver", "fsdp2", "--budgets", "1.0x", "0.9x", "0.8x",
-            "--time-limit", "1", "--out", str(tmp_path / "out"), "--json"]
+            "--work-limit", "1", "--out", str(tmp_path / "out"), "--json"]
     real = sweep.solve_point
     calls: list[int] = []
 
-    def interrupted_after_one(dag_json, solver, budget, time_limit_s):
+    def interrupted_after_one(dag_json, solver, budget, work_limit):
         if calls:
             raise KeyboardInterrupt
         calls.append(budget)
-        return real(dag_json, solver, budget, time_limit_s)
+        return real(dag_json, solver, budget, work_limit)
 
     monkeypatch.setattr(sweep, "solve_point", interrupted_after_one)
     assert cli.main(args) == 130  # Ctrl-C after the first point: "interrupted", exit status 130
@@ -380,9 +380,9 @@ def test_interrupted_sweep_resumes_from_its_results_file(tmp_path, monkeypatch, 
 
     resumed: list[int] = []
 
-    def counting(dag_json, solver, budget, time_limit_s):
+    def counting(dag_json, solver, budget, work_limit):
         resumed.append(budget)
-        return real(dag_json, solver, budget, time_limit_s)
+        return real(dag_json, solver, budget, work_limit)
 
     monkeypatch.setattr(sweep, "solve_point", counting)
     assert cli.main(args) == 0

@@ -74,7 +74,7 @@ def _cases():
 def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind, solver):
     gm = copy.deepcopy(getattr(graphs[model], kind))
     budget = _binding_budget(gm)
-    optimize_schedule(gm, budget, solver=SolverOptions(solver=solver, time_limit_s=1.0))
+    optimize_schedule(gm, budget, solver=SolverOptions(solver=solver, work_limit=1.0))
     report = gm.meta[REPORT_KEY]
     assert liveness_peak(gm) <= budget, report.chosen_candidate
     assert judge_graph(gm).max_peak_bytes <= budget
@@ -98,5 +98,5 @@ def test_a_heuristic_that_cannot_fit_falls_back_where_the_traced_graph_fits(grap
     budget = _binding_budget(gm)
     problem = Problem.from_dag(export_dag(gm))
     assert simulate(problem.dag, problem=problem).peak_bytes <= budget  # the traced graph fits
-    optimize_schedule(gm, budget, solver=SolverOptions(solver="fsdp2", time_limit_s=1.0, fallback=fallback))
+    optimize_schedule(gm, budget, solver=SolverOptions(solver="fsdp2", work_limit=1.0, fallback=fallback))
     assert judge_graph(gm).max_peak_bytes <= budget

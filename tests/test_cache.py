@@ -38,7 +38,7 @@ def _small_dag() -> nx.DiGraph:
 
 
 def _key(**overrides) -> str:
-    kwargs = {"mem_budget_bytes": 1 << 30, "options": {"solver": "cpsat", "time_limit_s": 5.0}}
+    kwargs = {"mem_budget_bytes": 1 << 30, "options": {"solver": "cpsat", "work_limit": 5.0}}
     kwargs.update(overrides)
     return cache.cache_key("ab" * 32, **kwargs)
 
@@ -134,7 +134,7 @@ def test_fingerprint_equal_in_processes_with_other_hash_seeds(tmp_path):
 # ---- cache_key -------------------------------------------------------------------------------
 def test_key_is_stable_and_ignores_option_order():
     assert _key() == _key()
-    assert _key(options={"time_limit_s": 5.0, "solver": "cpsat"}) == _key()
+    assert _key(options={"work_limit": 5.0, "solver": "cpsat"}) == _key()
 
 
 @pytest.mark.parametrize(
@@ -142,9 +142,9 @@ def test_key_is_stable_and_ignores_option_order():
     [
         {"mem_budget_bytes": (1 << 30) + 1},
         {"mem_budget_bytes": None},
-        {"options": {"solver": "cpsat", "time_limit_s": 6.0}},
-        {"options": {"solver": "milp", "time_limit_s": 5.0}},
-        {"options": {"solver": "cpsat", "time_limit_s": 5.0, "seed": 0}},
+        {"options": {"solver": "cpsat", "work_limit": 6.0}},
+        {"options": {"solver": "milp", "work_limit": 5.0}},
+        {"options": {"solver": "cpsat", "work_limit": 5.0, "seed": 0}},
     ],
 )
 def test_key_differs_with_budget_and_options(overrides):
@@ -152,7 +152,7 @@ def test_key_differs_with_budget_and_options(overrides):
 
 
 def test_key_differs_with_fingerprint_and_package_version(monkeypatch):
-    other_dag = cache.cache_key("cd" * 32, mem_budget_bytes=1 << 30, options={"solver": "cpsat", "time_limit_s": 5.0})
+    other_dag = cache.cache_key("cd" * 32, mem_budget_bytes=1 << 30, options={"solver": "cpsat", "work_limit": 5.0})
     assert other_dag != _key()
     before = _key()
     real = cache._dist_version

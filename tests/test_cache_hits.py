@@ -32,7 +32,7 @@ from scheduler.integrate import cache
 from solvers import Problem
 from test_writeback import COSTS, gloo_group
 
-QUICK = SolverOptions(time_limit_s=1.0)
+QUICK = SolverOptions(work_limit=1.0)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ def test_an_entry_without_a_schedule_is_a_miss_and_the_budget_holds(pg, cache_di
 def test_a_cached_split_schedule_is_a_miss_where_all_gathers_share_their_group(pg, cache_dir):
     """A schedule solved with the all-gathers on a second group, found under the key of a solve
     that keeps them on theirs (``all_gather_stream="shared"``), must not make that group."""
-    separate = SolverOptions(time_limit_s=1.0, all_gather_stream="separate")
+    separate = SolverOptions(work_limit=1.0, all_gather_stream="separate")
     _, split = solve_into_cache(cache_dir, layers(pg), None, separate)
     assert split["schedule"]["split_groups"]
     key, _ = solve_into_cache(cache_dir, layers(pg), None)

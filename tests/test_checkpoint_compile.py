@@ -39,7 +39,7 @@ def test_checkpoint_with_dropout_compiles_and_recompiles_with_dynamic_shapes():
     eager execution under the same RNG seed."""
     with gloo_group():
         model = _Checkpointed()
-        backend = compile_.backend(solver=SolverOptions(time_limit_s=1.0))
+        backend = compile_.backend(solver=SolverOptions(work_limit=1.0))
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         for batch in (79, 80):
             x = torch.randn(batch, 64)

@@ -107,7 +107,7 @@ def test_no_written_graph_that_fits_raises_with_a_peak_that_works_as_a_budget(ba
     with pytest.raises(InfeasibleBudgetError) as err:
         choose(gm, problem, [("fsdp2", fsdp2)], 1, **WRITE)
     least = min(judged.max_peak_bytes, traced.max_peak_bytes)
-    assert err.value.min_peak_bytes == least and err.value.budget_bytes == 1
+    assert err.value.min_peak_bytes == least and err.value.mem_budget_bytes == 1
     chosen, _ = choose(gm, problem, [("fsdp2", fsdp2)], err.value.min_peak_bytes, **WRITE)
     assert chosen.figures.max_peak_bytes <= err.value.min_peak_bytes
 
@@ -119,7 +119,7 @@ def test_returned_graph_is_the_judged_one(llama):
     problem = Problem.from_dag(export_dag(gm0))
     budget = write_and_judge(gm0, problem, fsdp2_schedule(problem), **WRITE).max_peak_bytes
     gm = copy.deepcopy(gm0)
-    optimize_schedule(gm, budget, cost_model="analytic", agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
+    optimize_schedule(gm, budget, cost_model="analytic", agreement=ALONE, solver=SolverOptions(work_limit=1.0))
     report = gm.meta[REPORT_KEY]
     figures = judge_graph(gm, "analytic")
     assert report.verified and report.reexported_step_ms == pytest.approx(figures.step_ms)
@@ -172,14 +172,14 @@ def test_a_budget_the_traced_graph_holds_is_never_refused_when_the_search_finds_
 
     monkeypatch.setattr(pricing, "export_dag", over_counting)
     gm = copy.deepcopy(gm0)
-    optimize_schedule(gm, own, cost_model="analytic", agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
+    optimize_schedule(gm, own, cost_model="analytic", agreement=ALONE, solver=SolverOptions(work_limit=1.0))
     report = gm.meta[REPORT_KEY]
     assert graph_digest(gm) == graph_digest(gm0) and judge_graph(gm).max_peak_bytes <= own
     assert report.status == "fallback" and report.fell_back and report.chosen_candidate == "traced"
     assert any("left unchanged" in n for n in report.notes)
     with pytest.raises(InfeasibleBudgetError):
         optimize_schedule(copy.deepcopy(gm0), own - 1, cost_model="analytic", agreement=ALONE,
-                          solver=SolverOptions(time_limit_s=1.0))
+                          solver=SolverOptions(work_limit=1.0))
 
 # --------------------------------------------------------------------------------------------
 # the cost models
@@ -211,10 +211,10 @@ def test_export_problems_prices_one_export_under_each_model(llama):
 
 def test_default_judges_under_the_family(llama):
     gm = copy.deepcopy(llama.forward)
-    optimize_schedule(gm, None, agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
+    optimize_schedule(gm, None, agreement=ALONE, solver=SolverOptions(work_limit=1.0))
     assert gm.meta[REPORT_KEY].cost_models == list(cost_model_family())
     one = copy.deepcopy(llama.forward)
-    optimize_schedule(one, None, cost_model="torch", agreement=ALONE, solver=SolverOptions(time_limit_s=1.0))
+    optimize_schedule(one, None, cost_model="torch", agreement=ALONE, solver=SolverOptions(work_limit=1.0))
     assert one.meta[REPORT_KEY].cost_models == ["torch"]
 
 
@@ -236,7 +236,7 @@ def test_robust_default_regrets_no_more_than_a_single_model_solve(two_blocks, ki
     steps = {}
     for given in (None, "analytic", "torch"):
         gm = copy.deepcopy(gm0)
-        optimize_schedule(gm, budget, cost_model=given, agreement=ALONE, solver=SolverOptions(time_limit_s=2.0))
+        optimize_schedule(gm, budget, cost_model=given, agreement=ALONE, solver=SolverOptions(work_limit=2.0))
         assert liveness_peak(gm) <= budget
         written = export_problems(gm, family, None)
         steps[given] = {label: simulate(p.dag, problem=p).step_ms for label, p in written.items()}

@@ -32,7 +32,7 @@ def test_budget_arg_parses_sizes_and_multiples():
 def test_trace_solve_round_trip(traced, tmp_path, capsys):
     _, backward = traced
     out = tmp_path / "solve"
-    assert main(["-q", "solve", str(backward), "--budget", "none", "--time-limit", "2", "--out", str(out), "--json"]) == 0
+    assert main(["-q", "solve", str(backward), "--budget", "none", "--work-limit", "2", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     report = data["report"]
     assert report["graph_name"] == "backward"
@@ -50,7 +50,7 @@ def test_solve_human_output(traced, tmp_path, capsys):
 
 def test_sweep_resumes_from_sqlite(traced, tmp_path, capsys):
     _, backward = traced
-    args = ["-q", "sweep", str(backward), "--budgets", "1.0x", "2MiB", "--time-limit", "1", "--out", str(tmp_path), "--json"]
+    args = ["-q", "sweep", str(backward), "--budgets", "1.0x", "2MiB", "--work-limit", "1", "--out", str(tmp_path), "--json"]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)
     assert len(first["points"]) == 2
@@ -96,7 +96,7 @@ def test_console_script_help(capsys):
         main(["solve", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert "--budget" in text and "--time-limit" in text and "--n-layers" in text
+    assert "--budget" in text and "--work-limit" in text and "--n-layers" in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,9 +201,9 @@ REFUSED = [
     (["solve", "x.json", "--budget", "infx"], "--budget", "infx"),
     (["solve", "x.json", "--budget", "nanx"], "--budget", "nanx"),
     (["sweep", "x.json", "--budgets", "1GiB", "1e400GiB"], "--budgets", "1e400GiB"),
-    (["solve", "x.json", "--time-limit", "inf"], "--time-limit", "inf"),
-    (["sweep", "x.json", "--time-limit", "nan"], "--time-limit", "nan"),
-    (["solve", "x.json", "--time-limit", "0"], "--time-limit", "0"),
+    (["solve", "x.json", "--work-limit", "inf"], "--work-limit/--time-limit", "inf"),
+    (["sweep", "x.json", "--work-limit", "nan"], "--work-limit/--time-limit", "nan"),
+    (["solve", "x.json", "--time-limit", "0"], "--work-limit/--time-limit", "0"),  # its old name
     (["trace", "--inter-node-gbps", "inf"], "--inter-node-gbps", "inf"),
     (["trace", "--world-size", "1"], "--world-size", "1"),
     (["trace", "--n-layers", "-2"], "--n-layers", "-2"),
@@ -302,7 +302,7 @@ def test_sweep_default_budgets_are_every_one_reachable(traced, tmp_path, capsys)
     of the traced peak and that of the schedule without a budget: every point has a schedule,
     so the Pareto plot has a point per budget."""
     _, backward = traced
-    assert main(["-q", "sweep", str(backward), "--time-limit", "1", "--out", str(tmp_path), "--json"]) == 0
+    assert main(["-q", "sweep", str(backward), "--work-limit", "1", "--out", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     points = data["points"]
     assert len(points) == 4 and all(p["status"] != "infeasible" and p["step_ms"] is not None for p in points), points
@@ -336,11 +336,11 @@ def test_an_unreachable_budget_names_the_commands_flag(traced, tmp_path, capsys)
     """The library says ``mem_budget``; the command line names its own flag, ``--budget``, and
     the smallest peak found, in one line (and in the JSON error with ``--json``)."""
     _, backward = traced
-    assert main(["solve", str(backward), "--budget", "1KiB", "--time-limit", "1", "--out", str(tmp_path)]) == 2
+    assert main(["solve", str(backward), "--budget", "1KiB", "--work-limit", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--budget" in err and "mem_budget" not in err
     assert "raise --budget to at least" in err
-    assert main(["solve", str(backward), "--budget", "1KiB", "--time-limit", "1", "--out", str(tmp_path),
+    assert main(["solve", str(backward), "--budget", "1KiB", "--work-limit", "1", "--out", str(tmp_path),
                  "--json"]) == 2
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["type"] == "InfeasibleBudgetError" and "--budget" in error["message"]

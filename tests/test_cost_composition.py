@@ -222,7 +222,7 @@ def test_given_a_table_the_product_is_not_misled_by_analytic_compute(layers, tmp
     steps = {}
     for spec in (f"compute:analytic+table:{csv}", f"table:{csv}"):
         gm = copy.deepcopy(layers)
-        optimize_schedule(gm, None, cost_model=spec, solver=SolverOptions(time_limit_s=2))
+        optimize_schedule(gm, None, cost_model=spec, solver=SolverOptions(work_limit=2))
         steps[spec] = judge_graph(gm, judge).step_ms
         report = gm.meta[REPORT_KEY]
     assert report.cost_models == ["analytic", "torch"]
@@ -240,7 +240,7 @@ def test_the_report_names_the_source_of_every_cost_component(toy, tmp_path):
     from scheduler.report import ScheduleReport
 
     csv = _ag_table(tmp_path, toy)
-    optimize_schedule(toy, None, cost_model=f"table:{csv}", solver=SolverOptions(time_limit_s=1))
+    optimize_schedule(toy, None, cost_model=f"table:{csv}", solver=SolverOptions(work_limit=1))
     report = toy.meta[REPORT_KEY]
     by_part = {(r["part"], r.get("coll_type")): r for r in report.cost_sources}
     compute = by_part[("compute", None)]

@@ -15,7 +15,7 @@ from scheduler.export.dag import export_dag  # noqa: E402
 from test_writeback import gloo_group, toy_graph  # noqa: E402
 
 NAMES = ("analytic", "torch")
-QUICK = SolverOptions(time_limit_s=1.0)
+QUICK = SolverOptions(work_limit=1.0)
 
 
 @pytest.fixture

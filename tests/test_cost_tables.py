@@ -354,7 +354,7 @@ def test_table_by_name_through_optimize_schedule(group_name, tmp_path):
                                                   "group_size": 4, "nodes": 1}])):
         name = f"table:{path}"
         gm = copy.deepcopy(gm0)
-        optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(time_limit_s=2))
+        optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(work_limit=2))
         report = gm.meta[REPORT_KEY]
         by_table = simulate(export_dag(copy.deepcopy(gm0), cost_model=name)).step_ms
         assert report.step_ms_before == pytest.approx(by_table)
@@ -382,7 +382,7 @@ def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tm
     (other / "rs.log").write_text(nccl_tests_stdout("reduce_scatter_perf", 16, hosts, RS_RESULTS, redop="sum"))
     gm0 = toy_graph(group_name, 4)
     with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
-        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{other}", solver=SolverOptions(time_limit_s=1))
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{other}", solver=SolverOptions(work_limit=1))
     [record] = [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
     message = record.getMessage()
     assert str(other) in message and "0 of 5 collectives" in message
@@ -394,7 +394,7 @@ def test_a_table_of_other_groups_warns_how_much_it_priced_and_why(group_name, tm
     own.write_text("\n".join([HEADER] + [f"{c},4,1,{b},0.5" for c, b in payloads.items()]) + "\n")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
-        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{own}", solver=SolverOptions(time_limit_s=1))
+        optimize_schedule(copy.deepcopy(gm0), None, cost_model=f"table:{own}", solver=SolverOptions(work_limit=1))
     assert not [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
 
 def test_inductor_pass_cache_key_follows_the_table_file(csv_path):

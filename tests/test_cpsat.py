@@ -135,7 +135,7 @@ def test_optimum_equals_brute_force(make):
     window = _whole_graph_window(problem)
     validate_schedule(problem, window)
     assert simulate(problem.dag, window, problem=problem).step_ms == pytest.approx(expected, abs=1e-6)
-    res = solve_cpsat(problem, time_limit_s=2.0)
+    res = solve_cpsat(problem, work_limit=2.0)
     assert res.objective_ms == pytest.approx(expected, abs=1e-6)
     validate_schedule(problem, res.schedule)
 
@@ -152,7 +152,7 @@ def test_optimum_under_budget_equals_brute_force(make):
     assert expected > free_best + 1e-9, "the budget must cost step time"
     window = simulate(problem.dag, _whole_graph_window(problem, budget), problem=problem)
     assert window.peak_bytes <= budget and window.step_ms == pytest.approx(expected, abs=1e-6)
-    res = solve_cpsat(problem, mem_budget_bytes=budget, time_limit_s=2.0)
+    res = solve_cpsat(problem, mem_budget_bytes=budget, work_limit=2.0)
     assert res.peak_bytes <= budget
     assert res.objective_ms == pytest.approx(expected, abs=1e-6)
 
@@ -161,16 +161,16 @@ def test_memory_family_infeasible_budget_names_min_peak():
     problem = _forward_chain()
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     with pytest.raises(InfeasibleBudgetError) as err:
-        solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, time_limit_s=1.0)
+        solve(problem, solver="cpsat", mem_budget_bytes=traced_peak // 2, work_limit=1.0)
     assert err.value.min_peak_bytes == traced_peak
-    res = solve(problem, solver="cpsat", mem_budget_bytes=err.value.min_peak_bytes, time_limit_s=1.0)
+    res = solve(problem, solver="cpsat", mem_budget_bytes=err.value.min_peak_bytes, work_limit=1.0)
     assert res.peak_bytes <= err.value.min_peak_bytes
 
 
 def test_memory_family_budget_at_traced_peak_is_feasible():
     problem = _forward_chain()
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, work_limit=1.0)
     assert res.peak_bytes <= traced_peak
 
 
@@ -189,7 +189,7 @@ def test_bucket_family_cap_splits_buckets():
 
 def test_window_family_no_issue_before_ready_or_wait_after_need():
     problem = _backward_chain()
-    res = solve_cpsat(problem, time_limit_s=2.0)
+    res = solve_cpsat(problem, work_limit=2.0)
     issue, wait = res.schedule.positions()
     for b, bucket in enumerate(res.schedule.buckets):
         for m in bucket.members:
@@ -199,7 +199,7 @@ def test_window_family_no_issue_before_ready_or_wait_after_need():
 
 def test_stream_family_one_stream_serialises():
     problem = _forward_chain()
-    res = solve_cpsat(problem, time_limit_s=2.0)
+    res = solve_cpsat(problem, work_limit=2.0)
     sim = simulate(problem.dag, res.schedule, problem=problem)
     spans = sorted((s, e) for _, s, e, _ in sim.bucket_times.values())
     for (s0, e0), (s1, _) in zip(spans, spans[1:]):
@@ -216,7 +216,7 @@ def _fsdp_forward_two_params() -> Problem:
                          ids=["all-gathers", "reduce-scatters", "fsdp-1x2"])
 def test_lower_bound_never_exceeds_result(make):
     problem = make()
-    res = solve_cpsat(problem, time_limit_s=2.0)
+    res = solve_cpsat(problem, work_limit=2.0)
     assert problem.lower_bound_ms() <= res.objective_ms + 1e-9
     assert res.best_bound_ms <= res.objective_ms + 1e-9
 
@@ -226,7 +226,7 @@ def test_lower_bound_lets_other_casts_overlap_the_first_gather():
     used to count it after the first gather's exposed transfer (1.0755 ms, above the 1.0702 ms
     that issuing both at the top reaches); it is now that reachable step itself."""
     problem = _fsdp_forward_two_params()
-    res = solve_cpsat(problem, time_limit_s=2.0)
+    res = solve_cpsat(problem, work_limit=2.0)
     assert problem.lower_bound_ms() == pytest.approx(res.objective_ms, rel=1e-9)
 
 
@@ -285,7 +285,7 @@ def test_windows_on_a_larger_graph_are_valid_and_not_worse(kind):
     range, and the answer is valid and no slower than the heuristics."""
     dag = make_fsdp_dag(n_layers=6, graph_kind=kind, reshard_after_forward=True, seed=3)
     problem = Problem.from_dag(dag)
-    res = search({"m": problem}, None, backend=CpSatBackend(), time_limit_s=2.0,
+    res = search({"m": problem}, None, backend=CpSatBackend(), work_limit=2.0,
                  config=SearchConfig(window_members=8))
     validate_schedule(problem, res.schedule)
     assert "windows" in [s.name for s in res.stages]
@@ -305,10 +305,10 @@ def test_traced_llama_debug_respects_budget(debug_graphs, kind):
     from scheduler import export_dag
 
     problem = Problem.from_dag(export_dag(getattr(debug_graphs, kind)))
-    free = solve(problem, solver="cpsat", time_limit_s=1.0)
+    free = solve(problem, solver="cpsat", work_limit=1.0)
     validate_schedule(problem, free.schedule)
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
-    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, time_limit_s=1.0)
+    res = solve(problem, solver="cpsat", mem_budget_bytes=traced_peak, work_limit=1.0)
     sim = validate_schedule(problem, res.schedule, mem_budget_bytes=traced_peak)
     assert sim.peak_bytes <= traced_peak
     assert json.dumps(res.schedule.to_json())

@@ -59,7 +59,7 @@ def _solve_body(rank: int, world_size: int, dags: dict[str, Any], budgets: dict[
     from scheduler import SolverOptions, solve_dag
     from scheduler.export.dagfile import dag_from_json
 
-    options = SolverOptions(solver="cpsat", time_limit_s=numerics.SOLVER_TIME_LIMIT_S, seed=0)
+    options = SolverOptions(solver="cpsat", work_limit=numerics.SOLVER_WORK_LIMIT, seed=0)
     out = {"pid": str(os.getpid())}
     for kind, data in dags.items():
         for budget, key in ((budgets[kind], kind), (None, f"{kind} unconstrained")):

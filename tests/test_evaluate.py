@@ -13,10 +13,10 @@ peak counts to the byte, on
   collectives waited several times and chains of collectives (``tests/test_wait_chains.py``),
   random programs of ``tests/random_programs.py`` (waits on graph inputs among them) and joint
   graphs (``models/joint.py``, the foreign styles' joint captures);
-- the neighbours the polish generates, read from entries without building them;
+- the neighbours the polish generates, read from their plans without building them;
 - one schedule under two cost models of one graph (memory counted once).
 
-The fast path must be the one taken on those graphs (``Evaluator.fast``, ``Plan.fast``): a
+The fast path must be the one taken on those graphs (``Evaluator.fast``, ``ReadSchedule.fast``): a
 fallback to the simulator would make the equality trivial. Where the evaluator cannot place a
 storage, or the simulator's static data disagree with its rules, it falls back and the numbers
 are still the simulator's. The minimax polish gives the same result with the evaluator as with
@@ -45,9 +45,9 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.validator import validate_schedule
-from solvers.heuristics import PlannedBucket, fixed_buckets, schedule_from_plan, split_feasible, issue_window
-from solvers.entries import chain_ordered, from_entries
-from solvers.polish import PolishConfig, _entries, _neighbours, polish
+from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered
+from solvers.heuristics import fixed_buckets, schedule_from_plan, split_feasible, issue_window
+from solvers.polish import PolishConfig, _neighbours, _plan_of, polish
 from solvers.starts import regroup, regroupings
 from test_writeback import gloo_group
 
@@ -72,9 +72,9 @@ def assert_same(sim, ev) -> None:
 def check(ev: Evaluator, schedule: Schedule) -> None:
     """``schedule`` is valid, evaluated on the fast path, with the simulator's numbers."""
     sim = validate_schedule(ev.problem, schedule)
-    plan = ev.plan(schedule)
-    assert plan.fast
-    assert_same(sim, ev.evaluate(plan))
+    read = ev.read(schedule)
+    assert read.fast
+    assert_same(sim, ev.evaluate(read))
 
 
 def heuristic_schedules(problem: Problem) -> list[Schedule]:
@@ -86,6 +86,7 @@ def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
     members in random payload order now and then, issue and wait gaps anywhere in the window
     (often at its ends), waits first or last in their gap."""
     plan = list(fixed_buckets(problem))
+    waits_first = set()
     keep = rng.random()
     for chain in problem.chains.values():
         runs: list[list[str]] = [[]]
@@ -101,14 +102,17 @@ def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
                 members = list(piece)
                 if rng.random() < 0.2:
                     rng.shuffle(members)
-                plan.append(PlannedBucket(tuple(members), issue, wait, wait_first=rng.random() < 0.5))
-    return schedule_from_plan(problem, plan)
+                plan.append(PlannedBucket(Bucket(tuple(members)), issue, wait))
+                if rng.random() < 0.5:
+                    waits_first.add(plan[-1].bucket)
+    return schedule_from_plan(problem, plan, waits_first=waits_first)
 
 
 @st.composite
 def schedules(draw, problem: Problem) -> Schedule:
     """The hypothesis form of :func:`random_schedule`: every cut, gap and order drawn."""
     plan = list(fixed_buckets(problem))
+    waits_first = set()
     for chain in problem.chains.values():
         runs: list[list[str]] = [[]]
         for m in chain:
@@ -121,8 +125,10 @@ def schedules(draw, problem: Problem) -> Schedule:
                 issue = draw(st.integers(lo, hi))
                 wait = draw(st.integers(issue, hi))
                 members = tuple(draw(st.permutations(piece))) if len(piece) > 1 else tuple(piece)
-                plan.append(PlannedBucket(members, issue, wait, wait_first=draw(st.booleans())))
-    return schedule_from_plan(problem, plan)
+                plan.append(PlannedBucket(Bucket(members), issue, wait))
+                if draw(st.booleans()):
+                    waits_first.add(plan[-1].bucket)
+    return schedule_from_plan(problem, plan, waits_first=waits_first)
 
 
 SYNTHETIC = [
@@ -169,22 +175,22 @@ def test_hypothesis_random_schedules(data):
 
 
 def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.Random) -> int:
-    """The polish's neighbours of ``start``, read from entries: the same plan as the schedule
-    ``from_entries`` builds, and its simulation's numbers. Returns how many were checked."""
+    """The polish's neighbours of ``start``, read from their plans: the same steps as the schedule
+    ``build_schedule`` builds, and its simulation's numbers. Returns how many were checked."""
     ev = Evaluator(problem)
-    moves = _neighbours(problem, _entries(start), PolishConfig())
+    moves = _neighbours(problem, _plan_of(start), PolishConfig())
     rng.shuffle(moves)
     checked = 0
     for entries in moves[:limit]:
         ordered = chain_ordered(problem, entries)
         if ordered is None:
             continue
-        built = from_entries(problem, ordered)
-        plan = ev.plan_entries(ordered)
-        read = ev.plan(built)
-        assert (plan.members, plan.steps, plan.fast) == (read.members, read.steps, read.fast)
-        assert plan.to_schedule(problem).digest() == built.digest()
-        assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(plan))
+        built = build_schedule(problem, ordered)
+        planned = ev.read_plan(ordered)
+        read = ev.read(built)
+        assert (planned.members, planned.steps, planned.fast) == (read.members, read.steps, read.fast)
+        assert planned.to_schedule(problem).digest() == built.digest()
+        assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(planned))
         checked += 1
     return checked
 
@@ -269,11 +275,11 @@ def test_random_programs(seed):
     schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(8)]
     for schedule in schedules:
         assert_same(validate_schedule(problem, schedule), ev.evaluate(schedule))
-    for entries in _neighbours(problem, _entries(schedules[-1]), PolishConfig())[:15]:
+    for entries in _neighbours(problem, _plan_of(schedules[-1]), PolishConfig())[:15]:
         ordered = chain_ordered(problem, entries)
         if ordered is not None:
-            built = from_entries(problem, ordered)
-            assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(ev.plan_entries(ordered)))
+            built = build_schedule(problem, ordered)
+            assert_same(simulate(problem.dag, built, problem=problem), ev.evaluate(ev.read_plan(ordered)))
 
 
 def test_random_programs_take_the_fast_path():
@@ -282,7 +288,7 @@ def test_random_programs_take_the_fast_path():
     assert fast == 40
 
 
-def test_polish_neighbours_read_from_entries():
+def test_polish_neighbours_read_from_plans():
     rng = random.Random(1)
     for kw in SYNTHETIC:
         problem = Problem.from_dag(make_fsdp_dag(n_layers=3, **kw))
@@ -331,8 +337,8 @@ def test_schedule_outside_its_window_is_refused_by_both():
     evaluator, so no stage of the search can rank it."""
     problem = Problem.from_dag(make_fsdp_dag(n_layers=3, graph_kind="backward"))
     rs = next(c for c in problem.colls.values() if c.coll_type == "reduce_scatter" and c.ready > 0)
-    entries = [(b, i, w) for b, i, w in _entries(problem.traced_schedule()) if b.members != (rs.name,)]
-    early = from_entries(problem, entries + [(Bucket((rs.name,)), 0, rs.ready)])
+    entries = [(b, i, w) for b, i, w in _plan_of(problem.traced_schedule()) if b.members != (rs.name,)]
+    early = build_schedule(problem, entries + [(Bucket((rs.name,)), 0, rs.ready)])
     with pytest.raises(ScheduleInvalidError, match="outside the window"):
         simulate(problem.dag, early, problem=problem)
     with pytest.raises(ScheduleInvalidError, match="outside the window"):
@@ -454,10 +460,10 @@ def canary(problem: Problem) -> dict[str, tuple]:
     out = {}
     for name, schedule in (("traced", problem.traced_schedule()), ("merged", merged_pairs_schedule(problem))):
         try:
-            plan = None if schedule is None else ev.plan(schedule)
+            read = None if schedule is None else ev.read(schedule)
         except ScheduleInvalidError:
             continue
-        found = None if plan is None else ev.peaks(plan)
+        found = None if read is None else ev.peaks(read)
         if found is not None:
             sim = simulate(problem.dag, schedule, problem=problem)
             out[name] = (found, (sim.peak_bytes, sim.tracker_peak_bytes))
@@ -800,13 +806,13 @@ def test_polish_and_regular_starts_as_with_the_simulator(llama_debug, kind, monk
     budget = int(traced.peak_bytes * 1.3)
     starts = [p0.traced_schedule(), solve(p0, solver="fsdp2").schedule]
     reference = {label: min(simulate(p.dag, s, problem=p).step_ms for s in starts) for label, p in problems.items()}
-    config = PolishConfig(max_simulations=400)
+    config = PolishConfig(max_evaluations=400)
 
     def run():
         out = []
         for start in starts:
             r = polish(problems, start, reference, budget, config)
-            out.append((r.schedule.digest(), r.simulations, r.moves, r.stopped, r.regret))
+            out.append((r.schedule.digest(), r.evaluations, r.moves, r.stopped, r.regret))
         regular = [regroup(p0, starts[1], r) for r in regroupings(p0, (1, 2, 3), (1, 2))]
         out.append([(s.digest(), {label: ModelEvaluator(problems).evaluate(s)[label].step_ms for label in problems})
                     for s in regular if s is not None])

@@ -142,7 +142,7 @@ def test_no_warning_for_graphs_with_their_own_collectives(group_name, fresh_dyna
     from conftest import FAKE_WORLD
 
     alive = fully_sharded_net(FAKE_WORLD)
-    backend = scheduler.backend(solver=scheduler.SolverOptions(time_limit_s=1.0))
+    backend = scheduler.backend(solver=scheduler.SolverOptions(work_limit=1.0))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         torch.compile(_GatheredLinear(group_name, FAKE_WORLD), backend=backend)(torch.randn(3, 8)).sum().backward()
     assert sorted(r.n_collectives_before for r in backend.reports) == [1, 1]
@@ -161,7 +161,7 @@ def test_inductor_pass_warns_on_graphs_without_collectives_while_fsdp2_lives(gro
     plain = make_fx(lambda x: torch.relu(x) * 2, tracing_mode="fake")(torch.randn(4)).graph
     gathering = make_fx(lambda s: c10d.wait_tensor(c10d.all_gather_into_tensor(s, FAKE_WORLD, group_name)) * 2,
                         tracing_mode="fake")(torch.randn(2, 8)).graph
-    inductor_pass = scheduler.inductor_post_grad_pass(solver=scheduler.SolverOptions(time_limit_s=1.0))
+    inductor_pass = scheduler.inductor_post_grad_pass(solver=scheduler.SolverOptions(work_limit=1.0))
     alive = fully_sharded_net(FAKE_WORLD)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         inductor_pass(plain)

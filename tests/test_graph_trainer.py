@@ -31,7 +31,7 @@ WORLD = 4
 MODEL = "llama3-debug"
 #: the README, whose line putting the pass in the trainer's list is run here as it is written
 README = Path(__file__).resolve().parents[1] / "README.md"
-SOLVER = scheduler.SolverOptions(time_limit_s=2.0, seed=0)
+SOLVER = scheduler.SolverOptions(work_limit=2.0, seed=0)
 
 
 def _pass_name(pass_fn: Any) -> str:

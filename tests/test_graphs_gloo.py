@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # gloo_harness, and this module 
 from gloo_harness import bitwise_mismatches, run_multiprocess  # noqa: E402
 
 MODEL = "llama3-debug"
-SOLVER_TIME_LIMIT_S = 4.0
+SOLVER_WORK_LIMIT = 4.0
 STEPS = 2
 LR = 0.5
 TIMEOUT_S = {2: 600.0, 4: 900.0}
@@ -137,7 +137,7 @@ def _joint_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, A
         _write_back_all_reduce_buckets(gm)
     else:
         budget = liveness_peak(gm) if case.get("budget") == "traced" else None
-        scheduler.optimize_schedule(gm, mem_budget=budget, solver=scheduler.SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S, seed=0))
+        scheduler.optimize_schedule(gm, mem_budget=budget, solver=scheduler.SolverOptions(work_limit=SOLVER_WORK_LIMIT, seed=0))
     with torch.no_grad():
         rewritten = list(gm(*inputs))
     loss = model(tokens, labels)
@@ -206,7 +206,7 @@ def _compiled_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str
     base = _train(model, torch.compile(model, fullgraph=True, backend=aot_autograd(
         fw_compiler=identity, bw_compiler=identity, partition_fn=min_cut_rematerialization_partition)), cfg, rank)
     torch._dynamo.reset()
-    backend = scheduler.backend(solver=scheduler.SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S, seed=0))
+    backend = scheduler.backend(solver=scheduler.SolverOptions(work_limit=SOLVER_WORK_LIMIT, seed=0))
     model = models.build_model(MODEL, mesh=mesh, seed=0, **opts)
     sched = _train(model, torch.compile(model, fullgraph=True, backend=backend), cfg, rank)
     reports = {r.graph_name: r for r in backend.reports}

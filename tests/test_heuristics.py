@@ -15,9 +15,9 @@ from solvers.heuristics import (
     SimpleFSDPConfig,
     autoparallel_schedule,
     compute_gaps,
-    evaluate,
     fsdp2_blocks,
     fsdp2_schedule,
+    heuristic_result,
     simplefsdp_schedule,
 )
 from scheduler.whatif.synthetic import DagBuilder, make_fsdp_dag
@@ -191,7 +191,7 @@ def test_impossible_budget_raises(name):
     p = _problem(graph_kind="forward")
     with pytest.raises(InfeasibleBudgetError) as e:
         solve(p, solver=name, mem_budget_bytes=1 << 20)
-    assert e.value.budget_bytes == 1 << 20
+    assert e.value.mem_budget_bytes == 1 << 20
     assert e.value.min_peak_bytes is not None and e.value.min_peak_bytes > 1 << 20
     # min_peak_bytes is reachable: asking for it succeeds
     assert solve(p, solver=name, mem_budget_bytes=e.value.min_peak_bytes).peak_bytes <= e.value.min_peak_bytes
@@ -220,11 +220,11 @@ def test_fixed_collectives_stay_where_traced():
         assert (issue[idx], wait[idx]) == (p.colls["ar"].traced_issue, p.colls["ar"].traced_wait)
 
 
-def test_evaluate_reports_simulation():
+def test_heuristic_result_reports_simulation():
     import time
 
     p = _problem(graph_kind="forward")
-    res = evaluate(p, p.traced_schedule(), "mine", SolveStatus.FEASIBLE, time.perf_counter(), notes=("x",))
+    res = heuristic_result(p, p.traced_schedule(), "mine", SolveStatus.FEASIBLE, time.perf_counter(), notes=("x",))
     assert (res.solver, res.status, res.notes) == ("mine", SolveStatus.FEASIBLE, ("x",))
     assert res.objective_ms == pytest.approx(solve(p, solver="traced").objective_ms)
     assert res.solve_time_s >= 0
@@ -244,3 +244,34 @@ def test_block_groups_merge_consecutive_blocks_from_start():
         ("a", "b"), ("r",), ("c",)]
     with pytest.raises(ValueError, match="size >= 1"):
         BlockGroups(size=0)
+
+
+def test_plan_waits_first_orders_its_gap():
+    """One plan, two orders of a gap: reduce-scatter ``a`` waited in the gap where ``b`` (the
+    next of its chain) is issued. Listed in ``waits_first`` (FSDP2 frees the previous
+    gradient bucket before issuing the next) its wait runs before that issue; otherwise after.
+    Every other collective stays where traced."""
+    from solvers.core.plan import PlannedBucket
+    from solvers.core.schedule import Bucket
+    from solvers.heuristics import schedule_from_plan
+
+    p = _problem(graph_kind="backward")
+    chain = next(names for key, names in p.chains.items() if key[0] == "reduce_scatter")
+    a, b = p.colls[chain[0]], p.colls[chain[1]]
+    gap = b.ready
+    assert a.ready <= gap <= a.needed  # ``a`` can be waited where ``b`` is issued
+    issue, wait = p.traced_schedule().positions()
+    plan = [PlannedBucket(bk, issue[k], wait[k]) for k, bk in enumerate(p.traced_schedule().buckets)
+            if bk.members[0] not in (a.name, b.name)]
+    plan += [PlannedBucket(Bucket((a.name,)), a.ready, gap), PlannedBucket(Bucket((b.name,)), gap, b.needed)]
+
+    def order(schedule):
+        index = {bk.members: k for k, bk in enumerate(schedule.buckets)}
+        steps = [(s.kind, s.ref) for s in schedule.steps]
+        return steps.index(("wait", index[(a.name,)])) < steps.index(("issue", index[(b.name,)]))
+
+    first = schedule_from_plan(p, plan, waits_first={Bucket((a.name,))})
+    last = schedule_from_plan(p, plan)
+    assert order(first) and not order(last)
+    for schedule in (first, last):
+        validate_schedule(p, schedule)

@@ -49,7 +49,7 @@ LR = 0.5
 WORLD = 2
 TIMEOUT_S = 300.0
 #: work limit of the search per graph (deterministic; see solvers/search.py)
-SOLVER_TIME_LIMIT_S = 2.0
+SOLVER_WORK_LIMIT = 2.0
 _MM = ("mm", "addmm", "bmm", "baddbmm")
 
 
@@ -151,7 +151,7 @@ def _inductor_case(rank: int, world_size: int) -> dict[str, Any]:
         base = _train(model, torch.compile(model, fullgraph=True), batches)
 
         post_pass = compile_.inductor_post_grad_pass(mem_budget=None,
-                                                     solver=SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S))
+                                                     solver=SolverOptions(work_limit=SOLVER_WORK_LIMIT))
         lowered: list[dict[str, Any]] = []
 
         def recorder(graph) -> None:  # runs after the pass: what inductor goes on to lower
@@ -201,7 +201,7 @@ def _fault_case(rank: int, world_size: int, fault: str) -> dict[str, Any]:
     inputs = _inputs(16, world_size, lambda *s, dtype=torch.float32: torch.randn(*s, generator=g, dtype=dtype))
     expected = gm(*inputs)
     scheduler.optimize_schedule(gm, cost_model=COSTS,
-                                solver=scheduler.SolverOptions(time_limit_s=SOLVER_TIME_LIMIT_S, schedule_hook=hook))
+                                solver=scheduler.SolverOptions(work_limit=SOLVER_WORK_LIMIT, schedule_hook=hook))
     report = gm.meta[REPORT_KEY]
     got = gm(*inputs)  # real collectives: a divergent schedule would hang or mismatch here
     return {

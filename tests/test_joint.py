@@ -152,7 +152,7 @@ def test_tiny_joint_graph_with_regathers_schedules_and_keeps_results(group_name)
         validate_schedule(problem, schedule)
         for bucket in schedule.buckets:
             assert len({problem.colls[m].phase for m in bucket.members}) == 1, (name, bucket.members)
-    out = optimize_schedule(copy.deepcopy(gm), solver=SolverOptions(time_limit_s=2))
+    out = optimize_schedule(copy.deepcopy(gm), solver=SolverOptions(work_limit=2))
     assert out.meta[REPORT_KEY].graph_kind == "joint"
     out.graph.lint()
 
@@ -335,7 +335,7 @@ def test_budget_equal_to_the_traced_peak_is_met(joints, variant):
     budget = liveness_peak(gm)
     assert traced.peak_bytes == budget
     with fake_process_group(WORLD):
-        optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(time_limit_s=5))
+        optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(work_limit=5))
     report = gm.meta[REPORT_KEY]
     assert report.graph_kind == "joint"
     assert liveness_peak(gm) <= budget
@@ -394,7 +394,7 @@ def test_foreign_joint_graphs_blocks_directions_and_own_peak(style):
             problem = Problem.from_dag(dag)
             traced = simulate(dag, problem.traced_schedule(), problem=problem)
             budget = liveness_peak(gm)
-            optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(time_limit_s=3))
+            optimize_schedule(gm, mem_budget=budget, solver=SolverOptions(work_limit=3))
         report = gm.meta[REPORT_KEY]
         assert report.step_ms_after < traced.step_ms
         if budget is not None:

@@ -20,7 +20,7 @@ joint = pytest.importorskip("joint")  # benchmarks/joint.py (benchmarks/ is on s
 def run(request):
     if dist.is_initialized() and dist.get_backend() != "fake":
         pytest.skip("capture needs a process without a real group")
-    return joint.run_spec(f"llama3-debug:2:{FAKE_WORLD}", sac=request.param, time_limit_s=0.5)
+    return joint.run_spec(f"llama3-debug:2:{FAKE_WORLD}", sac=request.param, work_limit=0.5)
 
 
 def test_rows_cover_every_baseline(run):

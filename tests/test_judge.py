@@ -145,14 +145,14 @@ def _one_all_gather_bucket(problem):
     """The traced order with every all-gather of the graph in one bucket, issued at the first
     gap and waited where its first member is needed."""
     from solvers.core.schedule import Bucket
-    from solvers.entries import chain_ordered, from_entries
+    from solvers.core.plan import build_schedule, chain_ordered
 
     traced = problem.traced_schedule()
     issue, wait = traced.positions()
     gathers = tuple(m for key, names in problem.chains.items() if key[0] == "all_gather" for m in names)
     entries = [(b, issue[k], wait[k]) for k, b in enumerate(traced.buckets) if b.members[0] not in gathers]
     entries.append((Bucket(gathers), 0, min(problem.colls[m].needed for m in gathers)))
-    return from_entries(problem, chain_ordered(problem, entries))
+    return build_schedule(problem, chain_ordered(problem, entries))
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
@@ -237,7 +237,7 @@ def test_data_dependent_sizes_counted_at_the_exports_estimates(moe, kind):
     traced = simulate(dag, problem.traced_schedule(), problem=problem)
     assert (traced.peak_bytes, traced.tracker_peak_bytes) == (liveness_peak(gm), torch_tracker_peak(gm))
     budget = traced.peak_bytes
-    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=1.0))
+    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(work_limit=1.0))
     report = out.meta[REPORT_KEY]
     assert report.verified and not report.fell_back
     assert liveness_peak(out) <= budget

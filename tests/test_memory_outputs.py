@@ -153,7 +153,7 @@ def test_batch_norm_statistics_do_not_keep_its_output_alive(group_name):
     sim, sim_tracker, liveness, tracker = counts(gm)
     assert sim == liveness and sim_tracker == tracker
     budget = max(liveness, tracker)
-    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=2))
+    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(work_limit=2))
     assert out.meta[REPORT_KEY].status != "fallback"
     assert liveness_peak(out) <= budget
 
@@ -190,7 +190,7 @@ def test_a_budget_equal_to_the_graphs_own_peak_is_never_refused(group_name, styl
                                                                                    world_size=FAKE_WORLD)
     gm = getattr(captured, kind)
     budget = max(liveness_peak(gm), torch_tracker_peak(gm))
-    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=2))
+    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(work_limit=2))
     assert liveness_peak(out) <= budget
 
 
@@ -278,5 +278,5 @@ def test_a_joint_graph_with_selective_checkpointing_holds_its_own_peak(group_nam
     sim, sim_tracker, liveness, tracker = counts(gm)
     assert (sim, sim_tracker) == (liveness, tracker)
     budget = max(liveness, tracker)
-    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(time_limit_s=2))
+    out = optimize_schedule(copy.deepcopy(gm), mem_budget=budget, solver=SolverOptions(work_limit=2))
     assert liveness_peak(out) <= budget

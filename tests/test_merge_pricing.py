@@ -96,7 +96,7 @@ def _agreement(gm, solver: str, cost_model: str):
     """(prediction, re-export simulated as traced, reference liveness peak, schedule)."""
     gm = copy.deepcopy(gm)
     problem = Problem.from_dag(export_dag(gm, cost_model=cost_model))
-    schedule = solve(problem, solver=solver, time_limit_s=2.0).schedule
+    schedule = solve(problem, solver=solver, work_limit=2.0).schedule
     predicted = simulate(problem.dag, schedule, problem=problem)
     apply_schedule(gm, problem, schedule)
     again = Problem.from_dag(export_dag(gm, cost_model=cost_model))

@@ -109,7 +109,7 @@ def test_milp_optimum_equals_cpsat_optimum(graph):
 def test_builder_graph_known_optimum():
     """See :func:`_two_gathers_one_scatter`: both all-gathers merge, 7.0 ms."""
     problem = _two_gathers_one_scatter()
-    result = solve(problem, solver="milp", time_limit_s=2.0)
+    result = solve(problem, solver="milp", work_limit=2.0)
     assert result.objective_ms == pytest.approx(7.0)
     assert ("ag0", "ag1") in [b.members for b in result.schedule.buckets]
 
@@ -140,10 +140,10 @@ def test_milp_optimum_equals_cpsat_under_memory_budget(frac):
 def test_milp_schedules_validate_and_match_cpsat(graph):
     """The search with MILP windows and with CP-SAT windows: valid, equally fast."""
     problem = GRAPHS[graph]()
-    result = solve(problem, solver="milp", time_limit_s=2.0)
+    result = solve(problem, solver="milp", work_limit=2.0)
     sim = validate_schedule(problem, result.schedule)
     assert result.objective_ms == pytest.approx(sim.step_ms)
-    reference = solve(problem, solver="cpsat", time_limit_s=2.0)
+    reference = solve(problem, solver="cpsat", work_limit=2.0)
     # equal model optima; the extracted schedules may be different optimal solutions of the model
     assert result.objective_ms == pytest.approx(reference.objective_ms, rel=0.01)
 
@@ -152,7 +152,7 @@ def test_milp_schedule_under_budget_validates():
     problem = GRAPHS["bwd-reshard-1x2"]()
     traced_peak = simulate(problem.dag, problem.traced_schedule(), problem=problem).peak_bytes
     budget = int(traced_peak * 1.25)
-    result = solve(problem, solver="milp", mem_budget_bytes=budget, time_limit_s=2.0)
+    result = solve(problem, solver="milp", mem_budget_bytes=budget, work_limit=2.0)
     validate_schedule(problem, result.schedule, mem_budget_bytes=budget)
     assert result.peak_bytes <= budget
 
@@ -170,7 +170,7 @@ def test_infeasible_budget_raises():
     problem = GRAPHS["fwd-1x2"]()
     budget = 1 << 20
     with pytest.raises(InfeasibleBudgetError) as info:
-        solve(problem, solver="milp", mem_budget_bytes=budget, time_limit_s=1.0)
+        solve(problem, solver="milp", mem_budget_bytes=budget, work_limit=1.0)
     assert info.value.min_peak_bytes is not None and info.value.min_peak_bytes > budget
 
 
@@ -218,7 +218,7 @@ def test_large_graph_milp_uses_the_shared_windows():
     answer fits and is no slower than the heuristics."""
     p = _fsdp(n_layers=20, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
     budget = simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes
-    res = solve(p, solver="milp", mem_budget_bytes=budget, time_limit_s=4)
+    res = solve(p, solver="milp", mem_budget_bytes=budget, work_limit=4)
     assert "windows" in [s.name for s in res.stages]
     validate_schedule(p, res.schedule, mem_budget_bytes=budget)
     warm = min(solve(p, solver=h, mem_budget_bytes=budget).objective_ms for h in ("traced", "autoparallel"))
@@ -258,7 +258,7 @@ def test_failing_window_solver_is_skipped_not_fatal(monkeypatch):
     monkeypatch.setattr(milp, "solve_lp", always_crash)
     p = _fsdp(n_layers=4, params_per_layer=4, graph_kind="forward", reshard_after_forward=True)
     config = SearchConfig(window_members=8)
-    res = search({"m": p}, None, backend=BACKENDS["milp"](config), time_limit_s=2.0, config=config)
+    res = search({"m": p}, None, backend=BACKENDS["milp"](config), work_limit=2.0, config=config)
     validate_schedule(p, res.schedule)
     (windows,) = [s for s in res.stages if s.name == "windows"]
-    assert windows.gained_ms == 0.0 and windows.work_s > 0
+    assert windows.gained_ms == 0.0 and windows.work > 0

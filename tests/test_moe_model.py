@@ -150,7 +150,7 @@ def test_graphs_export_schedule_at_the_traced_peak_and_run_torchs_pass(captured)
         assert grouped and all(a["flops"] > 0 for a in grouped)  # priced as matmuls, not by bytes
         budget = judge_graph(gm, "analytic").max_peak_bytes
         written = copy.deepcopy(gm)
-        optimize_schedule(written, budget, cost_model="analytic", solver=SolverOptions(time_limit_s=2.0),
+        optimize_schedule(written, budget, cost_model="analytic", solver=SolverOptions(work_limit=2.0),
                           agreement=AgreementOptions(enabled=False))
         assert written.meta[REPORT_KEY].chosen_candidate is not None
         assert judge_graph(written, "analytic").max_peak_bytes <= budget

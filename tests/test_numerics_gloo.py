@@ -47,7 +47,7 @@ OVERRIDES = {"n_layers": 1}
 STEPS = 2
 LR = 0.5
 #: work limit of the search per graph (deterministic; see solvers/search.py)
-SOLVER_TIME_LIMIT_S = 2.0
+SOLVER_WORK_LIMIT = 2.0
 #: wall-clock limit of one multi-process run of all cases of a world size
 TIMEOUT_S = {2: 480.0, 4: 900.0}
 
@@ -208,7 +208,7 @@ def _run_case(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any
     cfg = get_config(MODEL, **OVERRIDES)
     batches = _batches(cfg, dp_rank, dp_size)
 
-    options = scheduler.SolverOptions(solver="cpsat", time_limit_s=SOLVER_TIME_LIMIT_S, seed=0,
+    options = scheduler.SolverOptions(solver="cpsat", work_limit=SOLVER_WORK_LIMIT, seed=0,
                                       all_gather_stream=all_gather_stream, compute_order=compute_order)
     # 1. as traced: identity compilers; the peaks of each graph give the budgets
     torch._dynamo.reset()

@@ -86,7 +86,7 @@ def test_the_search_in_torchs_order_installs_that_order(monkeypatch):
     with fake_process_group(world):
         traced = Problem.from_dag(export_dag(gm, cost_model="analytic"))
         optimize_schedule(gm, None, cost_model="analytic",
-                          solver=SolverOptions(time_limit_s=0.5, compute_order="torch"))
+                          solver=SolverOptions(work_limit=0.5, compute_order="torch"))
     report, schedule = gm.meta[api.REPORT_KEY], gm.meta[api.SCHEDULE_KEY]
     ran = tuple(n.name for n in gm.graph.nodes if n.name in traced.pos)
     assert ran == node_order(schedule) != traced.seq
@@ -109,7 +109,7 @@ def test_a_search_in_torchs_order_that_fails_leaves_the_traced_orders_answer(mon
             return None
 
         optimize_schedule(gm, None, cost_model="analytic",
-                          solver=SolverOptions(time_limit_s=0.5, compute_order="choose", schedule_hook=hook))
+                          solver=SolverOptions(work_limit=0.5, compute_order="choose", schedule_hook=hook))
     report, schedule = gm.meta[api.REPORT_KEY], gm.meta[api.SCHEDULE_KEY]
     assert report.compute_order == "traced" and node_order(schedule) == traced.seq
 

@@ -33,7 +33,7 @@ from solvers.registry import solve_problems
 
 _c10d = torch.ops._c10d_functional
 #: deterministic work of each search (s): enough for these graphs
-SOLVER = SolverOptions(time_limit_s=2.0)
+SOLVER = SolverOptions(work_limit=2.0)
 ALONE = AgreementOptions(enabled=False)
 
 
@@ -217,7 +217,7 @@ def test_every_schedule_of_the_search_validates_and_writes_back(meshes, budget):
     tp_gathers = [c for c in problem.colls.values() if c.group_name == g.other]
     assert len(tp_gathers) == 4 and all(c.ready == c.needed for c in tp_gathers)
     mem = None if budget == "none" else judge_graph(gm, "analytic").max_peak_bytes
-    result = solve_problems({"analytic": problem}, mem_budget_bytes=mem, time_limit_s=SOLVER.time_limit_s)
+    result = solve_problems({"analytic": problem}, mem_budget_bytes=mem, work_limit=SOLVER.work_limit)
     schedules = [result.schedule, *result.alternatives]
     if mem is None:  # every start fits: the alternatives are there to check
         assert len(schedules) > 1

@@ -50,7 +50,7 @@ def _rank_run(rank: int, world_size: int) -> dict[str, Any]:
         traced = gm(*inputs)
         written = copy.deepcopy(gm)
         optimize_schedule(written, judge_graph(gm, "analytic").max_peak_bytes, cost_model="analytic",
-                          solver=SolverOptions(time_limit_s=2.0))
+                          solver=SolverOptions(work_limit=2.0))
         after = written(*inputs)
         gathers = ("all_gather_into_tensor", "all_gather_into_tensor_out")
         dp_gathers = [sum(1 for n in m.graph.nodes if n.op == "call_function"

@@ -19,7 +19,7 @@ from solvers.polish import PolishConfig, polish
 from solvers.registry import solve
 from solvers.search import SearchConfig
 from solvers.starts import Regrouping, regroup, regroupings
-from solvers.entries import chain_units
+from solvers.core.plan import chain_units
 
 
 def reference_times(problems, schedules, budget):
@@ -50,7 +50,7 @@ def forward_case():
     problems = _problems("forward")
     p = problems["fast"]
     budget = int(simulate(p.dag, p.traced_schedule(), problem=p).peak_bytes * 1.15)
-    solved = {label: solve(q, solver="cpsat", mem_budget_bytes=budget, time_limit_s=2).schedule
+    solved = {label: solve(q, solver="cpsat", mem_budget_bytes=budget, work_limit=2).schedule
               for label, q in problems.items()}
     return problems, budget, solved, reference_times(problems, list(solved.values()), budget)
 
@@ -70,15 +70,15 @@ def test_polish_lowers_the_worst_case_below_every_single_model_solve(forward_cas
     for p in problems.values():  # a valid schedule of the graph, within the budget under every model
         sim = validate_schedule(p, result.schedule, mem_budget_bytes=budget)
         assert sim.peak_bytes <= budget
-    assert result.simulations <= PolishConfig().max_simulations
+    assert result.evaluations <= PolishConfig().max_evaluations
 
 
-def test_polish_is_deterministic_and_counts_work_in_simulations(forward_case):
+def test_polish_is_deterministic_and_counts_work_in_evaluations(forward_case):
     problems, budget, solved, reference = forward_case
-    a = polish(problems, solved["fast"], reference, budget, PolishConfig(max_simulations=60))
-    b = polish(problems, solved["fast"], reference, budget, PolishConfig(max_simulations=60))
+    a = polish(problems, solved["fast"], reference, budget, PolishConfig(max_evaluations=60))
+    b = polish(problems, solved["fast"], reference, budget, PolishConfig(max_evaluations=60))
     assert a.schedule.digest() == b.schedule.digest() and a.regret == b.regret
-    assert a.stopped.startswith("work limit") and a.simulations <= 60 + len(problems)
+    assert a.stopped.startswith("work limit") and a.evaluations <= 60 + len(problems)
     longer = polish(problems, solved["fast"], reference, budget)
     assert longer.worst_regret <= a.worst_regret
 
@@ -107,9 +107,19 @@ def test_polish_refuses_bad_input(forward_case):
                {"fast": 1.0, "other": 1.0}, budget)
     with pytest.raises(ValueError, match="at least one"):
         polish({}, solved["fast"], reference, budget)
-    for bad in ({"max_simulations": 0}, {"steps": ()}, {"steps": (0,)}, {"max_bucket_bytes": 0}):
+    for bad in ({"max_evaluations": 0}, {"steps": ()}, {"steps": (0,)}, {"max_bucket_bytes": 0}):
         with pytest.raises(ValueError):
             PolishConfig(**bad)
+
+
+def test_the_old_name_of_the_polish_limit_still_works_and_warns():
+    """``PolishConfig.max_simulations`` was renamed ``max_evaluations`` (it counts evaluations):
+    for one release the old name sets and reads the field, with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning, match="max_evaluations"):
+        old = PolishConfig(max_simulations=60)
+    assert old == PolishConfig(max_evaluations=60)
+    with pytest.warns(DeprecationWarning, match="max_evaluations"):
+        assert old.max_simulations == 60
 
 
 def test_polish_keeps_merged_buckets_under_the_cap(forward_case):
@@ -200,7 +210,7 @@ def test_the_budget_bounds_the_memory_the_graph_holds_not_torchs_tracker_rules()
     traced = simulate(p.dag, problem=p)
     budget = traced.peak_bytes
     assert traced.tracker_peak_bytes > budget
-    result = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, PolishConfig(max_simulations=2000))
+    result = polish({"m": p}, p.traced_schedule(), {"m": traced.step_ms}, budget, PolishConfig(max_evaluations=2000))
     sim = simulate(p.dag, result.schedule, problem=p)
     assert sim.peak_bytes <= budget
     assert result.step_ms["m"] < traced.step_ms

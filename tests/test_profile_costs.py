@@ -175,7 +175,7 @@ def test_profile_by_name_through_optimize_schedule(group_name, tmp_path):
     gm = toy_graph(group_name, W)
     name = f"profile:{trace}"
     expected = export_dag(copy.deepcopy(gm), cost_model=name).graph["cost_coverage"]
-    optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(time_limit_s=2))
+    optimize_schedule(gm, None, cost_model=name, solver=SolverOptions(work_limit=2))
     report = gm.meta[REPORT_KEY]
     assert 0 < report.cost_coverage["compute_matched_share"] <= 1
     assert report.cost_coverage["compute_matched_share"] == pytest.approx(expected["compute_matched_share"])
@@ -276,7 +276,7 @@ def test_a_profile_of_another_model_warns_how_much_it_priced(group_name, tmp_pat
     path.write_text(json.dumps({"traceEvents": [_op("aten::mm", 0, 30, dims=((3, 5), (5, 7)))]}))
     with caplog.at_level(logging.WARNING, logger="scheduler.costs.annotate"):
         optimize_schedule(copy.deepcopy(toy_graph(group_name, 4)), None, cost_model=f"profile:{path}",
-                          solver=SolverOptions(time_limit_s=1))
+                          solver=SolverOptions(work_limit=1))
     [record] = [r for r in caplog.records if r.name == "scheduler.costs.annotate"]
     message = record.getMessage()
     assert str(path) in message and "0.0% of compute time" in message and "mm" in message

@@ -26,13 +26,13 @@ def pg():
 
 def test_a_solver_written_as_the_options_document_it_is_used(pg):
     """``SolverOptions.solver`` documents a callable ``fn(problem, *, mem_budget_bytes,
-    time_limit_s, seed, hint, num_workers, extra_starts)``: one written exactly so is called
+    work_limit, seed, hint, num_workers, extra_starts)``: one written exactly so is called
     with every keyword and its schedule installed, not turned into a fallback by a TypeError."""
     seen = {}
 
-    def my_solver(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers, extra_starts):
+    def my_solver(problem, *, mem_budget_bytes, work_limit, seed, hint, num_workers, extra_starts):
         seen.update(hint=hint, extra_starts=extra_starts, num_workers=num_workers)
-        return solve(problem, solver="fsdp2", mem_budget_bytes=mem_budget_bytes, time_limit_s=time_limit_s,
+        return solve(problem, solver="fsdp2", mem_budget_bytes=mem_budget_bytes, work_limit=work_limit,
                      seed=seed)
 
     gm = toy_graph(pg, 1)
@@ -40,6 +40,27 @@ def test_a_solver_written_as_the_options_document_it_is_used(pg):
     report = gm.meta[api.REPORT_KEY]
     assert seen == {"hint": None, "extra_starts": (), "num_workers": 1}
     assert report.requested_solver == "my_solver" and report.solver == "fsdp2" and not report.fell_back
+
+
+def test_a_solver_written_before_work_limit_still_gets_its_limit():
+    """A solver of one's own that takes ``time_limit_s`` (the work limit's name before) and
+    ``solve(time_limit_s=...)`` still work for one release, each with a DeprecationWarning."""
+    from scheduler.whatif.synthetic import make_fsdp_dag
+    from solvers import Problem
+
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=2, graph_kind="forward"))
+    seen = {}
+
+    def old_solver(problem, *, mem_budget_bytes, time_limit_s, seed, hint, num_workers, extra_starts):
+        seen["limit"] = time_limit_s
+        return solve(problem, solver="fsdp2")
+
+    with pytest.warns(DeprecationWarning, match="work_limit"):
+        solve(problem, solver=old_solver, work_limit=3.0)
+    assert seen == {"limit": 3.0}
+    with pytest.warns(DeprecationWarning, match="work_limit"):
+        solve(problem, solver=old_solver, time_limit_s=2.0)
+    assert seen == {"limit": 2.0}
 
 
 def test_backend_knobs_are_reached_from_the_search_config():

@@ -60,7 +60,7 @@ def binding():
     not fit), and the search's result there."""
     p = _backward()
     budget = int(1.05 * _peak(p, p.traced_schedule()))
-    result = search({"analytic": p}, budget, backend=CpSatBackend(), time_limit_s=2.0)
+    result = search({"analytic": p}, budget, backend=CpSatBackend(), work_limit=2.0)
     return p, budget, result
 
 
@@ -70,22 +70,22 @@ def binding():
 def test_stages_are_recorded_with_their_work_and_gains(binding):
     """starts, windows, polish in that order; each stage's step time is the best after it and
     its gain what it took off the stage before; the starts are a fixed set, charged no work;
-    the windows' work is whole windows of ``window_s``; windows and polish share the limit."""
+    the windows' work is whole windows of ``window_work``; windows and polish share the limit."""
     p, budget, result = binding
     config = SearchConfig()
     assert [s.name for s in result.stages] == ["starts", "windows", "polish"]
     starts_, windows_, polish_ = result.stages
-    assert starts_.gained_ms == 0.0 and starts_.simulations >= len(HEURISTICS) and starts_.work_s == 0.0
+    assert starts_.gained_ms == 0.0 and starts_.evaluations >= len(HEURISTICS) and starts_.work == 0.0
     for before, stage in zip(result.stages, result.stages[1:]):
         assert stage.step_ms <= before.step_ms
         assert stage.gained_ms == pytest.approx(before.step_ms - stage.step_ms)
-        assert stage.work_s > 0 and stage.wall_s >= 0
+        assert stage.work > 0 and stage.wall_s >= 0
     assert result.stages[-1].step_ms == pytest.approx(result.objective_ms)
     # on this graph CP-SAT's windows gain over the best start (the reason the stage exists)
     assert windows_.gained_ms > 0
-    solved = windows_.work_s / config.window_s
-    assert solved == pytest.approx(round(solved)) and windows_.work_s <= 2.0 * config.window_share + 1e-9
-    assert windows_.work_s + polish_.work_s <= 2.0 * 1.01
+    solved = windows_.work / config.window_work
+    assert solved == pytest.approx(round(solved)) and windows_.work <= 2.0 * config.window_share + 1e-9
+    assert windows_.work + polish_.work <= 2.0 * 1.01
     assert result.status == SolveStatus.FEASIBLE and result.solver == "search"
     assert result.objective_ms == pytest.approx(_step(p, result.schedule))
     assert result.peak_bytes == _peak(p, result.schedule)
@@ -95,12 +95,12 @@ def test_a_limit_too_small_for_a_stage_skips_it():
     """The starts always run; without work left (or without a backend, or with no window share)
     the windows do not, and neither does the polish without work."""
     p = _backward(2)
-    only_starts = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1e-6)
+    only_starts = search({"m": p}, None, backend=CpSatBackend(), work_limit=1e-6)
     assert [s.name for s in only_starts.stages] == ["starts"]
     assert only_starts.status == SolveStatus.HEURISTIC
-    no_backend = search({"m": p}, None, backend=None, time_limit_s=1.0)
+    no_backend = search({"m": p}, None, backend=None, work_limit=1.0)
     assert [s.name for s in no_backend.stages] == ["starts", "polish"]
-    no_share = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0,
+    no_share = search({"m": p}, None, backend=CpSatBackend(), work_limit=1.0,
                       config=SearchConfig(window_share=0.0))
     assert [s.name for s in no_share.stages] == ["starts", "polish"]
 
@@ -109,10 +109,10 @@ def test_starts_only_runs_the_first_stage_alone():
     """``starts_only`` stops after the starts whatever the limit: the answer is the best start
     that fits, the one a limit too small for any other stage also gives."""
     p = _backward(2)
-    only = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0, starts_only=True)
+    only = search({"m": p}, None, backend=CpSatBackend(), work_limit=1.0, starts_only=True)
     assert [s.name for s in only.stages] == ["starts"]
     assert only.status == SolveStatus.HEURISTIC
-    tiny = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1e-6)
+    tiny = search({"m": p}, None, backend=CpSatBackend(), work_limit=1e-6)
     assert only.schedule.digest() == tiny.schedule.digest()
 
 
@@ -152,7 +152,7 @@ def test_never_slower_than_a_heuristic_that_fits(fraction):
     fits is at least as slow as the answer."""
     p = _backward()
     budget = None if fraction is None else int(_peak(p, p.traced_schedule()) * fraction)
-    result = search({"m": p}, budget, backend=CpSatBackend(), time_limit_s=1.0)
+    result = search({"m": p}, budget, backend=CpSatBackend(), work_limit=1.0)
     compared = 0
     for name, fn in HEURISTICS.items():
         for given in (None, budget):
@@ -177,7 +177,7 @@ def test_regular_bucketings_beat_one_bucket_per_block_where_communication_domina
             parts = a["fqns"][0].split(".")
             a["block"] = int(parts[1]) if parts[0] == "layers" else None
     p = Problem.from_dag(dag)
-    result = search({"m": p}, None, time_limit_s=1e-6)
+    result = search({"m": p}, None, work_limit=1e-6)
     assert [s.name for s in result.stages] == ["starts"]
     per_block = fsdp2_schedule(p)
     assert result.objective_ms < _step(p, per_block) - 1e-6
@@ -228,19 +228,19 @@ def test_extra_starts_bound_the_result(binding):
     """A start given in ``extra_starts`` is a candidate: with work for the starts only, the
     result is never slower than it; one over the budget is never the answer."""
     p, budget, good = binding
-    quick = search({"m": p}, budget, time_limit_s=1e-6)
+    quick = search({"m": p}, budget, work_limit=1e-6)
     assert good.objective_ms < quick.objective_ms  # the premise: the start is better than the starts
-    res = search({"m": p}, budget, time_limit_s=1e-6, extra_starts=[good.schedule])
+    res = search({"m": p}, budget, work_limit=1e-6, extra_starts=[good.schedule])
     assert res.objective_ms <= good.objective_ms + 1e-9
-    unbounded = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0).schedule
+    unbounded = search({"m": p}, None, backend=CpSatBackend(), work_limit=1.0).schedule
     assert _peak(p, unbounded) > budget
-    res = search({"m": p}, budget, time_limit_s=1e-6, extra_starts=[unbounded])
+    res = search({"m": p}, budget, work_limit=1e-6, extra_starts=[unbounded])
     assert _peak(p, res.schedule) <= budget
 
 
 def test_registry_extra_starts_are_for_the_search_only(binding):
     p, budget, good = binding
-    res = solve(p, solver="cpsat", mem_budget_bytes=budget, time_limit_s=0.1, extra_starts=[good.schedule])
+    res = solve(p, solver="cpsat", mem_budget_bytes=budget, work_limit=0.1, extra_starts=[good.schedule])
     assert res.objective_ms <= good.objective_ms + 1e-9
     with pytest.raises(ValueError, match="exact solvers"):
         solve(p, solver="fsdp2", extra_starts=[good.schedule])
@@ -252,7 +252,7 @@ def test_a_larger_budget_never_gives_a_slower_step():
     p = _backward()
     peak = _peak(p, p.traced_schedule())
     budgets = [int(peak * 1.2), peak, None, int(peak * 1.05)]
-    out = solve_budgets(p, budgets, time_limit_s=0.5)
+    out = solve_budgets(p, budgets, work_limit=0.5)
     assert list(out) == budgets
     ordered = [out[b] for b in sorted(budgets, key=lambda b: (b is None, b or 0))]
     for smaller, larger in zip(ordered, ordered[1:]):
@@ -283,7 +283,7 @@ def test_several_models_minimise_the_worst_case_regret():
     problems = _two_clusters("forward")
     p = problems["fast"]
     budget = int(_peak(p, p.traced_schedule()) * 1.15)
-    result = search(problems, budget, backend=CpSatBackend(), time_limit_s=2.0)
+    result = search(problems, budget, backend=CpSatBackend(), work_limit=2.0)
     objective = Objective(problems, budget)
     found, _ = starts(objective, SearchConfig())
     reference = objective.reference_ms
@@ -408,7 +408,7 @@ def test_the_search_loses_no_more_to_a_baseline_under_a_strict_model_than_its_be
     objective = Objective(problems, budget, config.baseline_weight, config.strict_models)
     found, _ = starts(objective, config)
     least = min(objective.strict_loss(e) for e in found)
-    result = search(problems, budget, backend=None, time_limit_s=1.0, config=config)
+    result = search(problems, budget, backend=None, work_limit=1.0, config=config)
     answer = objective.evaluate(result.schedule)
     assert objective.strict_loss(answer) <= least + 1e-12
     assert answer.peak_bytes <= budget
@@ -437,7 +437,7 @@ def test_with_work_for_the_starts_only_the_answer_loses_no_more_than_its_best_st
     found, _ = starts(objective, config)
     least = min(objective.strict_loss(e) for e in found)
     assert objective.strict_loss(found[0]) > least  # the premise: the first by regret loses
-    result = search(problems, budget, time_limit_s=1e-6, config=config)
+    result = search(problems, budget, work_limit=1e-6, config=config)
     assert objective.strict_loss(objective.evaluate(result.schedule)) <= least + 1e-12
     assert result.start in {e.name for e in found}
 
@@ -457,7 +457,7 @@ def test_given_baselines_are_starts_and_baselines():
     assert given.baseline_ms == {label: min(plain.baseline_ms[label], steps[label]) for label in problems}
     assert "torch-overlap" in {e.name for e in found}
     least = min(given.strict_loss(e) for e in found)
-    result = search(problems, budget, time_limit_s=1e-6, config=config, baselines=[("torch-overlap", good)])
+    result = search(problems, budget, work_limit=1e-6, config=config, baselines=[("torch-overlap", good)])
     assert given.strict_loss(given.evaluate(result.schedule)) <= least + 1e-12
 
 
@@ -503,7 +503,7 @@ def _windows_stage(result):
 
 
 def _stub_search(p, budget, backend):
-    return search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=ONE_WINDOW)
+    return search({"m": p}, budget, backend=backend, work_limit=2.0, config=ONE_WINDOW)
 
 
 def test_window_stride_sets_how_far_apart_the_windows_start(binding):
@@ -514,8 +514,8 @@ def test_window_stride_sets_how_far_apart_the_windows_start(binding):
 
     def windows_solved(stride):
         backend = _Proposes(None)
-        search({"m": p}, budget, backend=backend, time_limit_s=2.0, config=SearchConfig(
-            window_members=8, window_sweeps=1, window_share=1.0, window_s=0.01, window_stride=stride))
+        search({"m": p}, budget, backend=backend, work_limit=2.0, config=SearchConfig(
+            window_members=8, window_sweeps=1, window_share=1.0, window_work=0.01, window_stride=stride))
         return backend.calls
 
     halves = windows_solved(None)
@@ -550,7 +550,7 @@ def test_windows_never_take_a_worse_proposal(binding):
 
 def test_windows_never_take_a_faster_proposal_over_the_budget(binding):
     p, budget, _ = binding
-    unbounded = search({"m": p}, None, backend=CpSatBackend(), time_limit_s=1.0)
+    unbounded = search({"m": p}, None, backend=CpSatBackend(), work_limit=1.0)
     assert _peak(p, unbounded.schedule) > budget
     assert unbounded.objective_ms < binding[2].stages[0].step_ms  # faster than the best start that fits
     backend = _Proposes(unbounded.schedule)
@@ -593,8 +593,8 @@ def test_windows_are_solved_only_where_communication_is_exposed():
 
     movable = sum(c.movable for c in p.colls.values())
     n_windows = len(range(0, movable - 8 + 4, 4))  # windows of 8 at a stride of 4
-    search({"m": p}, None, backend=Records(), time_limit_s=100.0,
-           config=SearchConfig(window_members=8, window_sweeps=1, window_s=0.01))
+    search({"m": p}, None, backend=Records(), work_limit=100.0,
+           config=SearchConfig(window_members=8, window_sweeps=1, window_work=0.01))
     assert seen and all(seen)
     assert len(seen) < n_windows  # some windows were skipped: they exposed nothing
 
@@ -606,10 +606,10 @@ def test_an_unreachable_budget_names_a_peak_that_works_as_a_budget():
     p = _backward()
     traced = _peak(p, p.traced_schedule())
     with pytest.raises(InfeasibleBudgetError) as err:
-        search({"m": p}, traced // 2, backend=CpSatBackend(), time_limit_s=1.0)
-    assert err.value.budget_bytes == traced // 2
+        search({"m": p}, traced // 2, backend=CpSatBackend(), work_limit=1.0)
+    assert err.value.mem_budget_bytes == traced // 2
     assert traced // 2 < err.value.min_peak_bytes <= traced
-    result = search({"m": p}, err.value.min_peak_bytes, backend=CpSatBackend(), time_limit_s=1.0)
+    result = search({"m": p}, err.value.min_peak_bytes, backend=CpSatBackend(), work_limit=1.0)
     assert _peak(p, result.schedule) <= err.value.min_peak_bytes
 
 
@@ -623,9 +623,9 @@ def test_same_schedule_again_with_a_clock_running_three_times_fast(binding, monk
     real = time.perf_counter
     t0 = real()
     monkeypatch.setattr(time, "perf_counter", lambda: t0 + 3.0 * (real() - t0))
-    slow = search({"analytic": p}, budget, backend=CpSatBackend(), time_limit_s=2.0)
+    slow = search({"analytic": p}, budget, backend=CpSatBackend(), work_limit=2.0)
     assert slow.schedule.digest() == first.schedule.digest()
-    assert [s.simulations for s in slow.stages] == [s.simulations for s in first.stages]
+    assert [s.evaluations for s in slow.stages] == [s.evaluations for s in first.stages]
 
 
 def test_same_schedule_in_two_processes(tmp_path):
@@ -641,7 +641,7 @@ def test_same_schedule_in_two_processes(tmp_path):
         from solvers.core.simulator import simulate
         p = Problem.from_dag(load_dag({str(path)!r}))
         budget = simulate(p.dag, p.traced_schedule(), problem=p).max_peak_bytes
-        print(solve(p, solver="cpsat", mem_budget_bytes=budget, time_limit_s=1.0).schedule.digest())
+        print(solve(p, solver="cpsat", mem_budget_bytes=budget, work_limit=1.0).schedule.digest())
         """)
     digests = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               timeout=300).stdout.strip() for _ in range(2)]

@@ -30,7 +30,7 @@ STYLES = ("tied", "tp", "moe", "sac")
 def _every_schedule_writes_back(gm, cost_model=None) -> int:
     problems = export_problems(gm, cost_models(cost_model, None, (0.7, 1.3)), None)
     problem = next(iter(problems.values()))
-    result = search(problems, None, time_limit_s=0.3)
+    result = search(problems, None, work_limit=0.3)
     schedules = [result.schedule, *result.alternatives]
     for schedule in schedules:
         validate_schedule(problem, schedule)

@@ -19,7 +19,7 @@ BUDGETS = ["1.0x", "0.9x", "0.8x"]
 
 def _sweep(dag_path, out, capsys, *extra: str) -> tuple[int, str, str]:
     args = ["-q", "sweep", str(dag_path), "--solver", "fsdp2", "--budgets", *BUDGETS,
-            "--time-limit", "2", "--out", str(out), *extra]
+            "--work-limit", "2", "--out", str(out), *extra]
     rc = cli.main(args)
     cap = capsys.readouterr()
     return rc, cap.out, cap.err

@@ -85,7 +85,7 @@ def test_the_report_prints_the_topology_used(groups):
 
     dp, tp = groups
     gm = mesh_graph(dp, tp)
-    optimize_schedule(gm, None, solver=SolverOptions(time_limit_s=1))
+    optimize_schedule(gm, None, solver=SolverOptions(work_limit=1))
     report = gm.meta[REPORT_KEY]
     first, second = sorted([(dp, "8 nodes"), (tp, "1 node")])
     line = (f"64 ranks, 8 per node; group {first[0]!r}: 8 ranks on {first[1]}; "
@@ -109,7 +109,7 @@ def test_a_cluster_of_another_world_is_named_not_obeyed(groups, caplog):
         with caplog.at_level(logging.WARNING, logger="scheduler.api"):
             caplog.clear()
             optimize_schedule(gm, None, cost_model="analytic", cluster=Cluster(n_gpus=n_gpus),
-                              solver=SolverOptions(time_limit_s=1))
+                              solver=SolverOptions(work_limit=1))
         report = gm.meta[REPORT_KEY]
         named = [n for n in report.notes if "n_gpus=16" in n and "64 ranks" in n]
         assert bool(named) == (n_gpus == 16)

@@ -156,7 +156,7 @@ def test_the_answer_is_no_slower_than_torch_where_torch_beats_every_other_start(
     search makes itself (with work for the starts only), the answer's written graph is no
     slower there than torch's own written graphs (without torch's starts it is)."""
     gm = _long_head(group_name)
-    quick = SolverOptions(time_limit_s=1e-6, torch_starts=tuple(VARIANTS))
+    quick = SolverOptions(work_limit=1e-6, torch_starts=tuple(VARIANTS))
     theirs = min(judge_graph(torch_overlap_schedule(gm, **options), "torch").step_ms for options in VARIANTS.values())
 
     def answer(solver: SolverOptions) -> tuple[float, object]:
@@ -164,7 +164,7 @@ def test_the_answer_is_no_slower_than_torch_where_torch_beats_every_other_start(
         optimize_schedule(written, cost_model="torch", solver=solver, agreement=AgreementOptions(enabled=False))
         return judge_graph(written, "torch").step_ms, written.meta[REPORT_KEY]
 
-    without, _ = answer(SolverOptions(time_limit_s=1e-6, torch_starts=()))
+    without, _ = answer(SolverOptions(work_limit=1e-6, torch_starts=()))
     assert without > theirs * 1.01  # the premise: torch beats every start of the search's own
     with_torch, report = answer(quick)
     assert with_torch <= theirs * (1 + 1e-6)
@@ -192,7 +192,7 @@ def test_a_failing_torch_pass_is_skipped_not_fatal(traced, monkeypatch):
     assert runs[TORCH_NO_PREBUCKETING].schedule is not None and runs[TORCH_NO_PREBUCKETING].skipped is None
 
     written = copy.deepcopy(traced)
-    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2, torch_starts=tuple(VARIANTS)),
+    optimize_schedule(written, solver=SolverOptions(work_limit=0.2, torch_starts=tuple(VARIANTS)),
                       agreement=AgreementOptions(enabled=False))
     report = written.meta[REPORT_KEY]
     rows = {row["name"]: row for row in report.torch_starts}
@@ -214,7 +214,7 @@ def test_a_read_back_that_fails_is_skipped_not_fatal(traced, monkeypatch):
     (run,) = torch_starts(traced, problem, [TORCH])
     assert run.schedule is None and "KeyError" in run.skipped
     written = copy.deepcopy(traced)
-    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    optimize_schedule(written, solver=SolverOptions(work_limit=0.2), agreement=AgreementOptions(enabled=False))
     assert "KeyError" in written.meta[REPORT_KEY].torch_starts[0]["skipped"]
 
 
@@ -235,7 +235,7 @@ def test_report_round_trips_with_its_start_and_torch_rows(traced):
     from scheduler.report import ScheduleReport
 
     written = copy.deepcopy(traced)
-    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    optimize_schedule(written, solver=SolverOptions(work_limit=0.2), agreement=AgreementOptions(enabled=False))
     report = written.meta[REPORT_KEY]
     assert report.start and set(report.start_step_ms) == set(report.search_step_ms) == set(report.cost_models)
     again = ScheduleReport.from_json(report.to_json())
@@ -247,7 +247,7 @@ def test_report_round_trips_with_its_start_and_torch_rows(traced):
 def test_torch_starts_default_to_torch_own_pass(traced):
     """By default the search starts from torch's pass as torch.compile runs it (pre-bucketing)."""
     written = copy.deepcopy(traced)
-    optimize_schedule(written, solver=SolverOptions(time_limit_s=0.2), agreement=AgreementOptions(enabled=False))
+    optimize_schedule(written, solver=SolverOptions(work_limit=0.2), agreement=AgreementOptions(enabled=False))
     assert [row["name"] for row in written.meta[REPORT_KEY].torch_starts] == [TORCH]
 
 

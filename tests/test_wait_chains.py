@@ -114,7 +114,7 @@ def test_every_solver_schedule_is_valid_and_keeps_the_results(program, solver):
     waits included; no all-reduce issued before the wait of the all-gather it reduces), and the
     graph written from it computes the traced graph's outputs, bitwise."""
     _, gm0, problem, args, ref = program
-    schedule = solve(problem, solver=solver, time_limit_s=2).schedule
+    schedule = solve(problem, solver=solver, work_limit=2).schedule
     validate_schedule(problem, schedule)
     gm = copy.deepcopy(gm0)
     apply_schedule(gm, problem, schedule)

@@ -188,7 +188,8 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
     raise InfeasibleBudgetError(
         f"no rewritten graph keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B) by "
         f"the re-export and the liveness count; the smallest is {fmt_bytes(peak)} ({peak} B, "
-        f"{least.name}): raise mem_budget to at least that", budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+        f"{least.name}): raise mem_budget to at least that", mem_budget_bytes=mem_budget_bytes or 0,
+        min_peak_bytes=peak)
 
 
 def _counts(f: Figures) -> str:

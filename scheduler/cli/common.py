@@ -38,7 +38,7 @@ class CliError(Exception):
 def infeasible_budget(e: InfeasibleBudgetError, flag: str = "--budget") -> CliError:
     """The command line's words for a budget no schedule reaches: its own ``flag`` where the
     library's message names ``mem_budget``, from the error's figures (not its text)."""
-    budget = f"{flag} {fmt_bytes(e.budget_bytes)} ({e.budget_bytes} B)"
+    budget = f"{flag} {fmt_bytes(e.mem_budget_bytes)} ({e.mem_budget_bytes} B)"
     if e.min_peak_bytes is None:
         return CliError(f"no schedule keeps peak memory under {budget}: raise {flag}", kind=type(e).__name__)
     return CliError(f"no schedule keeps peak memory under {budget}; the smallest peak found is "
@@ -250,7 +250,7 @@ def heuristic_sim(problem, name: str):
     """(SimResult, SolveResult) of heuristic ``name`` without a budget."""
     if name == "traced":
         return simulate(problem.dag, problem.traced_schedule(), problem=problem), None
-    res = solve(problem, solver=name, time_limit_s=10.0)
+    res = solve(problem, solver=name, work_limit=10.0)
     return simulate(problem.dag, res.schedule, problem=problem), res
 
 

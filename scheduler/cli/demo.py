@@ -60,10 +60,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     logger.info("tracing %s on a fake process group", where)
     captured = capture_fsdp_graphs(args.model, world_size=args.world_size, n_layers=args.n_layers)
     cluster = Cluster(n_gpus=args.world_size, gpus_per_node=min(8, args.world_size))
-    solver = SolverOptions(time_limit_s=args.time_limit)
+    solver = SolverOptions(work_limit=args.work_limit)
     comparisons, tables = [], []
     data: dict[str, Any] = {"model": args.model, "n_layers": args.n_layers, "world_size": args.world_size,
-                            "time_limit_s": args.time_limit}
+                            "work_limit": args.work_limit}
     if not args.json:
         print(f"fsdp-sched demo: {where}, traced on a fake process group and priced for a modelled cluster of "
               f"{cluster.n_gpus} {cluster.gpu_spec.name} GPUs ({cluster.gpus_per_node} per node)", flush=True)
@@ -81,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print("\n" + tables[-1], flush=True)
     wall_s = time.perf_counter() - t0
     rows = [r for c in comparisons for r in c.rows]
-    text = summary(comparisons, equal_memory.COST_MODELS, args.time_limit)
+    text = summary(comparisons, equal_memory.COST_MODELS, args.work_limit)
     data["wall_s"] = wall_s
     (out / "summary.json").write_text(json.dumps(data, indent=1, default=str))
     (out / "equal_memory.txt").write_text("\n\n".join(tables) + "\n\n" + text + "\n\n"
@@ -124,7 +124,7 @@ def glance(c: equal_memory.Comparison, cost_models: tuple[str, ...], title: str)
     return "\n".join(lines)
 
 
-def summary(comparisons: list[equal_memory.Comparison], cost_models: tuple[str, ...], time_limit: float) -> str:
+def summary(comparisons: list[equal_memory.Comparison], cost_models: tuple[str, ...], work_limit: float) -> str:
     """The headline per cost model (the speedup against the best baseline that fits, geometric
     mean over the graphs and baselines, and its worst row; then against each baseline), and the
     compile seconds of fsdp-sched against torch's pass on the same graphs."""
@@ -152,7 +152,7 @@ def summary(comparisons: list[equal_memory.Comparison], cost_models: tuple[str, 
               for p in c.products.values() if p.compile_s is not None]
     if ours:
         line = (f"compile time per graph: {PRODUCT} {sum(ours) / len(ours):.1f} s (mean of {len(ours)} solves of "
-                f"{work_units(time_limit)})")
+                f"{work_units(work_limit)})")
         if torch_s:
             line += (f", torch's scheduler {sum(torch_s.values()) / len(torch_s):.1f} s; {PRODUCT} / torch "
                      f"x{geomean(ratios):.1f} (geometric mean)")
@@ -171,9 +171,9 @@ def quiet_loggers(verbose: int = 0) -> None:
         logging.getLogger(noisy).setLevel(level)
 
 
-def work_units(time_limit_s: float) -> str:
-    """``SolverOptions.time_limit_s`` as what it counts: deterministic work, not seconds."""
-    return f"{time_limit_s:g} work unit{'' if time_limit_s == 1 else 's'}"
+def work_units(work_limit: float) -> str:
+    """``SolverOptions.work_limit`` as what it counts: deterministic work, not seconds."""
+    return f"{work_limit:g} work unit{'' if work_limit == 1 else 's'}"
 
 
 def geomean(xs: list[float]) -> float | None:

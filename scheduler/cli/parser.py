@@ -23,7 +23,7 @@ from scheduler.cli.solve import cmd_solve, cmd_trace
 from scheduler.cli.sweep import DEFAULT_SWEEP_POINTS, cmd_sweep
 from scheduler.costs.tables import COLLECTIVES as MEASURED_COLLECTIVES
 from scheduler.costs.tables import DEFAULT_TABLE_SIZES
-from solvers.search import DEFAULT_TIME_LIMIT_S
+from solvers.search import DEFAULT_WORK_LIMIT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,15 +68,16 @@ def _model_args(p: argparse.ArgumentParser, *, default_model: str | None, defaul
                         "solve --robust judges under a family of models")
 
 
-def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, time_limit: float) -> None:
+def _solve_args(p: argparse.ArgumentParser, *, budget_default: str, work_limit: float) -> None:
     p.add_argument("--solver", default="cpsat",
                    help="cpsat (default), milp, or a heuristic: traced, fsdp2, perblock, simplefsdp, autoparallel")
     p.add_argument("--budget", type=budget_arg, default=budget_default,
                    help="peak-memory budget: a size such as 40GiB or 512MB, 'auto' (0.9 x the FSDP2-like "
                         "peak, at least the smallest baseline peak), a multiple of that peak such as 0.8x, or 'none' (default %(default)s)")
-    p.add_argument("--time-limit", type=positive_float, default=time_limit,
+    p.add_argument("--work-limit", "--time-limit", dest="work_limit", type=positive_float, default=work_limit,
                    help="work limit of the search per graph, in work units: deterministic work, not wall "
-                        "time, so every rank finds the same schedule (SolverOptions.time_limit_s; default %(default)s)")
+                        "time, so every rank finds the same schedule (SolverOptions.work_limit; default %(default)s; "
+                        "--time-limit is its old name)")
 
 
 def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
@@ -98,9 +99,9 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=positive_int, default=8, help="decoder layers to trace (default %(default)s)")
     p.add_argument("--world-size", type=world_size_arg, default=64,
                    help="FSDP ranks, 8 per node (default %(default)s)")
-    p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
+    p.add_argument("--work-limit", "--time-limit", dest="work_limit", type=positive_float, default=DEFAULT_WORK_LIMIT,
                    help="fsdp-sched's work limit per solve, in work units: deterministic work, not wall time "
-                        "(SolverOptions.time_limit_s; default %(default)s)")
+                        "(SolverOptions.work_limit; default %(default)s; --time-limit is its old name)")
     p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the tables")
     _verbosity(p)
@@ -126,7 +127,7 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
         p.add_argument("--out", type=out_dir_arg, default="fsdp-sched-out", help="output directory (default %(default)s)")
         p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
         if name == "solve":
-            _solve_args(p, budget_default="none", time_limit=DEFAULT_TIME_LIMIT_S)
+            _solve_args(p, budget_default="none", work_limit=DEFAULT_WORK_LIMIT)
             p.add_argument("--robust", action="store_true",
                            help="with --model: optimize_schedule on the traced graph without a cost model, as "
                                 "the library does by default: the schedule with the least worst-case regret over "
@@ -141,9 +142,10 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
                                 f"{DEFAULT_SWEEP_POINTS} budgets from the smallest peak any schedule of the search "
                                 "reaches to the larger of the traced peak and that of the schedule solved without "
                                 "a budget, evenly spaced)")
-            p.add_argument("--time-limit", type=positive_float, default=DEFAULT_TIME_LIMIT_S,
+            p.add_argument("--work-limit", "--time-limit", dest="work_limit", type=positive_float,
+                           default=DEFAULT_WORK_LIMIT,
                            help="work limit of the search per point, in work units: deterministic work, not "
-                                "wall time (default %(default)s)")
+                                "wall time (default %(default)s; --time-limit is its old name)")
             p.add_argument("--workers", type=positive_int, default=1,
                            help="solve points in N local processes (default 1: sequential)")
             p.add_argument("--address", default=None, metavar="URL",

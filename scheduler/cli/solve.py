@@ -4,8 +4,8 @@
 ``solve`` on a DAG (a file, or ``--model`` exported under ``--cost-model``) is
 :func:`scheduler.solve_dag`: the DAG's own cost model decides. ``solve --model ... --robust`` is
 :func:`scheduler.optimize_schedule` on the traced graph without a cost model: the robust
-default, chosen on the written graph. ``--solver`` and ``--time-limit`` are
-:class:`scheduler.SolverOptions`' ``solver`` and ``time_limit_s``."""
+default, chosen on the written graph. ``--solver`` and ``--work-limit`` are
+:class:`scheduler.SolverOptions`' ``solver`` and ``work_limit``."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def cmd_solve(args: argparse.Namespace) -> int:
     dag, captured = (input_dag(args), None) if not args.robust else _traced(args)
     problem = Problem.from_dag(dag)
     budget = _budget(args.budget, problem)
-    solver = SolverOptions(solver=args.solver, time_limit_s=args.time_limit)
+    solver = SolverOptions(solver=args.solver, work_limit=args.work_limit)
     logger.info("solving %s with %s, budget %s, a work limit of %g work units%s", dag.graph.get("name"), args.solver,
-                fmt_bytes(budget), args.time_limit, ", robust" if args.robust else "")
+                fmt_bytes(budget), args.work_limit, ", robust" if args.robust else "")
     out = ensure_out_dir(Path(args.out))
     stem = str(dag.graph.get("name", "graph"))
     if args.robust:

@@ -50,11 +50,11 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS results (
 _COLS = ("status", "step_ms", "exposed_comm_ms", "peak_bytes", "n_collectives", "solve_time_s", "gap", "error")
 
 
-def solve_point(dag_json: dict, solver: str, budget: int, time_limit_s: float) -> dict[str, Any]:
+def solve_point(dag_json: dict, solver: str, budget: int, work_limit: float) -> dict[str, Any]:
     """One sweep point (runs in a worker process too): a row of the results table."""
     dag = dag_from_json(dag_json)
     try:
-        schedule, report = solve_dag(dag, budget, solver=SolverOptions(solver=solver, time_limit_s=time_limit_s))
+        schedule, report = solve_dag(dag, budget, solver=SolverOptions(solver=solver, work_limit=work_limit))
     except InfeasibleBudgetError as e:
         return {"status": "infeasible", "error": str(e), "peak_bytes": e.min_peak_bytes}
     sim = simulate(dag, schedule)
@@ -107,7 +107,7 @@ class _Progress:
             self.bar = None
 
 
-def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], time_limit_s: float, store) -> None:
+def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], work_limit: float, store) -> None:
     """Solve the points on an existing Dask cluster (scheduler at ``address``); ``store(budget, row)``
     is called for each point as it finishes, so an interrupted sweep keeps what was done.
     The workers need fsdp-sched installed (``solve_point`` is imported there by name)."""
@@ -124,7 +124,7 @@ def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], ti
         n_workers = len(client.scheduler_info().get("workers", {}))
         logger.info("solving %d points on the Dask cluster at %s (%d workers)", len(budgets), address, n_workers)
         [data_f] = client.scatter([data], broadcast=True)
-        futs = {client.submit(solve_point, data_f, solver, b, time_limit_s, pure=False,
+        futs = {client.submit(solve_point, data_f, solver, b, work_limit, pure=False,
                               key=f"fsdp-sched-point-{b}-{time.time_ns()}"): b for b in budgets}
         futures = list(futs)
         for fut in as_completed(futures, loop=client.loop):
@@ -136,7 +136,7 @@ def _sweep_on_dask(address: str, data: dict, solver: str, budgets: list[int], ti
         client.close()
 
 
-def _sweep_on_ray(address: str, data: dict, solver: str, budgets: list[int], time_limit_s: float, store) -> None:
+def _sweep_on_ray(address: str, data: dict, solver: str, budgets: list[int], work_limit: float, store) -> None:
     """Like :func:`_sweep_on_dask` on an existing Ray cluster (``ray://HOST:PORT``)."""
     try:
         import ray
@@ -150,7 +150,7 @@ def _sweep_on_ray(address: str, data: dict, solver: str, budgets: list[int], tim
     try:
         remote = ray.remote(num_cpus=1)(solve_point)
         data_ref = ray.put(data)
-        refs = {remote.remote(data_ref, solver, b, time_limit_s): b for b in budgets}
+        refs = {remote.remote(data_ref, solver, b, work_limit): b for b in budgets}
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
@@ -175,7 +175,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     fsdp2_peak = (baselines.get("fsdp2") or baselines["traced"]).peak_bytes
     if args.budgets is None:
         # the top of the range: where more memory stops helping (the schedule without a budget)
-        _, free = solve_dag(dag, None, solver=SolverOptions(solver=args.solver, time_limit_s=args.time_limit))
+        _, free = solve_dag(dag, None, solver=SolverOptions(solver=args.solver, work_limit=args.work_limit))
         budgets = default_budgets(problem, max(free.peak_bytes_after, baselines["traced"].peak_bytes))
     else:
         resolved = (resolve_budget(s, fsdp2_peak, arg="--budgets") for s in args.budgets)
@@ -288,7 +288,7 @@ class _Store:
         self.db.execute(
             f"INSERT OR REPLACE INTO results (dag_hash, solver, budget_bytes, time_limit_s, {', '.join(_COLS)}) "
             f"VALUES (?, ?, ?, ?, {', '.join('?' * len(_COLS))})",
-            (self.key, self.args.solver, b, self.args.time_limit, *(row.get(c) for c in _COLS)))
+            (self.key, self.args.solver, b, self.args.work_limit, *(row.get(c) for c in _COLS)))
         self.db.commit()
         res = (f"step {fmt_ms(row['step_ms'])}, peak {fmt_bytes(row['peak_bytes'])}"
                if row.get("step_ms") is not None else row["status"])
@@ -304,15 +304,15 @@ def _run_points(args: argparse.Namespace, data: dict, todo: list[int], store: _S
             if args.workers > 1:
                 logger.warning("--workers is ignored with --address: the cluster's workers solve the points")
             run = _sweep_on_ray if args.address.startswith("ray://") else _sweep_on_dask
-            run(args.address, data, args.solver, todo, args.time_limit, store)
+            run(args.address, data, args.solver, todo, args.work_limit, store)
         elif args.workers > 1 and len(todo) > 1:
             with concurrent.futures.ProcessPoolExecutor(max_workers=min(args.workers, len(todo))) as pool:
-                futs = {pool.submit(solve_point, data, args.solver, b, args.time_limit): b for b in todo}
+                futs = {pool.submit(solve_point, data, args.solver, b, args.work_limit): b for b in todo}
                 for fut in concurrent.futures.as_completed(futs):
                     store(futs[fut], fut.result())
         else:
             for b in todo:
-                store(b, solve_point(data, args.solver, b, args.time_limit))
+                store(b, solve_point(data, args.solver, b, args.work_limit))
     finally:
         store.progress.close()
 

@@ -184,7 +184,7 @@ def judge_product(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost
     written = copy.deepcopy(gm)
     logger.info("%s: optimize_schedule at %s under %s (a work limit of %g work unit%s)", name,
                 fmt_bytes(mem_budget_bytes or 0), "the robust default" if cost_model is None else
-                cost_model_label(cost_model), solver.time_limit_s, "" if solver.time_limit_s == 1 else "s")
+                cost_model_label(cost_model), solver.work_limit, "" if solver.work_limit == 1 else "s")
     t0 = time.perf_counter()
     try:
         with cache.disabled():  # its time is a solve's, never a cache hit's

@@ -2,14 +2,14 @@
 
 A solve takes seconds; every rank of a job, and every restart of it, asks for the same schedule.
 An entry is looked up by a key that covers everything that decides the schedule, so that a hit
-is the answer the solve would have given (or, for time-limited solves, an equally valid one):
+is the answer the solve would have given (or, for work-limited solves, an equally valid one):
 
 - the DAG (:func:`dag_fingerprint`): every node in graph order with all its attributes (costs
   ``runtime_ms``, sizes ``size_bytes``, aliasing, collective metadata), every edge, and the
   graph attributes (order, process groups, cluster, cost model name, ``comm_model`` fit). The
   cost model enters through the costs it wrote, so one graph priced twice gives two keys;
 - the peak-memory budget ``mem_budget_bytes``;
-- the options of the solve (solver, time limit, seed, ...), JSON-serialised with sorted keys;
+- the options of the solve (solver, work limit, seed, ...), JSON-serialised with sorted keys;
 - the versions of the code that computes a schedule: fsdp-sched, torch (the export), ortools
   (CP-SAT), networkx, Python major.minor, :data:`FORMAT_VERSION` of the entry file, and a digest
   of the library's own source files (``scheduler`` and ``solvers``), so that an edited or
@@ -162,13 +162,13 @@ def cache_key(fingerprint: str, *, mem_budget_bytes: int | None, options: Mappin
     Args:
         fingerprint: :func:`dag_fingerprint` of the DAG solved.
         mem_budget_bytes: peak-memory budget of the solve (bytes); None for no budget.
-        options: every other input that can change the answer (solver, time limit, seed, ...),
+        options: every other input that can change the answer (solver, work limit, seed, ...),
             as JSON values; their order does not matter.
 
     Raises:
         TypeError: an option JSON cannot hold (the message names it), or a non-integer budget.
     """
-    budget = None if mem_budget_bytes is None else operator.index(mem_budget_bytes)
+    mem_budget_bytes = None if mem_budget_bytes is None else operator.index(mem_budget_bytes)
     opts: dict[str, Any] = {}
     for name, value in options.items():
         try:
@@ -179,7 +179,8 @@ def cache_key(fingerprint: str, *, mem_budget_bytes: int | None, options: Mappin
                 "plain JSON values (str, int, float, bool, None, lists, dicts of them)"
             ) from e
         opts[str(name)] = value
-    doc = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "mem_budget_bytes": budget, "options": opts}
+    doc = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "mem_budget_bytes": mem_budget_bytes,
+           "options": opts}
     return _sha256({**doc, "versions": _versions()})
 
 
@@ -345,7 +346,7 @@ def graph_key(problems: Mapping[str, Any], solver: Any, writeback: Any) -> str |
     alone (a hook, a solver given as a callable)."""
     if solver.schedule_hook is not None or not isinstance(solver.solver, str):
         return None
-    options = {"solver": solver.solver, "time_limit_s": solver.time_limit_s, "seed": solver.seed,
+    options = {"solver": solver.solver, "work_limit": solver.work_limit, "seed": solver.seed,
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,
@@ -356,12 +357,12 @@ def graph_key(problems: Mapping[str, Any], solver: Any, writeback: Any) -> str |
     return cache_key("", mem_budget_bytes=None, options=options)
 
 
-def entry_key(graph_key: str | None, budget: int | None) -> str | None:
+def entry_key(graph_key: str | None, mem_budget_bytes: int | None) -> str | None:
     """The schedule cache's key of this solve , None when caching is off
     or the solve is not a function of data alone."""
     if cache_dir() is None or graph_key is None:
         return None
-    return cache_key(graph_key, mem_budget_bytes=budget, options={})
+    return cache_key(graph_key, mem_budget_bytes=mem_budget_bytes, options={})
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 - :mod:`solvers.core.units`: bytes and times, parsed and formatted.
 - :mod:`solvers.core.schedule`: the :class:`Schedule` every solver and heuristic returns, and
   the shared :class:`SolveResult`.
+- :mod:`solvers.core.plan`: the :class:`PlannedBucket` the search and the heuristics build
+  schedules from.
 - :mod:`solvers.core.problem`: the :class:`Problem`, plain data extracted once from a
   cost-annotated DAG.
 - :mod:`solvers.core.simulator`: the execution model of the repository's ``DESIGN.md``, by which every

@@ -13,7 +13,7 @@ same numbers from work that grows with the number of buckets, not of nodes:
   whose allocation and last release happen at compute nodes whatever the schedule make a fixed
   profile; every other storage changes the live bytes only at its bucket's steps (a template
   per bucket, cached by its members) or is freed by whichever of its readers runs last (a
-  *floating* free, placed per plan). The peak is a sweep over the issue and wait steps with a
+  *floating* free, placed per schedule). The peak is a sweep over the issue and wait steps with a
   range maximum of the profile between them (:mod:`solvers.core.peaks`).
 
 One source of the rules. The storages, their owners, their uses and those never freed are the
@@ -56,6 +56,7 @@ from typing import Any
 
 from solvers.core.memory_analysis import AT_ISSUE, AT_WAIT
 from solvers.core.peaks import Template, memory_model
+from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
@@ -72,17 +73,18 @@ Evaluation = SimResult
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ReadSchedule:
     """A schedule as the evaluator reads it: each bucket's members and the issue and wait
     steps in execution order, ``(is_issue, bucket index, gap)``. ``schedule`` is the schedule
-    it was read from (None when built from entries, :meth:`Evaluator.plan_entries`); ``fast``
-    False when the cheap validity checks failed and the simulator must judge it."""
+    it was read from (None when read from a plan, :meth:`Evaluator.read_plan`, whose buckets
+    ``plan`` then holds in the schedule's order); ``fast`` False when the cheap validity checks
+    failed and the simulator must judge it."""
 
     members: tuple[tuple[str, ...], ...]
     steps: tuple[tuple[bool, int, int], ...]
     fast: bool
     schedule: Schedule | None = None
-    entries: tuple | None = None
+    plan: tuple[PlannedBucket, ...] | None = None
     #: each bucket's template in the memory model that checked the plan
     templates: tuple = dataclasses.field(default=(), repr=False, compare=False)
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -90,7 +92,7 @@ class Plan:
     split_groups: tuple[str, ...] = ()
 
     def to_schedule(self, problem: Problem) -> Schedule:
-        """The schedule itself (built from the entries when it was not given)."""
+        """The schedule itself (built from the plan when it was not given)."""
         if self.schedule is not None:
             return self.schedule
         n = problem.n
@@ -126,21 +128,21 @@ class Evaluator:
         self.fast = self.memory.reason is None
         self.reason = self.memory.reason
 
-    # -- plans ---------------------------------------------------------------------------
-    def plan(self, schedule: Schedule) -> Plan:
-        """``schedule`` read into a :class:`Plan` (one pass over its steps)."""
+    # -- reading ---------------------------------------------------------------------------
+    def read(self, schedule: Schedule) -> ReadSchedule:
+        """``schedule`` read into a :class:`ReadSchedule` (one pass over its steps)."""
         ops = plan_steps(schedule)
         members = tuple(b.members for b in schedule.buckets)
         templates = self._check(members, ops) if len(schedule.steps) - len(ops) == self.problem.n else None
         if templates is not None and schedule.split_groups and \
                 not set(schedule.split_groups) <= set(self.problem.splittable_groups()):
             templates = None  # the simulator says what is wrong with it
-        return Plan(members, ops, templates is not None, schedule=schedule, templates=templates or (),
-                    model=self.memory, split_groups=schedule.split_groups)
+        return ReadSchedule(members, ops, templates is not None, schedule=schedule, templates=templates or (),
+                            model=self.memory, split_groups=schedule.split_groups)
 
-    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]], split_groups: tuple[str, ...] = ()) -> Plan:
-        """The :class:`Plan` of the schedule :func:`solvers.entries.from_entries` builds from
-        ``(bucket, issue gap, wait gap)`` entries, without building it: buckets sorted by
+    def read_plan(self, plan: Sequence[PlannedBucket], split_groups: tuple[str, ...] = ()) -> ReadSchedule:
+        """The :class:`ReadSchedule` of the schedule :func:`solvers.core.plan.build_schedule`
+        builds from ``plan``, without building it: buckets sorted by
         (issue gap, need, ready, traced issue, members) of their first member; in a gap, the
         waits of buckets issued earlier, then the issues, then the waits of buckets issued
         there, but an issue that reads the result of a bucket waited in its gap after that
@@ -149,16 +151,11 @@ class Evaluator:
         Raises:
             ValueError: a bucket's gaps are not ``0 <= issue <= wait <= n``.
         """
-        colls = self.problem.colls
-        n = self.problem.n
-
-        def chain_key(e):
-            c = colls[e[0].members[0]]
-            return (e[1], c.needed, c.ready, c.traced_issue, e[0].members)
-
-        ordered = sorted(entries, key=chain_key)
+        problem = self.problem
+        n = problem.n
+        ordered = sorted(plan, key=lambda e: chain_key(problem, e))
         # the buckets whose results each reads (only those that read one)
-        after = {b: ds for b, ds in self.problem.bucket_reads([e[0].members for e in ordered]).items() if ds} \
+        after = {b: ds for b, ds in problem.bucket_reads([e[0].members for e in ordered]).items() if ds} \
             if self.after else {}
         if after:  # issues after the waits of the results they read, as schedule_at moves them
             ordered = self._clamped(ordered, after)
@@ -174,16 +171,16 @@ class Evaluator:
         ops = tuple((is_issue, b, gap) for gap, _, b, is_issue in keys)
         members = tuple(e[0].members for e in ordered)
         templates = self._check(members, ops)
-        return Plan(members, ops, templates is not None, entries=tuple(ordered), templates=templates or (),
-                    model=self.memory, split_groups=split_groups)
+        return ReadSchedule(members, ops, templates is not None, plan=tuple(ordered), templates=templates or (),
+                            model=self.memory, split_groups=split_groups)
 
     def _clamped(self, ordered: list, after: Mapping[int, set[int]]) -> list:
-        """``ordered`` entries with each issue no earlier than the waits of the buckets whose
+        """``ordered`` planned buckets with each issue no earlier than the waits of the buckets whose
         results it reads (``after``; :meth:`Problem.after_waits`, as :meth:`Problem.schedule_at`
         does)."""
         issue, wait = self.problem.after_waits([e[0] for e in ordered], after, [e[1] for e in ordered],
                                                [e[2] for e in ordered])
-        return [e if (e[1], e[2]) == (i, w) else (e[0], i, w) for e, i, w in zip(ordered, issue, wait)]
+        return [e if (e[1], e[2]) == (i, w) else PlannedBucket(e[0], i, w) for e, i, w in zip(ordered, issue, wait)]
 
     @staticmethod
     def _after_waits(keys: list, after: Mapping[int, set[int]]) -> list:
@@ -260,40 +257,40 @@ class Evaluator:
         return True
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, schedule: Schedule | Plan) -> Evaluation:
-        """The :class:`Evaluation` of a schedule (or of a :class:`Plan` of it); the same numbers
+    def evaluate(self, schedule: Schedule | ReadSchedule) -> Evaluation:
+        """The :class:`Evaluation` of a schedule (or of its :class:`ReadSchedule`); the same numbers
         as :func:`simulate` for a valid schedule (module docstring).
 
         Raises:
             ScheduleInvalidError: as :func:`simulate` does (a bucket never waited, or waited
                 before it is issued).
         """
-        plan = schedule if isinstance(schedule, Plan) else self.plan(schedule)
-        peaks = self.peaks(plan)
+        read = schedule if isinstance(schedule, ReadSchedule) else self.read(schedule)
+        peaks = self.peaks(read)
         if peaks is None:
-            return self._simulated(plan)
-        return self.timed(plan, peaks)
+            return self._simulated(read)
+        return self.timed(read, peaks)
 
-    def peaks(self, plan: Plan) -> tuple[int, int] | None:
-        """(peak_bytes, tracker_peak_bytes) of the plan; None when the simulator must judge it."""
-        if not (self.fast and plan.fast):
+    def peaks(self, read: ReadSchedule) -> tuple[int, int] | None:
+        """(peak_bytes, tracker_peak_bytes) of a read schedule; None when the simulator must judge it."""
+        if not (self.fast and read.fast):
             return None
-        if plan.model is self.memory:
-            return self.memory.peaks(plan, plan.templates)
+        if read.model is self.memory:
+            return self.memory.peaks(read, read.templates)
         template = self.memory.template
-        return self.memory.peaks(plan, [template(m) for m in plan.members])
+        return self.memory.peaks(read, [template(m) for m in read.members])
 
-    def timed(self, plan: Plan, peaks: tuple[int, int]) -> Evaluation:
-        """The evaluation of a plan whose peaks are known (they are the same under every cost
+    def timed(self, read: ReadSchedule, peaks: tuple[int, int]) -> Evaluation:
+        """The evaluation of a read schedule whose peaks are known (they are the same under every cost
         model of one graph)."""
-        step, compute, exposed, comm = self.timeline.run(plan.steps, plan.members, plan.split_groups)
+        step, compute, exposed, comm = self.timeline.run(read.steps, read.members, read.split_groups)
         return Evaluation(step_ms=step, compute_ms=compute, exposed_comm_ms=exposed, comm_ms=comm,
-                          peak_bytes=peaks[0], tracker_peak_bytes=peaks[1], n_collectives=len(plan.members))
+                          peak_bytes=peaks[0], tracker_peak_bytes=peaks[1], n_collectives=len(read.members))
 
-    def _simulated(self, plan: Plan) -> Evaluation:
+    def _simulated(self, read: ReadSchedule) -> Evaluation:
         self.fallbacks += 1
         p = self.problem
-        return simulate(p.dag, plan.to_schedule(p), problem=p).figures()
+        return simulate(p.dag, read.to_schedule(p), problem=p).figures()
 
 
 def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
@@ -350,21 +347,21 @@ class ModelEvaluator:
         for label, e in self.evaluators.items():
             self.memory_of[label] = first_of.setdefault(id(e.memory), label) if e.fast else label
 
-    def plan(self, schedule: Schedule) -> Plan:
-        return self.first.plan(schedule)
+    def read(self, schedule: Schedule) -> ReadSchedule:
+        return self.first.read(schedule)
 
-    def plan_entries(self, entries: Sequence[tuple[Bucket, int, int]], split_groups: tuple[str, ...] = ()) -> Plan:
-        return self.first.plan_entries(entries, split_groups)
+    def read_plan(self, plan: Sequence[PlannedBucket], split_groups: tuple[str, ...] = ()) -> ReadSchedule:
+        return self.first.read_plan(plan, split_groups)
 
-    def evaluate(self, schedule: Schedule | Plan, labels: Sequence[str] | None = None) -> dict[str, Evaluation]:
+    def evaluate(self, schedule: Schedule | ReadSchedule, labels: Sequence[str] | None = None) -> dict[str, Evaluation]:
         """Label -> the :class:`Evaluation` of ``schedule`` under that model (``labels``: only
         those, in that order)."""
-        plan = schedule if isinstance(schedule, Plan) else self.plan(schedule)
-        evals = self.lazy(plan)
+        read = schedule if isinstance(schedule, ReadSchedule) else self.read(schedule)
+        evals = self.lazy(read)
         return {label: evals(label) for label in (labels or self.labels)}
 
-    def lazy(self, plan: Plan):
-        """A function label -> the :class:`Evaluation` of ``plan`` under that model, each
+    def lazy(self, read: ReadSchedule):
+        """A function label -> the :class:`Evaluation` of ``read`` under that model, each
         memory count made at most once (for a search that stops at the first model that rules
         a schedule out)."""
         peaks: dict[str, tuple[int, int] | None] = {}
@@ -373,14 +370,14 @@ class ModelEvaluator:
             e = self.evaluators[label]
             source = self.memory_of[label]
             if source not in peaks:
-                peaks[source] = self.evaluators[source].peaks(plan)
+                peaks[source] = self.evaluators[source].peaks(read)
             found = peaks[source]
-            return e._simulated(plan) if found is None else e.timed(plan, found)
+            return e._simulated(read) if found is None else e.timed(read, found)
 
         return one
 
 
 def _shape(p: Problem) -> tuple:
-    """What makes two problems the same graph for one plan: the compute sequence and the
+    """What makes two problems the same graph for one read schedule: the compute sequence and the
     collectives with their windows."""
     return (p.seq, tuple((m, c.ready, c.needed, c.movable, c.key, c.traced_issue) for m, c in p.colls.items()))

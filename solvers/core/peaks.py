@@ -1,12 +1,12 @@
-"""The fast evaluator's peaks: both memory counts of a plan in work that grows with its buckets.
+"""The fast evaluator's peaks: both memory counts of a schedule in work that grows with its buckets.
 
 A :class:`MemoryModel` is the per-graph analysis (:class:`~solvers.core.memory_analysis.StorageAnalysis`)
 made into numbers: the static storages' live-bytes profile over the compute steps, with a sparse
 table for range maxima (:meth:`MemoryModel.finish`), and each bucket's :class:`Template` (per
 count and step, the net change and the highest point inside the step; changes after fixed
-nodes), cached by the bucket's members. The peak of a plan is a sweep over its issue and wait
+nodes), cached by the bucket's members. The peak of a schedule is a sweep over its issue and wait
 steps with a range maximum of the profile between them (:meth:`MemoryModel.peaks`), the floating
-frees placed where this plan runs them (:func:`_place_floating`).
+frees placed where this schedule runs them (:func:`_place_floating`).
 
 Models are cached per problem and shared by problems with equal memory (one graph priced by
 several cost models, :func:`memory_model`).
@@ -26,7 +26,7 @@ from solvers.core.memory_analysis import ALONE, AT_ISSUE, AT_WAIT, MEM, MERGED, 
 from solvers.core.problem import Problem
 
 if TYPE_CHECKING:
-    from solvers.core.evaluate import Plan
+    from solvers.core.evaluate import ReadSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class Template:
     hi: int
     valid: bool
     #: per count and step (issue, wait): the changes by point and the records, to redo a step's
-    #: effect with a free placed in it per plan (:func:`_place_floating`)
+    #: effect with a free placed in it per schedule (:func:`_place_floating`)
     raw: tuple = ()
-    #: frees of this bucket's results that other collectives read, placed per plan as
+    #: frees of this bucket's results that other collectives read, placed per schedule as
     #: :attr:`MemoryModel.floating` entries are (:meth:`MemoryModel._chained_view`)
     floating: tuple = ()
 
@@ -123,7 +123,7 @@ class MemoryModel(StorageAnalysis):
                 elif member is None:  # a rule the templates do not know: the simulator judges
                     return Template((0, 0, 0, 0), (0, 0, 0, 0), (), lo, hi, False)
             if any((c, m) in self.view_frees for m in members):
-                # results that other collectives read: freed when the last reader runs, per plan
+                # results that other collectives read: freed when the last reader runs, per schedule
                 floating += self.view_floating(c, members, allocs.get(WAIT) if merged else None)
             elif merged and members[0] in self.viewed and WAIT in allocs:
                 # the result whose views the members are: freed after the last release of any
@@ -154,8 +154,8 @@ class MemoryModel(StorageAnalysis):
                 return  # released before it is made: it lives on
             deltas[anchor][sub] -= alloc[2]
 
-    def peaks(self, plan: Plan, templates: Sequence[Template]) -> tuple[int, int]:
-        """(peak_bytes, tracker_peak_bytes) of a plan whose checks passed."""
+    def peaks(self, read: ReadSchedule, templates: Sequence[Template]) -> tuple[int, int]:
+        """(peak_bytes, tracker_peak_bytes) of a read schedule whose checks passed."""
         events = [e for t in templates if t.node for e in t.node]
         issue = [t.issue for t in templates]
         wait = [t.wait for t in templates]
@@ -163,12 +163,12 @@ class MemoryModel(StorageAnalysis):
         if self.view_frees:
             floating = floating + [e for t in templates if t.floating for e in t.floating]
         if floating:
-            _place_floating(floating, plan, templates, issue, wait, events)
+            _place_floating(floating, read, templates, issue, wait, events)
         if events:
             events.sort()
-        return self._sweep(plan, issue, wait, events)
+        return self._sweep(read, issue, wait, events)
 
-    def _sweep(self, plan: Plan, issue: list, wait: list, events: list) -> tuple[int, int]:
+    def _sweep(self, read: ReadSchedule, issue: list, wait: list, events: list) -> tuple[int, int]:
         """The peaks: the issue and wait steps in order, each bucket's step effects, the
         static profile's range maxima between them, the changes after fixed nodes."""
         rec_m, rec_t = self.rec
@@ -178,7 +178,7 @@ class MemoryModel(StorageAnalysis):
         dm = dt = 0
         g_next = 0
         ei, ne = 0, len(events)
-        for is_issue, b, gap in plan.steps:
+        for is_issue, b, gap in read.steps:
             while ei < ne and events[ei][0] < gap:
                 g, em, et = events[ei]
                 if g_next <= g:
@@ -237,22 +237,22 @@ class MemoryModel(StorageAnalysis):
         return peak_m, peak_t
 
 
-def _place_floating(floating: Sequence[tuple], plan: Plan, templates: Sequence[Template], issue: list,
+def _place_floating(floating: Sequence[tuple], read: ReadSchedule, templates: Sequence[Template], issue: list,
                    wait: list, events: list) -> None:
-    """Each floating free (:meth:`MemoryModel._floating`) where it happens in this plan: after
+    """Each floating free (:meth:`MemoryModel._floating`) where it happens in this read: after
     its last compute reader when that runs after every step that releases it (a step in a gap
     up to the node runs before it), else at its point in the last such step, whose effect is
     then redone."""
-    bucket_of = {m: b for b, members in enumerate(plan.members) for m in members}
+    bucket_of = {m: b for b, members in enumerate(read.members) for m in members}
     at: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, anchor) -> (gap, index of the step)
-    for k, (is_issue, b, gap) in enumerate(plan.steps):
+    for k, (is_issue, b, gap) in enumerate(read.steps):
         at[(b, _ISSUE if is_issue else _WAIT)] = (gap, k)
     extra: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)  # (b, anchor) -> frees
     for c, size, q, sites in floating:
         last = (q, 1, 0, 0, None) if q is not None else None
         for m, by_variant in sites:
             b = bucket_of[m]
-            site = by_variant[-1 if len(plan.members[b]) > 1 else 0]
+            site = by_variant[-1 if len(read.members[b]) > 1 else 0]
             if site is None:
                 continue
             gap, k = at[(b, site[0])]

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import heapq
 import json
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -28,14 +29,22 @@ class ScheduleError(RuntimeError):
 class InfeasibleBudgetError(ScheduleError):
     """No schedule of the graph keeps peak memory under the requested budget.
 
-    ``min_peak_bytes`` is the smallest peak any schedule in the search space reaches (as found
-    by the solver), so that the caller can raise the budget to at least that value.
+    ``mem_budget_bytes`` is that budget; ``min_peak_bytes`` the smallest peak any schedule in
+    the search space reaches (as found by the solver), so that the caller can raise the budget
+    to at least that value.
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, min_peak_bytes: int | None):
+    def __init__(self, message: str, *, mem_budget_bytes: int, min_peak_bytes: int | None):
         super().__init__(message)
-        self.budget_bytes = budget_bytes
+        self.mem_budget_bytes = mem_budget_bytes
         self.min_peak_bytes = min_peak_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """Deprecated name of :attr:`mem_budget_bytes` (for one release)."""
+        warnings.warn("InfeasibleBudgetError.budget_bytes is deprecated and will be removed in the next release: use "
+                      "InfeasibleBudgetError.mem_budget_bytes", DeprecationWarning, stacklevel=2)
+        return self.mem_budget_bytes
 
 
 class SolveStatus(str, Enum):
@@ -297,10 +306,11 @@ class StageRecord:
     name: str
     #: wall time of the stage (s)
     wall_s: float
-    #: deterministic work charged to the stage (s of the solve's work clock, ``time_limit_s``)
-    work_s: float = 0.0
-    #: schedules simulated by the stage (starts, polish moves, candidates)
-    simulations: int = 0
+    #: deterministic work charged to the stage (work units of the solve's ``work_limit``)
+    work: float = 0.0
+    #: schedules evaluated by the stage, one model's evaluation each (starts, polish moves,
+    #: candidates); was ``simulations``
+    evaluations: int = 0
     #: best simulated (or, for judging, re-exported) step time when the stage ended, ms; None
     #: when the stage produced no schedule
     step_ms: float | None = None
