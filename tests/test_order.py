@@ -127,7 +127,7 @@ def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alo
     with fake_process_group(world):
         for order in ("choose", "traced", "torch"):
             g = copy.deepcopy(gm)
-            optimize_schedule(g, None, cost_model="analytic", solver=SolverOptions(time_limit_s=0.5, compute_order=order))
+            optimize_schedule(g, None, cost_model="analytic", solver=SolverOptions(work_limit=0.5, compute_order=order))
             answers[order] = (g.meta[api.REPORT_KEY], g.meta[api.SCHEDULE_KEY])
         traced = Problem.from_dag(export_dag(gm, cost_model="analytic"))
         run = torch_starts(gm, traced, ["torch-overlap"])[0]
@@ -163,6 +163,7 @@ def test_the_order_is_chosen_on_its_starts_by_the_regret_alone():
     k, notes = better_order([torch_order, traced], solver, on_starts=True)
     assert k == 1 and notes == []
     # the torch order's start of smaller regret is taken, and said so
-    faster = ("torch", {"analytic": None, "torch": None}, [("torch-overlap", None)], result(analytic=240.0, torch=185.0))
+    faster = ("torch", {"analytic": None, "torch": None}, [("torch-overlap", None)],
+              result(analytic=240.0, torch=185.0))
     k, notes = better_order([traced, faster], solver, on_starts=True)
     assert k == 1 and len(notes) == 1
