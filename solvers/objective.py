@@ -270,7 +270,7 @@ class Objective:
 
     Args:
         problems: model label -> the graph priced by that model; the first is the primary one
-            (its chains and windows define the moves; CP-SAT models it).
+            (its chains and issue ranges define the moves; CP-SAT models it).
         mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
         baseline_weight: :attr:`SearchConfig.baseline_weight`; with one model it has no use (the
             key is the step time) and is 0.

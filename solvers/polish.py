@@ -10,7 +10,7 @@ times), a reference step time ``R_m > 0`` per model, a budget ``B``:
     where       r_m(s) = t_m(s) / R_m - 1 + w * max(0, t_m(s) / B_m - 1)
     subject to  (1) ``s`` is a valid schedule of the graph: members of a bucket share a
                     chain and are consecutive in it, every chain issues in order, issue and
-                    wait within each bucket's window (:func:`_neighbours`, :func:`chain_ordered`)
+                    wait within each bucket's issue range (:func:`_neighbours`, :func:`chain_ordered`)
                 (2) peak(s) <= B by the execution model's count (the memory the written graph
                     holds; it is the same under every model)
                 (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
@@ -52,7 +52,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
-from solvers.heuristics import issue_window
+from solvers.heuristics import issue_range
 from solvers.objective import Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
@@ -117,7 +117,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
 
     Args:
         problems: model label -> the graph priced by that model (same collectives, same
-            nodes in the same order; the first problem's chains and windows define the moves).
+            nodes in the same order; the first problem's chains and issue ranges define the moves).
         start: a schedule of that graph; one over ``mem_budget_bytes`` is first moved under it
             (moves that lower the excess are taken before any other).
         reference_ms: model label -> the best step time known under that model (ms, > 0), e.g.
@@ -316,10 +316,10 @@ def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> 
 
 
 def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
-    """A bucket of ``members`` at these gaps, moved into its window (issued once every member
-    is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
-    is waited by that read); None when the window is empty."""
-    lo, hi = issue_window(p, members)
+    """A bucket of ``members`` at these gaps, moved into its issue range (issued once every
+    member is ready, waited before any is needed: a merged reduce-scatter whose result compute
+    reads is waited by that read); None when the range is empty."""
+    lo, hi = issue_range(p, members)
     issue = max(issue, lo)
     if issue > hi:
         return None

@@ -228,12 +228,12 @@ def _check_shape(problem: Problem, schedule: Schedule) -> None:
     if wrong:
         raise ScheduleInvalidError(f"the schedule splits groups {wrong} whose all-gathers share no group with "
                                    f"another collective; splittable: {list(problem.splittable_groups())}")
-    _check_windows(problem, schedule)
+    _check_ranges(problem, schedule)
 
 
-def _check_windows(problem: Problem, schedule: Schedule) -> None:
-    """Every bucket issued and waited inside the windows of all its members (a bucket whose
-    members' windows do not meet has none): a schedule outside them runs a node before its
+def _check_ranges(problem: Problem, schedule: Schedule) -> None:
+    """Every bucket issued and waited inside the issue ranges of all its members (a bucket whose
+    members' ranges do not meet has none): a schedule outside them runs a node before its
     input, so no clock of it means anything. The rest of the data dependencies (node order,
     chains of collectives) is :func:`~solvers.core.validator.validate_schedule`'s."""
     issue, wait = schedule.positions()
@@ -246,7 +246,7 @@ def _check_windows(problem: Problem, schedule: Schedule) -> None:
             c = colls[m]
             if not c.ready <= i <= w <= c.needed:
                 raise ScheduleInvalidError(
-                    f"bucket {b} is issued at gap {i} and waited at gap {w}, outside the window "
+                    f"bucket {b} is issued at gap {i} and waited at gap {w}, outside the issue range "
                     f"[{c.ready}, {c.needed}] of its member {m!r}")
 
 
