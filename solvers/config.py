@@ -3,9 +3,9 @@
 :class:`ModelConfig` bounds the decision space of one window (:mod:`solvers.model`);
 :class:`SolverConfig` adds the wall-clock safety cap; each backend extends it with its own
 solver knobs (:class:`CpSatConfig` for :mod:`solvers.cpsat`, :class:`MilpConfig` for
-:mod:`solvers.milp`). The plan around the windows is :class:`solvers.objective.SearchConfig`,
-which holds one config of each backend (``SearchConfig.cpsat``, ``SearchConfig.milp``), so that
-``SolverOptions.search`` reaches them.
+:mod:`solvers.milp`). The search's stages around the windows are tuned by
+:class:`solvers.objective.SearchConfig`, which holds one config of each backend
+(``SearchConfig.cpsat``, ``SearchConfig.milp``), so that ``SolverOptions.search`` reaches them.
 """
 
 from __future__ import annotations

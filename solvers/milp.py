@@ -43,7 +43,7 @@ completed to a full solution by the completion :class:`MilpBackend` is given (a
 :func:`solvers.cpsat.complete_solution`: decisions fixed, times minimised) and handed to the
 MILP solver as its start.
 
-The plan around the windows (starts, polish, never worse than the best start) is shared with
+The search's other stages (starts, polish, never worse than the best start) are shared with
 CP-SAT (:mod:`solvers.search`, driven by :mod:`solvers.registry`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.

@@ -1,4 +1,4 @@
-"""Polish: a local search on the evaluator, the plan's last stage (:mod:`solvers.search`).
+"""Polish: a local search on the evaluator, the search's last stage (:mod:`solvers.search`).
 
 Formulation. One graph priced by each cost model ``m`` of a set ``M`` (a
 :class:`~solvers.core.problem.Problem` ``P_m`` each: same nodes, collectives and bytes, other
@@ -23,7 +23,7 @@ the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
 over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result
-is refused when the excess stays. The score and its comparison are the plan's one order
+is refused when the excess stays. The score and its comparison are the search's one order
 (:class:`solvers.objective.Ordering`; the search sorts and chooses by the same).
 
 Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
@@ -194,7 +194,7 @@ class _Search:
         missing = [label for label in self.labels if not reference_ms.get(label, 0) > 0]
         if missing:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
-        #: the plan's one order (:class:`solvers.objective.Ordering`), its regret also with one model
+        #: the search's one order (:class:`solvers.objective.Ordering`), its regret also with one model
         self.ordering = Ordering(self.labels, mem_budget_bytes, {label: float(reference_ms[label]) for label in
                                                                  self.labels}, baseline_ms, baseline_weight,
                                  strict_models)

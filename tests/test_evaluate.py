@@ -408,7 +408,7 @@ def _result_read_by_a_collective_dag():
 
 def test_result_read_by_another_collective():
     """The first result is freed by whichever of its readers runs last, alone or as the merged
-    bucket's result: placed per plan, the simulator's numbers without simulating."""
+    bucket's result: placed per schedule read, the simulator's numbers without simulating."""
     problem = Problem.from_dag(_result_read_by_a_collective_dag())
     schedules = check_graph(problem, random.Random(3), n_random=30)
     assert _views_merged(problem, schedules)
@@ -794,7 +794,7 @@ def test_llama3_8b(kind):
 # --------------------------------------------------------------------------------------------
 def _simulated_only(monkeypatch):
     """Every evaluation of every evaluator goes to the simulator."""
-    monkeypatch.setattr(Evaluator, "peaks", lambda self, plan: None)
+    monkeypatch.setattr(Evaluator, "peaks", lambda self, read: None)
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])

@@ -60,7 +60,7 @@ from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
-from solvers.core.timeline import Timeline, plan_steps
+from solvers.core.timeline import Timeline, bucket_steps
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ReadSchedule:
     fast: bool
     schedule: Schedule | None = None
     plan: tuple[PlannedBucket, ...] | None = None
-    #: each bucket's template in the memory model that checked the plan
+    #: each bucket's template in the memory model that checked this schedule
     templates: tuple = dataclasses.field(default=(), repr=False, compare=False)
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
     #: :attr:`Schedule.split_groups` of the schedule
@@ -131,7 +131,7 @@ class Evaluator:
     # -- reading ---------------------------------------------------------------------------
     def read(self, schedule: Schedule) -> ReadSchedule:
         """``schedule`` read into a :class:`ReadSchedule` (one pass over its steps)."""
-        ops = plan_steps(schedule)
+        ops = bucket_steps(schedule)
         members = tuple(b.members for b in schedule.buckets)
         templates = self._check(members, ops) if len(schedule.steps) - len(ops) == self.problem.n else None
         if templates is not None and schedule.split_groups and \

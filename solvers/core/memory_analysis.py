@@ -15,7 +15,7 @@ and places each storage:
   (alone, merged) and count, summed into a bucket's template (:mod:`solvers.core.peaks`);
 - *floating*: freed by whichever of several collectives' steps and a compute node runs last (one
   read by two collectives, or by a compute node inside its collective's issue range): its free
-  placed per plan (:attr:`floating`, :attr:`view_frees`).
+  placed per schedule read (:attr:`floating`, :attr:`view_frees`).
 
 A storage that fits none of these, an operation the analysis does not know, or releases that
 differ from the uses in the static data make the analysis :class:`Unsupported`: the evaluator
@@ -253,7 +253,7 @@ class StorageAnalysis:
             return
         if len(touch) > 1:
             # read by several collectives: static when a compute node frees it after all of them,
-            # else freed by whichever runs last, placed per plan
+            # else freed by whichever runs last, placed per schedule read
             if s_alloc is not None and (never or (s_rel and all(max(s_rel) >= colls[m].needed for m in touch))):
                 a, size = s_alloc
                 self._profile(c, a, size, _NEVER if never else max(s_rel))
@@ -350,7 +350,7 @@ class StorageAnalysis:
     def _floating(self, c: int, key: Any, s_alloc, s_rel: list[int], touch: set[str], c_rel) -> None:
         """A storage made by a compute node before every step of the collectives that use it,
         freed by whichever of its last compute reader and their steps runs last: live in the
-        profile from its node on, its free placed per plan (:func:`_place_floating`)."""
+        profile from its node on, its free placed per schedule read (:func:`_place_floating`)."""
         a, size = s_alloc
         if any(a >= self.colls[m].ready for m in touch):
             raise Unsupported(f"storage {key!r}: made inside the issue range of a collective that uses it")

@@ -28,7 +28,7 @@ from solvers.core.memory import (ALLOC, DROP, REC, REL, Op, copied_out, merged_m
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule
 from solvers.core.streams import shared_links, stream_of
-from solvers.core.timeline import BucketCost, Clock, plan_steps
+from solvers.core.timeline import BucketCost, Clock, bucket_steps
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -197,19 +197,19 @@ def simulate_ranks(problems: "Sequence[Problem]", schedule: Schedule | None = No
     if any(sim.clock.links for sim in sims):
         raise ValueError("simulate_ranks does not synchronise streams that share a network link (two groups of "
                          "the same ranks, or a split schedule): simulate each rank alone")
-    plan = sims[0].plan
+    steps = sims[0].bucket_steps
     done = 0
-    for i, (is_issue, b, _) in enumerate(plan):
+    for i, (is_issue, b, _) in enumerate(steps):
         if is_issue:
             for sim in sims:
-                sim.clock.advance(plan, done, i + 1)
+                sim.clock.advance(steps, done, i + 1)
             done = i + 1
             start = max(sim.clock.start[b] for sim in sims)
             for sim in sims:
                 sim.clock.hold(b, start)
     for sim in sims:
         sim.run_memory()
-        sim.clock.advance(plan, done)
+        sim.clock.advance(steps, done)
         sim.clock.finish()
     return [sim.result() for sim in sims]
 
@@ -279,7 +279,8 @@ class Simulator:
         self.tracker_peak_step = -1
         self.step_live: list[int] = []
         self.totals: list[int] = []
-        self.plan = plan_steps(schedule)
+        #: the schedule's issue and wait steps, each with its gap
+        self.bucket_steps = bucket_steps(schedule)
         self.nodes = [s.ref for s in schedule.steps if s.kind == "node"]
         self.clock = Clock([st.steps[n][0] for n in self.nodes], self._costs(),
                            shared_links(problem.stream_links(schedule.split_groups))
@@ -325,7 +326,7 @@ class Simulator:
 
     def run(self) -> SimResult:
         self.run_memory()
-        self.clock.advance(self.plan)
+        self.clock.advance(self.bucket_steps)
         self.clock.finish()
         return self.result()
 
