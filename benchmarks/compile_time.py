@@ -24,7 +24,7 @@ factor f:
   (under the analytic model, the first of the family) against torch's rewritten graph judged
   the same way (``judge_graph(torch_graph)``), the chosen candidate, ``solve_time_s`` /
   ``verify_time_s`` (the judging of the written candidates), and the wall time of each stage of
-  the plan (``report.stages``: torch (its pass read back as starts), starts, windows, polish, judge).
+  the search (``report.stages``: torch (its pass read back as starts), starts, windows, polish, judge).
 
 The cold call runs with the cache off (``FSDP_SCHED_CACHE=0`` for the call), so that no earlier
 run's entry can answer it. Run on one core, as the targets are stated per core:

@@ -3,7 +3,7 @@
 Graphs: llama3-8b at 16 layers on 64 ranks (``models.capture_fsdp_graphs``) and a 16-layer
 foreign style of ``tests/foreign_models.py`` (64 ranks), forward and backward, analytic cost
 model; budgets 1.0x and 1.2x of the traced peak. For each: the wall time and step of the
-default solve (``solvers.solve(problem, mem_budget_bytes=...)``: the plan of
+default solve (``solvers.solve(problem, mem_budget_bytes=...)``: the search of
 :mod:`solvers.search` with its default work limit, ``solvers.search.DEFAULT_WORK_LIMIT``),
 the step of a solve with ``work_limit=60`` (the same stages with 30 times the work: more
 windows and a longer polish), and their difference: what the default leaves on the table. Run

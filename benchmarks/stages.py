@@ -1,11 +1,11 @@
-"""What each stage of the plan gains: the search with one stage taken out, against the whole plan.
+"""What each stage of the search gains: the search with one stage taken out, against all its stages.
 
 For each graph (forward and backward of a preset, ``models.capture_fsdp_graphs``) at its traced
 peak (the count a budget holds, ``judge_graph(gm).max_peak_bytes``), the graph is exported once
 per cost model of the default family (:func:`scheduler.cost_model_family`) and
 :func:`solvers.search.search` runs on it in three modes: under the family (the default of
 ``optimize_schedule``, worst-case regret), under the analytic model alone and under torch's
-estimators alone. Each mode runs the whole plan and the plan with one stage taken out:
+estimators alone. Each mode runs every stage (``whole plan``, the row's label) and every stage but one:
 
 * ``no regular starts``: only one block per bucket issued one bucket ahead (``start_sizes=(1,)``,
   ``start_aheads=(1,)``) besides the heuristics;

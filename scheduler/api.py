@@ -27,7 +27,7 @@ entry that does not hold is a miss with a warning, a received schedule that does
 keeps every rank's graph as traced.
 
 The report (:class:`scheduler.report.ScheduleReport`) is stored at ``gm.meta[REPORT_KEY]``:
-before and after, the written graph's figures, the candidates and the stages of the plan.
+before and after, the written graph's figures, the candidates and the search's stages.
 
 Failure policy: a budget that no schedule reaches raises
 :class:`solvers.core.schedule.InfeasibleBudgetError` naming the smallest peak found (a budget

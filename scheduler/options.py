@@ -25,7 +25,7 @@ COMPUTE_ORDERS = ("traced", "torch", "choose")
 class SolverOptions:
     """How the schedule is found (:mod:`solvers.search`)."""
 
-    #: ``"cpsat"`` (default) or ``"milp"``: the plan of :mod:`solvers.search` with that model
+    #: ``"cpsat"`` (default) or ``"milp"``: the search of :mod:`solvers.search` with that model
     #: backend for its windows (its knobs: ``search.cpsat``, ``search.milp``); a heuristic's
     #: name (``solvers.available_solvers()``): that heuristic's schedule alone; or a callable
     #: ``fn(problem, *, mem_budget_bytes, work_limit, seed, hint, num_workers, extra_starts)
@@ -70,7 +70,7 @@ class SolverOptions:
     #: costs more to write back; a variant that fails on a graph is skipped (reported). The
     #: default is torch's own pass, what torch.compile runs: the second variant costs as much
     #: again and changed little on the published graphs (BENCHMARKS.md, section 5). Empty: no
-    #: torch pass. Taken by the plan's solvers (``"cpsat"``, ``"milp"``) only
+    #: torch pass. Taken by the search's solvers (``"cpsat"``, ``"milp"``) only
     torch_starts: tuple[str, ...] = (TORCH,)
     #: the order of the compute nodes the search schedules around: ``"traced"``; ``"torch"``,
     #: the order torch's pass (the first of ``torch_starts``) runs them in, where it moves them
@@ -81,7 +81,7 @@ class SolverOptions:
     #: model, the answer no slower than it kept (:func:`scheduler.solving.search_in_orders`).
     #: Any order runs every node after its inputs: the graph computes the same
     compute_order: str = "choose"
-    #: the plan's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
+    #: the search's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
     #: ``SearchConfig.milp``)
     search: SearchConfig = SearchConfig()
     #: bandwidth factors of the family of cost models (:mod:`scheduler.costs.family`): the

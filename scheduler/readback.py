@@ -43,7 +43,7 @@ def read_back(written: "torch.fx.GraphModule", problem: Problem) -> tuple[Schedu
     graph (traced nodes that torch runs in their traced order, chosen to hold the most compute
     time: the heaviest increasing subsequence of traced positions in torch's order, weighted by
     the problem's node times), after as many traced nodes as in torch's graph where that lies
-    between them. A bucket placed outside its window
+    between them. A bucket placed outside its issue range
     so is moved into it (issued once its members' inputs exist, waited before their first
     reader: the nearest gaps that are).
 
@@ -273,9 +273,9 @@ def _repaired(problem: Problem, members: Sequence[tuple[str, ...]], issue_at: Se
     (buckets, issue gaps, wait gaps, each bucket's (issue, wait) place in torch's order of
     events, what changed, counted per kind of repair)."""
     split: list[str] = []  # buckets split: members not one bucket of our model
-    apart: list[str] = []  # buckets split: no gap in every member's window
+    apart: list[str] = []  # buckets split: no gap in every member's issue range
     pinned: list[str] = []  # collectives our model keeps where traced, moved back
-    moved: list[str] = []  # buckets moved into their windows
+    moved: list[str] = []  # buckets moved into their issue ranges
     buckets: list[Bucket] = []
     issue, wait, order = [], [], []
 
@@ -313,9 +313,9 @@ def _repaired(problem: Problem, members: Sequence[tuple[str, ...]], issue_at: Se
                 place(part, i, w, at)
     repairs = [f"{len(names)} {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
                for names, what in ((split, "bucket(s) split, their members not one bucket of our model"),
-                                   (apart, "bucket(s) split, no gap in every member's window in the traced order"),
+                                   (apart, "bucket(s) split, no gap in every member's issue range in the traced order"),
                                    (pinned, "collective(s) our model keeps where traced moved back there"),
-                                   (moved, "bucket(s) moved into their windows")) if names]
+                                   (moved, "bucket(s) moved into their issue ranges")) if names]
     return buckets, issue, wait, order, repairs
 
 

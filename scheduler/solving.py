@@ -112,7 +112,7 @@ def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, s
            ) -> tuple[SolveResult, list[str]]:
     """The search (or the solver asked for), its hook applied, and the report's notes. A solver
     that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
-    named starts that are baselines too (torch's pass read back); ``started``: the plan's
+    named starts that are baselines too (torch's pass read back); ``started``: the search's
     first stage run already on these (:func:`scheduler.orders.begin_orders`)."""
     problem = next(iter(problems.values()))
     notes = fixed_collective_notes(problem)
@@ -123,9 +123,9 @@ def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, s
                                 all_gather_stream=solver.all_gather_stream, baselines=baselines, started=started)
         validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
-        # the plan's own refusal names the smallest peak of every start: nothing to fall back to.
+        # the search's own refusal names the smallest peak of every start: nothing to fall back to.
         # A heuristic that cannot reach the budget is not a failure to hide but a question the
-        # plan's starts answer (the traced order among them), whatever ``fallback`` says: a
+        # search's starts answer (the traced order among them), whatever ``fallback`` says: a
         # budget the graph itself holds is never refused
         infeasible = isinstance(e, InfeasibleBudgetError)
         if (infeasible and solver.solver in BACKENDS) or (not solver.fallback and not infeasible):

@@ -29,7 +29,7 @@ What our model cannot represent is moved to the nearest schedule it can, and eac
 is recorded (:attr:`TorchStart.repairs`, counted per kind): torch lets views and pointwise ops
 run wherever they are ready, our schedules keep every traced node where traced, so each issue
 and wait keeps its place between the compute nodes torch keeps in order (:func:`read_back`);
-a bucket that then lies outside its window (after its members' inputs, before their first
+a bucket that then lies outside its issue range (after its members' inputs, before their first
 reader) moves into it; a merged bucket whose members do not share one bucket key (type, group,
 dtype, reduce op, mergeable: :attr:`solvers.core.problem.Collective.key`), or that holds a
 collective our problem keeps where traced, is split into the largest groups that do, each

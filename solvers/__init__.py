@@ -7,10 +7,10 @@ Layers, bottom up (each imports only the ones above it in this list):
   execution model (the simulator, its fast exact twin :mod:`solvers.core.evaluate`, the
   validator);
 - :mod:`solvers.heuristics`: today's FSDP schedules (traced, FSDP2, SimpleFSDP, AutoParallel);
-- the plan's stages: :mod:`solvers.starts` (starts), :mod:`solvers.config` /
+- the search's stages: :mod:`solvers.starts` (starts), :mod:`solvers.config` /
   :mod:`solvers.model` / :mod:`solvers.cpsat` / :mod:`solvers.milp` (the window model and its
   two backends), :mod:`solvers.polish` (the local search);
-- :mod:`solvers.search`: the plan (starts, windows, polish);
+- :mod:`solvers.search`: the search, its stages in order (starts, windows, polish);
 - :mod:`solvers.registry`: names -> solvers, ``solve()``.
 """
 

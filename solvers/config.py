@@ -3,9 +3,9 @@
 :class:`ModelConfig` bounds the decision space of one window (:mod:`solvers.model`);
 :class:`SolverConfig` adds the wall-clock safety cap; each backend extends it with its own
 solver knobs (:class:`CpSatConfig` for :mod:`solvers.cpsat`, :class:`MilpConfig` for
-:mod:`solvers.milp`). The plan around the windows is :class:`solvers.objective.SearchConfig`,
-which holds one config of each backend (``SearchConfig.cpsat``, ``SearchConfig.milp``), so that
-``SolverOptions.search`` reaches them.
+:mod:`solvers.milp`). The search's stages around the windows are tuned by
+:class:`solvers.objective.SearchConfig`, which holds one config of each backend
+(``SearchConfig.cpsat``, ``SearchConfig.milp``), so that ``SolverOptions.search`` reaches them.
 """
 
 from __future__ import annotations
@@ -52,17 +52,25 @@ def renamed_fields(**old_to_new: str) -> Callable[[type[_C]], type[_C]]:
     return wrap
 
 
+#: the reach fields' names before they were told apart from the search's windows; every
+#: config class takes them, since a dataclass writes each subclass an ``__init__`` of its own
+_OLD_REACH_NAMES = {"window_anchors": "issue_reach_anchors", "wait_window_anchors": "wait_reach_anchors"}
 
+
+@renamed_fields(**_OLD_REACH_NAMES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The decision space of the model."""
 
     #: how many anchors before its first use an all-gather may be issued (and how far after
-    #: its gradient a reduce-scatter may be issued); about two transformer blocks by default
-    window_anchors: int = 64
-    #: how many anchors after its issue a reduce-scatter may be waited
-    wait_window_anchors: int = 64
-    #: largest bucket payload in bytes (None: no cap beyond the windows)
+    #: its gradient a reduce-scatter may be issued): the reach of a collective's issue range;
+    #: about two transformer blocks by default. Was ``window_anchors``, which still works for
+    #: one release
+    issue_reach_anchors: int = 64
+    #: how many anchors after its issue a reduce-scatter may be waited: the reach of its wait
+    #: range. Was ``wait_window_anchors``, which still works for one release
+    wait_reach_anchors: int = 64
+    #: largest bucket payload in bytes (None: no cap beyond the collectives' issue ranges)
     max_bucket_bytes: int | None = None
     #: anchors modelled on each side of a window's decisions (its model covers only that range;
     #: the incumbent fixes the state where the range starts)
@@ -70,13 +78,13 @@ class ModelConfig:
     #: trust region of a window (and of a template window): each decided collective is issued
     #: (and a reduce-scatter waited) at most this many anchors from the incumbent's position,
     #: or as far as the neighbour in its chain it could merge with (None: anywhere in its issue
-    #: window). Sweeps compound the moves. The small model searches far better for the same
+    #: range). Sweeps compound the moves. The small model searches far better for the same
     #: deterministic time than a window free to move anything anywhere
     lns_radius_anchors: int | None = 12
 
     def __post_init__(self) -> None:
-        if self.window_anchors < 1 or self.wait_window_anchors < 0:
-            raise ValueError("window_anchors must be >= 1 and wait_window_anchors >= 0")
+        if self.issue_reach_anchors < 1 or self.wait_reach_anchors < 0:
+            raise ValueError("issue_reach_anchors must be >= 1 and wait_reach_anchors >= 0")
         if self.max_bucket_bytes is not None and self.max_bucket_bytes <= 0:
             raise ValueError("max_bucket_bytes must be > 0 or None")
         if self.lns_range_margin_anchors < 0:
@@ -85,6 +93,7 @@ class ModelConfig:
             raise ValueError("lns_radius_anchors must be >= 1 or None")
 
 
+@renamed_fields(**_OLD_REACH_NAMES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SolverConfig(ModelConfig):
     """Everything both backends share: the decision space, and the wall-clock safety cap of
@@ -104,6 +113,7 @@ class SolverConfig(ModelConfig):
             raise ValueError("wall_clock_factor must be >= 1 and wall_clock_slack_s >= 0")
 
 
+@renamed_fields(**_OLD_REACH_NAMES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CpSatConfig(SolverConfig):
     """Knobs of the CP-SAT backend (the shared ones: :class:`SolverConfig`)."""
@@ -124,6 +134,7 @@ class CpSatConfig(SolverConfig):
             raise ValueError("deterministic_units_per_second and window_units_per_second must be > 0")
 
 
+@renamed_fields(**_OLD_REACH_NAMES)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MilpConfig(SolverConfig):
     """Knobs of the MILP backend (the shared ones: :class:`SolverConfig`)."""

@@ -322,7 +322,7 @@ class CpSatModel:
     def complete(self, schedule: Schedule, work_limit: float, seed: int, num_workers: int,
                  cfg: CpSatConfig) -> cp_model.CpSolver | None:
         """A solver holding a full solution of this model (every variable) that takes
-        ``schedule``'s decisions, or None when they do not fit the model (windows, budget)."""
+        ``schedule``'s decisions, or None when they do not fit the model (issue and wait ranges, budget)."""
         d = self.data
         sub = self.model.clone()
         sub.clear_hints()

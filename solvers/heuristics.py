@@ -23,7 +23,7 @@ overlap, smaller buckets) and returns the first that fits, or raises
 :class:`InfeasibleBudgetError` with the smallest peak it reached.
 
 Buckets are always runs of consecutive members of one chain (:attr:`Problem.chains`) whose
-windows intersect (``max ready <= min needed``); positions are clamped into that window.
+issue ranges intersect (``max ready <= min needed``); positions are clamped into that range.
 
 Joint graphs (forward, loss and backward in one graph): a chain holds both directions (the
 all-gathers of the forward, then the re-gathers of the backward). Every heuristic plans each
@@ -94,7 +94,7 @@ def heuristic_result(
     )
 
 
-def issue_window(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
+def issue_range(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
     """(earliest issue gap, latest wait gap) of a bucket: ``(max ready, min needed)``."""
     return (
         max(problem.colls[m].ready for m in members),
@@ -103,12 +103,12 @@ def issue_window(problem: Problem, members: Sequence[str]) -> tuple[int, int]:
 
 
 def split_feasible(problem: Problem, members: Sequence[str]) -> list[tuple[str, ...]]:
-    """Split a run of chain members greedily into runs whose windows intersect."""
+    """Split a run of chain members greedily into runs whose issue ranges intersect."""
     runs: list[tuple[str, ...]] = []
     cur: list[str] = []
     for m in members:
         if cur:
-            lo, hi = issue_window(problem, [*cur, m])
+            lo, hi = issue_range(problem, [*cur, m])
             if lo > hi:
                 runs.append(tuple(cur))
                 cur = []
@@ -180,12 +180,12 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket], *,
     n = problem.n
     plan = sorted(plan, key=lambda b: (b.issue_at, problem.colls[b.members[0]].traced_issue, b.members))
     for b in plan:
-        lo, hi = issue_window(problem, b.members)
+        lo, hi = issue_range(problem, b.members)
         if not (0 <= b.issue_at <= b.wait_at <= n):
             raise ValueError(f"bucket {b.members[:2]}...: bad positions issue={b.issue_at} wait={b.wait_at}")
         if problem.colls[b.members[0]].movable and not (lo <= b.issue_at and b.wait_at <= hi):
             raise ValueError(
-                f"bucket {b.members[:2]}...: positions ({b.issue_at}, {b.wait_at}) outside its window ({lo}, {hi})"
+                f"bucket {b.members[:2]}...: positions ({b.issue_at}, {b.wait_at}) outside its issue range ({lo}, {hi})"
             )
     order_idx = {name: i for i, name in enumerate(problem.dag.graph["order"])}
     after = problem.bucket_reads([b.members for b in plan])
@@ -205,7 +205,7 @@ def schedule_from_plan(problem: Problem, plan: Sequence[PlannedBucket], *,
         b = plan[i]
         c0 = problem.colls[b.members[0]]
         phase = 1 if kind == "issue" else (0 if b.bucket in waits_first else 2)
-        return (phase, issue_window(problem, b.members)[1], order_idx[c0.name], i)
+        return (phase, issue_range(problem, b.members)[1], order_idx[c0.name], i)
 
     steps: list[Step] = []
     for p in range(n + 1):
@@ -403,16 +403,16 @@ def fsdp2_schedule(problem: Problem, config: FSDP2Config = FSDP2Config()) -> Sch
             parts = [[run for part in parts for run in part]]
         sequences += [(key, runs) for runs in parts]
     for key, runs in sequences:
-        wins = [issue_window(problem, r) for r in runs]
+        ranges = [issue_range(problem, r) for r in runs]
         if key[0] == "all_gather":
-            for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
+            for i, (run, (lo, hi)) in enumerate(zip(runs, ranges)):
                 # issued where the bucket `prefetch_blocks` earlier is needed
                 j = i - config.prefetch_blocks
-                at = wins[j][1] if j >= 0 else hi
+                at = ranges[j][1] if j >= 0 else hi
                 plan.append(PlannedBucket(Bucket(run), _clamp(at, lo, hi), hi))
         else:
-            issue = [lo for lo, _ in wins]
-            for i, (run, (lo, hi)) in enumerate(zip(runs, wins)):
+            issue = [lo for lo, _ in ranges]
+            for i, (run, (lo, hi)) in enumerate(zip(runs, ranges)):
                 if config.overlap_reduce_scatter:
                     wait = _clamp(issue[i + 1], issue[i], hi) if i + 1 < len(runs) else hi
                 else:
@@ -500,7 +500,7 @@ def simplefsdp_schedule(problem: Problem, config: SimpleFSDPConfig = SimpleFSDPC
     for key, chain in ((k, part) for k, c in problem.chains.items() for part in phase_parts(problem, c)):
         for capped in split_by_bytes(problem, chain, config.bucket_cap_bytes):
             for run in split_feasible(problem, capped):
-                lo, hi = issue_window(problem, run)
+                lo, hi = issue_range(problem, run)
                 traced = min(problem.colls[m].traced_issue for m in run)
                 issue = _clamp(traced, lo, hi)
                 wait = hi if (key[0] == "all_gather" or config.wait_reduce_scatter_at_use) else issue
@@ -600,7 +600,7 @@ def autoparallel_schedule(problem: Problem, config: AutoParallelConfig = AutoPar
         else:
             capped = split_by_bytes(problem, chain, config.bucket_cap_bytes)
         for run in (r for c in capped for r in split_feasible(problem, c)):
-            lo, hi = issue_window(problem, run)
+            lo, hi = issue_range(problem, run)
             if key[0] == "all_gather":
                 issue = _clamp(_gap_back(cnt, hi, config.max_prefetch_compute_nodes), lo, hi)
                 plan.append(PlannedBucket(Bucket(run), issue, hi))

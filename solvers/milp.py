@@ -26,10 +26,10 @@ predecessor in its chain, M are big-Ms from the time bounds below)
     (4) add_waits      all-gather: U_need >= X_k; reduce-scatter: z_{k,a} <= y_{k,a},
                        U_a >= X_k - M (1 - z_{k,a}), U_whi >= X_k
     (5) add_streams    chain order: C_k >= X_{k-1} - M (1 - brk_k); for each pair of buckets of
-                       one group (other chains and fixed intervals) whose windows [ES, LF)
+                       one group (other chains and fixed intervals) whose time bounds [ES, LF)
                        overlap, with p = 2 - last_k - last_l:
                        C_l >= E_k - M (1 - o_kl) - M p  and  C_k >= E_l - M o_kl - M p;
-                       pairs whose windows do not overlap cannot overlap in time at all
+                       pairs whose time bounds do not overlap cannot overlap in time at all
     (6) add_copy_costs U_a >= T_a + cfix_a + sum (copy_k (1 - s_k) + fix_k (brk_k - s_k))
     (7) add_memory     as written, with e_{k,a} >= at_a + mrg_k - 1, e <= at_a, e <= mrg_k
                        where at_a = y_{k,a} - y_{k,a-1}
@@ -43,7 +43,7 @@ completed to a full solution by the completion :class:`MilpBackend` is given (a
 :func:`solvers.cpsat.complete_solution`: decisions fixed, times minimised) and handed to the
 MILP solver as its start.
 
-The plan around the windows (starts, polish, never worse than the best start) is shared with
+The search's other stages (starts, polish, never worse than the best start) are shared with
 CP-SAT (:mod:`solvers.search`, driven by :mod:`solvers.registry`).
 Determinism: one thread and a fixed seed; CBC's time limit is wall-clock, so set
 ``MilpConfig.max_nodes`` for the same schedule on every rank under time pressure.
@@ -88,7 +88,7 @@ class MilpModel:
     docstring).
 
     Args:
-        data: the model's data (problem, budget, windows, fixed intervals, memory base).
+        data: the model's data (problem, budget, issue and wait ranges, fixed intervals, memory base).
         upper_us: model step time of a known solution (the warm start): U_m <= upper_us.
         relax: continuous binaries (the LP relaxation).
         peak_objective: minimise the peak memory instead of the step time (for error messages).
@@ -316,7 +316,7 @@ class MilpModel:
     def add_streams(self) -> None:
         """(5) a chain's buckets in chain order: C_k >= X_{k-1} - M (1 - brk_k); buckets of other
         chains and fixed collectives of the same process group do not overlap: one order binary
-        per pair whose windows [ES, LF) overlap, active when both close their buckets."""
+        per pair whose time bounds [ES, LF) overlap, active when both close their buckets."""
         p, d = self.p, self.data
         # stream items: (name, start, end expr, presence, ES, LF, chain)
         per_group: dict[str, list] = defaultdict(list)
@@ -573,7 +573,7 @@ def _cbc_bound(log_text: str) -> float | None:
 def lp_relaxation_bound_ms(problem: Problem, *, mem_budget_bytes: int | None = None, work_limit: float = 30.0,
                            config: MilpConfig | None = None) -> float:
     """Optimum of the MILP's LP relaxation (every binary in [0, 1]), in ms: a lower bound on
-    the model's step time within its search space (anchors, windows). No warm start: the
+    the model's step time within its search space (anchors, issue and wait ranges). No warm start: the
     model's horizon bounds the times. ``nan`` when the LP could not be solved in the limit.
 
     Raises:

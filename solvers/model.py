@@ -30,7 +30,7 @@ Sets and data (:class:`ModelData`)
     pro_k, epi_k     k's prologue casts (at issue) and epilogue casts (at the wait), run whether
                      merged or not (us)
     ch_k             anchor charged with k's copies: need_k (all-gathers), ready_k (reduce-scatters)
-    [lo_k, hi_k]     issue window of k (anchors); reduce-scatters also a wait window [wlo_k, whi_k];
+    [lo_k, hi_k]     issue range of k (anchors); reduce-scatters also a wait range [wlo_k, whi_k];
                      in a window of the search, within ``lns_radius_anchors`` of the reference
                      (the incumbent's) positions, or up to the position of the member it could
                      merge with (the chain's previous all-gather, next reduce-scatter): a trust
@@ -94,7 +94,7 @@ Constraints (family: CP-SAT function / MILP function, the same name in both modu
                    <= P <= mem_budget_bytes                                      -> add_memory
 
 The MILP writes (2)-(4) with big-Ms from the time bounds of a known solution, and (5) with one
-order binary per pair of buckets of one group whose time windows overlap (see :mod:`solvers.milp`).
+order binary per pair of buckets of one group whose time bounds overlap (see :mod:`solvers.milp`).
 """
 
 from __future__ import annotations
@@ -148,17 +148,17 @@ class Anchors:
 
 @dataclasses.dataclass
 class Member:
-    """One decided collective: its chain, windows (anchors), durations (us) and bytes."""
+    """One decided collective: its chain, issue and wait ranges (anchors), durations (us) and bytes."""
 
     name: str
     chain: int
     idx: int
     coll_type: str
     lo: int
-    hi: int  #: issue window [lo, hi]
+    hi: int  #: issue range [lo, hi]
     need: int  #: anchor of first use (all-gathers wait there)
     wlo: int = 0
-    whi: int = 0  #: wait window (reduce-scatters)
+    whi: int = 0  #: wait range [wlo, whi] (reduce-scatters)
     d_us: int = 0
     out_bytes: int = 0
     pay_bytes: int = 0
@@ -172,7 +172,7 @@ class Member:
     @property
     def waited_at_need(self) -> bool:
         """An all-gather is waited where it is first needed; every other collective (a
-        reduce-scatter, an all-reduce, an all-to-all) has a wait window of its own."""
+        reduce-scatter, an all-reduce, an all-to-all) has a wait range of its own."""
         return self.coll_type == "all_gather"
 
     @property
@@ -325,24 +325,24 @@ class ModelData:
                 ready_a, need_a = A.exact(c.ready), A.exact(c.needed)
                 ti, tw = (A.at_or_before(g) for g in self.ref_pos[name])
                 if coll_type == "all_gather":
-                    lo, hi = min(ti, max(ready_a, need_a - cfg.window_anchors)), need_a
+                    lo, hi = min(ti, max(ready_a, need_a - cfg.issue_reach_anchors)), need_a
                 else:
-                    lo, hi = ready_a, max(ti, min(need_a, ready_a + cfg.window_anchors))
+                    lo, hi = ready_a, max(ti, min(need_a, ready_a + cfg.issue_reach_anchors))
                 if radius is not None:
                     # trust region around the incumbent (an all-gather is still waited at its
                     # need), reaching the position of the chain's neighbour it could merge with
                     # (the previous all-gather, the next reduce-scatter)
                     if coll_type == "all_gather":
-                        reach = A.at_or_before(self.ref_pos[names[k - 1]][0]) if k else ti
-                        lo = max(lo, min(ti - radius, reach, hi))
+                        neighbour = A.at_or_before(self.ref_pos[names[k - 1]][0]) if k else ti
+                        lo = max(lo, min(ti - radius, neighbour, hi))
                     else:
-                        reach = A.at_or_before(self.ref_pos[names[k + 1]][0]) if k + 1 < len(names) else ti
+                        neighbour = A.at_or_before(self.ref_pos[names[k + 1]][0]) if k + 1 < len(names) else ti
                         lo = max(lo, min(ti, hi) - radius)
-                        hi = min(hi, max(ti + radius, reach, lo))
+                        hi = min(hi, max(ti + radius, neighbour, lo))
                 x = Member(name=name, chain=ci, idx=k, coll_type=coll_type, lo=lo, hi=hi, need=need_a)
                 if not x.waited_at_need:
                     x.wlo = lo
-                    x.whi = max(tw, min(need_a, hi + cfg.wait_window_anchors))
+                    x.whi = max(tw, min(need_a, hi + cfg.wait_reach_anchors))
                     if radius is not None:
                         x.whi = max(hi, min(x.whi, max(tw, lo) + radius))
                 x.d_us = us(beta * c.payload_bytes)
@@ -365,7 +365,7 @@ class ModelData:
         if not self.member:
             return 0, A.m
         lo = min(min(x.lo, x.charge) for x in self.member.values())
-        # all-gathers are waited at their need; reduce-scatters by the end of their wait window
+        # all-gathers are waited at their need; reduce-scatters by the end of their wait range
         hi = max(x.wait_end for x in self.member.values())
         for x in self.member.values():
             gi, gw = self.ref_pos[x.name]
@@ -435,7 +435,7 @@ class ModelData:
 
     # -- hints -------------------------------------------------------------------------------
     def decisions_of(self, schedule: Schedule, *, per_bucket: bool = True) -> Decisions:
-        """``schedule``'s decisions snapped into the windows: bucket by bucket (members of a
+        """``schedule``'s decisions snapped into the members' issue and wait ranges: bucket by bucket (members of a
         bucket share anchors), or member by member (``per_bucket=False``, a looser hint)."""
         A = self.anchors
         bucket_of = schedule.bucket_of()

@@ -1,6 +1,6 @@
-"""What the plan of :mod:`solvers.search` optimises and the values it is tuned by.
+"""What the search of :mod:`solvers.search` optimises and the values it is tuned by.
 
-:class:`SearchConfig` holds every tuning value of the plan; :class:`Ordering` the one order of
+:class:`SearchConfig` holds every tuning value of the search; :class:`Ordering` the one order of
 schedules every stage uses (step time under one cost model; with several, the worst-case
 regret, with a weighted penalty for a step slower than the best baseline's, :func:`regret`;
 between finished schedules, and in the ``strict`` stage's polish, first the slowdown against
@@ -25,7 +25,7 @@ from solvers.core.simulator import ScheduleInvalidError
 @renamed_fields(window_s="window_work")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SearchConfig:
-    """Every tuning value of the plan (module docstring)."""
+    """Every tuning value of the search (module docstring)."""
 
     #: blocks per bucket of the regular bucketings tried as starts
     start_sizes: tuple[int, ...] = (1, 2, 3, 4)
@@ -35,7 +35,7 @@ class SearchConfig:
     #: deepest of ``start_aheads``, and kept only where they fit: a budget with room for several
     #: buckets in flight (a joint graph at the per-block plan's peak) is used by a deeper
     #: prefetch that the polish's moves of one issue at a time do not reach, while under a tight
-    #: budget they would crowd out of the fitting stage the plans it can move under the budget.
+    #: budget they would crowd out of the fitting stage the starts it can move under the budget.
     #: They are candidates but not the regret's references (the fastest start under each model):
     #: far ahead under one model of the family, they would pull the worst case towards it
     start_deep_aheads: tuple[int, ...] = (4,)
@@ -155,7 +155,7 @@ def regret(step_ms: float, reference_ms: float, baseline_ms: float | None = None
 
 
 class Ordering:
-    """The one order of schedules of the plan, smaller better; every stage compares by it.
+    """The one order of schedules of the search, smaller better; every stage compares by it.
 
     A schedule's *score* is (bytes over the budget, slowdown against the best baseline under the
     worst strict model, worst-case regret over the models, sum of the regrets) (:func:`regret`,
@@ -270,7 +270,7 @@ class Objective:
 
     Args:
         problems: model label -> the graph priced by that model; the first is the primary one
-            (its chains and windows define the moves; CP-SAT models it).
+            (its chains and issue ranges define the moves; CP-SAT models it).
         mem_budget_bytes: peak-memory budget by the execution model's count; None: no limit.
         baseline_weight: :attr:`SearchConfig.baseline_weight`; with one model it has no use (the
             key is the step time) and is 0.

@@ -1,4 +1,4 @@
-"""Polish: a local search on the evaluator, the plan's last stage (:mod:`solvers.search`).
+"""Polish: a local search on the evaluator, the search's last stage (:mod:`solvers.search`).
 
 Formulation. One graph priced by each cost model ``m`` of a set ``M`` (a
 :class:`~solvers.core.problem.Problem` ``P_m`` each: same nodes, collectives and bytes, other
@@ -10,7 +10,7 @@ times), a reference step time ``R_m > 0`` per model, a budget ``B``:
     where       r_m(s) = t_m(s) / R_m - 1 + w * max(0, t_m(s) / B_m - 1)
     subject to  (1) ``s`` is a valid schedule of the graph: members of a bucket share a
                     chain and are consecutive in it, every chain issues in order, issue and
-                    wait within each bucket's window (:func:`_neighbours`, :func:`chain_ordered`)
+                    wait within each bucket's issue range (:func:`_neighbours`, :func:`chain_ordered`)
                 (2) peak(s) <= B by the execution model's count (the memory the written graph
                     holds; it is the same under every model)
                 (3) no bucket of several collectives over ``max_bucket_bytes`` of payload
@@ -23,7 +23,7 @@ the step time of ``s`` under ``P_m``, evaluated exactly
 (:class:`solvers.core.evaluate.ModelEvaluator`: the simulator's numbers, memory once, a
 timeline per model). A start over the budget is first moved under it: the score is (bytes
 over ``B``, strict slowdown, worst-case regret, total), compared in that order, and the result
-is refused when the excess stays. The score and its comparison are the plan's one order
+is refused when the excess stays. The score and its comparison are the search's one order
 (:class:`solvers.objective.Ordering`; the search sorts and chooses by the same).
 
 Search: first-improvement local search. Moves (:func:`_neighbours`): merge two consecutive
@@ -52,7 +52,7 @@ from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
 from solvers.core.simulator import ScheduleInvalidError
 from solvers.core.units import fmt_bytes
-from solvers.heuristics import issue_window
+from solvers.heuristics import issue_range
 from solvers.objective import Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
@@ -117,7 +117,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
 
     Args:
         problems: model label -> the graph priced by that model (same collectives, same
-            nodes in the same order; the first problem's chains and windows define the moves).
+            nodes in the same order; the first problem's chains and issue ranges define the moves).
         start: a schedule of that graph; one over ``mem_budget_bytes`` is first moved under it
             (moves that lower the excess are taken before any other).
         reference_ms: model label -> the best step time known under that model (ms, > 0), e.g.
@@ -194,7 +194,7 @@ class _Search:
         missing = [label for label in self.labels if not reference_ms.get(label, 0) > 0]
         if missing:
             raise ValueError(f"reference step times must be > 0 for every model; missing or not > 0: {missing}")
-        #: the plan's one order (:class:`solvers.objective.Ordering`), its regret also with one model
+        #: the search's one order (:class:`solvers.objective.Ordering`), its regret also with one model
         self.ordering = Ordering(self.labels, mem_budget_bytes, {label: float(reference_ms[label]) for label in
                                                                  self.labels}, baseline_ms, baseline_weight,
                                  strict_models)
@@ -316,10 +316,10 @@ def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> 
 
 
 def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:
-    """A bucket of ``members`` at these gaps, moved into its window (issued once every member
-    is ready, waited before any is needed: a merged reduce-scatter whose result compute reads
-    is waited by that read); None when the window is empty."""
-    lo, hi = issue_window(p, members)
+    """A bucket of ``members`` at these gaps, moved into its issue range (issued once every
+    member is ready, waited before any is needed: a merged reduce-scatter whose result compute
+    reads is waited by that read); None when the range is empty."""
+    lo, hi = issue_range(p, members)
     issue = max(issue, lo)
     if issue > hi:
         return None

@@ -3,9 +3,9 @@
 The table maps names to the modules that implement them; it imports them, nothing imports it
 back (no registration side effects, no circle). It is also the one driver of the two model
 backends: :data:`BACKENDS` builds each from its config (``SearchConfig.cpsat`` /
-``SearchConfig.milp``) and hands the MILP its warm start (CP-SAT's completion); the plan of
+``SearchConfig.milp``) and hands the MILP its warm start (CP-SAT's completion); the search of
 :mod:`solvers.search` runs either through the solver-neutral :class:`solvers.model.ModelData`.
-Neither backend imports the plan or the other backend.
+Neither backend imports the search or the other backend.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 #: (its name before) is still called so for one release, with a DeprecationWarning
 SolverFn = Callable[..., SolveResult]
 
-#: the model backends of the plan's windows, by solver name: each built from the plan's config
+#: the model backends of the search's windows, by solver name: each built from the search's config
 BACKENDS: dict[str, Callable[[SearchConfig], WindowBackend]] = {
     "cpsat": lambda config: CpSatBackend(config.cpsat),
     "milp": lambda config: MilpBackend(config.milp, complete=complete_solution),
@@ -41,7 +41,7 @@ BACKENDS: dict[str, Callable[[SearchConfig], WindowBackend]] = {
 
 
 def _solve_with(backend: str) -> SolverFn:
-    """The plan of :mod:`solvers.search` with ``backend`` for its windows, as a solver of one
+    """The search of :mod:`solvers.search` with ``backend`` for its windows, as a solver of one
     problem; ``hint`` and ``extra_starts`` are starts too (the result is never slower than the
     fastest that fits)."""
 
@@ -60,7 +60,7 @@ def _solve_with(backend: str) -> SolverFn:
 
 solve_cpsat = _solve_with("cpsat")
 solve_milp = _solve_with("milp")
-#: the exact solvers (the plan of :mod:`solvers.search` with that model backend for its windows)
+#: the exact solvers (the search of :mod:`solvers.search` with that model backend for its windows)
 EXACT_SOLVERS: dict[str, SolverFn] = {"cpsat": solve_cpsat, "milp": solve_milp}
 #: every solver and heuristic by name
 SOLVERS: dict[str, SolverFn] = {**EXACT_SOLVERS, **HEURISTICS}
@@ -160,10 +160,10 @@ def solve_problems(
     started: Started | None = None,
 ) -> SolveResult:
     """Solve one graph priced by one or several cost models (label -> problem; the first is the
-    primary one): the plan of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
+    primary one): the search of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
     all of them; a heuristic or a callable on the primary problem alone. ``baselines`` (named
-    schedules, :func:`solvers.search.search`) and ``started`` (the plan's first stage run
-    already, :func:`solvers.search.begin`) are taken by the plan only."""
+    schedules, :func:`solvers.search.search`) and ``started`` (the search's first stage run
+    already, :func:`solvers.search.begin`) are taken by the search only."""
     if isinstance(solver, str) and solver in BACKENDS:
         if started is None:
             check_starts(next(iter(problems.values())), extra_starts, baselines)
@@ -171,7 +171,7 @@ def solve_problems(
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
                       all_gather_stream=all_gather_stream, baselines=baselines, started=started)
     if started is not None:
-        raise ValueError(f"started is the plan's first stage: solver {solver_name(solver)!r} runs no plan")
+        raise ValueError(f"started is the search's first stage: solver {solver_name(solver)!r} runs no search")
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,
                  work_limit=work_limit, seed=seed, num_workers=num_workers, extra_starts=extra_starts)
     if all_gather_stream == "separate":  # a heuristic's schedule as it is, its all-gathers on their own stream
@@ -206,7 +206,7 @@ def solve_budgets(problem: Problem, budgets: Iterable[int | None], *, solver: st
 
 def check_starts(problem: Problem, extra_starts: Sequence[Schedule],
                  baselines: Sequence[tuple[str, Schedule]] = ()) -> None:
-    """Every start given to the plan is shaped as a schedule of ``problem`` (ValueError if not):
+    """Every start given to the search is shaped as a schedule of ``problem`` (ValueError if not):
     before :func:`solvers.search.begin`, which would fail deep inside on one that is not."""
     for given in (*extra_starts, *(s for _, s in baselines)):
         _check_hint_shape(problem, given)

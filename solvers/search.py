@@ -1,4 +1,4 @@
-"""The solve plan: starts, windows, polish, strict.
+"""The search's stages: starts, windows, polish, strict.
 
 :func:`search` finds a schedule of one graph priced by one cost model or by several (a
 *family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
@@ -176,11 +176,11 @@ def _exposed_by_collective(p: Problem, schedule: Schedule) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------
-# the plan
+# the stages
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Started:
-    """The plan after its first stage (:func:`begin`): the starts evaluated, from which
+    """The search after its first stage (:func:`begin`): the starts evaluated, from which
     :func:`search` continues. Lets a caller compare the starts of several problems of one graph
     (the orders of compute of :mod:`scheduler.orders`) and run the later stages on one."""
 
@@ -192,11 +192,11 @@ class Started:
     #: the incumbent: the better of ``found[0]`` and ``split_best``
     best: Evaluated
     stages: list[StageRecord]
-    #: when the plan began (``time.perf_counter``)
+    #: when the search began (``time.perf_counter``)
     t0: float
 
     def result(self) -> SolveResult:
-        """The plan ended here: the best start that fits, or none better by the objective's
+        """The search ended here: the best start that fits, or none better by the objective's
         key (:func:`search` with ``starts_only``)."""
         return _result(self, self.best)
 
@@ -210,7 +210,7 @@ def begin(
     all_gather_stream: str = "shared",
     baselines: Sequence[tuple[str, Schedule]] = (),
 ) -> Started:
-    """The plan's first stage (the starts); arguments as :func:`search`'s.
+    """The search's first stage (the starts); arguments as :func:`search`'s.
 
     Raises:
         InfeasibleBudgetError: as :func:`search`.
@@ -260,7 +260,7 @@ def search(
     starts_only: bool = False,
     started: Started | None = None,
 ) -> SolveResult:
-    """Run the plan (module docstring) and return its best schedule.
+    """Run the search's stages (module docstring) and return its best schedule.
 
     Args:
         problems: model label -> the graph priced by that model; the first is the primary one.
@@ -268,7 +268,7 @@ def search(
         backend: the window solver (None: no windows).
         work_limit: deterministic work (work units; module docstring).
         seed, num_workers: the backend's.
-        config: the plan's tuning values.
+        config: the search's tuning values.
         extra_starts: schedules of the graph to start from too (e.g. the best at a smaller
             budget): the result is never slower than the fastest that fits.
         all_gather_stream: ``"shared"``: every collective on its own group's stream;
@@ -282,7 +282,7 @@ def search(
             key than any start that fits.
         starts_only: run the first stage alone: the best start that fits, no windows, no
             polish (``work_limit`` then unused).
-        started: the first stage as :func:`begin` ran it on these arguments: the plan goes on
+        started: the first stage as :func:`begin` ran it on these arguments: the search goes on
             from there (``problems``, ``extra_starts`` and ``baselines`` then unused).
 
     Returns:
@@ -358,7 +358,7 @@ def search(
 
 
 def _result(started: Started, best: Evaluated) -> SolveResult:
-    """The plan's answer: ``best``, or the start best by the objective's key where that is
+    """The search's answer: ``best``, or the start best by the objective's key where that is
     better (no stage may end worse than a start it could have kept: with too little work for
     the polish, the start best by the regret may lose to a baseline that another start does
     not)."""

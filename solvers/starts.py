@@ -1,9 +1,9 @@
-"""The plan's first stage: the starts (:mod:`solvers.search`).
+"""The search's first stage: the starts (:mod:`solvers.search`).
 
 Bucket granularity decides most of a step, and no local move changes it: merging one pair of
 neighbouring buckets shifts the pipeline and loses, where merging every pair wins; and the cost
 models disagree on it (one model's best bucket holds a few transformer blocks' all-gathers,
-another's twice as many). So the plan starts from a fixed set of
+another's twice as many). So the search starts from a fixed set of
 whole schedules, evaluated exactly:
 
 - the graph as traced, the caller's baselines (torch's overlap scheduler read back from the graph
@@ -16,7 +16,7 @@ whole schedules, evaluated exactly:
   ``ahead`` buckets early (deeper only while the budget holds them); chain after chain, each on
   top of the best of the chain before;
 - the best few of those over the budget moved under it at their peak (:func:`fit_by_delays`):
-  a regular plan a few bytes over keeps all its overlap but the prefetches at the peak.
+  a regular start a few bytes over keeps all its overlap but the prefetches at the peak.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
     ``baselines`` that fit count as baselines too, as the traced order and the heuristics do.
 
     The starts are evaluated as they are first; then the :attr:`SearchConfig.fit_starts` best
-    of those over the budget are moved under it (:func:`fit_by_delays`): a regular plan a few
+    of those over the budget are moved under it (:func:`fit_by_delays`): a regular start a few
     bytes over the budget keeps almost all its overlap."""
     p = objective.primary
     # each distinct schedule evaluated once: those tried, by the hash of their content (a
@@ -129,7 +129,7 @@ def starts(objective: Objective, config: SearchConfig, extra: Sequence[tuple[str
                 break
     smallest = min((e.peak_bytes for e in tried), default=None)
     fitting = sorted((e for e in tried if objective.fits(e)), key=objective.regret_key)
-    # the deep starts are candidates, not references: a prefetch deeper than any regular plan's
+    # the deep starts are candidates, not references: a prefetch deeper than any regular start's
     # is far ahead under one model of the family and would pull the regret towards that model
     _set_reference(objective, [e for e in fitting or tried if e.name not in deep_names] or fitting or tried)
     fit_baselines = [e for e in fitting if e.name in baseline_names]
@@ -148,7 +148,7 @@ def fit_by_delays(problem: Problem, schedule: Schedule, mem_budget_bytes: int, *
     compute node instead (its buffer no longer overlaps the peak), a reduce-scatter in flight is
     waited at the peak's step (its input freed sooner). Of the moves that lower the peak, the
     fastest that fits is taken, else the one with the lowest peak; at most ``max_moves`` moves.
-    A regular plan a little over the budget so keeps all its prefetches but the ones at the peak.
+    A regular start a little over the budget so keeps all its prefetches but the ones at the peak.
     """
     evaluator = evaluator_of(problem)
     peak = evaluator.evaluate(schedule).peak_bytes

@@ -17,7 +17,7 @@ test traces in a second:
 - :func:`moe_forward`: a top-1 MoE block whose tokens travel by ``all_to_all_single`` on an
   expert-parallel group, split sizes read by ``.tolist()``, beside FSDP all-gathers.
 - :func:`tp_chain_forward`: tensor-parallel all-gathers of activations each needed right
-  where it is ready (windows that do not meet), beside FSDP all-gathers.
+  where it is ready (issue ranges that do not meet), beside FSDP all-gathers.
 
 Every function takes its process groups by name (``dp``, ``tp`` / ``ep``, with their sizes),
 so that the same code traces on a fake group and on a real gloo group. :func:`trace` traces one

@@ -88,7 +88,7 @@ def test_parse_bytes_rejects_non_positive(value):
 def test_optimize_schedule_rewrites_and_reports(pg):
     """The graph is rewritten in place, computes the same, and the report describes the graph
     as written: its figures are those of the chosen candidate, judged on its written graph,
-    and its stages are the export, torch's pass (read back as starts), the plan's, the judging, then
+    and its stages are the export, torch's pass (read back as starts), the search's, the judging, then
     the write-back."""
     gm = toy_graph(pg, 1)
     inputs = real_inputs()

@@ -83,12 +83,12 @@ def test_collective_without_wait_is_refused(pg):
         export_dag(gm)
 
 
-def test_expert_and_tensor_parallel_collectives_move_alone_within_their_windows(pg):
+def test_expert_and_tensor_parallel_collectives_move_alone_within_their_issue_ranges(pg):
     """::
 
         w -> cast -> all_gather -> wait -> mm(x, .) -> all_to_all_single -> wait -> add -> out
                                                                   \\-> sum -> all_reduce -> wait -> out
-    The all-to-all and the all-reduce (not a gradient's) move within the windows their data
+    The all-to-all and the all-reduce (not a gradient's) move within the issue ranges their data
     give them, each alone (an all-to-all cannot be merged; a merged all-reduce would sum in
     another order), and the rewritten graph computes what the traced one does."""
 
@@ -260,7 +260,7 @@ def test_table_cost_model_none_falls_back_to_its_default(pg):
 # schedules
 # --------------------------------------------------------------------------------------------
 def merged_schedule(problem: Problem, members: list[str]) -> Schedule:
-    """``members`` in one bucket issued at the top of its window, waited at its end; every
+    """``members`` in one bucket issued at the top of its issue range, waited at its end; every
     other collective alone where traced."""
     others = [c for c in problem.colls if c not in members]
     buckets = [Bucket(tuple(members))] + [Bucket((c,)) for c in others]

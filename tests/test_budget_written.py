@@ -92,7 +92,7 @@ def test_every_solver_holds_the_budget_on_the_written_graph(graphs, model, kind,
 @pytest.mark.parametrize("fallback", [True, False])
 def test_a_heuristic_that_cannot_fit_falls_back_where_the_traced_graph_fits(graphs, fallback):
     """The tied backward: FSDP2-like's smallest peak is over a budget that the traced graph
-    holds; the plan's starts answer with a schedule that fits, with or without ``fallback``
+    holds; the search's starts answer with a schedule that fits, with or without ``fallback``
     (a budget the graph itself holds is never refused)."""
     gm = copy.deepcopy(graphs["tied"].backward)
     budget = _binding_budget(gm)

@@ -93,7 +93,7 @@ def _partitions(members: list[str]):
 
 def _all_schedules(problem: Problem):
     """Every schedule of the model's decision space with its simulation: every bucketing, every
-    issue anchor in the window (and for reduce-scatters every wait anchor), issues following
+    issue anchor in the issue range (and for reduce-scatters every wait anchor), issues following
     the chain order."""
     (key, members), = problem.chains.items()
     gaps = Anchors(problem).gaps
@@ -187,7 +187,7 @@ def test_bucket_family_cap_splits_buckets():
                                                                               problem=problem).step_ms
 
 
-def test_window_family_no_issue_before_ready_or_wait_after_need():
+def test_issue_range_family_no_issue_before_ready_or_wait_after_need():
     problem = _backward_chain()
     res = solve_cpsat(problem, work_limit=2.0)
     issue, wait = res.schedule.positions()

@@ -5,7 +5,7 @@ evaluator is compared with): step time within 1e-9 relative (in practice the sam
 peak counts to the byte, on
 
 - every heuristic's schedule and random valid schedules (random merges of consecutive chain
-  members, random issue and wait gaps inside the windows, random payload order) of synthetic
+  members, random issue and wait gaps inside the issue ranges, random payload order) of synthetic
   FSDP DAGs (hypothesis), llama3-debug's forward and backward (llama3-8b's, slow), the foreign
   styles of ``tests/foreign_models.py``, graphs re-exported after a write-back (merged
   all-gathers already in the graph: ``all_gather_into_tensor_out``), ops of several results
@@ -46,7 +46,7 @@ from solvers.core.schedule import Bucket, Schedule
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.validator import validate_schedule
 from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered
-from solvers.heuristics import fixed_buckets, schedule_from_plan, split_feasible, issue_window
+from solvers.heuristics import fixed_buckets, schedule_from_plan, split_feasible, issue_range
 from solvers.polish import PolishConfig, _neighbours, _plan_of, polish
 from solvers.starts import regroup, regroupings
 from test_writeback import gloo_group
@@ -82,8 +82,8 @@ def heuristic_schedules(problem: Problem) -> list[Schedule]:
 
 
 def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
-    """A random valid schedule: chains cut into random runs (split where windows do not meet),
-    members in random payload order now and then, issue and wait gaps anywhere in the window
+    """A random valid schedule: chains cut into random runs (split where issue ranges do not
+    meet), members in random payload order now and then, issue and wait gaps anywhere in the range
     (often at its ends), waits first or last in their gap."""
     plan = list(fixed_buckets(problem))
     waits_first = set()
@@ -96,7 +96,7 @@ def random_schedule(problem: Problem, rng: random.Random) -> Schedule:
             runs[-1].append(m)
         for run in runs:
             for piece in split_feasible(problem, run):
-                lo, hi = issue_window(problem, piece)
+                lo, hi = issue_range(problem, piece)
                 issue = rng.choice([lo, hi, rng.randint(lo, hi)])
                 wait = rng.choice([issue, hi, rng.randint(issue, hi)])
                 members = list(piece)
@@ -121,7 +121,7 @@ def schedules(draw, problem: Problem) -> Schedule:
             runs[-1].append(m)
         for run in runs:
             for piece in split_feasible(problem, run):
-                lo, hi = issue_window(problem, piece)
+                lo, hi = issue_range(problem, piece)
                 issue = draw(st.integers(lo, hi))
                 wait = draw(st.integers(issue, hi))
                 members = tuple(draw(st.permutations(piece))) if len(piece) > 1 else tuple(piece)
@@ -198,7 +198,7 @@ def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.
 def _consumed_results_dag(n: int = 5):
     """Reduce-scatter results read by compute nodes, not the output: freed at a fixed node,
     or (torch's tracker, merged bucket) at the last reader of any member's result. Each
-    gradient is also read by the next compute node, inside its reduce-scatter's window: freed by
+    gradient is also read by the next compute node, inside its reduce-scatter's issue range: freed by
     whichever of the two runs later.
 
         x -> grad_i (4 MiB) -> act_i -> ... ;  grad_i -> rs_i -> wait_i -> use_i (after every act)
@@ -331,7 +331,7 @@ def test_model_evaluator_refuses_problems_of_other_graphs():
 # --------------------------------------------------------------------------------------------
 # schedules the fast path does not take, graphs it does not cover: still the simulator's numbers
 # --------------------------------------------------------------------------------------------
-def test_schedule_outside_its_window_is_refused_by_both():
+def test_schedule_outside_its_issue_range_is_refused_by_both():
     """A reduce-scatter issued before its gradient exists is no valid schedule: the simulator
     refuses it (no clock of a node run before its input means anything), and so does the
     evaluator, so no stage of the search can rank it."""
@@ -339,9 +339,9 @@ def test_schedule_outside_its_window_is_refused_by_both():
     rs = next(c for c in problem.colls.values() if c.coll_type == "reduce_scatter" and c.ready > 0)
     entries = [(b, i, w) for b, i, w in _plan_of(problem.traced_schedule()) if b.members != (rs.name,)]
     early = build_schedule(problem, entries + [(Bucket((rs.name,)), 0, rs.ready)])
-    with pytest.raises(ScheduleInvalidError, match="outside the window"):
+    with pytest.raises(ScheduleInvalidError, match="outside the issue range"):
         simulate(problem.dag, early, problem=problem)
-    with pytest.raises(ScheduleInvalidError, match="outside the window"):
+    with pytest.raises(ScheduleInvalidError, match="outside the issue range"):
         Evaluator(problem).evaluate(early)
 
 
@@ -408,7 +408,7 @@ def _result_read_by_a_collective_dag():
 
 def test_result_read_by_another_collective():
     """The first result is freed by whichever of its readers runs last, alone or as the merged
-    bucket's result: placed per plan, the simulator's numbers without simulating."""
+    bucket's result: placed per schedule read, the simulator's numbers without simulating."""
     problem = Problem.from_dag(_result_read_by_a_collective_dag())
     schedules = check_graph(problem, random.Random(3), n_random=30)
     assert _views_merged(problem, schedules)
@@ -428,7 +428,7 @@ def test_rules_out_of_step_with_the_static_data_fall_back():
 
 
 def merged_pairs_schedule(problem: Problem) -> Schedule | None:
-    """Consecutive pairs of each chain merged where their windows meet, issued at the window's
+    """Consecutive pairs of each chain merged where their issue ranges meet, issued at the range's
     start and waited at its end; everything else alone where traced (None: nothing to merge)."""
     buckets, issue, wait = [], [], []
     paired: set[str] = set()
@@ -794,7 +794,7 @@ def test_llama3_8b(kind):
 # --------------------------------------------------------------------------------------------
 def _simulated_only(monkeypatch):
     """Every evaluation of every evaluator goes to the simulator."""
-    monkeypatch.setattr(Evaluator, "peaks", lambda self, plan: None)
+    monkeypatch.setattr(Evaluator, "peaks", lambda self, read: None)
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])

@@ -182,7 +182,7 @@ def test_budget_is_respected_by_shrinking(name):
     budget = (traced.peak_bytes + free.peak_bytes) // 2
     res = solve(p, solver=name, mem_budget_bytes=budget)
     assert res.peak_bytes <= budget
-    assert res.schedule.digest() != free.schedule.digest()  # another plan of the heuristic: shrunk
+    assert res.schedule.digest() != free.schedule.digest()  # another schedule of the heuristic: shrunk
     validate_schedule(p, res.schedule, mem_budget_bytes=budget)
 
 

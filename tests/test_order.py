@@ -117,8 +117,8 @@ def test_a_search_in_torchs_order_that_fails_leaves_the_traced_orders_answer(mon
 def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alone(monkeypatch):
     """With ``compute_order="choose"`` the starts run in both orders and the later stages in the
     one whose starts are better: the installed schedule is the one that order's search gives
-    alone, it is no slower than torch's own schedule (read back over its own order), and the
-    plan polished once."""
+    alone, it is no slower than torch's own schedule (read back over its own order), and its
+    stage table holds one polish."""
     from models.capture import fake_process_group
 
     monkeypatch.setenv("FSDP_SCHED_CACHE", "0")

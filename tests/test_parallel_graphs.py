@@ -8,8 +8,8 @@ with make_fx on a fake process group of 4 ranks as a 2 x 2 (dp, tp) or (dp, ep) 
 - a reduce-scatter of a tp all-reduce's result, and a forward returning a gathered weight:
   the schedule written back validates and runs;
 - a MoE block whose tokens travel by ``all_to_all_single`` with split sizes read by
-  ``.tolist()``: exports, schedules, writes back, every all-to-all inside its data window;
-- activation all-gathers whose windows do not meet: every schedule the search returns
+  ``.tolist()``: exports, schedules, writes back, every all-to-all inside its issue range;
+- activation all-gathers whose issue ranges do not meet: every schedule the search returns
   validates and writes back.
 """
 
@@ -146,7 +146,7 @@ def _moe_graph(meshes):
     return e, pg.trace(pg.moe_forward(e), pg.moe_inputs(e), symbolic=True)
 
 
-def test_moe_all_to_alls_stay_in_their_windows(meshes):
+def test_moe_all_to_alls_stay_in_their_issue_ranges(meshes):
     """``parallel_graphs.moe_forward``, per block::
 
         AG_dp(router) -> argmax -> A2A_ep(counts) -> .tolist() -> A2A_ep(tokens, recv, send)
@@ -154,7 +154,7 @@ def test_moe_all_to_alls_stay_in_their_windows(meshes):
 
     The graph exports (split sizes are unbacked symbols), fsdp-sched schedules it at its
     traced peak and writes it back, and in the schedule installed every all-to-all is issued
-    and waited inside its data window [ready, needed] of the traced graph's problem; the
+    and waited inside its issue range [ready, needed] of the traced graph's problem; the
     written graph keeps every all-to-all."""
     e, gm = _moe_graph(meshes)
     problem = Problem.from_dag(export_dag(gm, cost_model="analytic"))
@@ -202,12 +202,12 @@ def test_moe_graph_with_dynamic_batch_exports(meshes):
 
 
 # --------------------------------------------------------------------------------------------
-# (d) windows that do not meet: nothing buckets them
+# (d) issue ranges that do not meet: nothing buckets them
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", ["none", "traced peak"])
 def test_every_schedule_of_the_search_validates_and_writes_back(meshes, budget):
     """``parallel_graphs.tp_chain_forward``: per block ``x_sp = relu(AG_tp(x_sp) @ AG_dp(w))[rows]``;
-    each activation all-gather is ready where its reader runs (its window is one gap, none
+    each activation all-gather is ready where its reader runs (its issue range is one gap, none
     meets another). The search's schedule and each of its alternatives (the next best starts;
     without a budget there are some) validate on the graph's problem and write back on a copy,
     which lints; no bucket holds two activation all-gathers."""

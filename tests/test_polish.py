@@ -137,7 +137,7 @@ def test_polish_keeps_merged_buckets_under_the_cap(forward_case):
 
 
 # --------------------------------------------------------------------------------------------
-# regular bucketings of a chain, the plan's starts (solvers/starts.py)
+# regular bucketings of a chain, the search's starts (solvers/starts.py)
 # --------------------------------------------------------------------------------------------
 def _with_blocks(kind: str, n_layers: int = 6) -> dict[str, Problem]:
     """The two-cluster problems with each collective's ``block`` set from its FQN, as the export

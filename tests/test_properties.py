@@ -33,7 +33,7 @@ from scheduler import SolverOptions, export_dag, optimize_schedule, validate_sch
 from scheduler.check.judge import liveness_peak, torch_tracker_peak
 from scheduler.writeback import apply_schedule
 from solvers import Bucket, InfeasibleBudgetError, Problem, Schedule, solve
-from solvers.heuristics import split_feasible, issue_window
+from solvers.heuristics import split_feasible, issue_range
 from scheduler.whatif.synthetic import make_fsdp_dag
 from test_writeback import gloo_group
 
@@ -116,8 +116,8 @@ def test_solving_twice_gives_the_same_digest(dag, frac, solver):
 # random valid schedules
 # --------------------------------------------------------------------------------------------
 def random_schedule(problem: Problem, rnd: random.Random) -> Schedule:
-    """Random merges of consecutive chain members (split where windows do not intersect),
-    issued anywhere in the bucket's window [max ready, min needed] and waited between issue and
+    """Random merges of consecutive chain members (split where issue ranges do not intersect),
+    issued anywhere in the bucket's issue range [max ready, min needed] and waited between issue and
     min needed; fixed collectives stay alone where traced."""
     buckets, issue_at, wait_at = [], [], []
     for members in problem.chains.values():
@@ -131,7 +131,7 @@ def random_schedule(problem: Problem, rnd: random.Random) -> Schedule:
         runs.append(cur)
         for run in runs:
             for part in split_feasible(problem, run):
-                lo, hi = issue_window(problem, part)
+                lo, hi = issue_range(problem, part)
                 i = rnd.randint(lo, hi)
                 buckets.append(Bucket(tuple(part)))
                 issue_at.append(i)
@@ -147,7 +147,7 @@ def random_schedule(problem: Problem, rnd: random.Random) -> Schedule:
 @PROPS
 @given(dag=fsdp_dags(), seed=st.integers(0, 2**31))
 def test_random_schedules_are_valid(dag, seed):
-    """The chain / window rules in solvers.core.problem describe every valid schedule: any random
+    """The chain / issue-range rules in solvers.core.problem describe every valid schedule: any random
     schedule built from them passes the validator."""
     problem = Problem.from_dag(dag)
     schedule = random_schedule(problem, random.Random(seed))
@@ -252,7 +252,7 @@ def program_group():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), solver=st.sampled_from(("cpsat", "milp", "random", *HEURISTICS)))
 def test_random_programs_schedules_are_valid_counted_right_and_keep_results(program_group, seed, solver):
-    """Every solver's and heuristic's schedule (and a random one from the window rules) of a
+    """Every solver's and heuristic's schedule (and a random one from the issue-range rules) of a
     random program validates; the simulator's two counts equal the liveness count and torch's
     tracker on the graph written from it, to the byte; and that graph's results equal the traced
     graph's, bitwise."""

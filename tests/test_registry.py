@@ -63,11 +63,31 @@ def test_a_solver_written_before_work_limit_still_gets_its_limit():
     assert seen == {"limit": 2.0}
 
 
+def test_the_old_names_of_the_reach_fields_still_work_and_warn():
+    """``window_anchors`` / ``wait_window_anchors`` of the backends' configs were renamed
+    ``issue_reach_anchors`` / ``wait_reach_anchors`` (the search's windows are another thing):
+    for one release the old names still set and read the fields of every backend's config,
+    each with a DeprecationWarning that names the new one."""
+    for config_class in (CpSatConfig, MilpConfig):
+        with pytest.warns(DeprecationWarning, match="issue_reach_anchors"):
+            old = config_class(window_anchors=5)
+        assert old == config_class(issue_reach_anchors=5)
+        with pytest.warns(DeprecationWarning, match="wait_reach_anchors"):
+            assert config_class(wait_window_anchors=3).wait_reach_anchors == 3
+        with pytest.warns(DeprecationWarning, match="issue_reach_anchors"):
+            assert old.window_anchors == 5
+        with pytest.warns(DeprecationWarning, match="issue_reach_anchors"), pytest.raises(ValueError, match="issue_reach"):
+            config_class(window_anchors=0)  # still checked
+    with pytest.warns(DeprecationWarning, match="issue_reach_anchors"):
+        config = SearchConfig(cpsat=CpSatConfig(window_anchors=5))
+    assert BACKENDS["cpsat"](config).config.issue_reach_anchors == 5
+
+
 def test_backend_knobs_are_reached_from_the_search_config():
     """Each backend is built with its own config from ``SearchConfig`` (so from
     ``SolverOptions.search``); a config of the wrong backend is refused where it is given."""
-    config = SearchConfig(cpsat=CpSatConfig(window_anchors=5), milp=MilpConfig(max_nodes=7))
-    assert BACKENDS["cpsat"](config).config.window_anchors == 5
+    config = SearchConfig(cpsat=CpSatConfig(issue_reach_anchors=5), milp=MilpConfig(max_nodes=7))
+    assert BACKENDS["cpsat"](config).config.issue_reach_anchors == 5
     assert BACKENDS["milp"](config).config.max_nodes == 7
     with pytest.raises(TypeError, match="milp"):
         SearchConfig(milp=CpSatConfig())

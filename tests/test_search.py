@@ -1,4 +1,4 @@
-"""The solve plan of solvers/search.py: starts, CP-SAT windows, polish.
+"""The search's stages in solvers/search.py: starts, CP-SAT windows, polish.
 
 What is asserted is what a caller relies on, read from the result's structured records
 (:class:`solvers.core.schedule.StageRecord`), never from its notes: which stages ran and how much
@@ -188,8 +188,8 @@ def test_deeper_aheads_only_where_they_fit():
     """Regular bucketings issued four buckets ahead (``start_deep_aheads``) are starts for every
     bucketing without a budget; under a budget only where they fit and the same bucketing two
     ahead fits too; they are never tried under a budget that binds (1.155x the traced peak,
-    where the plans moved under the budget are the best starts: without the rule, the deep
-    plans just over it crowded them out and the best start was the traced order)."""
+    where the starts moved under the budget are the best ones: without the rule, the deep
+    starts just over it crowded them out and the best start was the traced order)."""
     p = _backward()
     traced = _peak(p, p.traced_schedule())
 
@@ -211,17 +211,17 @@ def test_deeper_aheads_only_where_they_fit():
         SearchConfig(start_aheads=(1, 4), start_deep_aheads=(4,))
 
 
-def test_fit_by_delays_moves_a_plan_just_over_the_budget_under_it():
+def test_fit_by_delays_moves_a_start_just_over_the_budget_under_it():
     """FSDP2-like one byte over the budget: a move at its peak brings it under, a valid schedule
     still; far below its peak no few moves can."""
     p = _backward()
-    plan = fsdp2_schedule(p)
-    peak = _peak(p, plan)
-    fitted = fit_by_delays(p, plan, peak - 1)
-    assert fitted is not None and fitted.digest() != plan.digest()
+    start = fsdp2_schedule(p)
+    peak = _peak(p, start)
+    fitted = fit_by_delays(p, start, peak - 1)
+    assert fitted is not None and fitted.digest() != start.digest()
     validate_schedule(p, fitted)
     assert _peak(p, fitted) <= peak - 1
-    assert fit_by_delays(p, plan, peak // 4, max_moves=3) is None
+    assert fit_by_delays(p, start, peak // 4, max_moves=3) is None
 
 
 def test_extra_starts_bound_the_result(binding):

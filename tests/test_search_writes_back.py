@@ -1,7 +1,7 @@
 """Every schedule the search returns writes back.
 
 A schedule valid on the exported DAG must be one the FX graph can run: if the DAG lacked a
-dependency the graph has, or the search placed a bucket outside its members' windows, the
+dependency the graph has, or the search placed a bucket outside its members' issue ranges, the
 search would rank schedules that write-back then refuses one by one (the installed answer
 would be its last resort). Here each graph the tests use is searched under the default family
 and under one model, and the search's schedule and every alternative it offers are validated

@@ -81,7 +81,7 @@ def test_a_heuristic_over_the_budget_is_still_shrunk_to_it():
 def test_the_peak_step_from_the_evaluators_peak_is_the_simulators():
     """fit_by_delays finds where memory peaks by the memory rules alone, stopping at the peak
     the evaluator gave (solvers.core.simulator.peak_step): the same step as a full simulation,
-    on every regular start of the graph, the traced order and the FSDP2-like plan."""
+    on every regular start of the graph, the traced order and the FSDP2-like schedule."""
     from solvers.core.evaluate import evaluator_of
     from solvers.core.simulator import peak_step, simulate
 

@@ -147,7 +147,7 @@ def test_find_repetition_and_paths():
 
 def test_moe_all_to_all_with_data_dependent_splits_exports_on_its_group(group_name):
     """all_to_all_single with .tolist() split sizes (unbacked symbols) on the expert group:
-    exported with finite sizes on the expert group's stream, movable alone within the windows
+    exported with finite sizes on the expert group's stream, movable alone within the issue ranges
     their data give them (one whose output's size is read before its wait stays, saying so); the
     all-gathers stay movable and the traced schedule simulates."""
     captured = _capture("moe")

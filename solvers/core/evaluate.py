@@ -31,7 +31,7 @@ collective releases alone what it releases in a bucket) and the tests
 (``tests/test_evaluate.py``: the evaluator's numbers against the simulator's on every graph and
 schedule kind, the traced and a merged schedule of each among them). Where the guard fails,
 where an operation is one the templates do not know, or where a storage cannot be placed
-(one made by several collectives, by a node and a collective, made inside the window of a
+(one made by several collectives, by a node and a collective, made inside the issue range of a
 collective that frees it, or the result of a merged bucket whose members are views of it read by
 another collective), the evaluator does not guess: :attr:`Evaluator.fast` is False and every
 evaluation is :func:`simulate`'s (the reason is logged and kept in :attr:`Evaluator.reason`).
@@ -40,7 +40,7 @@ Assumption: the schedule is valid (:func:`~solvers.core.validator.validate_sched
 it) and its compute nodes run in ``problem.seq`` order, as every schedule builder here makes
 them. All of that but the order of the compute nodes is checked on every call, cheaply: each
 collective in one bucket, every bucket issued once and waited once after its issue, a merged
-bucket of one kind of movable collectives, each bucket issued and waited inside its window
+bucket of one kind of movable collectives, each bucket issued and waited inside its issue range
 ``[max ready, min needed]``, a collective that reads another's result issued after that one's
 wait (:attr:`Problem.issue_after`). A schedule that fails is simulated instead, so the numbers
 stay the simulator's.
@@ -60,7 +60,7 @@ from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, Schedule, Step, order_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
-from solvers.core.timeline import Timeline, plan_steps
+from solvers.core.timeline import Timeline, bucket_steps
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ReadSchedule:
     fast: bool
     schedule: Schedule | None = None
     plan: tuple[PlannedBucket, ...] | None = None
-    #: each bucket's template in the memory model that checked the plan
+    #: each bucket's template in the memory model that checked this schedule
     templates: tuple = dataclasses.field(default=(), repr=False, compare=False)
     model: Any = dataclasses.field(default=None, repr=False, compare=False)
     #: :attr:`Schedule.split_groups` of the schedule
@@ -131,7 +131,7 @@ class Evaluator:
     # -- reading ---------------------------------------------------------------------------
     def read(self, schedule: Schedule) -> ReadSchedule:
         """``schedule`` read into a :class:`ReadSchedule` (one pass over its steps)."""
-        ops = plan_steps(schedule)
+        ops = bucket_steps(schedule)
         members = tuple(b.members for b in schedule.buckets)
         templates = self._check(members, ops) if len(schedule.steps) - len(ops) == self.problem.n else None
         if templates is not None and schedule.split_groups and \
@@ -295,7 +295,7 @@ class Evaluator:
 
 def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
     """``(c, _ISSUE, d)``: collective ``c``'s issue (its prologue, itself) reads the result of
-    collective ``d`` (:attr:`Problem.issue_after`), so runs after ``d``'s wait. The windows do
+    collective ``d`` (:attr:`Problem.issue_after`), so runs after ``d``'s wait. The issue ranges do
     not say it (they count compute nodes only)."""
     return tuple((name, _ISSUE, d) for name in p.colls for d in sorted(p.issue_after[name]))
 
@@ -325,7 +325,7 @@ class ModelEvaluator:
 
     Raises:
         ValueError: no problem, or problems of different graphs (other compute nodes or
-            collectives, or other windows).
+            collectives, or other issue ranges).
     """
 
     def __init__(self, problems: Mapping[str, Problem]):
@@ -379,5 +379,5 @@ class ModelEvaluator:
 
 def _shape(p: Problem) -> tuple:
     """What makes two problems the same graph for one read schedule: the compute sequence and the
-    collectives with their windows."""
+    collectives with their issue ranges."""
     return (p.seq, tuple((m, c.ready, c.needed, c.movable, c.key, c.traced_issue) for m, c in p.colls.items()))

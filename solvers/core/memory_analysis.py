@@ -14,8 +14,8 @@ and places each storage:
   a fixed node that depends on the bucketing): a :class:`Contribution` per collective, variant
   (alone, merged) and count, summed into a bucket's template (:mod:`solvers.core.peaks`);
 - *floating*: freed by whichever of several collectives' steps and a compute node runs last (one
-  read by two collectives, or by a compute node inside its collective's window): its free
-  placed per plan (:attr:`floating`, :attr:`view_frees`).
+  read by two collectives, or by a compute node inside its collective's issue range): its free
+  placed per schedule read (:attr:`floating`, :attr:`view_frees`).
 
 A storage that fits none of these, an operation the analysis does not know, or releases that
 differ from the uses in the static data make the analysis :class:`Unsupported`: the evaluator
@@ -253,7 +253,7 @@ class StorageAnalysis:
             return
         if len(touch) > 1:
             # read by several collectives: static when a compute node frees it after all of them,
-            # else freed by whichever runs last, placed per plan
+            # else freed by whichever runs last, placed per schedule read
             if s_alloc is not None and (never or (s_rel and all(max(s_rel) >= colls[m].needed for m in touch))):
                 a, size = s_alloc
                 self._profile(c, a, size, _NEVER if never else max(s_rel))
@@ -278,7 +278,7 @@ class StorageAnalysis:
                     last = ("node", q)
                 elif q < lo:
                     last = ("site", max(sites))
-                elif s_alloc is None:  # a compute node inside the window: whichever runs later
+                elif s_alloc is None:  # a compute node inside the issue range: whichever runs later
                     return self._made_by_one(c, key, never, s_rel, touch, c_alloc, c_rel)
                 else:
                     return self._floating(c, key, s_alloc, s_rel, touch, c_rel)
@@ -298,7 +298,7 @@ class StorageAnalysis:
                     elif a >= hi:
                         last = _NEVER
                     elif a >= lo:
-                        raise Unsupported(f"storage {key!r}: allocated at node {a} inside {m!r}'s window")
+                        raise Unsupported(f"storage {key!r}: allocated at node {a} inside {m!r}'s issue range")
                 else:
                     site = ca[0]
                     if last[0] == "site":
@@ -306,7 +306,7 @@ class StorageAnalysis:
                     elif last[1] < lo:
                         last = _NEVER
                     elif last[1] < hi:
-                        raise Unsupported(f"storage {key!r}: freed at node {last[1]} inside {m!r}'s window")
+                        raise Unsupported(f"storage {key!r}: freed at node {last[1]} inside {m!r}'s issue range")
             resolved[v] = (ca, last)
         if s_alloc is not None:
             a, size = s_alloc
@@ -350,10 +350,10 @@ class StorageAnalysis:
     def _floating(self, c: int, key: Any, s_alloc, s_rel: list[int], touch: set[str], c_rel) -> None:
         """A storage made by a compute node before every step of the collectives that use it,
         freed by whichever of its last compute reader and their steps runs last: live in the
-        profile from its node on, its free placed per plan (:func:`_place_floating`)."""
+        profile from its node on, its free placed per schedule read (:func:`_place_floating`)."""
         a, size = s_alloc
         if any(a >= self.colls[m].ready for m in touch):
-            raise Unsupported(f"storage {key!r}: made inside the window of a collective that uses it")
+            raise Unsupported(f"storage {key!r}: made inside the issue range of a collective that uses it")
         self._profile(c, a, size, _NEVER)
         self.floating.append((c, size, max(s_rel) if s_rel else None, self._release_points(key, touch, c_rel)))
 

@@ -29,7 +29,7 @@ def node_order(schedule: Schedule) -> tuple[str, ...]:
 
 def in_order(problem: Problem, order: Sequence[str]) -> Problem:
     """``problem``'s graph with its DAG's nodes run in ``order``: its traced schedule is that
-    order, its windows are counted in it.
+    order, its issue ranges are counted in it.
 
     Raises:
         ScheduleError: ``order`` does not name every node of the DAG once, or runs a node before

@@ -158,7 +158,7 @@ class Problem:
                     if u in pos:
                         ready = max(ready, pos[u] + 1)
                     elif u in result_node:
-                        pass  # another collective's result: bounded by its window (_bound_chains)
+                        pass  # another collective's result: bounded by its issue range (_bound_chains)
                     elif ua["kind"] in ("wait", "collective") or ua.get("moves_with"):
                         movable = False  # depends on another collective: keep it where traced
                         why.append("its input depends on another collective's wait outside a chain")
@@ -182,7 +182,7 @@ class Problem:
                 if v in pos:
                     needed = min(needed, pos[v])
                 elif v in issued_with and v not in readers:
-                    pass  # a collective reads it: bounded by that one's window below
+                    pass  # a collective reads it: bounded by that one's issue range below
                 elif nodes[v]["kind"] != "output":
                     movable = False
                     why.append("its result is read by a node that runs with another collective's wait")
@@ -226,7 +226,7 @@ class Problem:
                 result_readers=readers,
             )
             if not (ready <= t_issue <= t_wait <= needed) and movable:
-                raise ScheduleError(f"collective {name!r}: traced positions outside its window")
+                raise ScheduleError(f"collective {name!r}: traced positions outside its range [ready, needed]")
         problem = Problem(dag, seq, colls)
         _bound_chains(problem)
         return problem
@@ -282,13 +282,13 @@ class Problem:
 
     def after_waits(self, buckets: Sequence[Bucket], after: Mapping[int, Iterable[int]], issue_at: Sequence[int],
                     wait_at: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Gaps of a plan placed by windows alone, made valid for collectives that read
+        """Gaps of a plan placed by issue ranges alone, made valid for collectives that read
         another's result (``after``: bucket -> the buckets whose results it reads): a reader is
-        issued at the wait of what it reads (and waited no earlier) where its window allows;
+        issued at the wait of what it reads (and waited no earlier) where its issue range allows;
         else a read bucket that moves is waited no later than the reader is issued (issued no
-        later too, where its window allows; waited no earlier than its issue), and a reader
-        still issued before such a wait is issued at it. Within the windows but where a
-        bucket merges members of other windows; what is left invalid the checks refuse."""
+        later too, where its issue range allows; waited no earlier than its issue), and a reader
+        still issued before such a wait is issued at it. Within the issue ranges but where a
+        bucket merges members of other ranges; what is left invalid the checks refuse."""
         issue_at, wait_at = list(issue_at), list(wait_at)
         if not any(after.values()):  # no bucket reads another's result: nothing to move
             return issue_at, wait_at
@@ -301,7 +301,7 @@ class Problem:
                 for d in ds:
                     if d == b or wait_at[d] <= issue_at[b]:
                         continue
-                    # the reader later where its window allows (the read bucket keeps its
+                    # the reader later where its issue range allows (the read bucket keeps its
                     # overlap), else the read bucket waited (and issued) sooner
                     if movable[d] and wait_at[d] > hi[b]:
                         if issue_at[d] > issue_at[b] >= lo[d]:
@@ -484,14 +484,14 @@ def _mergeable(dag: nx.DiGraph, a: dict, users: tuple[str, ...]) -> bool:
     bucket: an all-gather, a reduce-scatter or (with the DAG's ``merge_all_reduces``: a merged
     all-reduce sums in another order) an all-reduce whose wait is its only user. Tensor-parallel
     ones too: a backward's all-gathers of saved activations are ready at its start, like
-    parameters; the windows decide which buckets can be issued."""
+    parameters; the issue ranges decide which buckets can be issued."""
     if users or a["coll_type"] not in MERGEABLE_TYPES:
         return False
     return a["coll_type"] != "all_reduce" or bool(dag.graph.get("merge_all_reduces"))
 
 
 def _bound_chains(p: Problem) -> None:
-    """Windows of collectives whose issue reads another's result (:meth:`Problem.issue_after`),
+    """Issue ranges of collectives whose issue reads another's result (:meth:`Problem.issue_after`),
     in place. A chain moves where what is read is a reduce-scatter's result (HSDP: an
     all-reduce of it), which is made at its wait; other collectives that read another's result
     stay where traced, with what they read (an all-gather's or all-reduce's result is made at its

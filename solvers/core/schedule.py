@@ -297,10 +297,10 @@ def order_gap(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageRecord:
-    """One stage of a solve plan as it ran: what tests and benchmarks read of a solve
+    """One row of a solve's stage table, the stage as it ran: what tests and benchmarks read of a solve
     (:attr:`SolveResult.stages`, ``ScheduleReport.stages``), never a note's wording."""
 
-    #: the stage's name in the plan (``"torch"``, ``"starts"``, ``"search"``, ``"repair"``,
+    #: the stage's name in the stage table (``"torch"``, ``"starts"``, ``"search"``, ``"repair"``,
     #: ``"polish"``, ``"judge"``, ...; see :mod:`solvers.search`, :mod:`scheduler.torch_overlap`
     #: and :mod:`scheduler.check.written`)
     name: str
@@ -339,8 +339,8 @@ class SolveResult:
             improved, warm start first (filled by the windowed search; empty otherwise).
         alternatives: other schedules of the solve worth judging on the written graph (the
             schedule before the final polish).
-        stages: the stages of the plan that ran, in order (:class:`StageRecord`).
-        start: the start of the plan the schedule was found from ("" for a solver without
+        stages: the search's stages that ran, in order (:class:`StageRecord`).
+        start: the start of the search the schedule was found from ("" for a solver without
             starts); ``start_step_ms`` its simulated step time under each cost model and
             ``step_ms_by_model`` the schedule's (ms; equal where the start won unchanged).
     """

@@ -28,7 +28,7 @@ from solvers.core.memory import (ALLOC, DROP, REC, REL, Op, copied_out, merged_m
 from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule
 from solvers.core.streams import shared_links, stream_of
-from solvers.core.timeline import BucketCost, Clock, plan_steps
+from solvers.core.timeline import BucketCost, Clock, bucket_steps
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -197,19 +197,19 @@ def simulate_ranks(problems: "Sequence[Problem]", schedule: Schedule | None = No
     if any(sim.clock.links for sim in sims):
         raise ValueError("simulate_ranks does not synchronise streams that share a network link (two groups of "
                          "the same ranks, or a split schedule): simulate each rank alone")
-    plan = sims[0].plan
+    steps = sims[0].bucket_steps
     done = 0
-    for i, (is_issue, b, _) in enumerate(plan):
+    for i, (is_issue, b, _) in enumerate(steps):
         if is_issue:
             for sim in sims:
-                sim.clock.advance(plan, done, i + 1)
+                sim.clock.advance(steps, done, i + 1)
             done = i + 1
             start = max(sim.clock.start[b] for sim in sims)
             for sim in sims:
                 sim.clock.hold(b, start)
     for sim in sims:
         sim.run_memory()
-        sim.clock.advance(plan, done)
+        sim.clock.advance(steps, done)
         sim.clock.finish()
     return [sim.result() for sim in sims]
 
@@ -228,12 +228,12 @@ def _check_shape(problem: Problem, schedule: Schedule) -> None:
     if wrong:
         raise ScheduleInvalidError(f"the schedule splits groups {wrong} whose all-gathers share no group with "
                                    f"another collective; splittable: {list(problem.splittable_groups())}")
-    _check_windows(problem, schedule)
+    _check_ranges(problem, schedule)
 
 
-def _check_windows(problem: Problem, schedule: Schedule) -> None:
-    """Every bucket issued and waited inside the windows of all its members (a bucket whose
-    members' windows do not meet has none): a schedule outside them runs a node before its
+def _check_ranges(problem: Problem, schedule: Schedule) -> None:
+    """Every bucket issued and waited inside the issue ranges of all its members (a bucket whose
+    members' ranges do not meet has none): a schedule outside them runs a node before its
     input, so no clock of it means anything. The rest of the data dependencies (node order,
     chains of collectives) is :func:`~solvers.core.validator.validate_schedule`'s."""
     issue, wait = schedule.positions()
@@ -246,7 +246,7 @@ def _check_windows(problem: Problem, schedule: Schedule) -> None:
             c = colls[m]
             if not c.ready <= i <= w <= c.needed:
                 raise ScheduleInvalidError(
-                    f"bucket {b} is issued at gap {i} and waited at gap {w}, outside the window "
+                    f"bucket {b} is issued at gap {i} and waited at gap {w}, outside the issue range "
                     f"[{c.ready}, {c.needed}] of its member {m!r}")
 
 
@@ -279,7 +279,8 @@ class Simulator:
         self.tracker_peak_step = -1
         self.step_live: list[int] = []
         self.totals: list[int] = []
-        self.plan = plan_steps(schedule)
+        #: the schedule's issue and wait steps, each with its gap
+        self.bucket_steps = bucket_steps(schedule)
         self.nodes = [s.ref for s in schedule.steps if s.kind == "node"]
         self.clock = Clock([st.steps[n][0] for n in self.nodes], self._costs(),
                            shared_links(problem.stream_links(schedule.split_groups))
@@ -325,7 +326,7 @@ class Simulator:
 
     def run(self) -> SimResult:
         self.run_memory()
-        self.clock.advance(self.plan)
+        self.clock.advance(self.bucket_steps)
         self.clock.finish()
         return self.result()
 

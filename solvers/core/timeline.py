@@ -14,9 +14,9 @@
 
 :class:`Clock` is that walk, the only one: the simulator runs it recording every step's times
 (:mod:`solvers.core.simulator`; several ranks in lockstep, :meth:`Clock.hold`), the fast
-evaluator without records, once per plan and cost model (:meth:`Timeline.run`). A schedule is
+evaluator without records, once per schedule read and cost model (:meth:`Timeline.run`). A schedule is
 walked as its issue and wait steps ``(is_issue, bucket, gap)``, ``gap`` the number of compute
-nodes before the step (:func:`plan_steps`): the compute runtimes between two such steps are
+nodes before the step (:func:`bucket_steps`): the compute runtimes between two such steps are
 added one by one in order (``functools.reduce`` in C where nothing is recorded), so every
 walk of one schedule makes the same float operations.
 """
@@ -37,12 +37,12 @@ if TYPE_CHECKING:
 
 _NAN = float("nan")
 #: one issue or wait step of a walk: (is_issue, bucket index, compute nodes before it)
-PlanStep = tuple[bool, int, int]
+BucketStep = tuple[bool, int, int]
 #: what a walk needs of a bucket: (copy-in ms, copy-out ms, communication ms alone, stream)
 BucketCost = tuple[float, float, float, str]
 
 
-def plan_steps(schedule: "Schedule") -> tuple[PlanStep, ...]:
+def bucket_steps(schedule: "Schedule") -> tuple[BucketStep, ...]:
     """The issue and wait steps of ``schedule`` in order, each with its gap (the compute node
     steps before it)."""
     steps = schedule.steps
@@ -92,7 +92,7 @@ class Clock:
             self.bucket_times: dict[int, tuple[float, float, float, float]] = {}
             self.bucket_exposed: dict[int, float] = {}
 
-    def advance(self, steps: Sequence[PlanStep], lo: int = 0, hi: int | None = None) -> None:
+    def advance(self, steps: Sequence[BucketStep], lo: int = 0, hi: int | None = None) -> None:
         """Run ``steps[lo:hi]`` (and the compute nodes before each)."""
         rts, costs, links, record = self.rts, self.costs, self.links, self.record
         t, busy, exposed, g_prev = self.t, self.busy, self.exposed, self.g
@@ -178,7 +178,7 @@ _TIMES: "weakref.WeakKeyDictionary[Problem, tuple[float, dict]]" = weakref.WeakK
 
 
 class Timeline:
-    """One problem's runtimes for walks of its plans: the compute nodes in ``problem.seq``
+    """One problem's runtimes for walks of its schedules: the compute nodes in ``problem.seq``
     order, their total, and each bucket's costs (cached per problem)."""
 
     def __init__(self, p: "Problem"):
@@ -199,11 +199,12 @@ class Timeline:
                                        p.colls[members[0]].group_name)
         return c
 
-    def run(self, steps: Sequence[PlanStep], members: Sequence[tuple[str, ...]],
+    def run(self, steps: Sequence[BucketStep], members: Sequence[tuple[str, ...]],
             split_groups: tuple[str, ...] = ()) -> tuple[float, float, float, dict[str, float]]:
-        """(step_ms, compute_ms, exposed_comm_ms, comm_ms per stream) of the plan whose buckets
-        are ``members``, walked by a :class:`Clock` without records (``compute_ms`` is the
-        nodes' total plus the copies: the simulator's sum up to rounding)."""
+        """(step_ms, compute_ms, exposed_comm_ms, comm_ms per stream) of the schedule whose
+        issue and wait steps are ``steps`` and buckets ``members``, walked by a :class:`Clock`
+        without records (``compute_ms`` is the nodes' total plus the copies: the simulator's sum
+        up to rounding)."""
         get = self.costs.get
         costs = [get(m) or self.cost(m) for m in members]
         p = self.p
