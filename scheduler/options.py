@@ -17,7 +17,7 @@ from solvers.objective import SearchConfig
 from solvers.search import ALL_GATHER_STREAMS, DEFAULT_WORK_LIMIT
 
 #: the orders of compute :attr:`SolverOptions.compute_order` accepts
-COMPUTE_ORDERS = ("traced", "torch", "choose")
+COMPUTE_ORDERS = ("traced", "torch", "choose", "starts")
 
 
 @renamed_fields(time_limit_s="work_limit")
@@ -75,11 +75,14 @@ class SolverOptions:
     #: the order of the compute nodes the search schedules around: ``"traced"``; ``"torch"``,
     #: the order torch's pass (the first of ``torch_starts``) runs them in, where it moves them
     #: (it runs a collective's input early so that it issues early), over which its schedule is
-    #: a start without repairs; ``"choose"``: the starts run in both, the rest of the search in
-    #: the one whose best start has the smaller worst-case regret (the traced one on a tie), and
-    #: in the other too where that answer ends slower than torch's own schedule under a strict
-    #: model, the answer no slower than it kept (:func:`scheduler.solving.search_in_orders`).
-    #: Any order runs every node after its inputs: the graph computes the same
+    #: a start without repairs; ``"choose"``: the search runs in both and keeps the answer no
+    #: slower than torch's own schedule under the strict models, then of smaller worst-case
+    #: regret, then the traced one; ``"starts"``: a quicker compile, the starts run in both and
+    #: the rest of the search (windows, polish) in the order whose best start has the smaller
+    #: worst-case regret (in the other too where that answer ends slower than torch's own
+    #: schedule), at some cost in step time where the polish would have turned the choice
+    #: (BENCHMARKS.md, section 1; :func:`scheduler.solving.search_in_orders`). Any order runs
+    #: every node after its inputs: the graph computes the same
     compute_order: str = "choose"
     #: the search's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
     #: ``SearchConfig.milp``)

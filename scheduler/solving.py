@@ -51,10 +51,11 @@ logger = logging.getLogger(__name__)
 def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | None, solver: SolverOptions,
                       torch_runs: Sequence[Any]) -> tuple[Outcome, list[str], list[StageRecord]]:
     """The search in the orders of compute ``solver.compute_order`` names (:mod:`scheduler.orders`).
-    With two: the starts in both, the later stages in the order whose best start has the smaller
-    worst-case regret, and in the other too only where that answer is slower than torch's own
-    schedule under a strict model (then the better answer by :func:`better_order`). Returns the order's outcome, the report's
-    notes and the stages of the other order.
+    With two, the starts run in both; with ``"choose"`` the rest of the search too, and
+    :func:`better_order` takes one answer; with ``"starts"`` the rest runs in the order whose best
+    start has the smaller worst-case regret, and in the other too only where that answer is
+    slower than torch's own schedule under a strict model. Returns the order's outcome, the
+    report's notes and the stages of the other order.
 
     Raises:
         InfeasibleBudgetError: no order has a start within ``mem_budget_bytes``.
@@ -69,19 +70,21 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
         if not begun:
             assert refusal is not None
             raise refusal
-        k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
-                                       on_starts=True)
-        begun = [begun[k], *begun[:k], *begun[k + 1:]]
+        if solver.compute_order == "starts":
+            k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
+                                           on_starts=True)
+            begun = [begun[k], *begun[:k], *begun[k + 1:]]
     torchs = torch_steps([(*order, None) for order, _ in begun], solver)
     outcomes: list[Outcome] = []
     all_notes: list[list[str]] = []
     for order, started in begun:
-        if outcomes and not slower_than_torch(outcomes[0][3], torchs):
+        if outcomes and solver.compute_order == "starts" and not slower_than_torch(outcomes[0][3], torchs):
             break
         name, base, named = order
         try:
-            result, notes = solve_graph(base, mem_budget_bytes, starts_in_order(solver, problem, next(iter(base.values()))),
-                                   baselines=named, started=started)
+            result, notes = solve_graph(base, mem_budget_bytes,
+                                        starts_in_order(solver, problem, next(iter(base.values()))),
+                                        baselines=named, started=started)
         except InfeasibleBudgetError as e:  # the other order may fit
             refusal = refusal or e
             continue
@@ -96,7 +99,7 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     if not outcomes:
         assert refusal is not None
         raise refusal
-    if len(outcomes) > 1 or outcomes[0][1] is not begun[0][0][1]:
+    if len(outcomes) > 1 or outcomes[0][1] is not begun[0][0][1] or solver.compute_order != "starts":
         k, order_notes = better_order(outcomes, solver)
     else:
         k, order_notes = 0, starts_notes if len(orders) > 1 else better_order(outcomes, solver)[1]

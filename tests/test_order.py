@@ -114,7 +114,7 @@ def test_a_search_in_torchs_order_that_fails_leaves_the_traced_orders_answer(mon
     assert report.compute_order == "traced" and node_order(schedule) == traced.seq
 
 
-def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alone(monkeypatch):
+def test_starts_runs_the_later_stages_in_one_order_and_answers_as_that_order_alone(monkeypatch):
     """With ``compute_order="choose"`` the starts run in both orders and the later stages in the
     one whose starts are better: the installed schedule is the one that order's search gives
     alone, it is no slower than torch's own schedule (read back over its own order), and its
@@ -125,7 +125,7 @@ def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alo
     world, gm = _llama_backward()
     answers = {}
     with fake_process_group(world):
-        for order in ("choose", "traced", "torch"):
+        for order in ("starts", "choose", "traced", "torch"):
             g = copy.deepcopy(gm)
             optimize_schedule(g, None, cost_model="analytic", solver=SolverOptions(work_limit=0.5, compute_order=order))
             answers[order] = (g.meta[api.REPORT_KEY], g.meta[api.SCHEDULE_KEY])
@@ -133,13 +133,16 @@ def test_choose_runs_the_later_stages_in_one_order_and_answers_as_that_order_alo
         run = torch_starts(gm, traced, ["torch-overlap"])[0]
         own = problem_of(traced, run.schedule_in_order)
         torchs = simulate(own.dag, run.schedule_in_order, problem=own).step_ms
-    report, schedule = answers["choose"]
+    report, schedule = answers["starts"]
     alone_report, alone = answers[report.compute_order]
     assert schedule.digest() == alone.digest()
     assert report.search_step_ms == alone_report.search_step_ms
     assert report.search_step_ms["analytic"] <= torchs * (1 + 1e-9)
     assert [s["name"] for s in report.stages].count("polish") == 1
     assert [s["name"] for s in report.stages].count("starts") == 2
+    chosen_report, chosen = answers["choose"]
+    assert chosen.digest() == answers[chosen_report.compute_order][1].digest()
+    assert [s["name"] for s in chosen_report.stages].count("polish") == 2
 
 
 def test_the_order_is_chosen_on_its_starts_by_the_regret_alone():
