@@ -19,6 +19,7 @@ measured in one run.
     python benchmarks/published.py --repros ~/autoparallel/autoparallel/tools/overlap_simulator
     python benchmarks/published.py --repros DIR --graphs llama3_8b_fw_64_2d --budgets none --json out.json
     python benchmarks/published.py --repros DIR --torch-starts torch-overlap   # fsdp-sched's torch_starts
+    python benchmarks/published.py --repros DIR --compute-order starts            # its compute_order
 
 Prints one table per judge (step ms, ``over`` where a written graph exceeds the budget), the
 start of fsdp-sched's search that won (torch's passes are among them) and the summary:
@@ -67,14 +68,16 @@ def judges(csv: Path) -> dict[str, Any]:
 
 
 def run_graph(repros: str, name: str, budgets: list[str], products: list[str],
-              torch_starts: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+              torch_starts: tuple[str, ...] | None = None, compute_order: str | None = None) -> list[dict[str, Any]]:
     """Every row of one graph (runs in a process of its own: the fake process group is global).
-    ``torch_starts``: fsdp-sched's ``SolverOptions.torch_starts`` (None: its default)."""
+    ``torch_starts`` and ``compute_order``: fsdp-sched's ``SolverOptions`` fields (None: their
+    defaults)."""
     from scheduler.compare.judged import judge_baseline, judge_product
     from harness.repros import load_repro, table_csv
     from scheduler.options import SolverOptions
 
-    solver = SolverOptions() if torch_starts is None else SolverOptions(torch_starts=torch_starts)
+    fields = {"torch_starts": torch_starts, "compute_order": compute_order}
+    solver = SolverOptions(**{k: v for k, v in fields.items() if v is not None})
 
     _quiet()
     t0 = time.perf_counter()
@@ -230,12 +233,14 @@ def _quiet() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _one(args: tuple[str, str, list[str], list[str], tuple[str, ...] | None]) -> list[dict[str, Any]]:
+def _one(args: tuple[str, str, list[str], list[str], tuple[str, ...] | None, str | None]) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return run_graph(*args)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scheduler.options import COMPUTE_ORDERS
+
     from harness.repros import PUBLISHED_64
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -248,12 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-starts", nargs="*", default=None,
                     help="fsdp-sched's SolverOptions.torch_starts (none given: no torch start; default: the option's "
                          "default)")
+    ap.add_argument("--compute-order", default=None, choices=COMPUTE_ORDERS,
+                    help="fsdp-sched's SolverOptions.compute_order (default: the option's default)")
     ap.add_argument("--json", type=Path, help="also write the rows to this file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
     torch_starts = None if args.torch_starts is None else tuple(args.torch_starts)
-    work = [(args.repros, g, args.budgets, args.products, torch_starts) for g in args.graphs]
+    work = [(args.repros, g, args.budgets, args.products, torch_starts, args.compute_order) for g in args.graphs]
     ctx = multiprocessing.get_context("spawn")
     rows: list[dict[str, Any]] = []
     with ctx.Pool(max(1, args.jobs), maxtasksperchild=1) as pool:
