@@ -74,11 +74,13 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
             k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
                                            on_starts=True)
             begun = [begun[k], *begun[:k], *begun[k + 1:]]
-    torchs = torch_steps([(*order, None) for order, _ in begun], solver)
+    # torch's own schedule judges the first answer only where the search may end in one order
+    one_order = solver.compute_order == "starts" and len(begun) > 1
+    torchs = torch_steps([(*order, None) for order, _ in begun], solver) if one_order else {}
     outcomes: list[Outcome] = []
     all_notes: list[list[str]] = []
     for order, started in begun:
-        if outcomes and solver.compute_order == "starts" and not slower_than_torch(outcomes[0][3], torchs):
+        if outcomes and one_order and not slower_than_torch(outcomes[0][3], torchs):
             break
         name, base, named = order
         try:
@@ -99,10 +101,9 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     if not outcomes:
         assert refusal is not None
         raise refusal
-    if len(outcomes) > 1 or outcomes[0][1] is not begun[0][0][1] or solver.compute_order != "starts":
-        k, order_notes = better_order(outcomes, solver)
-    else:
-        k, order_notes = 0, starts_notes if len(orders) > 1 else better_order(outcomes, solver)[1]
+    # the choice on the starts says why, where its order alone was finished
+    only_first = len(outcomes) == 1 and outcomes[0][1] is begun[0][0][1]
+    k, order_notes = (0, starts_notes) if starts_notes and only_first else better_order(outcomes, solver)
     finished = {id(o[1]) for o in outcomes}
     others = [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
     others += [st for order, started in begun if started is not None and id(order[1]) not in finished

@@ -58,7 +58,7 @@ from solvers.core.memory_analysis import AT_ISSUE, AT_WAIT
 from solvers.core.peaks import Template, memory_model
 from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
-from solvers.core.schedule import Bucket, Schedule, Step, order_gap
+from solvers.core.schedule import Bucket, Schedule, Step, order_gap, reads_in_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
 from solvers.core.timeline import Timeline, bucket_steps
 
@@ -194,9 +194,8 @@ class Evaluator:
             while end < len(keys) and keys[end][0] == keys[k][0]:
                 end += 1
             group = keys[k:end]
-            waited = {b for _, _, b, is_issue in group if not is_issue}
-            # where no issue here reads a bucket waited here, order_gap keeps the sorted order
-            if any(d != b and d in waited for _, _, b, is_issue in group if is_issue for d in after.get(b, ())):
+            if reads_in_gap((b for _, _, b, is_issue in group if is_issue),
+                            (b for _, _, b, is_issue in group if not is_issue), after):
                 phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
                 steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
                                   lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)

@@ -170,7 +170,8 @@ class Schedule:
             steps.extend(nodes[at:gap])
             at = gap
             group = events[k:end]
-            if after and _reads_in_gap(group, after):
+            if after and reads_in_gap((b for _, ph, b in group if ph == 1), (b for _, ph, b in group if ph != 1),
+                                      after):
                 steps.extend(order_gap([("issue" if ph == 1 else "wait", b) for _, ph, b in group],
                                        lambda e: (1 if e[0] == "issue" else (2 if issue_at[e[1]] == wait_at[e[1]] else 0),
                                                   e[1]), after))
@@ -247,12 +248,13 @@ def _node_steps(seq: Sequence[str]) -> tuple[Step, ...]:
     return cached[1]
 
 
-def _reads_in_gap(group: Sequence[tuple[int, int, int]], after: Mapping[int, Iterable[int]]) -> bool:
-    """Whether an issue of this gap's events ``(gap, phase, bucket)`` reads the result of a
-    bucket waited in the same gap. Where none does, :func:`order_gap` orders them as they are
-    sorted (its priority is their phase, then their bucket), so it need not run."""
-    waited = {b for _, phase, b in group if phase != 1}
-    return any(d != b and d in waited for _, phase, b in group if phase == 1 for d in after.get(b, ()))
+def reads_in_gap(issued: Iterable[int], waited: Iterable[int], after: Mapping[int, Iterable[int]]) -> bool:
+    """Whether a bucket ``issued`` in a gap reads the result of a bucket ``waited`` in the same
+    gap (``after``: bucket -> the buckets whose results its issue reads). Where none does,
+    :func:`order_gap` orders the gap's steps as they are sorted (its priority is their phase,
+    then their bucket), so it need not run."""
+    waited = set(waited)
+    return any(d != b and d in waited for b in issued for d in after.get(b, ()))
 
 
 def order_gap(
