@@ -95,7 +95,7 @@ def rows_of(graph: str, kind: str, gm: Any, cluster: Any, repeats: int, neighbou
         rows.append({**base, "schedule": name, "buckets": len(s.buckets), "fell_back": f"{ev.fallbacks - before}/1",
                      "simulate_ms": cpu_ms(lambda: simulate(dag, s, problem=p), repeats),
                      "evaluate_ms": cpu_ms(lambda: ev.evaluate(s), max(repeats, 20))})
-    moves = _neighbours(p, _plan_of(schedules["fsdp2"]), PolishConfig())
+    moves = list(_neighbours(p, _plan_of(schedules["fsdp2"]), PolishConfig()))
     random.Random(0).shuffle(moves)
     picked = [o for o in (chain_ordered(p, e) for e in moves) if o is not None][:neighbours]
     before = ev.fallbacks

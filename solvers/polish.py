@@ -274,22 +274,21 @@ def _plan_of(schedule: Schedule | ReadSchedule) -> list[PlannedBucket]:
     return [PlannedBucket(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
 
 
-def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> list[list[PlannedBucket]]:
+def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> "_Moves":
     """Every schedule one move from ``plan`` (module docstring), merges first, then
     transfers, then shifts, as plans (:func:`solvers.core.plan.chain_ordered` keeps each
-    chain's issue order)."""
+    chain's issue order), each built when read (:class:`_Moves`)."""
     index = {m: (key, i) for key, names in p.chains.items() for i, m in enumerate(names)}
     by_chain: dict[tuple, list[int]] = {}
     for e, (bk, _, _) in enumerate(plan):
         if bk.members[0] in index:
             by_chain.setdefault(index[bk.members[0]][0], []).append(e)
-    merges: list[list[PlannedBucket]] = []
-    transfers: list[list[PlannedBucket]] = []
+    merges: list[tuple[int, int, tuple[PlannedBucket, ...]]] = []
+    transfers: list[tuple[int, int, tuple[PlannedBucket, ...]]] = []
     for key, es in by_chain.items():
         es.sort(key=lambda e: index[plan[e][0].members[0]][1])
         gather = p.colls[plan[es[0]][0].members[0]].coll_type == "all_gather"
         for a, b in zip(es, es[1:]):
-            rest = [x for e, x in enumerate(plan) if e not in (a, b)]
             (b1, i1, w1), (b2, i2, w2) = plan[a], plan[b]
             members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
             if _fits_cap(p, members, config):
@@ -297,10 +296,10 @@ def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> 
                 issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
                 merged = _placed(p, members, issue, wait)
                 if merged is not None:
-                    merges.append(rest + [merged])
+                    merges.append((a, b, (merged,)))
             if config.transfers:
-                transfers.extend(rest + pair for pair in _transfers(p, plan[a], plan[b], gather, config))
-    shifts: list[list[PlannedBucket]] = []
+                transfers.extend((a, b, tuple(pair)) for pair in _transfers(p, plan[a], plan[b], gather, config))
+    shifts: list[tuple[int, PlannedBucket]] = []
     for e, (bk, i, w) in enumerate(plan):
         if bk.members[0] not in index:
             continue  # fixed collectives stay where they are
@@ -309,10 +308,39 @@ def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> 
         for k in config.steps:
             for d in (-k, k):
                 if lo <= i + d <= w:
-                    shifts.append([*plan[:e], PlannedBucket(bk, i + d, w), *plan[e + 1:]])
+                    shifts.append((e, PlannedBucket(bk, i + d, w)))
                 if i <= w + d <= hi:
-                    shifts.append([*plan[:e], PlannedBucket(bk, i, w + d), *plan[e + 1:]])
-    return merges + transfers + shifts
+                    shifts.append((e, PlannedBucket(bk, i, w + d)))
+    return _Moves(plan, merges + transfers, shifts)
+
+
+class _Moves(Sequence[list[PlannedBucket]]):
+    """The neighbours of a plan (:func:`_neighbours`), in their order, each plan built when it
+    is read: the search reads a few of the thousands a large graph has before it moves, and
+    building every one costs more than evaluating those few.
+
+    A pair move replaces two buckets of a chain by new ones, put after the rest of the plan; a
+    shift replaces one bucket where it stands."""
+
+    def __init__(self, plan: list[PlannedBucket], pairs: list[tuple[int, int, tuple[PlannedBucket, ...]]],
+                 shifts: list[tuple[int, PlannedBucket]]):
+        self.plan, self.pairs, self.shifts = plan, pairs, shifts
+
+    def __len__(self) -> int:
+        return len(self.pairs) + len(self.shifts)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        if k < len(self.pairs):
+            a, b, new = self.pairs[k]
+            return [x for e, x in enumerate(self.plan) if e != a and e != b] + list(new)
+        e, moved = self.shifts[k - len(self.pairs)]
+        return [*self.plan[:e], moved, *self.plan[e + 1:]]
 
 
 def _placed(p: Problem, members: tuple[str, ...], issue: int, wait: int) -> PlannedBucket | None:

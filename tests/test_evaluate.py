@@ -178,7 +178,7 @@ def neighbour_checks(problem: Problem, start: Schedule, limit: int, rng: random.
     """The polish's neighbours of ``start``, read from their plans: the same steps as the schedule
     ``build_schedule`` builds, and its simulation's numbers. Returns how many were checked."""
     ev = Evaluator(problem)
-    moves = _neighbours(problem, _plan_of(start), PolishConfig())
+    moves = list(_neighbours(problem, _plan_of(start), PolishConfig()))
     rng.shuffle(moves)
     checked = 0
     for entries in moves[:limit]:
