@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from scheduler.integrate import cache, consensus
-from scheduler.check.written import Candidate, choose, write_and_judge
+from scheduler.check.written import Candidate, choose, write_and_judge, written_and_judged
 from scheduler.costs.family import cost_models, merged_cost_sources
 from scheduler.costs.pricing import export_problems
 from scheduler.costs.hardware import Cluster, cluster_disagreement, graph_topology
@@ -60,7 +60,7 @@ from scheduler.options import AgreementOptions, SolverOptions, WriteBackOptions
 from scheduler.report import ScheduleReport, fixed_collective_notes, make_report, read_provenance, unchanged_report
 from scheduler.orders import torch_notes, torch_rows, torch_starts_for
 from scheduler.solving import check_traced_fits, criterion_of, search_in_orders
-from scheduler.writeback import apply_schedule, copy_graph
+from scheduler.writeback import copy_graph, install_schedule, refill_graph
 from solvers.core import (
     InfeasibleBudgetError,
     Problem,
@@ -98,6 +98,9 @@ class _Answer:
     report: ScheduleReport
     #: the written graph's figures and what they were judged on (``cache.judged_record``)
     judged: dict[str, Any] | None = None
+    #: the copy of the graph ``schedule`` was written on and judged on, installed as it is
+    #: (:func:`scheduler.writeback.install_schedule`); None: written at install
+    written: "torch.fx.GraphModule | None" = None
 
     def digest(self) -> str:
         return self.schedule.digest() if self.schedule is not None else _NOTHING
@@ -335,7 +338,7 @@ def _solve_and_choose(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem
     report = dataclasses.replace(report, start=result.start, start_step_ms=dict(result.start_step_ms),
                                  search_step_ms=dict(result.step_ms_by_model),
                                  torch_starts=torch_rows(problems, torch_runs))
-    answer = _Answer(chosen.schedule, report, judged=cache.judged_record(graph_key, chosen))
+    answer = _Answer(chosen.schedule, report, judged=cache.judged_record(graph_key, chosen), written=chosen.written)
     if key is not None:
         cache.store(key, answer.to_json())
     return answer
@@ -471,8 +474,9 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
     chosen.figures = cache.recorded_figures(data.get("judged"), graph_key, schedule)
     notes = list(said["notes"])
     if chosen.figures is None:
-        chosen.figures = write_and_judge(gm, own, schedule, cost_model=cost_model, cluster=cluster,
-                                         payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+        chosen.figures, chosen.written = written_and_judged(gm, own, schedule, cost_model=cost_model, cluster=cluster,
+                                                            payload_order=writeback.payload_order,
+                                                            control_deps=writeback.control_deps)
     else:
         notes.append(f"the written graph's figures are those of {source}, judged on this graph when it was stored")
     if mem_budget_bytes is not None and chosen.figures.max_peak_bytes > mem_budget_bytes:
@@ -485,7 +489,7 @@ def _given(gm: "torch.fx.GraphModule", problems: Mapping[str, Problem], data: An
                      status=said["status"], best_bound=said["best_bound_ms"], notes=notes,
                      fell_back=said["fell_back"], stages=stages, t0=t0, t_judge=t_judge, criterion=said["criterion"])
     report.requested_solver = said["requested_solver"]
-    return _Answer(schedule, report)
+    return _Answer(schedule, report, written=chosen.written)
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,8 +531,8 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
             chosen.report.notes += agreed.notes
             if _writes(problem, chosen):
                 backup = copy_graph(gm.graph)
-                apply_schedule(gm, problem_of(problem, chosen.schedule), chosen.schedule,
-                               payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+                install_schedule(gm, problem_of(problem, chosen.schedule), chosen.schedule, written=chosen.written,
+                                 payload_order=writeback.payload_order, control_deps=writeback.control_deps)
     except Exception as e:
         failure = e
         logger.warning("fsdp-sched: taking or writing back the agreed schedule failed on this rank (%s: %s)",
@@ -537,8 +541,9 @@ def _agree_and_install(gm: "torch.fx.GraphModule", group: Any, src: int, answer:
     if not failures:
         assert chosen is not None
         return chosen
-    if backup is not None:
-        gm.graph = backup  # the graph as it was, on every rank (names and meta kept)
+    if backup is not None:  # the graph as it was, on every rank (names and meta kept)
+        refill_graph(gm.graph, backup)
+        gm.recompile()
     rank = min(failures)
     note = (f"the schedule was not written back on any rank: taking or writing it back failed on rank(s) "
             f"{sorted(failures)} (rank {rank}: {failures[rank]}); every rank keeps the graph as traced")
@@ -557,8 +562,8 @@ def _install(gm: "torch.fx.GraphModule", problem: Problem | None, answer: _Answe
     """Write ``answer`` into ``gm``'s own graph (an inductor pass must change the graph it was
     given), without a process group to agree with."""
     if _writes(problem, answer):
-        apply_schedule(gm, problem_of(problem, answer.schedule), answer.schedule,
-                       payload_order=writeback.payload_order, control_deps=writeback.control_deps)
+        install_schedule(gm, problem_of(problem, answer.schedule), answer.schedule, written=answer.written,
+                         payload_order=writeback.payload_order, control_deps=writeback.control_deps)
 
 
 def _writes(problem: Problem | None, answer: _Answer) -> bool:

@@ -147,6 +147,39 @@ def apply_schedule(
     return gm
 
 
+def install_schedule(
+    gm: "torch.fx.GraphModule",
+    problem: "Problem",
+    schedule: Schedule,
+    *,
+    written: "torch.fx.GraphModule | None" = None,
+    payload_order: PayloadOrder = "registration",
+    control_deps: bool = False,
+) -> "torch.fx.GraphModule":
+    """Make ``gm`` run ``schedule``: :func:`apply_schedule` on ``gm``, or, given ``written`` (a
+    :func:`copy_module` of ``gm`` that ``apply_schedule(..., control_deps=False,
+    move_all_gathers=False)`` wrote ``schedule`` on, with this ``payload_order``: the copy a
+    candidate was judged on), ``written``'s graph copied into ``gm``'s own
+    (:func:`refill_graph`) and steps 3 and 4 done there. Both give the graph that was judged:
+    the merges, which cost most of a write-back, are not done twice.
+
+    Raises:
+        ScheduleError: as :func:`apply_schedule`.
+    """
+    if written is None:
+        return apply_schedule(gm, problem, schedule, payload_order=payload_order, control_deps=control_deps)
+    # resolved (a second group made) before anything changes, so that a refusal leaves gm untouched
+    seconds = {g: second_group(g) for g in schedule.split_groups}
+    refill_graph(gm.graph, written.graph)
+    if seconds:
+        _split_all_gathers(gm.graph, seconds)
+    if control_deps:
+        _pin_order(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 # --------------------------------------------------------------------------------------------
 # 1. reorder
 # --------------------------------------------------------------------------------------------
@@ -327,6 +360,23 @@ def copy_graph(graph: "torch.fx.Graph") -> "torch.fx.Graph":
     new_output = out.output(value, type_expr=output_node.type)
     new_output.meta = dict(output_node.meta)
     return out
+
+
+def refill_graph(graph: "torch.fx.Graph", source: "torch.fx.Graph") -> None:
+    """Make ``graph``, the same object, hold a copy of ``source``'s nodes with their names, each
+    node's ``meta`` a shallow copy (as :func:`copy_graph`). An inductor pass is handed the graph
+    object and must leave its answer there (inductor keeps reading that object), so a graph is
+    restored or replaced by refilling it, never by assigning ``gm.graph`` another one."""
+    import torch.fx
+
+    for node in reversed(graph.nodes):
+        graph.erase_node(node)
+    # an erased node's name stays taken in the graph's namespace: a fresh one lets every copy
+    # keep its name
+    graph._graph_namespace = torch.fx.graph._Namespace()
+    value, output_node = graph.graph_copy(source, {}, return_output_node=True)
+    new_output = graph.output(value, type_expr=output_node.type)
+    new_output.meta = dict(output_node.meta)
 
 
 def copy_module(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":

@@ -146,7 +146,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     schedule, score, sims = current
     moves, k, unchanged = 0, 0, 0
     stopped = "converged: no move lowers the worst-case regret"
-    neighbours = _neighbours(search.p0, _plan_of(schedule), config)
+    memo: tuple[dict, dict] = ({}, {})
+    neighbours = _neighbours(search.p0, _plan_of(schedule), config, memo)
     while neighbours and unchanged < len(neighbours):
         if search.evaluations >= config.max_evaluations:
             stopped = f"work limit: {config.max_evaluations} evaluations"
@@ -157,7 +158,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             schedule, score, sims = found
             moves += 1
             unchanged = 0
-            neighbours = _neighbours(search.p0, _plan_of(schedule), config)
+            neighbours = _neighbours(search.p0, _plan_of(schedule), config, memo)
             logger.debug("polish move %d: excess %d B, strict slowdown %.4f, worst regret %.4f (%d evaluations)",
                          moves, score[0], score[1], score[2], search.evaluations)
         else:
@@ -274,10 +275,14 @@ def _plan_of(schedule: Schedule | ReadSchedule) -> list[PlannedBucket]:
     return [PlannedBucket(b, issue[k], wait[k]) for k, b in enumerate(schedule.buckets)]
 
 
-def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> "_Moves":
+def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig,
+                memo: tuple[dict, dict] | None = None) -> "_Moves":
     """Every schedule one move from ``plan`` (module docstring), merges first, then
     transfers, then shifts, as plans (:func:`solvers.core.plan.chain_ordered` keeps each
-    chain's issue order), each built when read (:class:`_Moves`)."""
+    chain's issue order), each built when read (:class:`_Moves`). ``memo``: the moves of each
+    pair of consecutive buckets and of each bucket, kept between calls of one search (a move
+    changes one or two buckets, the moves of the others stay)."""
+    pairs, singles = ({}, {}) if memo is None else memo
     index = {m: (key, i) for key, names in p.chains.items() for i, m in enumerate(names)}
     by_chain: dict[tuple, list[int]] = {}
     for e, (bk, _, _) in enumerate(plan):
@@ -289,29 +294,52 @@ def _neighbours(p: Problem, plan: list[PlannedBucket], config: PolishConfig) -> 
         es.sort(key=lambda e: index[plan[e][0].members[0]][1])
         gather = p.colls[plan[es[0]][0].members[0]].coll_type == "all_gather"
         for a, b in zip(es, es[1:]):
-            (b1, i1, w1), (b2, i2, w2) = plan[a], plan[b]
-            members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
-            if _fits_cap(p, members, config):
-                # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
-                issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
-                merged = _placed(p, members, issue, wait)
-                if merged is not None:
-                    merges.append((a, b, (merged,)))
-            if config.transfers:
-                transfers.extend((a, b, tuple(pair)) for pair in _transfers(p, plan[a], plan[b], gather, config))
+            pair = (plan[a], plan[b])
+            if pair not in pairs:
+                pairs[pair] = _pair_moves(p, index, plan[a], plan[b], gather, config)
+            merged, moved = pairs[pair]
+            if merged is not None:
+                merges.append((a, b, (merged,)))
+            transfers.extend((a, b, new) for new in moved)
     shifts: list[tuple[int, PlannedBucket]] = []
-    for e, (bk, i, w) in enumerate(plan):
-        if bk.members[0] not in index:
+    for e, entry in enumerate(plan):
+        if entry.members[0] not in index:
             continue  # fixed collectives stay where they are
-        lo = max(p.colls[m].ready for m in bk.members)
-        hi = min(p.colls[m].needed for m in bk.members)
-        for k in config.steps:
-            for d in (-k, k):
-                if lo <= i + d <= w:
-                    shifts.append((e, PlannedBucket(bk, i + d, w)))
-                if i <= w + d <= hi:
-                    shifts.append((e, PlannedBucket(bk, i, w + d)))
+        if entry not in singles:
+            singles[entry] = _shifts(p, entry, config)
+        shifts.extend((e, moved) for moved in singles[entry])
     return _Moves(plan, merges + transfers, shifts)
+
+
+def _pair_moves(p: Problem, index: dict[str, tuple], first: PlannedBucket, second: PlannedBucket, gather: bool,
+                config: PolishConfig) -> tuple[PlannedBucket | None, list[tuple[PlannedBucket, ...]]]:
+    """The merge of two consecutive buckets of a chain (None when it exceeds the cap or has no
+    issue range) and the moves of the boundary between them (:func:`_transfers`)."""
+    (b1, i1, w1), (b2, i2, w2) = first, second
+    merged = None
+    members = tuple(sorted(b1.members + b2.members, key=lambda m: index[m][1]))
+    if _fits_cap(p, members, config):
+        # all-gathers: ready by the earlier need; reduce-scatters: every gradient in first
+        issue, wait = (min(i1, i2), min(w1, w2)) if gather else (max(i1, i2), max(w1, w2))
+        merged = _placed(p, members, issue, wait)
+    moved = [tuple(pair) for pair in _transfers(p, first, second, gather, config)] if config.transfers else []
+    return merged, moved
+
+
+def _shifts(p: Problem, entry: PlannedBucket, config: PolishConfig) -> tuple[PlannedBucket, ...]:
+    """``entry`` with its issue or its wait moved by each distance of :attr:`PolishConfig.steps`,
+    both ways, within its members' readiness and need."""
+    bk, i, w = entry
+    lo = max(p.colls[m].ready for m in bk.members)
+    hi = min(p.colls[m].needed for m in bk.members)
+    out = []
+    for k in config.steps:
+        for d in (-k, k):
+            if lo <= i + d <= w:
+                out.append(PlannedBucket(bk, i + d, w))
+            if i <= w + d <= hi:
+                out.append(PlannedBucket(bk, i, w + d))
+    return tuple(out)
 
 
 class _Moves(Sequence[list[PlannedBucket]]):

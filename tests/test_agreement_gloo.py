@@ -66,18 +66,18 @@ def _case(rank: int, world_size: int, case: str) -> dict[str, Any]:
         def hook(problem, schedule):
             raise RuntimeError("injected solve failure")
         kwargs["solver"] = SolverOptions(work_limit=1.0, schedule_hook=hook)
-    write = api.apply_schedule
+    write = api.install_schedule
     if faulty and case == "write-back-raises":
         def fail(*args, **kw):
             raise RuntimeError("injected write-back failure")
-        api.apply_schedule = fail  # this rank only: its write-back fails after the ranks agreed
+        api.install_schedule = fail  # this rank only: its write-back fails after the ranks agreed
     before = graph_digest(gm)
     try:
         optimize_schedule(gm, **kwargs)
     except Exception as e:  # every rank returns: with the error or with a report
         return {"raised": type(e).__name__, "message": str(e), "changed": graph_digest(gm) != before}
     finally:
-        api.apply_schedule = write
+        api.install_schedule = write
     report = gm.meta[api.REPORT_KEY]
     return {"raised": None, "status": report.status, "changed": graph_digest(gm) != before,
             "schedule": gm.meta[api.SCHEDULE_KEY] is not None}

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 from conftest import capture_llama_debug  # noqa: E402
 from scheduler import AgreementOptions, SolverOptions, optimize_schedule  # noqa: E402
 from scheduler.api import REPORT_KEY  # noqa: E402
-from scheduler.check.written import choose, graph_digest, judge_graph, write_and_judge  # noqa: E402
+from scheduler.check.written import choose, graph_digest, judge_graph, write_and_judge, written_and_judged  # noqa: E402
+from scheduler.writeback import apply_schedule, copy_graph, copy_module, install_schedule, refill_graph  # noqa: E402
 from scheduler.costs.family import cost_model_family, cost_models  # noqa: E402
 from scheduler.costs.pricing import export_problems  # noqa: E402
 from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
@@ -71,6 +72,43 @@ def test_write_and_judge_leaves_the_graph_alone(backward):
     # FSDP2-like merges and prefetches: another graph, faster and larger than the traced one
     assert judged.n_collectives < traced.n_collectives
     assert judged.step_ms < traced.step_ms and judged.max_peak_bytes > traced.max_peak_bytes
+
+
+@pytest.mark.parametrize("split,control_deps", [(False, False), (True, False), (True, True)])
+def test_the_judged_copy_installs_as_the_graph_a_write_back_gives(backward, split, control_deps):
+    """The copy a candidate was judged on, installed (its all-gathers moved to a second group,
+    its order pinned), is the graph apply_schedule writes on the traced graph: the same nodes,
+    names and order, in the graph object the pass was given."""
+    gm, problem, fsdp2, _, _ = backward
+    schedule = fsdp2.with_split(problem.splittable_groups()) if split else fsdp2
+    assert not split or schedule.split_groups
+    _, written = written_and_judged(gm, problem, schedule, **WRITE)
+    fresh = copy_module(gm)
+    apply_schedule(fresh, problem, schedule, control_deps=control_deps)
+    target = copy_module(gm)
+    graph = target.graph
+    install_schedule(target, problem, schedule, written=written, control_deps=control_deps)
+    assert target.graph is graph
+    assert graph_digest(target) == graph_digest(fresh) != graph_digest(gm)
+    assert [n.name for n in target.graph.nodes] == [n.name for n in fresh.graph.nodes]
+    assert target.code == fresh.code
+
+
+def test_a_refilled_graph_is_the_same_object_holding_the_source(backward):
+    """Restoring a graph (a failed install rolled back) refills the graph object it had: an
+    inductor pass's caller keeps reading that object."""
+    gm, problem, fsdp2, _, _ = backward
+    target = copy_module(gm)
+    graph = target.graph
+    backup = copy_graph(graph)
+    apply_schedule(target, problem, fsdp2)
+    assert graph_digest(target) != graph_digest(gm)
+    refill_graph(target.graph, backup)
+    target.recompile()
+    assert target.graph is graph
+    assert graph_digest(target) == graph_digest(gm)
+    assert [n.name for n in target.graph.nodes] == [n.name for n in gm.graph.nodes]
+    assert all(a.meta.get("val") is b.meta.get("val") for a, b in zip(target.graph.nodes, gm.graph.nodes))
 
 
 def test_graph_digest_ignores_names_not_structure(llama):

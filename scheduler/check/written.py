@@ -119,6 +119,9 @@ class Candidate:
     figures: Figures | None = None
     #: why it was not installed (None for the chosen one)
     dropped: str | None = None
+    #: the copy of the graph it was written on and judged on (:func:`written_and_judged`), kept
+    #: for the chosen one only; None for the traced order
+    written: "torch.fx.GraphModule | None" = None
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "digest": self.schedule.digest(),
@@ -128,18 +131,28 @@ class Candidate:
 
 def write_and_judge(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, *, cost_model: Any,
                     cluster: Any, payload_order: str, control_deps: bool) -> Figures:
+    """``schedule`` written back on a copy of ``gm`` and judged there (:func:`written_and_judged`),
+    its figures."""
+    return written_and_judged(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
+                              payload_order=payload_order, control_deps=control_deps)[0]
+
+
+def written_and_judged(gm: "torch.fx.GraphModule", problem: Problem, schedule: Schedule, *, cost_model: Any,
+                       cluster: Any, payload_order: str, control_deps: bool
+                       ) -> tuple[Figures, "torch.fx.GraphModule | None"]:
     """``schedule`` written back on a copy of ``gm`` (without control dependencies: a pinned
     graph cannot be re-exported, and pins change no order; all-gathers left on their group: a
     second group is made only at install, :func:`scheduler.writeback.second_group`) and judged
-    there, its split groups priced as split. The traced order is ``gm`` itself, judged as it is
-    (nothing written, no copy): installing it changes nothing, so its figures are the graph's
-    own peak by the counts that judge every candidate."""
+    there, its split groups priced as split; returns the figures and the copy, which
+    :func:`scheduler.writeback.install_schedule` installs as it is. The traced order is ``gm``
+    itself, judged as it is (nothing written, no copy: None): installing it changes nothing, so
+    its figures are the graph's own peak by the counts that judge every candidate."""
     if schedule.digest() == problem.traced_schedule().digest():
-        return judge_graph(gm, cost_model, cluster)
+        return judge_graph(gm, cost_model, cluster), None
     written = copy_module(gm)
     apply_schedule(written, problem, schedule, payload_order=payload_order, control_deps=False,
                    move_all_gathers=False)
-    return judge_graph(written, cost_model, cluster, schedule.split_groups)
+    return judge_graph(written, cost_model, cluster, schedule.split_groups), written
 
 
 def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[str, Schedule]],
@@ -167,8 +180,8 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
         c = Candidate(name=name, schedule=schedule)
         judged.append(c)
         try:
-            c.figures = write_and_judge(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
-                                        payload_order=payload_order, control_deps=control_deps)
+            c.figures, written = written_and_judged(gm, problem, schedule, cost_model=cost_model, cluster=cluster,
+                                                    payload_order=payload_order, control_deps=control_deps)
         except (ScheduleError, ValueError, RuntimeError) as e:
             c.dropped = f"not written back: {type(e).__name__}: {e}"
             logger.warning("fsdp-sched: candidate %s could not be written back: %s", name, e)
@@ -178,6 +191,7 @@ def choose(gm: "torch.fx.GraphModule", problem: Problem, ranked: Sequence[tuple[
                          f"{c.figures.decided_by} ({_counts(c.figures)}), over the budget")
             logger.warning("fsdp-sched: candidate %s dropped: %s", name, c.dropped)
             continue
+        c.written = written
         return c, judged
     fitted = [c for c in judged if c.figures is not None]
     if not fitted:
