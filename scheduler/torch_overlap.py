@@ -140,8 +140,9 @@ def torch_overlap_schedule(
             0.05; None: no ratio term). torch allows the larger of the two.
         inplace: rewrite ``gm``'s own graph object (an inductor pass must mutate the graph it
             was given); default False: ``gm`` is not modified.
-        reuse: run it at the cost of a start (module docstring): each merge shape traced once,
-            each roofline estimated once, the unread estimate log skipped. torch's decisions
+        reuse: run it at the cost of a start (module docstring): on a copy of the graph's nodes
+            that shares their values, each merge shape traced once, each roofline estimated
+            once, the unread estimate log skipped, no code generated. torch's decisions
             and the graph it writes are the same, but buckets of one shape merged after the
             bucketer decided share FakeTensors: a graph to read, not to run or count. False
             (default) runs torch's code as is, the cost torch.compile pays.
@@ -174,14 +175,22 @@ def torch_overlap_schedule(
         if options[key] != "analytical":
             raise ValueError(f"{key}={options[key]!r} needs a GPU; only 'analytical' runs here")
 
-    out = gm if inplace else copy.deepcopy(gm)
+    if inplace:
+        out = gm
+    elif reuse:  # a graph to read: its nodes copied, their values shared (torch's pass replaces nodes, never values)
+        from scheduler.writeback import copy_module
+
+        out = copy_module(gm)
+    else:
+        out = copy.deepcopy(gm)
     before = collective_count(out)
     with process_groups_for(out, make_group=make_group), cpu_estimator_patches(cluster), \
             (_reused_work() if reuse else contextlib.nullcontext()):
         try:
             out = schedule_overlap_bucketing(out, **options)
             out.graph.lint()
-            out.recompile()
+            if not reuse:  # a graph to read needs no code
+                out.recompile()
         except Exception as e:
             raise TorchPassError(
                 f"torch's overlap scheduler failed on this graph ({type(e).__name__}: {e}); torch's schedule "
