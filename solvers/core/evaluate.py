@@ -58,7 +58,7 @@ from solvers.core.memory_analysis import AT_ISSUE, AT_WAIT
 from solvers.core.peaks import Template, memory_model
 from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
-from solvers.core.schedule import Bucket, Schedule, Step, order_gap, reads_in_gap
+from solvers.core.schedule import Bucket, Schedule, Step, order_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
 from solvers.core.timeline import Timeline, bucket_steps
 
@@ -187,6 +187,14 @@ class Evaluator:
         """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
         reading the result of a bucket waited there (``after``: bucket -> the buckets whose
         results it reads) in :func:`order_gap`'s order, as :meth:`Problem.schedule_at` builds it."""
+        issued, waited = {}, {}
+        for gap, _, b, is_issue in keys:
+            (issued if is_issue else waited)[b] = gap
+        # the gaps where a bucket is issued that reads one waited there (reads_in_gap)
+        gaps = {issued[b] for b, ds in after.items() if b in issued and
+                any(d != b and waited.get(d) == issued[b] for d in ds)}
+        if not gaps:
+            return keys
         out: list = []
         k = 0
         while k < len(keys):
@@ -194,8 +202,7 @@ class Evaluator:
             while end < len(keys) and keys[end][0] == keys[k][0]:
                 end += 1
             group = keys[k:end]
-            if reads_in_gap((b for _, _, b, is_issue in group if is_issue),
-                            (b for _, _, b, is_issue in group if not is_issue), after):
+            if keys[k][0] in gaps:
                 phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
                 steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
                                   lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)

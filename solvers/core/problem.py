@@ -277,8 +277,16 @@ class Problem:
         """Bucket -> the buckets whose results its issue reads (:attr:`issue_after`), for the
         buckets of these ``members``; a set for every bucket, empty for most."""
         bucket_of = {m: b for b, ms in enumerate(members) for m in ms}
-        return {b: {bucket_of[d] for m in ms for d in self.issue_after.get(m, ()) if d in bucket_of}
-                for b, ms in enumerate(members)}
+        out: dict[int, set[int]] = {b: set() for b in range(len(members))}
+        for m in self.readers:  # few collectives read another's result
+            if m in bucket_of:
+                out[bucket_of[m]].update(bucket_of[d] for d in self.issue_after[m] if d in bucket_of)
+        return out
+
+    @cached_property
+    def readers(self) -> tuple[str, ...]:
+        """The collectives whose issue reads another's result (:attr:`issue_after`)."""
+        return tuple(name for name, read in self.issue_after.items() if read)
 
     def after_waits(self, buckets: Sequence[Bucket], after: Mapping[int, Iterable[int]], issue_at: Sequence[int],
                     wait_at: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -292,9 +300,11 @@ class Problem:
         issue_at, wait_at = list(issue_at), list(wait_at)
         if not any(after.values()):  # no bucket reads another's result: nothing to move
             return issue_at, wait_at
-        movable = [self.colls[bk.members[0]].movable for bk in buckets]
-        lo = [max(self.colls[m].ready for m in bk.members) for bk in buckets]
-        hi = [min(self.colls[m].needed for m in bk.members) for bk in buckets]
+        # of the buckets that read or are read only: the others never move here
+        involved = {b for b, ds in after.items() if ds} | {d for ds in after.values() for d in ds}
+        movable = {b: self.colls[buckets[b].members[0]].movable for b in involved}
+        lo = {b: max(self.colls[m].ready for m in buckets[b].members) for b in involved}
+        hi = {b: min(self.colls[m].needed for m in buckets[b].members) for b in involved}
         for _ in range(len(issue_at)):
             changed = False
             for b, ds in after.items():
