@@ -189,6 +189,8 @@ class Timeline:
             cached = _TIMES[p] = (functools.reduce(operator.add, self.compute_ms, 0.0), {})
         #: members -> (copy-in ms, copy-out ms, communication ms, group)
         self.total_compute_ms, self.costs = cached
+        #: split groups -> (stream -> its link; (members -> cost on its stream))
+        self.by_split: dict[frozenset, tuple[dict, dict]] = {}
 
     def cost(self, members: tuple[str, ...]) -> BucketCost:
         """The :data:`BucketCost` of a bucket of ``members`` on its group's own stream."""
@@ -211,9 +213,16 @@ class Timeline:
         links = None
         if split_groups or p.shares_links:
             split = frozenset(split_groups)
-            costs = [(cin, cout, dur, stream_of(p.colls[m[0]].coll_type, group, split))
-                     for (cin, cout, dur, group), m in zip(costs, members)]
-            links = shared_links(p.stream_links(split_groups))
+            if split not in self.by_split:
+                self.by_split[split] = (p.stream_links(split_groups), {})
+            link_of, on_stream = self.by_split[split]
+            for k, m in enumerate(members):
+                c = on_stream.get(m)
+                if c is None:
+                    cin, cout, dur, group = costs[k]
+                    c = on_stream[m] = (cin, cout, dur, stream_of(p.colls[m[0]].coll_type, group, split))
+                costs[k] = c
+            links = shared_links(link_of)  # fresh links: they hold a run's state
         clock = Clock(self.compute_ms, costs, links)
         clock.advance(steps)
         clock.finish()
