@@ -207,8 +207,7 @@ def _reused_work() -> Iterator[None]:
     (:func:`scheduler.writeback.merge_traces_reused`; once the bucketer has decided, without
     fresh FakeTensors for a reused trace, :func:`scheduler.writeback.merge_values_shared`), the
     bucketer's path queries over plain sets (:func:`_has_path`), each symbolic size's hint worked out
-    once (a graph with data-dependent sizes, a MoE's, asks for the same few thousands of times,
-    and each answer simplifies an expression), each node's roofline estimated once
+    once (:func:`scheduler.costs.torch_model.hints_once`), each node's roofline estimated once
     (the pass estimates every compute node again when it aligns the estimates across ranks,
     which with analytical estimators only logs them), and the estimate log, which nothing
     reads unless torch's structured tracing is on, not formatted."""
@@ -216,8 +215,8 @@ def _reused_work() -> Iterator[None]:
 
     from torch._inductor.augmented_graph_helper import AugmentedGraphHelper
     from torch._inductor.fx_passes import node_runtime_estimation, overlap_preserving_bucketer, overlap_scheduling
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    from scheduler.costs.torch_model import hints_once
     from scheduler.writeback import merge_traces_reused, merge_values_shared
 
     estimate = overlap_scheduling.estimate_roofline_runtime_ms
@@ -231,22 +230,6 @@ def _reused_work() -> Iterator[None]:
         if key not in memo:
             memo[key] = (estimate(node), values)
         return memo[key][0]
-
-    hint = ShapeEnv.optimization_hint
-    # by expression and by the state of the shape environment it is read against (torch's own
-    # cache key, and the symbols' ranges, which that key leaves out)
-    hints: dict[tuple, int] = {}
-
-    def hint_once(self: ShapeEnv, expr: Any, fallback: int | None = None) -> int:
-        try:
-            key = (id(self), self._version_counter, len(self.replacements), len(self.backed_var_to_val),
-                   len(self.var_to_hint_override), frozenset(self.var_to_range.items()), expr, fallback)
-            hash(key)
-        except (AttributeError, TypeError):
-            return hint(self, expr, fallback=fallback)
-        if key not in hints:
-            hints[key] = hint(self, expr, fallback=fallback)
-        return hints[key]
 
     finalize = overlap_preserving_bucketer.finalize_overlap_scheduling
 
@@ -263,7 +246,7 @@ def _reused_work() -> Iterator[None]:
                                               finalize_on_shared_values))
         stack.enter_context(mock.patch.object(overlap_scheduling, "estimate_roofline_runtime_ms", estimate_once))
         stack.enter_context(mock.patch.object(AugmentedGraphHelper, "has_path", _has_path))
-        stack.enter_context(mock.patch.object(ShapeEnv, "optimization_hint", hint_once))
+        stack.enter_context(hints_once())
         if not _structured_trace_on():
             stack.enter_context(mock.patch.object(node_runtime_estimation, "_log_compute_estimations",
                                                   lambda *args, **kwargs: None))

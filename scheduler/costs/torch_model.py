@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,6 +29,41 @@ def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, saved)
+
+
+#: shape environment -> (its state, expression, fallback) -> torch's optimization hint
+_HINTS: "weakref.WeakKeyDictionary[Any, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def hints_once() -> Iterator[None]:
+    """Inside: torch's ``ShapeEnv.optimization_hint`` (the size a symbolic size is estimated at)
+    worked out once per expression and state of the shape environment (torch's own cache key,
+    its version counter, and the symbols' ranges, which that key leaves out), kept while the
+    environment lives. A graph with data-dependent sizes (a MoE's) asks torch's estimators for
+    the same few hundred sizes thousands of times, and each answer simplifies an expression."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    hint = ShapeEnv.optimization_hint
+    if getattr(hint, "_memoised", False):  # already inside
+        yield
+        return
+
+    def hint_once(self: Any, expr: Any, fallback: int | None = None) -> int:
+        try:
+            key = (self._version_counter, len(self.replacements), len(self.backed_var_to_val),
+                   len(self.var_to_hint_override), frozenset(self.var_to_range.items()), expr, fallback)
+            hash(key)
+            memo = _HINTS.setdefault(self, {})
+        except (AttributeError, TypeError):
+            return hint(self, expr, fallback=fallback)
+        if key not in memo:
+            memo[key] = hint(self, expr, fallback=fallback)
+        return memo[key]
+
+    hint_once._memoised = True  # type: ignore[attr-defined]
+    with _replaced(ShapeEnv, "optimization_hint", hint_once):
+        yield
 
 
 class TorchCostModel:
@@ -84,7 +120,7 @@ class TorchCostModel:
         import torch.utils._runtime_estimation as rte
         from torch._inductor.fx_passes import overlap_scheduling as osched
 
-        with self._peaks():
+        with self._peaks(), hints_once():
             try:
                 if fx_node.target is torch.ops.aten.copy_.default:
                     src, out = fx_node.args[1].meta["val"], fx_node.meta["val"]
