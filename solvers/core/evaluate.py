@@ -48,6 +48,7 @@ stay the simulator's.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import weakref
@@ -127,6 +128,8 @@ class Evaluator:
         self.involved = {m for c, _, d in self.after for m in (c, d)}
         self.fast = self.memory.reason is None
         self.reason = self.memory.reason
+        #: a gap's content -> its steps in order_gap's order (:meth:`_gap_order`)
+        self._gap_orders: dict[tuple, tuple[tuple[int, bool], ...]] = {}
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, schedule: Schedule) -> ReadSchedule:
@@ -182,8 +185,7 @@ class Evaluator:
                                                [e[2] for e in ordered])
         return [e if (e[1], e[2]) == (i, w) else PlannedBucket(e[0], i, w) for e, i, w in zip(ordered, issue, wait)]
 
-    @staticmethod
-    def _after_waits(keys: list, after: Mapping[int, set[int]]) -> list:
+    def _after_waits(self, keys: list, after: Mapping[int, set[int]]) -> list:
         """``keys`` (sorted ``(gap, phase, bucket, is_issue)``) with each gap that holds an issue
         reading the result of a bucket waited there (``after``: bucket -> the buckets whose
         results it reads) in :func:`order_gap`'s order, as :meth:`Problem.schedule_at` builds it."""
@@ -191,25 +193,35 @@ class Evaluator:
         for gap, _, b, is_issue in keys:
             (issued if is_issue else waited)[b] = gap
         # the gaps where a bucket is issued that reads one waited there (reads_in_gap)
-        gaps = {issued[b] for b, ds in after.items() if b in issued and
-                any(d != b and waited.get(d) == issued[b] for d in ds)}
+        gaps = sorted({issued[b] for b, ds in after.items() if b in issued and
+                       any(d != b and waited.get(d) == issued[b] for d in ds)})
         if not gaps:
             return keys
         out: list = []
-        k = 0
-        while k < len(keys):
-            end = k
-            while end < len(keys) and keys[end][0] == keys[k][0]:
-                end += 1
-            group = keys[k:end]
-            if keys[k][0] in gaps:
-                phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
-                steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
-                                  lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)
-                group = [(keys[k][0], 0, st.ref, st.kind == "issue") for st in steps]
-            out.extend(group)
-            k = end
+        done = 0
+        for gap in gaps:
+            lo, hi = bisect.bisect_left(keys, (gap,)), bisect.bisect_left(keys, (gap + 1,))
+            out.extend(keys[done:lo])
+            out.extend((gap, 0, b, is_issue) for b, is_issue in self._gap_order(keys[lo:hi], after))
+            done = hi
+        out.extend(keys[done:])
         return out
+
+    def _gap_order(self, group: list, after: Mapping[int, set[int]]) -> tuple[tuple[int, bool], ...]:
+        """The (bucket, is_issue) steps of one gap's ``group`` of keys in :func:`order_gap`'s
+        order; kept by the gap's content (a neighbour of a plan leaves most gaps as they were)."""
+        key = (tuple((ph, b, is_issue) for _, ph, b, is_issue in group),
+               tuple((b, frozenset(after.get(b, ()))) for _, _, b, is_issue in group if is_issue))
+        found = self._gap_orders.get(key)
+        if found is None:
+            phase = {(is_issue, b): ph for _, ph, b, is_issue in group}
+            steps = order_gap([("issue" if is_issue else "wait", b) for _, _, b, is_issue in group],
+                              lambda ev: (phase[(ev[0] == "issue", ev[1])], ev[1]), after)
+            found = tuple((st.ref, st.kind == "issue") for st in steps)
+            if len(self._gap_orders) >= _GAP_ORDERS_KEPT:
+                self._gap_orders.clear()
+            self._gap_orders[key] = found
+        return found
 
     def _check(self, members: tuple[tuple[str, ...], ...], ops) -> tuple[Template, ...] | None:
         """The cheap part of validity (module docstring): the buckets' templates, or None when
@@ -297,6 +309,10 @@ class Evaluator:
         self.fallbacks += 1
         p = self.problem
         return simulate(p.dag, read.to_schedule(p), problem=p).figures()
+
+
+#: gap orders an evaluator keeps (:meth:`Evaluator._gap_order`) before it starts again
+_GAP_ORDERS_KEPT = 100_000
 
 
 def _collective_dependencies(p: Problem) -> tuple[tuple[str, int, str], ...]:
