@@ -344,8 +344,8 @@ def _shifts(p: Problem, entry: PlannedBucket, config: PolishConfig) -> tuple[Pla
 
 class _Moves(Sequence[list[PlannedBucket]]):
     """The neighbours of a plan (:func:`_neighbours`), in their order, each plan built when it
-    is read: the search reads a few of the thousands a large graph has before it moves, and
-    building every one costs more than evaluating those few.
+    is read: the search reads few of a large graph's neighbours before it moves, and building
+    every one costs more than evaluating those few.
 
     A pair move replaces two buckets of a chain by new ones, put after the rest of the plan; a
     shift replaces one bucket where it stands."""

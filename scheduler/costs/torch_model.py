@@ -40,8 +40,8 @@ def hints_once() -> Iterator[None]:
     """Inside: torch's ``ShapeEnv.optimization_hint`` (the size a symbolic size is estimated at)
     worked out once per expression and state of the shape environment (torch's own cache key,
     its version counter, and the symbols' ranges, which that key leaves out), kept while the
-    environment lives. A graph with data-dependent sizes (a MoE's) asks torch's estimators for
-    the same few hundred sizes thousands of times, and each answer simplifies an expression."""
+    environment lives. On a graph with data-dependent sizes (a MoE's) torch's estimators ask for
+    the same sizes again and again, and each answer simplifies an expression."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     hint = ShapeEnv.optimization_hint
