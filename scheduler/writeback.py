@@ -129,14 +129,7 @@ def apply_schedule(
                 last_wait=by_name[problem.colls[last].wait],
                 bucket_mode=bucket_mode,
             )
-    if seconds:
-        moved = _split_all_gathers(graph, seconds)
-        logger.debug("moved %d all-gathers to a second group of the same ranks", moved)
-    if control_deps:
-        n_deps = _pin_order(graph)
-        logger.debug("added control dependencies to %d nodes", n_deps)
-    graph.lint()
-    gm.recompile()
+    _streams_pins_and_code(gm, seconds, control_deps)
     logger.debug(
         "applied schedule %s: %d buckets (%d merged), payload order %s",
         schedule.digest()[:12],
@@ -171,13 +164,22 @@ def install_schedule(
     # resolved (a second group made) before anything changes, so that a refusal leaves gm untouched
     seconds = {g: second_group(g) for g in schedule.split_groups}
     refill_graph(gm.graph, written.graph)
+    _streams_pins_and_code(gm, seconds, control_deps)
+    return gm
+
+
+def _streams_pins_and_code(gm: "torch.fx.GraphModule", seconds: dict[str, str], control_deps: bool) -> None:
+    """Steps 3 to 5 of :func:`apply_schedule` on a graph whose buckets are merged and ordered:
+    the all-gathers of each group of ``seconds`` (group -> its second group) moved there, the
+    order pinned (``control_deps``), the graph linted and its code made."""
     if seconds:
-        _split_all_gathers(gm.graph, seconds)
+        moved = _split_all_gathers(gm.graph, seconds)
+        logger.debug("moved %d all-gathers to a second group of the same ranks", moved)
     if control_deps:
-        _pin_order(gm.graph)
+        n_deps = _pin_order(gm.graph)
+        logger.debug("added control dependencies to %d nodes", n_deps)
     gm.graph.lint()
     gm.recompile()
-    return gm
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from solvers.core.memory_analysis import AT_ISSUE, AT_WAIT
 from solvers.core.peaks import Template, memory_model
 from solvers.core.plan import PlannedBucket, chain_key
 from solvers.core.problem import Problem
-from solvers.core.schedule import Bucket, Schedule, Step, order_gap
+from solvers.core.schedule import Bucket, Schedule, Step, gaps_reading_in_gap, order_gap
 from solvers.core.simulator import ScheduleInvalidError, SimResult, simulate
 from solvers.core.timeline import Timeline, bucket_steps
 
@@ -192,9 +192,7 @@ class Evaluator:
         issued, waited = {}, {}
         for gap, _, b, is_issue in keys:
             (issued if is_issue else waited)[b] = gap
-        # the gaps where a bucket is issued that reads one waited there (reads_in_gap)
-        gaps = sorted({issued[b] for b, ds in after.items() if b in issued and
-                       any(d != b and waited.get(d) == issued[b] for d in ds)})
+        gaps = sorted(gaps_reading_in_gap(issued, waited, after))
         if not gaps:
             return keys
         out: list = []

@@ -160,6 +160,7 @@ class Schedule:
             events.append((w, 2 if i == w else 0, b))
         events.sort()
         nodes = _node_steps(seq)
+        reading = gaps_reading_in_gap(issue_at, wait_at, after) if after else set()
         steps: list[Step] = []
         at, k = 0, 0
         while k < len(events):
@@ -170,8 +171,7 @@ class Schedule:
             steps.extend(nodes[at:gap])
             at = gap
             group = events[k:end]
-            if after and reads_in_gap((b for _, ph, b in group if ph == 1), (b for _, ph, b in group if ph != 1),
-                                      after):
+            if gap in reading:
                 steps.extend(order_gap([("issue" if ph == 1 else "wait", b) for _, ph, b in group],
                                        lambda e: (1 if e[0] == "issue" else (2 if issue_at[e[1]] == wait_at[e[1]] else 0),
                                                   e[1]), after))
@@ -248,13 +248,13 @@ def _node_steps(seq: Sequence[str]) -> tuple[Step, ...]:
     return cached[1]
 
 
-def reads_in_gap(issued: Iterable[int], waited: Iterable[int], after: Mapping[int, Iterable[int]]) -> bool:
-    """Whether a bucket ``issued`` in a gap reads the result of a bucket ``waited`` in the same
-    gap (``after``: bucket -> the buckets whose results its issue reads). Where none does,
-    :func:`order_gap` orders the gap's steps as they are sorted (its priority is their phase,
-    then their bucket), so it need not run."""
-    waited = set(waited)
-    return any(d != b and d in waited for b in issued for d in after.get(b, ()))
+def gaps_reading_in_gap(issue_at: Mapping[int, int] | Sequence[int], wait_at: Mapping[int, int] | Sequence[int],
+                        after: Mapping[int, Iterable[int]]) -> set[int]:
+    """The gaps in which a bucket is issued that reads the result of a bucket waited in the same
+    gap (``issue_at`` / ``wait_at``: each bucket's gaps; ``after``: bucket -> the buckets whose
+    results its issue reads). In any other gap :func:`order_gap` orders the steps as they are
+    sorted (its priority is their phase, then their bucket), so it need not run."""
+    return {issue_at[b] for b, ds in after.items() if any(d != b and wait_at[d] == issue_at[b] for d in ds)}
 
 
 def order_gap(

@@ -201,14 +201,19 @@ class Timeline:
                                        p.colls[members[0]].group_name)
         return c
 
+    def _on_stream(self, members: tuple[str, ...], split: frozenset, on_stream: dict) -> BucketCost:
+        """:meth:`cost` with the stream the bucket runs on where ``split`` groups are split,
+        kept in ``on_stream``."""
+        cin, cout, dur, group = self.cost(members)
+        c = on_stream[members] = (cin, cout, dur, stream_of(self.p.colls[members[0]].coll_type, group, split))
+        return c
+
     def run(self, steps: Sequence[BucketStep], members: Sequence[tuple[str, ...]],
             split_groups: tuple[str, ...] = ()) -> tuple[float, float, float, dict[str, float]]:
         """(step_ms, compute_ms, exposed_comm_ms, comm_ms per stream) of the schedule whose
         issue and wait steps are ``steps`` and buckets ``members``, walked by a :class:`Clock`
         without records (``compute_ms`` is the nodes' total plus the copies: the simulator's sum
         up to rounding)."""
-        get = self.costs.get
-        costs = [get(m) or self.cost(m) for m in members]
         p = self.p
         links = None
         if split_groups or p.shares_links:
@@ -216,13 +221,11 @@ class Timeline:
             if split not in self.by_split:
                 self.by_split[split] = (p.stream_links(split_groups), {})
             link_of, on_stream = self.by_split[split]
-            for k, m in enumerate(members):
-                c = on_stream.get(m)
-                if c is None:
-                    cin, cout, dur, group = costs[k]
-                    c = on_stream[m] = (cin, cout, dur, stream_of(p.colls[m[0]].coll_type, group, split))
-                costs[k] = c
+            costs = [on_stream.get(m) or self._on_stream(m, split, on_stream) for m in members]
             links = shared_links(link_of)  # fresh links: they hold a run's state
+        else:
+            get = self.costs.get
+            costs = [get(m) or self.cost(m) for m in members]
         clock = Clock(self.compute_ms, costs, links)
         clock.advance(steps)
         clock.finish()
