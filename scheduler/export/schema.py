@@ -35,8 +35,10 @@ Node attributes (key = FX node name):
     target (str): op name, e.g. "aten.mm.default".
     runtime_ms (float): compute-stream time (compute), communication time (collective),
         0 for everything else.
-    size_bytes (int): bytes of the node's output tensors (0 for non-tensors). For collectives,
-        the bytes allocated at issue: 0 when the collective writes into a buffer it is given
+    size_bytes (int): bytes of the node's output tensors (0 for non-tensors). A graph input that
+        is a view of a larger storage no other input shares (a saved slice of an activation)
+        counts the whole storage, which it holds while it lives. For collectives, the bytes
+        allocated at issue: 0 when the collective writes into a buffer it is given
         (``all_gather_into_tensor_out``; ``alias_of`` names the buffer).
     alias_of (str | None): for nodes whose output shares another node's storage (views,
         ``getitem``, ``_unsafe_view``, waits, in-place ops such as ``copy_``, and collectives
