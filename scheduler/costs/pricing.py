@@ -16,7 +16,7 @@ from scheduler.costs.family import ComputeFrom, compute_key
 from scheduler.costs.hardware import Cluster
 from scheduler.costs.spec import resolve_cost_model
 from scheduler.export.dag import export_dag
-from solvers.core.problem import Problem
+from solvers.core.problem import Problem, copy_dag
 
 if TYPE_CHECKING:
     import torch.fx
@@ -43,7 +43,7 @@ def export_problems(gm: "torch.fx.GraphModule", models: Mapping[str, Any], clust
         out: dict[str, Problem] = {}
         priced = {key_of(labels[0]): dag}
         for label in labels[1:]:
-            other: nx.DiGraph = dag.copy()
+            other: nx.DiGraph = copy_dag(dag)
             other.graph = copy.deepcopy(dag.graph)
             model = resolve_cost_model(models[label], cluster)
             base = priced.get(key_of(label))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from solvers.core.problem import Problem
+from solvers.core.problem import Problem, copy_dag
 from solvers.core.schedule import Schedule, ScheduleError
 
 
@@ -47,7 +47,7 @@ def in_order(problem: Problem, order: Sequence[str]) -> Problem:
             raise ScheduleError(f"the order runs {v!r} before its input {u!r}")
     if list(order) == list(dag.graph["order"]):
         return problem
-    reordered = dag.copy()
+    reordered = copy_dag(dag)
     reordered.graph["order"] = list(order)
     return Problem.from_dag(reordered)
 

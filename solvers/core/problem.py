@@ -489,6 +489,19 @@ class Problem:
         return lower_bound_ms(self)
 
 
+def copy_dag(dag: nx.DiGraph) -> nx.DiGraph:
+    """A copy of ``dag`` (node and edge attribute dicts copied, the graph's attributes shared, as
+    ``nx.DiGraph.copy`` does) that keeps each node's predecessors in their order:
+    ``DiGraph.copy`` lists them by the order of the nodes instead, and problems whose DAGs list
+    them alike share one memory analysis (:func:`solvers.core.peaks.memory_model`). Edges are
+    added target by target, so each node's successors are in the order the export adds them."""
+    out = nx.DiGraph()
+    out.graph.update(dag.graph)
+    out.add_nodes_from((n, dict(a)) for n, a in dag.nodes(data=True))
+    out.add_edges_from((u, v, dict(d)) for v in dag for u, d in dag.pred[v].items())
+    return out
+
+
 def _mergeable(dag: nx.DiGraph, a: dict, users: tuple[str, ...]) -> bool:
     """Whether torch's merge functions may take the collective of DAG attributes ``a`` into a
     bucket: an all-gather, a reduce-scatter or (with the DAG's ``merge_all_reduces``: a merged
