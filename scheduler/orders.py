@@ -69,13 +69,14 @@ Outcome = tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveRes
 def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]],
                  budget: int | None, solver: SolverOptions, traced: Problem
                  ) -> tuple[list[tuple[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]], Started]],
-                            InfeasibleBudgetError | None]:
+                            InfeasibleBudgetError | None, list[tuple[str, InfeasibleBudgetError]]]:
     """The search's first stage (its starts, :func:`solvers.search.begin`) in each order of
     :func:`search_orders`, so that its later stages run in the order whose starts are better
     (:func:`better_order`) and not in both. An order in which no start fits is left out (the
-    other may fit; the first refusal is returned for when none does); a failure in torch's order
-    is a warning, never the call's failure."""
-    begun, refusal = [], None
+    other may fit; the first refusal is returned for when none does, and each order left out
+    with its refusal, whose stages the report keeps); a failure in torch's order is a warning,
+    never the call's failure."""
+    begun, refusal, left_out = [], None, []
     for name, base, named in orders:
         options = starts_in_order(solver, traced, next(iter(base.values())))
         try:
@@ -84,6 +85,7 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
                             all_gather_stream=options.all_gather_stream, baselines=named)
         except InfeasibleBudgetError as e:
             refusal = refusal or e
+            left_out.append((name, e))
             continue
         except Exception as e:  # torch's order is a second chance, never the call's failure
             if name != "torch":
@@ -91,7 +93,7 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
             logger.warning("fsdp-sched: the search in torch's order of compute failed (%s: %s)", type(e).__name__, e)
             continue
         begun.append(((name, base, named), started))
-    return begun, refusal
+    return begun, refusal, left_out
 
 
 def better_order(outcomes: Sequence[Outcome], solver: SolverOptions, *, on_starts: bool = False

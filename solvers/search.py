@@ -225,10 +225,14 @@ def begin(
     found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)], named)
     if not found:
         peak = smallest if smallest is not None else 0
-        raise InfeasibleBudgetError(
+        refusal = InfeasibleBudgetError(
             f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
             f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
             mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+        # the work spent all the same, for a caller that goes on in another order of compute
+        refusal.stages = [StageRecord(name="starts", wall_s=time.perf_counter() - t0,
+                                      evaluations=objective.evaluations)]
+        raise refusal
     groups = objective.primary.splittable_groups() if all_gather_stream != "shared" else ()
     split_best = None
     if groups:

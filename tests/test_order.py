@@ -170,3 +170,25 @@ def test_the_order_is_chosen_on_its_starts_by_the_regret_alone():
               result(analytic=240.0, torch=185.0))
     k, notes = better_order([traced, faster], solver, on_starts=True)
     assert k == 1 and len(notes) == 1
+
+
+def test_an_order_with_no_start_within_the_budget_keeps_its_starts_in_the_report(monkeypatch):
+    """At the traced peak of a llama3-8b forward no start fits in torch's order (its order runs
+    inputs of all-gathers early): the search goes on in the traced order, and the report's stage
+    table still holds the starts of both orders, the refused one with its evaluations and no
+    step, so that the stages account for the time spent."""
+    from models import capture_fsdp_graphs
+    from models.capture import fake_process_group
+    from scheduler.check.written import judge_graph
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", "0")
+    with fake_process_group(64):
+        gm = capture_fsdp_graphs("llama3-8b", world_size=64, n_layers=2).forward
+        budget = judge_graph(gm).max_peak_bytes
+        optimize_schedule(gm, budget, solver=SolverOptions(compute_order="choose"))
+    report = gm.meta[api.REPORT_KEY]
+    starts = [s for s in report.stages if s["name"] == "starts"]
+    assert report.compute_order == "traced" and len(starts) == 2
+    refused = [s for s in starts if s["step_ms"] is None]
+    assert len(refused) == 1 and refused[0]["evaluations"] > 0 and refused[0]["wall_s"] > 0
+    assert judge_graph(gm).max_peak_bytes <= budget
