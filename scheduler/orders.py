@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.costs.hardware import Cluster
 from scheduler.options import SolverOptions
 from scheduler.torch_overlap import TorchStart, torch_starts
-from solvers.core import InfeasibleBudgetError, Problem, Schedule, SolveResult, simulate
-from solvers.core.order import in_order, node_order
+from solvers.core import InfeasibleBudgetError, Problem, Schedule, SolveResult, StageRecord, simulate
 from solvers.core.evaluate import ModelEvaluator
+from solvers.core.order import in_order, node_order
+from solvers.core.peaks import memory_model
+from solvers.core.units import fmt_bytes
 from solvers.registry import BACKENDS, check_starts
 from solvers.search import Started, begin
 
@@ -69,23 +72,40 @@ Outcome = tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]], SolveRes
 def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]]],
                  budget: int | None, solver: SolverOptions, traced: Problem
                  ) -> tuple[list[tuple[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]], Started]],
-                            InfeasibleBudgetError | None, list[tuple[str, InfeasibleBudgetError]]]:
+                            InfeasibleBudgetError | None, list[tuple[InfeasibleBudgetError, str]]]:
     """The search's first stage (its starts, :func:`solvers.search.begin`) in each order of
     :func:`search_orders`, so that its later stages run in the order whose starts are better
     (:func:`better_order`) and not in both. An order in which no start fits is left out (the
     other may fit; the first refusal is returned for when none does, and each order left out
-    with its refusal, whose stages the report keeps); a failure in torch's order is a warning,
-    never the call's failure."""
+    as its refusal, whose stages the report keeps, and the report's note); a failure in torch's order is a warning,
+    never the call's failure.
+
+    An order after the first whose least peak (:func:`least_peak_over`) is over the budget is
+    left out without its starts: no schedule of it fits. The first order's starts run whatever
+    its bound says, so that a refusal names the smallest peak a schedule reaches."""
     begun, refusal, left_out = [], None, []
-    for name, base, named in orders:
+    for k, (name, base, named) in enumerate(orders):
         options = starts_in_order(solver, traced, next(iter(base.values())))
+        t0 = time.perf_counter()
+        least = least_peak_over(next(iter(base.values()))) if k and budget is not None else None
+        if least is not None and least[0] > budget:
+            e = InfeasibleBudgetError(
+                f"no schedule in the {name} order of compute keeps peak memory under {fmt_bytes(budget)}: each "
+                f"holds at least {fmt_bytes(least[0])} ({least[0]} B) at {least[1]!r}",
+                mem_budget_bytes=budget, min_peak_bytes=least[0])
+            e.stages = [StageRecord(name="starts", wall_s=time.perf_counter() - t0)]
+            refusal = refusal or e
+            left_out.append((e, f"the {name} order of compute left out: no schedule of it fits the budget (each "
+                                f"holds at least {fmt_bytes(least[0])} at {least[1]!r})"))
+            continue
         try:
             check_starts(next(iter(base.values())), options.extra_starts, named)
             started = begin(base, budget, config=options.search, extra_starts=options.extra_starts,
                             all_gather_stream=options.all_gather_stream, baselines=named)
         except InfeasibleBudgetError as e:
             refusal = refusal or e
-            left_out.append((name, e))
+            left_out.append((e, f"the {name} order of compute left out: no start of it fits the budget (the "
+                                f"smallest peak reached is {fmt_bytes(e.min_peak_bytes or 0)})"))
             continue
         except Exception as e:  # torch's order is a second chance, never the call's failure
             if name != "torch":
@@ -94,6 +114,18 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
             continue
         begun.append(((name, base, named), started))
     return begun, refusal, left_out
+
+
+def least_peak_over(problem: Problem) -> tuple[int, str] | None:
+    """``(bytes, node)``: no schedule of ``problem`` (its order of compute) peaks lower, and
+    each holds at least ``bytes`` at compute node ``node``
+    (:meth:`solvers.core.peaks.MemoryModel.least_peak`); None where the evaluator cannot count
+    the graph's memory itself."""
+    model = memory_model(problem)
+    if model.reason is not None:
+        return None
+    least, at = model.least_peak()
+    return least, problem.seq[at] if problem.seq else "the graph's inputs"
 
 
 def better_order(outcomes: Sequence[Outcome], solver: SolverOptions, *, on_starts: bool = False

@@ -65,7 +65,7 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     refusal: InfeasibleBudgetError | None = None
     begun: list[tuple[Any, Started | None]] = [(orders[0], None)]
     starts_notes: list[str] = []
-    left_out: list[tuple[str, InfeasibleBudgetError]] = []
+    left_out: list[tuple[InfeasibleBudgetError, str]] = []
     if len(orders) > 1:
         begun, refusal, left_out = begin_orders(orders, mem_budget_bytes, solver, problem)
         if not begun:
@@ -110,10 +110,8 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     others += [st for order, started in begun if started is not None and id(order[1]) not in finished
                for st in started.stages]
     # an order with no start within the budget still spent its starts' time
-    others += [st for _, e in left_out for st in e.stages]
-    left_notes = [f"no start fits the budget in the {name} order of compute (smallest peak "
-                  f"{fmt_bytes(e.min_peak_bytes or 0)}): searched in the other order only" for name, e in left_out]
-    return outcomes[k], all_notes[k] + order_notes + left_notes, others
+    others += [st for e, _ in left_out for st in e.stages]
+    return outcomes[k], all_notes[k] + order_notes + [note for _, note in left_out], others
 
 
 def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, solver: SolverOptions,

@@ -822,3 +822,72 @@ def test_polish_and_regular_starts_as_with_the_simulator(llama_debug, kind, monk
     _simulated_only(monkeypatch)
     assert run() == fast
     assert any(moves > 0 for _, _, moves, _, _ in fast[:2])
+
+
+# --------------------------------------------------------------------------------------------
+# the least peak of an order of compute
+# --------------------------------------------------------------------------------------------
+def _least_peak_holds(problem: Problem, schedules: list[Schedule]) -> int:
+    """Every schedule of ``schedules`` peaks (by the simulator) at or above the problem's least
+    peak; returns the smallest peak among them."""
+    from solvers.core.peaks import memory_model
+
+    model = memory_model(problem)
+    assert model.reason is None
+    least, at = model.least_peak()
+    assert 0 <= at < problem.n
+    peaks = [validate_schedule(problem, s).peak_bytes for s in schedules]
+    assert min(peaks) >= least
+    return min(peaks)
+
+
+@pytest.mark.parametrize("kw", SYNTHETIC, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_no_schedule_of_a_synthetic_dag_peaks_below_its_least_peak(kw):
+    """The least peak is a bound: no heuristic, random or polished-neighbour schedule goes under
+    it; and it is not vacuous: the schedule of least memory the tries find is within a fifth."""
+    from solvers.core.peaks import memory_model
+
+    problem = Problem.from_dag(make_fsdp_dag(n_layers=4, **kw))
+    rng = random.Random(4)
+    schedules = heuristic_schedules(problem) + [random_schedule(problem, rng) for _ in range(40)]
+    for entries in list(_neighbours(problem, _plan_of(schedules[1]), PolishConfig()))[:40]:
+        ordered = chain_ordered(problem, entries)
+        if ordered is not None:
+            schedules.append(build_schedule(problem, ordered))
+    smallest = _least_peak_holds(problem, schedules)
+    assert memory_model(problem).least_peak()[0] > 0.8 * smallest
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_no_schedule_of_a_random_program_peaks_below_its_least_peak(seed):
+    """Random programs (collectives read twice, chains, frees placed per schedule, waits on
+    graph inputs): no valid schedule peaks below the least peak."""
+    rng = random.Random(seed)
+    problem = Problem.from_dag(_random_program(rng))
+    schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(12)]
+    _least_peak_holds(problem, schedules)
+
+
+def test_the_cost_models_of_one_export_and_of_another_order_share_one_memory_analysis():
+    """Pricing one export under every model of the default family gives problems of one memory
+    analysis, as does rebasing them all onto another order of compute: the evaluator counts a
+    schedule's memory once per order, not once per model."""
+    from conftest import FAKE_WORLD, capture_llama_debug
+    from models.capture import fake_process_group
+    from scheduler.costs.family import cost_models
+    from scheduler.costs.pricing import export_problems
+    from solvers.core.order import in_order
+    from solvers.core.peaks import memory_model
+
+    from scheduler.torch_overlap import torch_starts
+
+    with fake_process_group(FAKE_WORLD):
+        gm = capture_llama_debug().backward
+        problems = export_problems(gm, cost_models(None, None, (0.7, 1.3)), None)
+        traced = [problems[label] for label in problems]
+        order = torch_starts(gm, traced[0], ["torch-overlap"])[0].order  # torch moves compute
+    assert len(traced) == 6 and len({id(memory_model(p)) for p in traced}) == 1
+    rebased = [in_order(p, order) for p in traced]
+    assert rebased[0].seq != traced[0].seq
+    assert len({id(memory_model(p)) for p in rebased}) == 1

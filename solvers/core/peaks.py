@@ -79,6 +79,7 @@ class MemoryModel(StorageAnalysis):
             self.gap.append(gap)
             self.table.append(_sparse_table(rec))
         self.init = (self.prof_alloc[_MEM][0], self.prof_alloc[_TRK][0])
+        self._least: tuple[int, int] | None = None
 
     def template(self, members: tuple[str, ...]) -> Template:
         t = self.templates.get(members)
@@ -153,6 +154,54 @@ class MemoryModel(StorageAnalysis):
             if (anchor, sub) <= alloc[:2]:
                 return  # released before it is made: it lives on
             deltas[anchor][sub] -= alloc[2]
+
+    def least_peak(self) -> tuple[int, int]:
+        """``(bytes, node)``: no schedule of this problem peaks lower (the execution model's
+        count), and every one holds at least ``bytes`` at ``node``'s record (its index in the
+        compute order). Computed once.
+
+        At a compute node's record every schedule holds the static profile, plus each
+        collective's contribution (:class:`~solvers.core.memory_analysis.Contribution`) at its
+        least over the placements its issue range allows: before ``ready`` none of its steps
+        has run, from ``needed`` on both have, in between none, the issue or both; the least
+        of its variants (alone, merged). A bucket's own storages (its buffers) are allocated
+        before they are freed, so leaving them out only lowers the bound. A free placed per
+        schedule counts from the earliest point it may happen: after its last compute reader,
+        and from the start where it has none; a collective whose result such a free releases
+        counts its frees only."""
+        if self._least is None:
+            self._least = self._least_peak()
+        return self._least
+
+    def _least_peak(self) -> tuple[int, int]:
+        n = self.n
+        change = [0] * (n + 1)  # the collectives' least contribution, as changes by node
+        counted_only_frees = {m for (c, m) in self.view_frees if c == _MEM}
+        for c, size, q, sites in self.floating:
+            if c == _MEM:
+                change[q + 1 if q is not None else 0] -= size
+                counted_only_frees.update(m for m, _ in sites)
+        for name, coll in self.colls.items():
+            lo, hi = coll.ready, coll.needed
+            shapes = []
+            for v in ((_ALONE, _MERGED) if coll.movable else (_ALONE,)):
+                k = self.contrib.get((name, v, _MEM))
+                shapes.append(((), 0, 0) if k is None else
+                              (tuple(k.node), sum(k.at[_ISSUE].values()), sum(k.at[_WAIT].values())))
+            points = sorted(g for g in {0, lo, hi, *(at + 1 for shape in shapes for at, _ in shape[0])} if g < n)
+            before = 0
+            for g in points:
+                least = min(_contribution_at(shape, g, lo, hi) for shape in shapes)
+                if name in counted_only_frees:
+                    least = min(0, least)
+                change[g] += least - before
+                before = least
+        best, at, extra = None, 0, 0
+        for g, live in enumerate(self.rec[_MEM]):
+            extra += change[g]
+            if best is None or live + extra > best:
+                best, at = live + extra, g
+        return (best if best is not None else self.init[_MEM]), at
 
     def peaks(self, read: ReadSchedule, templates: Sequence[Template]) -> tuple[int, int]:
         """(peak_bytes, tracker_peak_bytes) of a read schedule whose checks passed."""
@@ -235,6 +284,19 @@ class MemoryModel(StorageAnalysis):
             dt += events[ei][2]
             ei += 1
         return peak_m, peak_t
+
+
+def _contribution_at(shape: tuple, g: int, lo: int, hi: int) -> int:
+    """The least a collective's contribution ``shape`` (node changes, net issue bytes, net wait
+    bytes) holds at node ``g``'s record when its issue range is ``lo`` to ``hi``
+    (:meth:`MemoryModel.least_peak`)."""
+    node, issue, wait = shape
+    fixed = sum(d for at, d in node if at < g)
+    if g < lo:
+        return fixed
+    if g >= hi:
+        return fixed + issue + wait
+    return fixed + min(0, issue, issue + wait)
 
 
 def _place_floating(floating: Sequence[tuple], read: ReadSchedule, templates: Sequence[Template], issue: list,
