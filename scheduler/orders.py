@@ -92,7 +92,7 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
             e = InfeasibleBudgetError(
                 f"no schedule in the {name} order of compute keeps peak memory under {fmt_bytes(budget)}: each "
                 f"holds at least {fmt_bytes(least[0])} ({least[0]} B) at {least[1]!r}",
-                mem_budget_bytes=budget, min_peak_bytes=least[0])
+                mem_budget_bytes=budget, min_peak_bytes=None, least_peak_bytes=least[0])
             e.stages = [StageRecord(name="starts", wall_s=time.perf_counter() - t0)]
             refusal = refusal or e
             left_out.append((e, f"the {name} order of compute left out: no schedule of it fits the budget (each "

@@ -74,6 +74,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from solvers.core.peaks import memory_model
 from solvers.core.problem import Problem
 from solvers.core.schedule import (
     InfeasibleBudgetError,
@@ -225,10 +226,14 @@ def begin(
     found, smallest = starts(objective, config, [(f"start {i}", s) for i, s in enumerate(given)], named)
     if not found:
         peak = smallest if smallest is not None else 0
+        model = memory_model(objective.primary)
+        # how far the advice may be from the least budget that could hold: no schedule goes below it
+        least = model.least_peak()[0] if model.reason is None else None
+        bound = "" if least is None else f"; no schedule in this order of compute peaks below {fmt_bytes(least)}"
         refusal = InfeasibleBudgetError(
             f"no schedule keeps peak memory under {fmt_bytes(mem_budget_bytes or 0)} ({mem_budget_bytes} B); the "
-            f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that",
-            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak)
+            f"smallest peak reached is {fmt_bytes(peak)} ({peak} B): raise mem_budget to at least that{bound}",
+            mem_budget_bytes=mem_budget_bytes or 0, min_peak_bytes=peak, least_peak_bytes=least)
         # the work spent all the same, for a caller that goes on in another order of compute
         refusal.stages = [StageRecord(name="starts", wall_s=time.perf_counter() - t0,
                                       evaluations=objective.evaluations)]

@@ -31,14 +31,18 @@ class InfeasibleBudgetError(ScheduleError):
 
     ``mem_budget_bytes`` is that budget; ``min_peak_bytes`` the smallest peak any schedule in
     the search space reaches (as found by the solver), so that the caller can raise the budget
-    to at least that value; ``stages`` the :class:`StageRecord` s of the work done before the
-    refusal (the search's starts), for a report that goes on without them.
+    to at least that value; ``least_peak_bytes`` a peak no schedule goes below, where it is
+    known (:meth:`solvers.core.peaks.MemoryModel.least_peak`: a budget under it cannot hold);
+    ``stages`` the :class:`StageRecord` s of the work done before the refusal (the search's
+    starts), for a report that goes on without them.
     """
 
-    def __init__(self, message: str, *, mem_budget_bytes: int, min_peak_bytes: int | None):
+    def __init__(self, message: str, *, mem_budget_bytes: int, min_peak_bytes: int | None,
+                 least_peak_bytes: int | None = None):
         super().__init__(message)
         self.mem_budget_bytes = mem_budget_bytes
         self.min_peak_bytes = min_peak_bytes
+        self.least_peak_bytes = least_peak_bytes
         self.stages: list[StageRecord] = []
 
     @property
