@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from solvers.core.problem import Problem, copy_dag
+import networkx as nx
+
+from solvers.core.problem import Problem
 from solvers.core.schedule import Schedule, ScheduleError
 
 
@@ -47,8 +49,10 @@ def in_order(problem: Problem, order: Sequence[str]) -> Problem:
             raise ScheduleError(f"the order runs {v!r} before its input {u!r}")
     if list(order) == list(dag.graph["order"]):
         return problem
-    reordered = copy_dag(dag)
-    reordered.graph["order"] = list(order)
+    # the same nodes and edges, read through a frozen view (problems never change their DAG);
+    # only the graph's attributes, which hold the order, are its own
+    reordered = nx.graphviews.generic_graph_view(dag)
+    reordered.graph = {**dag.graph, "order": list(order)}
     return Problem.from_dag(reordered)
 
 
