@@ -863,8 +863,14 @@ def test_no_schedule_of_a_synthetic_dag_peaks_below_its_least_peak(kw):
 def test_no_schedule_of_a_random_program_peaks_below_its_least_peak(seed):
     """Random programs (collectives read twice, chains, frees placed per schedule, waits on
     graph inputs): no valid schedule peaks below the least peak."""
+    from hypothesis import assume
+    from solvers.core.peaks import memory_model
+
     rng = random.Random(seed)
     problem = Problem.from_dag(_random_program(rng))
+    # no bound where the evaluator leaves the graph's memory to the simulator (the search then
+    # leaves no order out by it): the few such programs are not what this property is about
+    assume(memory_model(problem).reason is None)
     schedules = [problem.traced_schedule()] + [random_schedule(problem, rng) for _ in range(12)]
     _least_peak_holds(problem, schedules)
 
@@ -891,3 +897,14 @@ def test_the_cost_models_of_one_export_and_of_another_order_share_one_memory_ana
     rebased = [in_order(p, order) for p in traced]
     assert rebased[0].seq != traced[0].seq
     assert len({id(memory_model(p)) for p in rebased}) == 1
+
+
+def test_no_bound_where_the_evaluator_leaves_memory_to_the_simulator():
+    """A program whose reduce-scatter result other collectives read, not made at its wait: the
+    evaluator cannot place it, so no order is left out by a bound there."""
+    from scheduler.orders import least_peak_over
+    from solvers.core.peaks import memory_model
+
+    problem = Problem.from_dag(_random_program(random.Random(387917)))
+    assert memory_model(problem).reason is not None
+    assert least_peak_over(problem) is None
