@@ -94,8 +94,6 @@ class Clock:
 
     def advance(self, steps: Sequence[BucketStep], lo: int = 0, hi: int | None = None) -> None:
         """Run ``steps[lo:hi]`` (and the compute nodes before each)."""
-        if not self.record and not self.links:
-            return self._advance_alone(steps if lo == 0 and hi is None else steps[lo:hi])
         rts, costs, links, record = self.rts, self.costs, self.links, self.record
         t, busy, exposed, g_prev = self.t, self.busy, self.exposed, self.g
         free, comm, start, end = self.free, self.comm, self.start, self.end
@@ -141,40 +139,6 @@ class Clock:
                     self.bucket_times[b] = (self.bucket_times[b][0], start[b], e, t)
             if record:
                 self.times.append(t)
-        self.t, self.busy, self.exposed, self.g = t, busy, exposed, g_prev
-
-    def _advance_alone(self, steps: Sequence[BucketStep]) -> None:
-        """:meth:`advance` without records, every stream alone on its link: the same float
-        operations in the same order, without the branches the others need (the evaluator's
-        walk, run for every schedule a search reads)."""
-        rts, costs = self.rts, self.costs
-        t, busy, exposed, g_prev = self.t, self.busy, self.exposed, self.g
-        free, comm, start, end = self.free, self.comm, self.start, self.end
-        add = operator.add
-        for is_issue, b, gap in steps:
-            if gap != g_prev:
-                if gap == g_prev + 1:
-                    t += rts[g_prev]
-                else:
-                    t = functools.reduce(add, rts[g_prev:gap], t)
-                g_prev = gap
-            if is_issue:
-                cin, _, dur, stream = costs[b]
-                t += cin
-                busy += cin
-                f = free.get(stream, 0.0)
-                s = t if t >= f else f
-                start[b] = s
-                end[b] = free[stream] = s + dur
-                comm[stream] = comm.get(stream, 0.0) + dur
-            else:
-                e = end[b]
-                if e > t:  # type: ignore[operator]
-                    exposed += e - t  # type: ignore[operator]
-                    t = e  # type: ignore[assignment]
-                cout = costs[b][1]
-                t += cout
-                busy += cout
         self.t, self.busy, self.exposed, self.g = t, busy, exposed, g_prev
 
     def finish(self) -> None:
