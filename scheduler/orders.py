@@ -85,7 +85,6 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
     its bound says, so that a refusal names the smallest peak a schedule reaches."""
     begun, refusal, left_out = [], None, []
     for k, (name, base, named) in enumerate(orders):
-        options = starts_in_order(solver, traced, next(iter(base.values())))
         t0 = time.perf_counter()
         least = least_peak_over(next(iter(base.values()))) if k and budget is not None else None
         if least is not None and least[0] > budget:
@@ -98,6 +97,7 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
             left_out.append((e, f"the {name} order of compute left out: no schedule of it fits the budget (each "
                                 f"holds at least {fmt_bytes(least[0])} at {least[1]!r})"))
             continue
+        options = starts_in_order(solver, traced, next(iter(base.values())))
         try:
             check_starts(next(iter(base.values())), options.extra_starts, named)
             started = begin(base, budget, config=options.search, extra_starts=options.extra_starts,
