@@ -117,23 +117,39 @@ class _Answer:
 # optimize_schedule
 # --------------------------------------------------------------------------------------------
 def _collect_only_what_the_pass_makes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with the garbage collector's older objects frozen for the call (``gc.freeze``, then
-    ``gc.unfreeze``): every full collection during a pass would scan again everything the process
-    already holds (the model, its traced graphs: millions of objects), which took about a fifth of
-    a cache hit on a 32-layer graph; what the pass makes is collected as usual. Left alone when
-    something is frozen already, so that another owner's freeze is never undone."""
+    """``fn`` with the cyclic garbage collector kept to young objects for the call, its
+    settings restored after:
+
+    - older objects frozen (``gc.freeze``, then ``gc.unfreeze``): every full collection during
+      a pass would scan again everything the process already holds (the model, its traced
+      graphs: millions of objects), which took about a fifth of a cache hit on a 32-layer
+      graph. Left alone when something is frozen already, so that another owner's freeze is
+      never undone;
+    - no full collection (the oldest generation's threshold out of reach): what the pass
+      itself makes (exports, problems under every cost model, copies of the graph) lives for
+      the call, and a full collection scans it all again each time it grows by a quarter, a
+      fifth of a call on a large backward. Young collections go on and free most of the
+      pass's garbage; what outlives them waits for the first full collection after the call."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if gc.get_freeze_count():
-            return fn(*args, **kwargs)
-        gc.freeze()
+        thresholds = gc.get_threshold()
+        freeze = not gc.get_freeze_count()
+        if freeze:
+            gc.freeze()
+        gc.set_threshold(thresholds[0], thresholds[1], _NEVER)
         try:
             return fn(*args, **kwargs)
         finally:
-            gc.unfreeze()
+            gc.set_threshold(*thresholds)
+            if freeze:
+                gc.unfreeze()
 
     return wrapper
+
+
+#: a collection threshold no count reaches
+_NEVER = 2**31 - 1
 
 
 @_collect_only_what_the_pass_makes

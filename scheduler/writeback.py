@@ -384,10 +384,18 @@ def refill_graph(graph: "torch.fx.Graph", source: "torch.fx.Graph") -> None:
 def copy_module(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
     """A GraphModule over :func:`copy_graph` of ``gm``'s graph, sharing ``gm``'s attributes and
     a shallow copy of its ``meta``: a copy to write a candidate schedule on, far cheaper than a
-    deep copy."""
+    deep copy. Its Python code is made when first read or run, not at every ``recompile``
+    (torch's ``_LazyGraphModule``, where this torch has it): a candidate's copy is judged on its
+    graph and installed by copying that graph into ``gm`` (:func:`install_schedule`), and torch's
+    pass run as a start is read back from its graph, so code made for either copy was made for
+    nothing, and on a large graph making it costs as much as copying the graph."""
     import torch.fx
 
-    out = torch.fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule as module_cls
+    except ImportError:  # a torch without it: the code is made at once, the copy is the same
+        module_cls = torch.fx.GraphModule
+    out = module_cls(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     out.meta = dict(gm.meta)
     return out
 

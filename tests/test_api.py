@@ -398,29 +398,43 @@ def test_the_pass_raises_no_future_warning_of_its_own():
     assert gm.meta[api.REPORT_KEY].status != "unchanged"  # the ranks agreed and it was written
 
 
-def test_the_pass_collects_only_its_own_garbage_and_leaves_the_collector_as_found(pg):
+def test_the_pass_collects_only_its_own_young_garbage_and_leaves_the_collector_as_found(pg):
     """During a pass the collector leaves alone what the process held before it (frozen: a full
-    collection would scan the model and its graphs again and again), and afterwards it is as it
-    was: nothing frozen, or, when the caller had frozen objects, their freeze."""
+    collection would scan the model and its graphs again and again) and runs no full collection
+    (the oldest generation's threshold out of reach), and afterwards it is as it was, a pass
+    that raises included: nothing frozen, or, when the caller had frozen objects, their freeze;
+    the caller's thresholds."""
     import gc
 
     from scheduler.costs.models import TableCostModel
 
     seen: list[int] = []
+    thresholds: list[tuple[int, ...]] = []
 
     def collective_ms(coll_type, payload_bytes, group):
         if not seen:  # counting the frozen objects walks them all: once is enough
             seen.append(gc.get_freeze_count())
+        thresholds.append(gc.get_threshold())
         return 0.01 + 1e-9 * payload_bytes
 
     costs = TableCostModel(collective=collective_ms)
+    caller = gc.get_threshold()
     gc.collect()
     assert gc.get_freeze_count() == 0
-    optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
-    assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
     try:
+        gc.set_threshold(500, 7, 9)
         optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
-        assert gc.get_freeze_count() > 0  # the caller's freeze stands (objects it froze may have died)
+        assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+        assert thresholds and all(t[:2] == (500, 7) and t[2] > 10**6 for t in thresholds)
+        assert gc.get_threshold() == (500, 7, 9)
+        with pytest.raises(InfeasibleBudgetError):
+            optimize_schedule(toy_graph(pg, 1), 1, cost_model=costs, solver=QUICK)
+        assert gc.get_threshold() == (500, 7, 9) and gc.get_freeze_count() == 0
+        gc.freeze()
+        try:
+            optimize_schedule(toy_graph(pg, 1), None, cost_model=costs, solver=QUICK)
+            assert gc.get_freeze_count() > 0  # the caller's freeze stands (objects it froze may have died)
+        finally:
+            gc.unfreeze()
     finally:
-        gc.unfreeze()
+        gc.set_threshold(*caller)

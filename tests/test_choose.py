@@ -92,6 +92,8 @@ def test_the_judged_copy_installs_as_the_graph_a_write_back_gives(backward, spli
     assert graph_digest(target) == graph_digest(fresh) != graph_digest(gm)
     assert [n.name for n in target.graph.nodes] == [n.name for n in fresh.graph.nodes]
     assert target.code == fresh.code
+    # a copy makes its code when it is read, and that code is its written graph's, not its first
+    assert fresh.code == fresh.graph.python_code("self").src != gm.code
 
 
 def test_a_refilled_graph_is_the_same_object_holding_the_source(backward):
