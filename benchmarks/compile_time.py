@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import logging
 import math
@@ -115,12 +114,14 @@ def fresh_hit(spec: str, kind: str, budget_factor: float) -> dict[str, Any]:
 
 
 def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
-    """(fn's result, its wall time in s), after a garbage collection so that an earlier
-    call's garbage is not collected on this call's clock."""
-    gc.collect()
-    t0 = time.perf_counter()
-    out = fn(*args, **kw)
-    return out, time.perf_counter() - t0
+    """(fn's result, its wall time in s), timed as every pass of the comparisons is
+    (:func:`scheduler.compare.judged.timed_pass`: full garbage collections before and after,
+    the one after on its clock)."""
+    from scheduler.compare.judged import timed_pass
+
+    with timed_pass() as took:
+        out = fn(*args, **kw)
+    return out, took[0]
 
 
 # --------------------------------------------------------------------------------------------

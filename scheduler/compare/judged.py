@@ -14,17 +14,24 @@ torch's ``MemoryTracker``), once per cost model of the comparison:
 - :func:`judge_product`: :func:`scheduler.optimize_schedule` on a copy, one rank's view (no
   agreement), timed end to end (export, solve, choose, install).
 
+Every pass is timed alike (:func:`timed_pass`): a full garbage collection before it, so that it
+does not collect an earlier pass's garbage, and one after it, on its clock, so that a pass that
+leaves its garbage for later (``optimize_schedule`` runs no full collection during the call)
+pays for it as one that collects as it goes does.
+
 Merging buckets needs an initialised process group in which the graph's groups resolve (a fake
 one is enough, ``models.capture.fake_process_group``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from scheduler.compare.baselines import TorchBaselineError, torch_manual_schedule, torch_overlap_schedule
@@ -77,8 +84,9 @@ class Judged:
     name: str
     #: cost model label -> the written graph's figures under it (empty when it was not made)
     figures: dict[str, Figures] = dataclasses.field(default_factory=dict)
-    #: wall time of writing the graph (s): torch's pass, or ``optimize_schedule`` end to end;
-    #: None for the heuristics (no compile pass: a runtime's fixed rule)
+    #: wall time of writing the graph (s): torch's pass, or ``optimize_schedule`` end to end,
+    #: with the full garbage collection after it (:func:`timed_pass`); None for the heuristics
+    #: (no compile pass: a runtime's fixed rule)
     compile_s: float | None = None
     #: why the graph could not be made (None when it was)
     error: str | None = None
@@ -107,6 +115,21 @@ class Judged:
                 "peak_bytes": self.max_peak_bytes if self.ok else None,
                 "figures": {m: f.to_json() for m, f in self.figures.items()},
                 "report": self.report.to_json() if self.report is not None else None}
+
+
+@contextlib.contextmanager
+def timed_pass() -> Iterator[list[float]]:
+    """Time a pass: yields a list whose one item is set, once the block ends (raising or not),
+    to its wall time in s, counted from after a full garbage collection to the end of a full
+    collection after it (module docstring)."""
+    gc.collect()
+    took = [0.0]
+    t0 = time.perf_counter()
+    try:
+        yield took
+    finally:
+        gc.collect()
+        took[0] = time.perf_counter() - t0
 
 
 #: the cost models of a comparison: names (``"analytic"``, ``"torch"``), or label -> a cost model
@@ -142,14 +165,14 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
             import torch._inductor.fx_passes.overlap_scheduling  # noqa: F401  (its import is not the pass's time)
 
             written = copy.deepcopy(gm)
-            t0 = time.perf_counter()
-            written = torch_overlap_schedule(written, cluster=cluster, inplace=True, **TORCH_BASELINES[name])
-            out.compile_s = time.perf_counter() - t0
+            with timed_pass() as took:
+                written = torch_overlap_schedule(written, cluster=cluster, inplace=True, **TORCH_BASELINES[name])
+            out.compile_s = took[0]
         elif name == TORCH_MANUAL:
             written = copy.deepcopy(gm)
-            t0 = time.perf_counter()
-            written = torch_manual_schedule(written, cluster=cluster, inplace=True)
-            out.compile_s = time.perf_counter() - t0
+            with timed_pass() as took:
+                written = torch_manual_schedule(written, cluster=cluster, inplace=True)
+            out.compile_s = took[0]
         else:
             problem = Problem.from_dag(export_dag(gm, cluster=cluster))
             out.schedule = solve(problem, solver=name).schedule  # the heuristics read no budget
@@ -185,17 +208,16 @@ def judge_product(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost
     logger.info("%s: optimize_schedule at %s under %s (a work limit of %g work unit%s)", name,
                 fmt_bytes(mem_budget_bytes or 0), "the robust default" if cost_model is None else
                 cost_model_label(cost_model), solver.work_limit, "" if solver.work_limit == 1 else "s")
-    t0 = time.perf_counter()
+    took = [0.0]
     try:
-        with cache.disabled():  # its time is a solve's, never a cache hit's
+        with timed_pass() as took, cache.disabled():  # its time is a solve's, never a cache hit's
             optimize_schedule(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
                               agreement=AgreementOptions(enabled=False))
     except (InfeasibleBudgetError, ScheduleError) as e:
-        out = Judged(name=name, compile_s=time.perf_counter() - t0,
-                     error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        out = Judged(name=name, compile_s=took[0], error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
         logger.warning("%s: no schedule: %s", name, out.error)
         return out
-    out = Judged(name=name, compile_s=time.perf_counter() - t0, schedule=written.meta.get(SCHEDULE_KEY),
+    out = Judged(name=name, compile_s=took[0], schedule=written.meta.get(SCHEDULE_KEY),
                  report=written.meta[REPORT_KEY])
     out.figures = judge_under(written, cost_models, cluster)
     out.graph = written if keep_graph else None
