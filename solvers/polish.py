@@ -236,29 +236,34 @@ class _Search:
         when ``schedule`` is valid and its score is below ``bar`` (None: any valid one), else
         None. Evaluates the models in :attr:`order` (:class:`~solvers.core.evaluate.ModelEvaluator`:
         the simulator's numbers, memory counted once) and stops at the first that rules it out;
-        each model evaluated counts as one evaluation."""
+        each model evaluated counts as one evaluation. With no budget a schedule is ruled out
+        on its step times alone, and its memory is counted only once it improves on the bar."""
         read = schedule if isinstance(schedule, ReadSchedule) else self.evaluator.read(schedule)
         evaluation = self.evaluator.lazy(read)
-        sims = {}
+        # with no budget memory rules nothing out: it is counted for the schedule kept alone
+        by_time = bar is not None and self.ordering.mem_budget_bytes is None
         # excess, loss and worst only grow as models are added: a partial score already worse
         # than the bar in its first unequal term rules the schedule out
         excess, loss, worst, total = 0, 0.0, -float("inf"), 0.0
         for label in self.order:
             try:
-                sim = evaluation(label)
+                if by_time:
+                    step = evaluation.step_ms(label)
+                else:
+                    sim = evaluation(label)
+                    step, excess = sim.step_ms, max(excess, self.ordering.excess(sim.peak_bytes))
             except ScheduleInvalidError:
                 return None
             finally:
                 self.evaluations += 1
-            excess = max(excess, self.ordering.excess(sim.peak_bytes))
-            loss = max(loss, self.ordering.loss(label, sim.step_ms))
-            r = self.regret(label, sim.step_ms)
+            loss = max(loss, self.ordering.loss(label, step))
+            r = self.regret(label, step)
             if bar is not None and Ordering.rules_out(excess, loss, r, bar):
                 return None
-            sims[label] = sim
             worst, total = max(worst, r), total + r
         if bar is not None and excess == bar[0] and not Ordering.improves((excess, loss, worst, total), bar):
             return None
+        sims = {label: evaluation(label) for label in self.order}
         ratio = {label: self.regret(label, sims[label].step_ms) for label in self.labels}
         losing = {label for label in self.strict if self.ordering.loss(label, sims[label].step_ms) > 0}
         self.order = sorted(self.labels, key=lambda label: (label not in losing, -ratio[label]))

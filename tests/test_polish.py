@@ -83,6 +83,20 @@ def test_polish_is_deterministic_and_counts_work_in_evaluations(forward_case):
     assert longer.worst_regret <= a.worst_regret
 
 
+def test_with_no_budget_the_polish_ends_as_under_a_budget_nothing_reaches(forward_case):
+    """With no budget a neighbour is ruled out on its step times alone (its memory is counted
+    once it improves); the walk is the one a budget every schedule fits gives, which counts
+    every neighbour's memory: the same moves, evaluations, schedule and figures."""
+    problems, _, solved, reference = forward_case
+    free = polish(problems, solved["slow"], reference, None)
+    roomy = polish(problems, solved["slow"], reference, 10**18)
+    assert free.moves > 0
+    assert (free.moves, free.evaluations, free.stopped) == (roomy.moves, roomy.evaluations, roomy.stopped)
+    assert free.schedule.digest() == roomy.schedule.digest()
+    assert free.step_ms == roomy.step_ms and free.peak_bytes == roomy.peak_bytes
+    assert free.peak_bytes == max(simulate(p.dag, free.schedule, problem=p).peak_bytes for p in problems.values())
+
+
 def test_polish_holds_a_tight_budget():
     """At the traced peak itself no move may add memory: every accepted schedule fits."""
     problems = _problems("backward", seed=1)

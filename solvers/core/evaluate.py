@@ -299,7 +299,13 @@ class Evaluator:
     def timed(self, read: ReadSchedule, peaks: tuple[int, int]) -> Evaluation:
         """The evaluation of a read schedule whose peaks are known (they are the same under every cost
         model of one graph)."""
-        step, compute, exposed, comm = self.timeline.run(read.steps, read.members, read.split_groups)
+        return self.evaluation(self.timeline.run(read.steps, read.members, read.split_groups), peaks, read)
+
+    @staticmethod
+    def evaluation(times: tuple[float, float, float, dict[str, float]], peaks: tuple[int, int],
+                   read: ReadSchedule) -> Evaluation:
+        """The evaluation of ``read`` from its timeline's figures (:meth:`Timeline.run`) and its peaks."""
+        step, compute, exposed, comm = times
         return Evaluation(step_ms=step, compute_ms=compute, exposed_comm_ms=exposed, comm_ms=comm,
                           peak_bytes=peaks[0], tracker_peak_bytes=peaks[1], n_collectives=len(read.members))
 
@@ -380,21 +386,64 @@ class ModelEvaluator:
         evals = self.lazy(read)
         return {label: evals(label) for label in (labels or self.labels)}
 
-    def lazy(self, read: ReadSchedule):
-        """A function label -> the :class:`Evaluation` of ``read`` under that model, each
-        memory count made at most once (for a search that stops at the first model that rules
-        a schedule out)."""
-        peaks: dict[str, tuple[int, int] | None] = {}
+    def lazy(self, read: ReadSchedule) -> "LazyEvaluation":
+        """The evaluations of ``read`` under each model, each made when first asked
+        (:class:`LazyEvaluation`), for a search that stops at the first model that rules a
+        schedule out."""
+        return LazyEvaluation(self, read)
 
-        def one(label: str) -> Evaluation:
-            e = self.evaluators[label]
-            source = self.memory_of[label]
-            if source not in peaks:
-                peaks[source] = self.evaluators[source].peaks(read)
-            found = peaks[source]
-            return e._simulated(read) if found is None else e.timed(read, found)
 
-        return one
+class LazyEvaluation:
+    """One read schedule under the models of a :class:`ModelEvaluator`, each figure made when
+    first asked and kept: its memory counted at most once per memory model, each model's
+    timeline run at most once. Calling it with a model's label gives the :class:`Evaluation`;
+    :meth:`step_ms` the step time alone, without counting memory where the evaluator counts
+    it apart from time (a search with no budget rules schedules out on their time alone)."""
+
+    def __init__(self, models: ModelEvaluator, read: ReadSchedule):
+        self.models = models
+        self.read = read
+        self._peaks: dict[str, tuple[int, int] | None] = {}
+        self._times: dict[str, tuple[float, float, float, dict[str, float]]] = {}
+        self._done: dict[str, Evaluation] = {}
+
+    def _peaks_of(self, label: str) -> tuple[int, int] | None:
+        source = self.models.memory_of[label]
+        if source not in self._peaks:
+            self._peaks[source] = self.models.evaluators[source].peaks(self.read)
+        return self._peaks[source]
+
+    def step_ms(self, label: str) -> float:
+        """The step time under ``label``: its timeline alone where the evaluator counts memory
+        itself, else the simulator's evaluation (time and memory come together there).
+
+        Raises:
+            ScheduleInvalidError: as :meth:`Evaluator.evaluate`.
+        """
+        e = self.models.evaluators[label]
+        if not (e.fast and self.read.fast):
+            return self(label).step_ms
+        if label not in self._times:
+            self._times[label] = e.timeline.run(self.read.steps, self.read.members, self.read.split_groups)
+        return self._times[label][0]
+
+    def __call__(self, label: str) -> Evaluation:
+        """The :class:`Evaluation` under ``label`` (:meth:`Evaluator.evaluate`'s numbers).
+
+        Raises:
+            ScheduleInvalidError: as :meth:`Evaluator.evaluate`.
+        """
+        done = self._done.get(label)
+        if done is None:
+            e = self.models.evaluators[label]
+            found = self._peaks_of(label)
+            if found is None:
+                done = e._simulated(self.read)
+            else:
+                times = self._times.get(label)
+                done = e.timed(self.read, found) if times is None else e.evaluation(times, found, self.read)
+            self._done[label] = done
+        return done
 
 
 def _shape(p: Problem) -> tuple:
