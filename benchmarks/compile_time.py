@@ -115,8 +115,8 @@ def fresh_hit(spec: str, kind: str, budget_factor: float) -> dict[str, Any]:
 
 def timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
     """(fn's result, its wall time in s), timed as every pass of the comparisons is
-    (:func:`scheduler.compare.judged.timed_pass`: full garbage collections before and after,
-    the one after on its clock)."""
+    (:func:`scheduler.compare.judged.timed_pass`: a full garbage collection before, the
+    collection of what it made after, on its clock)."""
     from scheduler.compare.judged import timed_pass
 
     with timed_pass() as took:

@@ -15,9 +15,10 @@ torch's ``MemoryTracker``), once per cost model of the comparison:
   agreement), timed end to end (export, solve, choose, install).
 
 Every pass is timed alike (:func:`timed_pass`): a full garbage collection before it, so that it
-does not collect an earlier pass's garbage, and one after it, on its clock, so that a pass that
-leaves its garbage for later (``optimize_schedule`` runs no full collection during the call)
-pays for it as one that collects as it goes does.
+does not collect an earlier pass's garbage, what the process holds then frozen for the pass (as
+``optimize_schedule`` freezes it itself), and a full collection of what the pass made after it,
+on its clock, so that a pass that leaves its garbage for later (``optimize_schedule`` runs no
+full collection during the call) pays for it as one that collects as it goes does.
 
 Merging buckets needs an initialised process group in which the graph's groups resolve (a fake
 one is enough, ``models.capture.fake_process_group``).
@@ -85,7 +86,7 @@ class Judged:
     #: cost model label -> the written graph's figures under it (empty when it was not made)
     figures: dict[str, Figures] = dataclasses.field(default_factory=dict)
     #: wall time of writing the graph (s): torch's pass, or ``optimize_schedule`` end to end,
-    #: with the full garbage collection after it (:func:`timed_pass`); None for the heuristics
+    #: with the collection of its garbage after it (:func:`timed_pass`); None for the heuristics
     #: (no compile pass: a runtime's fixed rule)
     compile_s: float | None = None
     #: why the graph could not be made (None when it was)
@@ -121,8 +122,11 @@ class Judged:
 def timed_pass() -> Iterator[list[float]]:
     """Time a pass: yields a list whose one item is set, once the block ends (raising or not),
     to its wall time in s, counted from after a full garbage collection to the end of a full
-    collection after it (module docstring)."""
+    collection of what the pass made (module docstring)."""
     gc.collect()
+    frozen = not gc.get_freeze_count()
+    if frozen:  # the collection after the pass then scans what it made, not the whole process
+        gc.freeze()
     took = [0.0]
     t0 = time.perf_counter()
     try:
@@ -130,6 +134,8 @@ def timed_pass() -> Iterator[list[float]]:
     finally:
         gc.collect()
         took[0] = time.perf_counter() - t0
+        if frozen:
+            gc.unfreeze()
 
 
 #: the cost models of a comparison: names (``"analytic"``, ``"torch"``), or label -> a cost model
