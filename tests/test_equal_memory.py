@@ -214,3 +214,31 @@ def test_a_measured_table_judges_and_solves_like_any_model(comparison, tmp_path)
     # the table prices collectives differently from the analytic model: the figures differ
     by_model = {m: [r.baseline_ms for r in c.rows if r.cost_model == m] for m in (name, "analytic")}
     assert by_model[name] != by_model["analytic"]
+
+
+def test_a_pass_is_timed_with_the_collection_of_its_garbage_and_the_collector_left_as_found():
+    """timed_pass counts the full collection of what the pass left (a cycle made inside is gone
+    once it returns, a raising pass included) and leaves the collector as it found it."""
+    import gc
+    import weakref
+
+    from scheduler.compare.judged import timed_pass
+
+    class Cyclic:
+        pass
+
+    def garbage() -> weakref.ref:
+        a = Cyclic()
+        a.self = a  # freed only by a full collection
+        return weakref.ref(a)
+
+    gc.collect()
+    before = gc.get_freeze_count()
+    with timed_pass() as took:
+        gone = garbage()
+        assert gone() is not None and gc.get_freeze_count() > 0
+    assert gone() is None and took[0] > 0 and gc.get_freeze_count() == before
+    with pytest.raises(RuntimeError), timed_pass() as took:
+        gone = garbage()
+        raise RuntimeError("the pass failed")
+    assert gone() is None and took[0] > 0 and gc.get_freeze_count() == before
