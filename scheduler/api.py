@@ -122,14 +122,14 @@ def _collect_only_what_the_pass_makes(fn: Callable[..., Any]) -> Callable[..., A
 
     - older objects frozen (``gc.freeze``, then ``gc.unfreeze``): every full collection during
       a pass would scan again everything the process already holds (the model, its traced
-      graphs: millions of objects), which took about a fifth of a cache hit on a 32-layer
-      graph. Left alone when something is frozen already, so that another owner's freeze is
-      never undone;
+      graphs: millions of objects), over and over. Left alone when something is frozen
+      already, so that another owner's freeze is never undone;
     - no full collection (the oldest generation's threshold out of reach): what the pass
       itself makes (exports, problems under every cost model, copies of the graph) lives for
-      the call, and a full collection scans it all again each time it grows by a quarter, a
-      fifth of a call on a large backward. Young collections go on and free most of the
-      pass's garbage; what outlives them waits for the first full collection after the call."""
+      the call, and a full collection scans it all again each time it grows by a quarter, so
+      that on a large graph the collector's rescans cost a good part of the call. Young
+      collections go on and free most of the pass's garbage; what outlives them waits for the
+      first full collection after the call."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
