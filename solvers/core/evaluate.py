@@ -299,7 +299,12 @@ class Evaluator:
     def timed(self, read: ReadSchedule, peaks: tuple[int, int]) -> Evaluation:
         """The evaluation of a read schedule whose peaks are known (they are the same under every cost
         model of one graph)."""
-        return self.evaluation(self.timeline.run(read.steps, read.members, read.split_groups), peaks, read)
+        return self.evaluation(self.times(read), peaks, read)
+
+    def times(self, read: ReadSchedule) -> tuple[float, float, float, dict[str, float]]:
+        """The timeline's figures of a read schedule (:meth:`Timeline.run`): its time without
+        its memory."""
+        return self.timeline.run(read.steps, read.members, read.split_groups)
 
     @staticmethod
     def evaluation(times: tuple[float, float, float, dict[str, float]], peaks: tuple[int, int],
@@ -423,9 +428,13 @@ class LazyEvaluation:
         e = self.models.evaluators[label]
         if not (e.fast and self.read.fast):
             return self(label).step_ms
-        if label not in self._times:
-            self._times[label] = e.timeline.run(self.read.steps, self.read.members, self.read.split_groups)
-        return self._times[label][0]
+        return self._times_of(label)[0]
+
+    def _times_of(self, label: str) -> tuple[float, float, float, dict[str, float]]:
+        times = self._times.get(label)
+        if times is None:
+            times = self._times[label] = self.models.evaluators[label].times(self.read)
+        return times
 
     def __call__(self, label: str) -> Evaluation:
         """The :class:`Evaluation` under ``label`` (:meth:`Evaluator.evaluate`'s numbers).
@@ -440,8 +449,7 @@ class LazyEvaluation:
             if found is None:
                 done = e._simulated(self.read)
             else:
-                times = self._times.get(label)
-                done = e.timed(self.read, found) if times is None else e.evaluation(times, found, self.read)
+                done = e.evaluation(self._times_of(label), found, self.read)
             self._done[label] = done
         return done
 
