@@ -214,7 +214,6 @@ def judge_product(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost
     logger.info("%s: optimize_schedule at %s under %s (a work limit of %g work unit%s)", name,
                 fmt_bytes(mem_budget_bytes or 0), "the robust default" if cost_model is None else
                 cost_model_label(cost_model), solver.work_limit, "" if solver.work_limit == 1 else "s")
-    took = [0.0]
     try:
         with timed_pass() as took, cache.disabled():  # its time is a solve's, never a cache hit's
             optimize_schedule(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
