@@ -35,7 +35,10 @@ the one after the last accepted; a neighbour is evaluated under the model of lar
 first and rejected as soon as one model's regret exceeds the current worst, so most rejected
 moves cost one evaluation. The search stops after a full scan without gain or when
 :attr:`PolishConfig.max_evaluations` are spent: work is counted in evaluations, not seconds,
-so every rank gets the same schedule from the same graph.
+so every rank gets the same schedule from the same graph. Then one pass tries splitting each
+bucket into its members, issued and waited where it was (:attr:`PolishConfig.splits`): no move
+above ends a bucket, and a local search whose limit binds on a large graph would seldom reach
+such a move were it one of them.
 """
 
 from __future__ import annotations
@@ -65,14 +68,20 @@ logger = logging.getLogger(__name__)
 class PolishConfig:
     """Limits and moves of :func:`polish`."""
 
-    #: deterministic work limit, in evaluations: one per model and neighbour evaluated (fewer
-    #: when a neighbour is rejected early), and one more per neighbour built. Was
+    #: deterministic work limit of the moves, in evaluations: one per model and neighbour
+    #: evaluated (fewer when a neighbour is rejected early), and one more per neighbour built
+    #: (the pass of splits after them is bounded by the number of buckets instead). Was
     #: ``max_simulations``, which still works for one release (deprecated)
     max_evaluations: int = 4000
     #: gap distances a bucket's issue or wait is moved by, largest first
     steps: tuple[int, ...] = (8, 2, 1)
     #: move the boundary between consecutive buckets by one unit or collective (:func:`_transfers`)
     transfers: bool = True
+    #: once the moves above end, try splitting each bucket into its members, issued and waited
+    #: where it was, bucket by bucket (:func:`_split_pass`): where its transfer stays hidden, a
+    #: bucket's copies into and out of its buffer cost compute that its members alone do not,
+    #: and no move above ends a bucket
+    splits: bool = True
     #: largest payload of a merged bucket in bytes (None: no cap)
     max_bucket_bytes: int | None = None
 
@@ -164,6 +173,11 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
+    if config.splits and score[0] == 0:
+        found = _split_pass(search, schedule, score)
+        if found is not None:
+            (schedule, score, sims), split = found
+            moves += split
     peak = max(s.peak_bytes for s in sims.values())
     if score[0] > 0:
         raise InfeasibleBudgetError(
@@ -178,6 +192,26 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     logger.info("polish: worst-case regret %.2f %% after %d moves, %d evaluations, %.1f s (%s)",
                 100 * result.worst_regret, moves, search.evaluations, result.solve_time_s, stopped)
     return result
+
+
+def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tuple[int, float, float, float]):
+    """Each bucket of several collectives of ``schedule`` split into its members (issued and
+    waited where it was), one after another in the plan's order, each split kept where it lowers
+    the score: ((schedule, score, evaluations by label), splits kept), or None when none is
+    kept. It runs whatever is left of the polish's limit: one evaluation per bucket and one
+    per model at most, a pass bounded by the number of buckets."""
+    plan = _plan_of(schedule)
+    movable = {m for names in search.p0.chains.values() for m in names}  # fixed collectives stay
+    best, kept = None, 0
+    for entry in [e for e in plan if len(e.members) > 1 and e.members[0] in movable]:
+        alone = [PlannedBucket(Bucket((m,)), entry.issue_at, entry.wait_at) for m in entry.members]
+        found = search.scored_plan([x for x in plan if x != entry] + alone, score)
+        if found is None:
+            continue
+        best, kept = found, kept + 1
+        score = found[1]
+        plan = _plan_of(found[0])
+    return None if best is None else (best, kept)
 
 
 class _Search:

@@ -27,9 +27,10 @@ windows    with one cost model: CP-SAT (or the MILP) re-decides  ``window_share`
 polish     first-improvement local search                        the rest of the        the evaluator prices merges and both
            (:func:`solvers.polish.polish`): merge two           limit, in              memory counts exactly where a model
            neighbouring buckets of a chain, move a boundary      evaluations, shared    approximates them; a local search ends
-           between them, move one issue or wait; from the        by its starts          where its start leads
-           incumbent and, with several models, from the
-           fastest start under each
+           between them, move one issue or wait; then one        by its starts, and a   where its start leads; no move ends a
+           pass that splits each bucket into its members;        pass over the          bucket, and where transfers hide a
+           from the incumbent and, with several models,          buckets                bucket's copies cost compute
+           from the fastest start under each
 strict     with several models, when every polished schedule     what the polish left,  the minimax leaves every model but the
            is slower than the best baseline under a strict       at least               worst free to degrade; a user judges
            model: the polish again, that slowdown first, from    ``strict_share`` of    by the nominal models

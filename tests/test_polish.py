@@ -78,7 +78,11 @@ def test_polish_is_deterministic_and_counts_work_in_evaluations(forward_case):
     a = polish(problems, solved["fast"], reference, budget, PolishConfig(max_evaluations=60))
     b = polish(problems, solved["fast"], reference, budget, PolishConfig(max_evaluations=60))
     assert a.schedule.digest() == b.schedule.digest() and a.regret == b.regret
-    assert a.stopped.startswith("work limit") and a.evaluations <= 60 + len(problems)
+    # the moves stop at the limit; the pass of splits after them tries each bucket once
+    n_colls = len(problems["fast"].colls)
+    assert a.stopped.startswith("work limit") and a.evaluations <= 60 + len(problems) + (len(problems) + 1) * n_colls
+    moves_only = polish(problems, solved["fast"], reference, budget, PolishConfig(max_evaluations=60, splits=False))
+    assert moves_only.evaluations <= 60 + len(problems)
     longer = polish(problems, solved["fast"], reference, budget)
     assert longer.worst_regret <= a.worst_regret
 
@@ -95,6 +99,25 @@ def test_with_no_budget_the_polish_ends_as_under_a_budget_nothing_reaches(forwar
     assert free.schedule.digest() == roomy.schedule.digest()
     assert free.step_ms == roomy.step_ms and free.peak_bytes == roomy.peak_bytes
     assert free.peak_bytes == max(simulate(p.dag, free.schedule, problem=p).peak_bytes for p in problems.values())
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_the_pass_of_splits_ends_buckets_that_no_move_can(kind):
+    """On a cluster whose collectives have no latency, a bucket saves nothing and its copies into
+    and out of its buffer cost compute: no merge, boundary move or shift ends a bucket, the pass
+    of splits after them does, and the polish ends faster with it."""
+    cluster = Cluster(n_gpus=64, inter_node_gbps=400.0, base_latency_us=0.0, intra_hop_latency_us=0.0,
+                      inter_hop_latency_us=0.0)
+    p = Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind=kind, world_size=64, seed=0, cluster=cluster))
+    start = solve(p, solver="fsdp2").schedule
+    one = {"m": p}
+    reference = {"m": simulate(p.dag, start, problem=p).step_ms}
+    without = polish(one, start, reference, None, PolishConfig(splits=False))
+    split = polish(one, start, reference, None)
+    assert 1 < len(without.schedule.buckets) <= len(start.buckets)
+    assert len(split.schedule.buckets) == len(p.colls)
+    assert split.step_ms["m"] < without.step_ms["m"]
+    assert validate_schedule(p, split.schedule).step_ms == pytest.approx(split.step_ms["m"])
 
 
 def test_polish_holds_a_tight_budget():
