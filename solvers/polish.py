@@ -36,9 +36,9 @@ first and rejected as soon as one model's regret exceeds the current worst, so m
 moves cost one evaluation. The search stops after a full scan without gain or when
 :attr:`PolishConfig.max_evaluations` are spent: work is counted in evaluations, not seconds,
 so every rank gets the same schedule from the same graph. Then one pass tries splitting each
-bucket into its members, issued and waited where it was (:attr:`PolishConfig.splits`): no move
-above ends a bucket, and a local search whose limit binds on a large graph would seldom reach
-such a move were it one of them.
+bucket into its members, issued and waited where it was, kept where it lowers the score and
+slows no model (:attr:`PolishConfig.splits`): no move above ends a bucket, and a local search
+whose limit binds on a large graph would seldom reach such a move were it one of them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from solvers.config import renamed_fields
-from solvers.core.evaluate import ModelEvaluator, ReadSchedule
+from solvers.core.evaluate import Evaluation, ModelEvaluator, ReadSchedule
 from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
@@ -78,9 +78,9 @@ class PolishConfig:
     #: move the boundary between consecutive buckets by one unit or collective (:func:`_transfers`)
     transfers: bool = True
     #: once the moves above end, try splitting each bucket into its members, issued and waited
-    #: where it was, bucket by bucket (:func:`_split_pass`): where its transfer stays hidden, a
-    #: bucket's copies into and out of its buffer cost compute that its members alone do not,
-    #: and no move above ends a bucket
+    #: where it was, bucket by bucket, kept where no model's step grows (:func:`_split_pass`):
+    #: where its transfer stays hidden, a bucket's copies into and out of its buffer cost
+    #: compute that its members alone do not, and no move above ends a bucket
     splits: bool = True
     #: largest payload of a merged bucket in bytes (None: no cap)
     max_bucket_bytes: int | None = None
@@ -174,7 +174,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
     if config.splits and score[0] == 0:
-        found = _split_pass(search, schedule, score)
+        found = _split_pass(search, schedule, score, sims)
         if found is not None:
             (schedule, score, sims), split = found
             moves += split
@@ -194,22 +194,25 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     return result
 
 
-def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tuple[int, float, float, float]):
+def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tuple[int, float, float, float],
+                sims: Mapping[str, Evaluation]):
     """Each bucket of several collectives of ``schedule`` split into its members (issued and
     waited where it was), one after another in the plan's order, each split kept where it lowers
-    the score: ((schedule, score, evaluations by label), splits kept), or None when none is
-    kept. It runs whatever is left of the polish's limit: one evaluation per bucket and one
-    per model at most, a pass bounded by the number of buckets."""
+    the score and no model's step time grows: ((schedule, score, evaluations by label), splits
+    kept), or None when none is kept. The pass is for copies that cost compute while the
+    transfers stay hidden, which every model gains from; a split that trades one model for
+    another is the moves' business. It runs whatever is left of the polish's limit: one
+    evaluation per bucket and one per model at most, a pass bounded by the number of buckets."""
     plan = _plan_of(schedule)
     movable = {m for names in search.p0.chains.values() for m in names}  # fixed collectives stay
     best, kept = None, 0
     for entry in [e for e in plan if len(e.members) > 1 and e.members[0] in movable]:
         alone = [PlannedBucket(Bucket((m,)), entry.issue_at, entry.wait_at) for m in entry.members]
         found = search.scored_plan([x for x in plan if x != entry] + alone, score)
-        if found is None:
+        if found is None or any(found[2][label].step_ms > sims[label].step_ms for label in search.labels):
             continue
         best, kept = found, kept + 1
-        score = found[1]
+        score, sims = found[1], found[2]
         plan = _plan_of(found[0])
     return None if best is None else (best, kept)
 

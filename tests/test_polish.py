@@ -102,22 +102,36 @@ def test_with_no_budget_the_polish_ends_as_under_a_budget_nothing_reaches(forwar
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_the_pass_of_splits_ends_buckets_that_no_move_can(kind):
-    """On a cluster whose collectives have no latency, a bucket saves nothing and its copies into
+def test_the_pass_of_splits_ends_buckets_that_no_move_can_and_slows_no_model(kind):
+    """On clusters whose collectives have no latency, a bucket saves nothing and its copies into
     and out of its buffer cost compute: no merge, boundary move or shift ends a bucket, the pass
-    of splits after them does, and the polish ends faster with it."""
-    cluster = Cluster(n_gpus=64, inter_node_gbps=400.0, base_latency_us=0.0, intra_hop_latency_us=0.0,
-                      inter_hop_latency_us=0.0)
-    p = Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind=kind, world_size=64, seed=0, cluster=cluster))
-    start = solve(p, solver="fsdp2").schedule
-    one = {"m": p}
-    reference = {"m": simulate(p.dag, start, problem=p).step_ms}
-    without = polish(one, start, reference, None, PolishConfig(splits=False))
-    split = polish(one, start, reference, None)
-    assert 1 < len(without.schedule.buckets) <= len(start.buckets)
-    assert len(split.schedule.buckets) == len(p.colls)
-    assert split.step_ms["m"] < without.step_ms["m"]
-    assert validate_schedule(p, split.schedule).step_ms == pytest.approx(split.step_ms["m"])
+    of splits after them does, and the polish ends faster under every model with it (a split
+    that would slow one model is not kept)."""
+    def priced(inter_node_gbps: float) -> Problem:
+        cluster = Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps, base_latency_us=0.0,
+                          intra_hop_latency_us=0.0, inter_hop_latency_us=0.0)
+        return Problem.from_dag(make_fsdp_dag(n_layers=6, graph_kind=kind, world_size=64, seed=0, cluster=cluster))
+
+    problems = {"fast": priced(400.0), "slow": priced(50.0)}
+    start = solve(problems["fast"], solver="fsdp2").schedule
+    reference = {label: simulate(p.dag, start, problem=p).step_ms for label, p in problems.items()}
+    without = polish(problems, start, reference, None, PolishConfig(splits=False))
+    split = polish(problems, start, reference, None)
+    assert len(without.schedule.buckets) <= len(start.buckets) < len(split.schedule.buckets)
+    for label, p in problems.items():
+        assert split.step_ms[label] < without.step_ms[label]
+        assert validate_schedule(p, split.schedule).step_ms == pytest.approx(split.step_ms[label])
+
+
+def test_the_pass_of_splits_slows_no_model(forward_case):
+    """Where the models disagree (fast and slow links), the pass keeps only the splits that slow
+    none of them: each model's step is at most the moves' own."""
+    problems, budget, solved, reference = forward_case
+    for start in solved.values():
+        without = polish(problems, start, reference, budget, PolishConfig(splits=False))
+        split = polish(problems, start, reference, budget)
+        assert all(split.step_ms[label] <= without.step_ms[label] for label in problems)
+        assert split.peak_bytes <= budget
 
 
 def test_polish_holds_a_tight_budget():
