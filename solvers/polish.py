@@ -106,8 +106,11 @@ class PolishResult:
     peak_bytes: int
     #: moves accepted
     moves: int
-    #: evaluations spent (as :attr:`PolishConfig.max_evaluations` counts them)
+    #: evaluations spent (as :attr:`PolishConfig.max_evaluations` counts them), the pass of
+    #: splits included
     evaluations: int
+    #: of those, the pass of splits' (outside the moves' limit)
+    split_evaluations: int = 0
     solve_time_s: float
     #: why the search stopped
     stopped: str
@@ -173,6 +176,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
         else:
             unchanged += 1
         k += 1  # the scan goes on from the next move, not from the first
+    moved = search.evaluations
     if config.splits and score[0] == 0:
         found = _split_pass(search, schedule, score, sims)
         if found is not None:
@@ -188,6 +192,7 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
     result = PolishResult(schedule=search.schedule_of(schedule),
                            step_ms={label: sims[label].step_ms for label in search.labels}, regret=regrets,
                            peak_bytes=peak, moves=moves, evaluations=search.evaluations,
+                           split_evaluations=search.evaluations - moved,
                            solve_time_s=time.perf_counter() - t0, stopped=stopped)
     logger.info("polish: worst-case regret %.2f %% after %d moves, %d evaluations, %.1f s (%s)",
                 100 * result.worst_regret, moves, search.evaluations, result.solve_time_s, stopped)

@@ -328,7 +328,7 @@ def search(
     n_polish = objective.evaluations_for(work_left, config)
     if n_polish >= POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
         t, before = time.perf_counter(), best
-        polished, used = best, 0
+        polished, used, spent = best, 0, 0
         # a local search ends where its start leads: with several models, also from the best
         # start under each model alone (where the models disagree, the worst case lies between)
         froms = _polish_starts(objective, found, best, config.polish_starts)
@@ -341,14 +341,17 @@ def search(
             if share < POLISH_MIN_EVALUATIONS_PER_MODEL * len(objective.labels):
                 continue
             result = polish(start, share)
-            used += result.evaluations
+            # the pass of splits is bounded by the buckets, not the share: it takes none from
+            # the polishes after this one
+            used += result.evaluations - result.split_evaluations
+            spent += result.evaluations
             e = objective.evaluate(result.schedule, start.name)
             if e is not None:
                 e.origin = start.start
             if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
                 polished = e
         best = polished
-        stages.append(_stage("polish", t, work_left * used / n_polish, used, best, primary, before))
+        stages.append(_stage("polish", t, work_left * spent / n_polish, spent, best, primary, before))
         if objective.strict_loss(best) > 0:
             # every polished schedule loses to a baseline under a strict model: the polish again,
             # the loss first, from the start that loses least (a baseline that is the best under
