@@ -206,7 +206,7 @@ def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tup
     the score and no model's step time grows: ((schedule, score, evaluations by label), splits
     kept), or None when none is kept. The pass is for copies that cost compute while the
     transfers stay hidden, which every model gains from; a split that trades one model for
-    another is the moves' business. It runs whatever is left of the polish's limit: one
+    another is the moves' business. It runs outside the moves' limit, whatever they spent: one
     evaluation per bucket and one per model at most, a pass bounded by the number of buckets."""
     plan = _plan_of(schedule)
     movable = {m for names in search.p0.chains.values() for m in names}  # fixed collectives stay
