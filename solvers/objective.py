@@ -68,6 +68,14 @@ class SearchConfig:
     polish_starts: int = 3
     #: gap distances the polish moves one issue or wait by, largest first
     polish_steps: tuple[int, ...] = (8, 2, 1)
+    #: after the polish, move the issues of buckets on a link that streams share past the
+    #: exposed transfers of the other streams on it (:func:`solvers.polish.link_pass`), in this
+    #: many rounds over the cost models (0: no such stage): a transfer beside a waited one
+    #: slows it, and the polish's moves of one issue at a time do not get a queue of them out
+    #: of its way
+    link_rounds: int = 3
+    #: placements the links stage tries per model and round (the whole, then halves of it)
+    link_trials: int = 8
     #: with several cost models, the weight of a step slower than the best baseline's (the
     #: traced order and the heuristics that fit) under some model, on top of the regret against
     #: the fastest start (:func:`regret`): a schedule that loses to a baseline
@@ -105,6 +113,9 @@ class SearchConfig:
         if any(a <= max(self.start_aheads) for a in self.start_deep_aheads):
             raise ValueError(f"start_deep_aheads must be deeper than every start_aheads ({self.start_aheads}), got "
                              f"{self.start_deep_aheads}")
+        if self.link_rounds < 0 or self.link_trials < 1:
+            raise ValueError(f"link_rounds must be >= 0 and link_trials >= 1, got {self.link_rounds} and "
+                             f"{self.link_trials}")
         if self.fit_moves < 0 or self.fit_starts < 0 or self.fit_tries_per_start < 1:
             raise ValueError(f"fit_moves and fit_starts must be >= 0 and fit_tries_per_start >= 1, got "
                              f"{self.fit_moves}, {self.fit_starts} and {self.fit_tries_per_start}")

@@ -39,10 +39,15 @@ so every rank gets the same schedule from the same graph. Then one pass tries sp
 bucket into its members, issued and waited where it was, kept where it lowers the score and
 slows no model (:attr:`PolishConfig.splits`): no move above ends a bucket, and a local search
 whose limit binds on a large graph would seldom reach such a move were it one of them.
+
+:func:`link_pass`, the search's stage after the polish, works on the same score with the same
+rule (kept where the score drops and no model slows): issues of buckets on a link that streams
+share moved past the exposed transfers of the other streams on it.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -53,12 +58,16 @@ from solvers.core.evaluate import Evaluation, ModelEvaluator, ReadSchedule
 from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
 from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
-from solvers.core.simulator import ScheduleInvalidError
+from solvers.core.simulator import ScheduleInvalidError, simulate
+from solvers.core.streams import stream_of
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_range
 from solvers.objective import Ordering, regret
 
-__all__ = ["PolishConfig", "PolishResult", "polish", "regret"]
+#: relative growth of a step time taken as float rounding, not as slower
+SAME_STEP = 1e-9
+
+__all__ = ["PolishConfig", "PolishResult", "link_pass", "polish", "regret"]
 
 logger = logging.getLogger(__name__)
 
@@ -214,12 +223,153 @@ def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tup
     for entry in [e for e in plan if len(e.members) > 1 and e.members[0] in movable]:
         alone = [PlannedBucket(Bucket((m,)), entry.issue_at, entry.wait_at) for m in entry.members]
         found = search.scored_plan([x for x in plan if x != entry] + alone, score)
-        if found is None or any(found[2][label].step_ms > sims[label].step_ms for label in search.labels):
+        if found is None or _slows(found[2], sims):
             continue
         best, kept = found, kept + 1
         score, sims = found[1], found[2]
         plan = _plan_of(found[0])
     return None if best is None else (best, kept)
+
+
+def _slows(new: Mapping[str, Evaluation], old: Mapping[str, Evaluation]) -> bool:
+    """Some model's step time grows from ``old`` to ``new`` by more than float rounding (a
+    transfer moved to another time sums the same times in another order)."""
+    return any(new[label].step_ms > old[label].step_ms * (1 + SAME_STEP) for label in old)
+
+
+def link_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms: Mapping[str, float],
+              mem_budget_bytes: int | None = None, *, baseline_ms: Mapping[str, float] | None = None,
+              baseline_weight: float = 0.0, strict_models: Sequence[str] = (),
+              evaluator: ModelEvaluator | None = None, rounds: int = 3, trials: int = 8) -> PolishResult | None:
+    """Issues of buckets on a link that streams share moved after the exposed transfers of the
+    other streams on it, each move kept where it lowers :func:`polish`'s score and no model's
+    step time grows; None where the graph's streams share no link or no move is kept (arguments
+    as :func:`polish`'s; ``schedule`` fits the budget).
+
+    On a shared link a transfer in flight beside another slows both (processor sharing,
+    :mod:`solvers.core.streams`); where the other is waited on by the compute stream (an
+    expert-parallel all-to-all between its dispatch and its combine), the step loses the time it
+    lost. The polish's moves shift one bucket by a few gaps, and a bucket queued among others on
+    its stream gains nothing until every one queued with it is out of the way: the local search
+    does not get there. Here each model's run in turn names the flights to avoid
+    (:func:`_clear_issues`); the whole placement is tried first, then halves of it (the last in
+    issue order first: a later bucket moved drags no other of its stream), at most ``trials``
+    per model and round, ``rounds`` rounds over the models (a move kept changes the runs that
+    name the flights): work bounded by the number of models, not by the graph, counted in
+    evaluations like the polish's."""
+    t0 = time.perf_counter()
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
+                     strict_models, evaluator)
+    links = search.p0.stream_links(schedule.split_groups)
+    if len(set(links.values())) == len(links):
+        return None
+    current = search.scored(schedule, None)
+    if current is None:
+        raise ValueError("the schedule is not a valid schedule of the problems' graph")
+    kept = 0
+    for _ in range(rounds):
+        found = _link_round(search, current, trials)
+        if found is None:
+            break
+        current, k = found
+        kept += k
+    if not kept:
+        return None
+    schedule_, score, sims = current
+    return PolishResult(schedule=search.schedule_of(schedule_), step_ms={lb: sims[lb].step_ms for lb in search.labels},
+                        regret={lb: search.regret(lb, sims[lb].step_ms) for lb in search.labels},
+                        peak_bytes=max(s.peak_bytes for s in sims.values()), moves=kept,
+                        evaluations=search.evaluations, solve_time_s=time.perf_counter() - t0,
+                        stopped=f"{kept} move(s) kept")
+
+
+def _link_round(search: "_Search", current, trials: int):
+    """One round of :func:`link_pass`, each model's run in turn (one that names the moves of an
+    earlier one in the round is skipped): (the schedule, its score and evaluations, moves kept),
+    or None when none is kept."""
+    schedule, score, sims = current
+    kept, seen, runs = 0, [], None
+    for label in search.labels:
+        if runs is None:  # every model's run of what is kept
+            runs = {lb: _Run(search.problems[lb], search.schedule_of(schedule)) for lb in search.labels}
+        targets = _clear_issues(runs, label)
+        if not targets or targets in seen:
+            continue
+        seen.append(targets)
+        pending = [list(reversed(list(targets.items())))]
+        for _ in range(trials):
+            if not pending:
+                break
+            part = dict(pending.pop(0))
+            trial = [PlannedBucket(e.bucket, part.get(e.members, e.issue_at), e.wait_at) for e in _plan_of(schedule)]
+            found = search.scored_plan(trial, score)
+            if found is not None and not _slows(found[2], sims):
+                kept += 1
+                schedule, score, sims = found
+                runs = None
+            elif len(part) > 1:  # its halves, each tried on what is kept by then
+                items = list(part.items())
+                pending[:0] = [items[:len(items) // 2], items[len(items) // 2:]]
+    return None if not kept else ((schedule, score, sims), kept)
+
+
+class _Run:
+    """One model's run of a schedule, as :func:`_clear_issues` reads it."""
+
+    def __init__(self, p: Problem, schedule: Schedule):
+        self.p, self.schedule = p, schedule
+        self.sim = simulate(p.dag, schedule, problem=p)
+        self.reached = [0.0]  # when the compute stream reaches each gap
+        for n in p.seq:
+            self.reached.append(self.sim.node_times[n][1] if n in self.sim.node_times else self.reached[-1])
+
+    def alone(self, members: tuple[str, ...]) -> float:
+        return sum(self.p.colls[m].runtime_ms for m in members)
+
+
+def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...], int]:
+    """Bucket members -> a later issue gap, for the buckets that model ``label``'s run has in
+    flight beside an exposed transfer of another stream on their link.
+
+    Each stream that shares a link, its movable buckets in issue order: the earliest time, no
+    earlier than its issue and than the end of the stream's previous bucket so placed, at which
+    its transfer (at its time alone) crosses no flight of another stream on the link that the
+    compute stream waited for; its issue moves to the first gap the compute stream reaches then,
+    where in every model's run the transfer alone still ends by the time the compute stream
+    reaches the bucket's wait (a move that exposes it under another model would be refused)."""
+    run = runs[label]
+    p, schedule, sim = run.p, run.schedule, run.sim
+    split = tuple(schedule.split_groups)
+    links = p.stream_links(split)
+    issue, wait = schedule.positions()
+    stream = [stream_of(p.colls[b.members[0]].coll_type, p.colls[b.members[0]].group_name, split)
+              for b in schedule.buckets]
+    movable = {m for names in p.chains.values() for m in names}
+    out: dict[tuple[str, ...], int] = {}
+    for s in sorted(set(stream)):
+        exposed = sorted(sim.bucket_times[k][1:3] for k, other in enumerate(stream)
+                         if other != s and links[other] == links[s] and sim.bucket_exposed_ms.get(k, 0.0) > 0)
+        if not exposed:
+            continue
+        free = 0.0
+        for k in sorted((k for k, other in enumerate(stream) if other == s and schedule.buckets[k].members[0] in movable),
+                        key=lambda k: (issue[k], k)):
+            members = schedule.buckets[k].members
+            alone = run.alone(members)
+            t, crossing = max(run.reached[issue[k]], free), True
+            while crossing:
+                crossing = False
+                for a, e in exposed:
+                    if a < t + alone and e > t:
+                        t, crossing = e, True
+            g = bisect.bisect_left(run.reached, t, lo=issue[k], hi=wait[k] + 1)
+            if issue[k] < g <= wait[k] and all(r.reached[g] + r.alone(members) <= r.reached[wait[k]]
+                                                for r in runs.values()):
+                out[members] = g
+            else:
+                g = issue[k]
+            free = max(run.reached[g], free) + alone
+    return out
 
 
 class _Search:

@@ -1,4 +1,4 @@
-"""The search's stages: starts, windows, polish, strict.
+"""The search's stages: starts, windows, polish, strict, links.
 
 :func:`search` finds a schedule of one graph priced by one cost model or by several (a
 *family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
@@ -35,6 +35,10 @@ strict     with several models, when every polished schedule     what the polish
            is slower than the best baseline under a strict       at least               worst free to degrade; a user judges
            model: the polish again, that slowdown first, from    ``strict_share`` of    by the nominal models
            the polished or start schedule that loses least       its work
+links      where streams share a link: issues moved past the     rounds x trials per    a transfer beside a waited one on its
+           exposed transfers of the other streams on it, whole   model, outside the     link slows it; a queue of transfers
+           then in halves, kept where no model slows             limit                  moves only all at once
+           (:func:`solvers.polish.link_pass`)
 =========  ====================================================  =====================  ========================================
 
 Streams (``all_gather_stream``, :mod:`solvers.core.streams`): with ``"choose"`` the starts are
@@ -367,6 +371,19 @@ def search(
                 best = e
             stages.append(_stage("strict", t, work_left * result.evaluations / n_polish, result.evaluations, best,
                                  primary, before))
+    if config.link_rounds and work_left > 0:
+        t, before = time.perf_counter(), best
+        linked = polishing.link_pass(objective.problems, best.schedule, _polish_reference(objective), mem_budget_bytes,
+                                     baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
+                                     strict_models=objective.strict, evaluator=objective.evaluator,
+                                     rounds=config.link_rounds, trials=config.link_trials)
+        if linked is not None:
+            e = objective.evaluate(linked.schedule, best.name)
+            if e is not None:
+                e.origin = best.start
+            if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
+                best = e
+            stages.append(_stage("links", t, 0.0, linked.evaluations, best, primary, before))
     return _result(dataclasses.replace(started, stages=stages), best)
 
 

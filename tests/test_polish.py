@@ -295,3 +295,65 @@ def test_polish_never_trades_a_strict_models_baseline_for_regret_elsewhere(forwa
     assert strict.worst_regret >= free.worst_regret - 1e-12
     for p in problems.values():
         assert simulate(p.dag, strict.schedule, problem=p).peak_bytes <= budget
+
+
+def _two_groups_one_link(share: bool) -> dict[str, Problem]:
+    """The 6-layer forward with its parameters alternating between two process groups, of the
+    same ranks (``share``: one link, :mod:`solvers.core.streams`) or of other ranks, under two
+    bandwidths."""
+    def priced(inter_node_gbps: float) -> Problem:
+        dag = make_fsdp_dag(n_layers=6, graph_kind="forward", world_size=64, n_groups=2, seed=0,
+                            cluster=Cluster(n_gpus=64, inter_node_gbps=inter_node_gbps))
+        dag.graph["process_groups"] = {g: {"ranks": list(range(64)) if share or g == "0" else list(range(64, 128))}
+                                       for g in ("0", "1")}
+        return Problem.from_dag(dag)
+
+    return {"fast": priced(400.0), "slow": priced(100.0)}
+
+
+def _prefetched(p: Problem, group: str):
+    """The traced schedule (every all-gather issued where it is needed: exposed) with the
+    all-gathers of ``group`` issued at the start instead: they queue on their stream and run
+    beside the exposed ones of the other group."""
+    from solvers.core.plan import PlannedBucket, build_schedule
+
+    traced = p.traced_schedule()
+    issue, wait = traced.positions()
+    return build_schedule(p, [PlannedBucket(b, p.colls[b.members[0]].ready if p.colls[b.members[0]].group_name == group
+                                            else issue[k], wait[k]) for k, b in enumerate(traced.buckets)])
+
+
+def test_the_link_pass_moves_transfers_out_of_exposed_ones_on_their_link_and_slows_no_model():
+    """Two groups on one link: group 1's all-gathers all issued at the start run beside group
+    0's, which the compute stream waits for, and slow them (processor sharing). The link pass
+    moves group 1's issues out of those flights: its schedule is valid, no model is slower, and
+    some is faster by more than float noise (with no pass to do it, the test fails)."""
+    from solvers.polish import link_pass
+
+    problems = _two_groups_one_link(share=True)
+    start = _prefetched(problems["fast"], "1")
+    reference = {label: simulate(p.dag, start, problem=p).step_ms for label, p in problems.items()}
+    found = link_pass(problems, start, reference)
+    assert found is not None
+    for label, p in problems.items():
+        assert validate_schedule(p, found.schedule).step_ms == pytest.approx(found.step_ms[label])
+        assert found.step_ms[label] <= reference[label] * (1 + 1e-9)
+    assert any(found.step_ms[label] < reference[label] * 0.999 for label in problems), (found.step_ms, reference)
+
+
+def test_the_link_pass_costs_nothing_where_no_streams_share_a_link():
+    """The same graph with its groups on other ranks: no link is shared, the all-gathers of one
+    group slow no other's, and the pass returns nothing, evaluating nothing."""
+    from solvers.polish import link_pass
+
+    problems = _two_groups_one_link(share=False)
+    assert not problems["fast"].shares_links
+    start = _prefetched(problems["fast"], "1")
+    reference = {label: simulate(p.dag, start, problem=p).step_ms for label, p in problems.items()}
+    assert link_pass(problems, start, reference) is None
+
+
+@pytest.mark.parametrize("bad", [{"link_rounds": -1}, {"link_trials": 0}])
+def test_the_links_stage_config_is_checked(bad):
+    with pytest.raises(ValueError, match="link_rounds must be >= 0 and link_trials >= 1"):
+        SearchConfig(**bad)
