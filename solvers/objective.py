@@ -73,9 +73,9 @@ class SearchConfig:
     #: many rounds over the cost models (0: no such stage): a transfer beside a waited one
     #: slows it, and the polish's moves of one issue at a time do not get a queue of them out
     #: of its way
-    link_rounds: int = 3
+    link_rounds: int = 2
     #: placements the links stage tries per model and round (the whole, then halves of it)
-    link_trials: int = 8
+    link_trials: int = 6
     #: with several cost models, the weight of a step slower than the best baseline's (the
     #: traced order and the heuristics that fit) under some model, on top of the regret against
     #: the fastest start (:func:`regret`): a schedule that loses to a baseline

@@ -240,7 +240,7 @@ def _slows(new: Mapping[str, Evaluation], old: Mapping[str, Evaluation]) -> bool
 def link_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms: Mapping[str, float],
               mem_budget_bytes: int | None = None, *, baseline_ms: Mapping[str, float] | None = None,
               baseline_weight: float = 0.0, strict_models: Sequence[str] = (),
-              evaluator: ModelEvaluator | None = None, rounds: int = 3, trials: int = 8) -> PolishResult | None:
+              evaluator: ModelEvaluator | None = None, rounds: int = 2, trials: int = 6) -> PolishResult | None:
     """Issues of buckets on a link that streams share moved after the exposed transfers of the
     other streams on it, each move kept where it lowers :func:`polish`'s score and no model's
     step time grows; None where the graph's streams share no link or no move is kept (arguments
@@ -288,10 +288,11 @@ def _link_round(search: "_Search", current, trials: int):
     earlier one in the round is skipped): (the schedule, its score and evaluations, moves kept),
     or None when none is kept."""
     schedule, score, sims = current
-    kept, seen, runs = 0, [], None
+    # every model's run of the round's start: once a move is kept they name flights that have
+    # moved a little, and each placement is evaluated exactly anyway
+    runs = {lb: _Run(search.problems[lb], search.schedule_of(schedule)) for lb in search.labels}
+    kept, seen = 0, []
     for label in search.labels:
-        if runs is None:  # every model's run of what is kept
-            runs = {lb: _Run(search.problems[lb], search.schedule_of(schedule)) for lb in search.labels}
         targets = _clear_issues(runs, label)
         if not targets or targets in seen:
             continue
@@ -306,7 +307,6 @@ def _link_round(search: "_Search", current, trials: int):
             if found is not None and not _slows(found[2], sims):
                 kept += 1
                 schedule, score, sims = found
-                runs = None
             elif len(part) > 1:  # its halves, each tried on what is kept by then
                 items = list(part.items())
                 pending[:0] = [items[:len(items) // 2], items[len(items) // 2:]]
