@@ -25,6 +25,7 @@ from solvers.core.evaluate import ModelEvaluator
 from solvers.core.order import in_order, node_order
 from solvers.core.peaks import memory_model
 from solvers.core.units import fmt_bytes
+from solvers.objective import SAME_STEP
 from solvers.registry import BACKENDS, check_starts
 from solvers.search import Started, begin
 
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
     import torch.fx
 
 logger = logging.getLogger(__name__)
-
-#: relative difference of two simulated step times taken as float noise, not as slower
-SAME_STEP = 1e-9
 
 
 def torch_starts_for(gm: "torch.fx.GraphModule", problem: Problem, cluster: Cluster | None, solver: SolverOptions

@@ -149,6 +149,10 @@ class SearchConfig:
 #: or the polish would walk on it
 SCORE_TOLERANCE = 1e-12
 
+#: relative growth of a simulated step time taken as float noise (the same times summed in
+#: another order), not as slower
+SAME_STEP = 1e-9
+
 
 def baseline_loss(step_ms: float, baseline_ms: float | None) -> float:
     """How much slower than ``baseline_ms`` a step is (0 when not slower or no baseline)."""

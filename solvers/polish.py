@@ -62,10 +62,7 @@ from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.streams import stream_of
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_range
-from solvers.objective import Ordering, regret
-
-#: relative growth of a step time taken as float rounding, not as slower
-SAME_STEP = 1e-9
+from solvers.objective import SAME_STEP, Ordering, regret
 
 __all__ = ["PolishConfig", "PolishResult", "link_pass", "polish", "regret"]
 
@@ -258,11 +255,11 @@ def link_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms:
     name the flights): work bounded by the number of models, not by the graph, counted in
     evaluations like the polish's."""
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
-                     strict_models, evaluator)
-    links = search.p0.stream_links(schedule.split_groups)
+    links = next(iter(problems.values())).stream_links(schedule.split_groups)
     if len(set(links.values())) == len(links):
         return None
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
+                     strict_models, evaluator)
     current = search.scored(schedule, None)
     if current is None:
         raise ValueError("the schedule is not a valid schedule of the problems' graph")

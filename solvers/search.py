@@ -349,11 +349,7 @@ def search(
             # the polishes after this one
             used += result.evaluations - result.split_evaluations
             spent += result.evaluations
-            e = objective.evaluate(result.schedule, start.name)
-            if e is not None:
-                e.origin = start.start
-            if e is not None and objective.fits(e) and objective.key(e) < objective.key(polished):
-                polished = e
+            polished = _kept(objective, result.schedule, start, polished)
         best = polished
         stages.append(_stage("polish", t, work_left * spent / n_polish, spent, best, primary, before))
         if objective.strict_loss(best) > 0:
@@ -364,11 +360,7 @@ def search(
             share = max(n_polish - used, int(n_polish * config.strict_share))
             start = min([best, *found], key=objective.key)
             result = polish(start, share, objective.strict)
-            e = objective.evaluate(result.schedule, start.name)
-            if e is not None:
-                e.origin = start.start
-            if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
-                best = e
+            best = _kept(objective, result.schedule, start, best)
             stages.append(_stage("strict", t, work_left * result.evaluations / n_polish, result.evaluations, best,
                                  primary, before))
     if config.link_rounds and work_left > 0:
@@ -378,13 +370,19 @@ def search(
                                      strict_models=objective.strict, evaluator=objective.evaluator,
                                      rounds=config.link_rounds, trials=config.link_trials)
         if linked is not None:
-            e = objective.evaluate(linked.schedule, best.name)
-            if e is not None:
-                e.origin = best.start
-            if e is not None and objective.fits(e) and objective.key(e) < objective.key(best):
-                best = e
+            best = _kept(objective, linked.schedule, best, best)
             stages.append(_stage("links", t, 0.0, linked.evaluations, best, primary, before))
     return _result(dataclasses.replace(started, stages=stages), best)
+
+
+def _kept(objective: Objective, schedule: Schedule, start: Evaluated, incumbent: Evaluated) -> Evaluated:
+    """``schedule``, a stage's answer from ``start``, evaluated (found from ``start``'s start)
+    where it fits and its key is lower than ``incumbent``'s; else ``incumbent``."""
+    e = objective.evaluate(schedule, start.name)
+    if e is None:
+        return incumbent
+    e.origin = start.start
+    return e if objective.fits(e) and objective.key(e) < objective.key(incumbent) else incumbent
 
 
 def _result(started: Started, best: Evaluated) -> SolveResult:
