@@ -321,7 +321,8 @@ class _Run:
             self.reached.append(self.sim.node_times[n][1] if n in self.sim.node_times else self.reached[-1])
 
     def alone(self, members: tuple[str, ...]) -> float:
-        return sum(self.p.colls[m].runtime_ms for m in members)
+        """The bucket's transfer time alone on its link, as the run priced it."""
+        return self.p.bucket_comm_ms(members)
 
 
 def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...], int]:
