@@ -321,8 +321,10 @@ class _Run:
             self.reached.append(self.sim.node_times[n][1] if n in self.sim.node_times else self.reached[-1])
 
     def alone(self, members: tuple[str, ...]) -> float:
-        """The bucket's transfer time alone on its link, as the run priced it."""
-        return self.p.bucket_comm_ms(members)
+        """The bucket's transfer time alone, counted as its members' times summed: above the
+        simulator's price of a merged bucket (:meth:`Problem.bucket_comm_ms`), so that a move
+        leaves it more room before its wait."""
+        return sum(self.p.colls[m].runtime_ms for m in members)
 
 
 def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...], int]:
