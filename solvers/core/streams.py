@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Mapping
 
+_INF = float("inf")
+
 #: suffix of the stream (and of the second process group the write-back creates) that carries a
 #: split group's all-gathers
 SPLIT_SUFFIX = "+ag"
@@ -78,43 +80,48 @@ class Link:
         return self.done[b]
 
     def resolve(self, b: int) -> None:
-        """Advance until bucket ``b`` has ended."""
-        while b not in self.done:
-            self._activate()
-            k = len(self.active)
-            # the next event: the end of the active bucket with least work left, or the
-            # start of a queued one
-            ending = min(self.active, key=lambda s: (self.active[s][2], s)) if k else None
-            t = self.now + self.active[ending][2] * k if k else float("inf")
-            for s, q in self.queues.items():
-                if s not in self.active and q:
-                    ready = max(q[0][1], self.idle_since.get(s, 0.0))
+        """Advance until bucket ``b`` has ended: event by event, each the end of the active
+        bucket with least work left (it and any within rounding of none end) or the start of
+        a queued one, every active bucket progressing at ``1 / k`` in between. (The walk's
+        inner loop, run for every wait on a shared link: written with locals, one pass each.)"""
+        done = self.done
+        if b in done:
+            return
+        queues, active, idle_since = self.queues, self.active, self.idle_since
+        now = self.now
+        while b not in done:
+            # start the head of every idle stream whose bucket is issued and whose stream is free
+            for s, q in queues.items():
+                if q and s not in active:
+                    head, issued, duration = q[0]
+                    idle = idle_since.get(s, 0.0)
+                    if max(issued, idle) <= now:
+                        q.popleft()
+                        active[s] = [head, now, duration]
+            k = len(active)
+            if k == 1:
+                ending = next(iter(active))
+                t = now + active[ending][2] * k
+            elif k:
+                ending = min(active, key=lambda s: (active[s][2], s))
+                t = now + active[ending][2] * k
+            else:
+                ending, t = None, _INF
+            for s, q in queues.items():
+                if q and s not in active:
+                    ready = max(q[0][1], idle_since.get(s, 0.0))
                     if ready < t:
                         t, ending = ready, None
-            if t == float("inf"):
+            if t == _INF:
+                self.now = now
                 raise RuntimeError(f"bucket {b} is waited but was never issued on this link")
-            self._advance(t, ending)
-
-    def _activate(self) -> None:
-        """Start the head of every idle stream whose bucket is issued and whose stream is free."""
-        for s, q in self.queues.items():
-            if s not in self.active and q:
-                b, t, duration = q[0]
-                if max(t, self.idle_since.get(s, 0.0)) <= self.now:
-                    q.popleft()
-                    self.active[s] = [b, self.now, duration]
-
-    def _advance(self, t: float, ending: str | None) -> None:
-        """Move the clock to ``t``, every active bucket progressing at ``1 / k``; ``ending``
-        (the stream whose bucket defined ``t``) ends there, as does any whose work left is
-        within rounding of none."""
-        k = len(self.active)
-        if k:
-            progress = (t - self.now) / k
-            for entry in self.active.values():
-                entry[2] -= progress
-            for s in [s for s, entry in self.active.items() if s == ending or entry[2] <= 1e-12]:
-                b, start, _ = self.active.pop(s)
-                self.done[b] = (start, t)
-                self.idle_since[s] = t
-        self.now = t
+            if k:
+                progress = (t - now) / k
+                for entry in active.values():
+                    entry[2] -= progress
+                for s in [s for s, entry in active.items() if s == ending or entry[2] <= 1e-12]:
+                    head, start, _ = active.pop(s)
+                    done[head] = (start, t)
+                    idle_since[s] = t
+            now = t
+        self.now = now
