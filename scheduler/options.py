@@ -77,7 +77,7 @@ class SolverOptions:
     #: (it runs a collective's input early so that it issues early), over which its schedule is
     #: a start without repairs; ``"choose"``: the search runs in both and keeps the answer no
     #: slower than torch's own schedule under the strict models, then of smaller worst-case
-    #: regret, then the traced one; ``"starts"``: a quicker compile, the starts run in both and
+    #: regret, then the traced one (its last stages, links and ahead, on that answer alone); ``"starts"``: a quicker compile, the starts run in both and
     #: the rest of the search (windows, polish) in the order whose best start has the smaller
     #: worst-case regret (in the other too where that answer ends slower than torch's own
     #: schedule), at some cost in step time where the polish would have turned the choice

@@ -3,10 +3,11 @@ solve on a saved DAG (no torch graph: notebooks, the CLI).
 
 :func:`search_in_orders` runs the search (:mod:`solvers.search`) in the orders of compute
 ``SolverOptions.compute_order`` names (:mod:`scheduler.orders`): with two, the starts in both and
-the later stages in the order whose best start is better (in both where the first answer ends
-slower than torch's own schedule). :func:`solve_graph` is one solve: the
-search or the solver asked for, the best start that fits where a solver fails
-(``SolverOptions.fallback``), the schedule hook applied.
+the later stages in both (``"choose"``) or in the order whose best start is better
+(``"starts"``; in both where the first answer ends slower than torch's own schedule), and the
+search's last stages (:func:`solvers.search.finish`) on the answer kept alone.
+:func:`solve_graph` is one solve: the search or the solver asked for, the best start that fits
+where a solver fails (``SolverOptions.fallback``), the schedule hook applied.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from solvers.core import (
 from solvers.core.units import fmt_bytes, parse_bytes
 from solvers.registry import BACKENDS, solve_problems
 from solvers.search import Started, search
+from solvers.search import finish as finish_search
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,9 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     torchs = torch_steps([(*order, None) for order, _ in begun], solver) if one_order else {}
     outcomes: list[Outcome] = []
     all_notes: list[list[str]] = []
+    starteds: list[Started | None] = []
+    # the search's last stages run on the answer kept alone, not in every order
+    later = len(begun) > 1
     for order, started in begun:
         if outcomes and one_order and not slower_than_torch(outcomes[0][3], torchs):
             break
@@ -87,7 +92,7 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
         try:
             result, notes = solve_graph(base, mem_budget_bytes,
                                         starts_in_order(solver, problem, next(iter(base.values()))),
-                                        baselines=named, started=started)
+                                        baselines=named, started=started, finish=not later)
         except InfeasibleBudgetError as e:  # the other order may fit
             refusal = refusal or e
             continue
@@ -99,12 +104,18 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
             continue
         outcomes.append((name, base, named, result))
         all_notes.append(notes)
+        starteds.append(started)
     if not outcomes:
         assert refusal is not None
         raise refusal
     # the choice on the starts says why, where its order alone was finished
     only_first = len(outcomes) == 1 and outcomes[0][1] is begun[0][0][1]
     k, order_notes = (0, starts_notes) if starts_notes and only_first else better_order(outcomes, solver)
+    if later:
+        name, base, named, result = outcomes[k]
+        outcomes[k] = (name, base, named, finish_graph(base, result, starteds[k], mem_budget_bytes,
+                                                      starts_in_order(solver, problem, next(iter(base.values()))),
+                                                      all_notes[k]))
     finished = {id(o[1]) for o in outcomes}
     others = [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]
     others += [st for order, started in begun if started is not None and id(order[1]) not in finished
@@ -115,19 +126,22 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
 
 
 def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, solver: SolverOptions,
-           baselines: Sequence[tuple[str, Schedule]] = (), started: Started | None = None
+           baselines: Sequence[tuple[str, Schedule]] = (), started: Started | None = None, finish: bool = True
            ) -> tuple[SolveResult, list[str]]:
     """The search (or the solver asked for), its hook applied, and the report's notes. A solver
     that fails falls back to the best start that fits (``solver.fallback``). ``baselines``:
     named starts that are baselines too (torch's pass read back); ``started``: the search's
-    first stage run already on these (:func:`scheduler.orders.begin_orders`)."""
+    first stage run already on these (:func:`scheduler.orders.begin_orders`); ``finish``:
+    False leaves the search's last stages and the hook to :func:`finish_graph` (with
+    ``started``), for the one answer kept of several orders of compute."""
     problem = next(iter(problems.values()))
     notes = fixed_collective_notes(problem)
     try:
         result = solve_problems(problems, solver=solver.solver, mem_budget_bytes=mem_budget_bytes,
                                 work_limit=solver.work_limit, seed=solver.seed, num_workers=solver.num_workers,
                                 extra_starts=solver.extra_starts, config=solver.search,
-                                all_gather_stream=solver.all_gather_stream, baselines=baselines, started=started)
+                                all_gather_stream=solver.all_gather_stream, baselines=baselines, started=started,
+                                finish=finish)
         validate_schedule(problem, result.schedule, mem_budget_bytes=mem_budget_bytes)
     except Exception as e:  # a failed solve must not fail training when a valid schedule exists
         # the search's own refusal names the smallest peak of every start: nothing to fall back to.
@@ -145,13 +159,37 @@ def solve_graph(problems: Mapping[str, Problem], mem_budget_bytes: int | None, s
             all_gather_stream=solver.all_gather_stream, baselines=baselines)
         result = dataclasses.replace(starts, status=SolveStatus.FALLBACK, solver="fallback")
     notes += list(result.notes)
+    return (_hooked(problem, result, mem_budget_bytes, solver, notes) if finish else result), notes
+
+
+def finish_graph(problems: Mapping[str, Problem], result: SolveResult, started: Started | None,
+                 mem_budget_bytes: int | None, solver: SolverOptions, notes: list[str]) -> SolveResult:
+    """What :func:`solve_graph` with ``finish=False`` left: the search's last stages
+    (:func:`solvers.search.finish`) on ``result`` where the search found it, then the hook;
+    ``notes`` gets the report's notes. A last stage that fails leaves ``result`` as it was."""
+    problem = next(iter(problems.values()))
+    if started is not None and result.status is not SolveStatus.FALLBACK:
+        try:
+            finished = finish_search(started, result, mem_budget_bytes, solver.search)
+            validate_schedule(problem, finished.schedule, mem_budget_bytes=mem_budget_bytes)
+            result = finished
+        except Exception as e:  # the search's answer stands: a last stage only improves on it
+            logger.warning("fsdp-sched: the search's last stages failed (%s: %s); its answer before them kept",
+                           type(e).__name__, e)
+            notes.append(f"the search's last stages failed ({type(e).__name__}: {e}); its answer before them kept")
+    return _hooked(problem, result, mem_budget_bytes, solver, notes)
+
+
+def _hooked(problem: Problem, result: SolveResult, mem_budget_bytes: int | None, solver: SolverOptions,
+            notes: list[str]) -> SolveResult:
+    """``result`` with ``solver.schedule_hook`` applied (validated), the note in ``notes``."""
     if solver.schedule_hook is not None:
         new = solver.schedule_hook(problem, result.schedule)
         if new is not None and new.digest() != result.schedule.digest():
             sim = validate_schedule(problem, new, mem_budget_bytes=mem_budget_bytes)
             result = dataclasses.replace(result, schedule=new, objective_ms=sim.step_ms, alternatives=())
             notes.append("schedule replaced by schedule_hook")
-    return result, notes
+    return result
 
 
 def criterion_of(problems: Mapping[str, Problem], solver: SolverOptions, cost_model: Any = None) -> str:

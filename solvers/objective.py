@@ -76,6 +76,12 @@ class SearchConfig:
     link_rounds: int = 2
     #: placements the links stage tries per model and round (the whole, then halves of it)
     link_trials: int = 6
+    #: last, issue the buckets that queue on their stream and are waited on earlier, also
+    #: ahead of buckets of their chain needed before them (:func:`solvers.polish.ahead_pass`),
+    #: trying at most this many earlier gaps per bucket (0: no such stage): every other stage
+    #: issues a chain in the order of need, so on a FIFO stream a bucket ready early waits
+    #: for one ready late, and the polish's moves of a few gaps seldom get one out of a queue
+    ahead_trials: int = 4
     #: with several cost models, the weight of a step slower than the best baseline's (the
     #: traced order and the heuristics that fit) under some model, on top of the regret against
     #: the fastest start (:func:`regret`): a schedule that loses to a baseline
@@ -113,6 +119,8 @@ class SearchConfig:
         if any(a <= max(self.start_aheads) for a in self.start_deep_aheads):
             raise ValueError(f"start_deep_aheads must be deeper than every start_aheads ({self.start_aheads}), got "
                              f"{self.start_deep_aheads}")
+        if self.ahead_trials < 0:
+            raise ValueError(f"ahead_trials must be >= 0, got {self.ahead_trials}")
         if self.link_rounds < 0 or self.link_trials < 1:
             raise ValueError(f"link_rounds must be >= 0 and link_trials >= 1, got {self.link_rounds} and "
                              f"{self.link_trials}")

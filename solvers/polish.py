@@ -40,9 +40,11 @@ bucket into its members, issued and waited where it was, kept where it lowers th
 slows no model (:attr:`PolishConfig.splits`): no move above ends a bucket, and a local search
 whose limit binds on a large graph would seldom reach such a move were it one of them.
 
-:func:`link_pass`, the search's stage after the polish, works on the same score with the same
-rule (kept where the score drops and no model slows): issues of buckets on a link that streams
-share moved past the exposed transfers of the other streams on it.
+:func:`link_pass` and :func:`ahead_pass`, the search's stages after the polish, work on the
+same score with the same rule (kept where the score drops and no model slows): issues of
+buckets on a link that streams share moved past the exposed transfers of the other streams on
+it; issues of buckets queued on their stream and waited on moved earlier, also ahead of
+buckets of their chain needed before them.
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ from solvers.config import renamed_fields
 from solvers.core.evaluate import Evaluation, ModelEvaluator, ReadSchedule
 from solvers.core.plan import PlannedBucket, build_schedule, chain_ordered, chain_units
 from solvers.core.problem import Problem
-from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule
+from solvers.core.schedule import Bucket, InfeasibleBudgetError, Schedule, Step
 from solvers.core.simulator import ScheduleInvalidError, simulate
 from solvers.core.streams import stream_of
 from solvers.core.units import fmt_bytes
 from solvers.heuristics import issue_range
 from solvers.objective import SAME_STEP, Ordering, regret
 
-__all__ = ["PolishConfig", "PolishResult", "link_pass", "polish", "regret"]
+__all__ = ["PolishConfig", "PolishResult", "ahead_pass", "link_pass", "polish", "regret"]
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +310,96 @@ def _link_round(search: "_Search", current, trials: int):
                 items = list(part.items())
                 pending[:0] = [items[:len(items) // 2], items[len(items) // 2:]]
     return None if not kept else ((schedule, score, sims), kept)
+
+
+def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms: Mapping[str, float],
+               mem_budget_bytes: int | None = None, *, baseline_ms: Mapping[str, float] | None = None,
+               baseline_weight: float = 0.0, strict_models: Sequence[str] = (),
+               evaluator: ModelEvaluator | None = None, trials: int = 4) -> PolishResult | None:
+    """Buckets that queue on their stream and are waited on, issued earlier, also ahead of
+    buckets of their chain needed before them; each move kept where it lowers :func:`polish`'s
+    score and no model's step time grows; None where no move is kept (arguments as
+    :func:`polish`'s; ``schedule`` fits the budget).
+
+    Every other stage issues a chain's buckets in the order they are needed
+    (:func:`solvers.core.plan.chain_ordered`): a bucket ready long before a bucket needed
+    earlier than it, but ready only just before that need (a tensor-parallel all-gather of a
+    saved activation behind the output gradient's), is then issued with that one and queues
+    behind its transfer on their FIFO stream. And the polish moves an issue by a few gaps at a
+    time, each move kept only where it gains by itself: out of a queue, moving one bucket a
+    few gaps seldom does. Here each bucket that some model's run shows queued (its transfer
+    started after its issue) and waited on is tried at earlier gaps down to its readiness:
+    right after the issue of a bucket some model's compute stream waits on (the bucket's copy
+    into its buffer then costs no time: the compute stream would have waited), latest first,
+    then at its readiness; at most ``trials`` per bucket, each evaluated exactly."""
+    t0 = time.perf_counter()
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
+                     strict_models, evaluator)
+    current = search.scored(schedule, None)
+    if current is None:
+        raise ValueError("the schedule is not a valid schedule of the problems' graph")
+    p0 = search.p0
+    issue, _ = schedule.positions()
+    buckets = schedule.buckets
+    sims = {lb: simulate(search.problems[lb].dag, schedule, problem=search.problems[lb]) for lb in search.labels}
+    queued, hiding = set(), set()
+    for sim in sims.values():
+        for k, (issued, start, _, _) in sim.bucket_times.items():
+            if sim.bucket_exposed_ms.get(k, 0.0) > 0:
+                hiding.add(k)
+                if start > issued + 1e-9:
+                    queued.add(k)
+    kept = 0
+    sched, score, evals = current
+    steps = list(schedule.steps)
+    at = _issue_steps(steps)
+    movable = {m for names in p0.chains.values() for m in names}
+    for k in sorted(queued, key=lambda k: (issue[k], k)):
+        ready = max(p0.colls[m].ready for m in buckets[k].members)
+        if ready >= issue[k] or buckets[k].members[0] not in movable:
+            continue
+        mine = at[k]
+        # after the issue of a bucket the compute stream later waits on: the copy into this
+        # bucket's buffer is spent while that transfer runs
+        spots = sorted(((issue[x], at[x] + 1) for x in hiding if x != k and ready <= issue[x] < issue[k]),
+                       reverse=True)[:trials - 1]
+        first = _gap_start(steps, ready)
+        for g, j in [*spots, (ready, first)]:
+            trial = steps[:mine] + steps[mine + 1:]
+            trial.insert(j if j < mine else j - 1, Step("issue", k))
+            search.evaluations += 1
+            try:
+                found = search.scored(Schedule(buckets, tuple(trial), schedule.split_groups), score)
+            except (ScheduleInvalidError, ValueError):  # it reads a result not waited for by then
+                found = None
+            if found is not None and not _slows(found[2], evals):
+                sched, score, evals = found
+                steps, issue[k] = trial, g
+                at = _issue_steps(steps)
+                kept += 1
+                break
+    if not kept:
+        return None
+    return PolishResult(schedule=search.schedule_of(sched), step_ms={lb: evals[lb].step_ms for lb in search.labels},
+                        regret={lb: search.regret(lb, evals[lb].step_ms) for lb in search.labels},
+                        peak_bytes=max(s.peak_bytes for s in evals.values()), moves=kept,
+                        evaluations=search.evaluations, solve_time_s=time.perf_counter() - t0,
+                        stopped=f"{kept} move(s) kept")
+
+
+def _issue_steps(steps: Sequence[Step]) -> dict[int, int]:
+    """Bucket -> the index of its issue in ``steps``."""
+    return {st.ref: j for j, st in enumerate(steps) if st.kind == "issue"}  # type: ignore[misc]
+
+
+def _gap_start(steps: Sequence[Step], gap: int) -> int:
+    """The index in ``steps`` of the first step of gap ``gap`` (after ``gap`` node steps)."""
+    seen = 0
+    for j, st in enumerate(steps):
+        if seen == gap:
+            return j
+        seen += st.kind == "node"
+    return len(steps)
 
 
 class _Run:

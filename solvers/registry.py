@@ -158,18 +158,21 @@ def solve_problems(
     all_gather_stream: str = "shared",
     baselines: Sequence[tuple[str, Schedule]] = (),
     started: Started | None = None,
+    finish: bool = True,
 ) -> SolveResult:
     """Solve one graph priced by one or several cost models (label -> problem; the first is the
     primary one): the search of :mod:`solvers.search` for ``"cpsat"`` / ``"milp"``, judged under
     all of them; a heuristic or a callable on the primary problem alone. ``baselines`` (named
     schedules, :func:`solvers.search.search`) and ``started`` (the search's first stage run
-    already, :func:`solvers.search.begin`) are taken by the search only."""
+    already, :func:`solvers.search.begin`) and ``finish`` (:func:`solvers.search.search`) are
+    taken by the search only."""
     if isinstance(solver, str) and solver in BACKENDS:
         if started is None:
             check_starts(next(iter(problems.values())), extra_starts, baselines)
         return search(problems, mem_budget_bytes, backend=BACKENDS[solver](config), work_limit=work_limit, seed=seed,
                       num_workers=num_workers, extra_starts=extra_starts, config=config,
-                      all_gather_stream=all_gather_stream, baselines=baselines, started=started)
+                      all_gather_stream=all_gather_stream, baselines=baselines, started=started,
+                      finish=finish)
     if started is not None:
         raise ValueError(f"started is the search's first stage: solver {solver_name(solver)!r} runs no search")
     result = solve(next(iter(problems.values())), solver=solver, mem_budget_bytes=mem_budget_bytes,

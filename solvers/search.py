@@ -1,4 +1,4 @@
-"""The search's stages: starts, windows, polish, strict, links.
+"""The search's stages: starts, windows, polish, strict, links, ahead.
 
 :func:`search` finds a schedule of one graph priced by one cost model or by several (a
 *family*: the same nodes, collectives and bytes, other times), under a peak-memory budget.
@@ -39,6 +39,11 @@ links      where streams share a link: issues moved past the     rounds x trials
            exposed transfers of the other streams on it, whole   model, outside the     link slows it; a queue of transfers
            then in halves, kept where no model slows             limit                  moves only all at once
            (:func:`solvers.polish.link_pass`)
+ahead      buckets queued and waited on, issued earlier, also   ``ahead_trials`` per   the stages above issue a chain in the
+           ahead of buckets of their chain needed before them:   bucket queued and      order of need, so a ready bucket waits
+           right after the issue of a waited-on transfer (its    waited on, outside     on a FIFO stream for a late one; out
+           copy-in hidden), or at its readiness; kept where no   the limit              of a queue, one issue moved a few gaps
+           model slows (:func:`solvers.polish.ahead_pass`)                              seldom gains by itself
 =========  ====================================================  =====================  ========================================
 
 Streams (``all_gather_stream``, :mod:`solvers.core.streams`): with ``"choose"`` the starts are
@@ -63,6 +68,11 @@ moves would then trade regret for it and end in a worse place on graphs where no
 A schedule over the budget never replaces one that fits. Windows run with one model only: a
 window is solved under one model, and with several its schedule trades that model against the
 others: none was kept under the family where the benchmarks tried (BENCHMARKS.md, the stages).
+
+The last two stages (links, ahead) refine one polished answer (where the polish did not run,
+neither do they): a caller that runs the search in several orders of compute and keeps one
+answer (:mod:`scheduler.solving`) runs them on that answer alone (``search(finish=False)``,
+then :func:`finish`).
 
 Determinism: ``work_limit`` is deterministic work, shared by the windows (the backend's
 deterministic clock) and the polish (evaluations, converted at
@@ -273,6 +283,7 @@ def search(
     baselines: Sequence[tuple[str, Schedule]] = (),
     starts_only: bool = False,
     started: Started | None = None,
+    finish: bool = True,
 ) -> SolveResult:
     """Run the search's stages (module docstring) and return its best schedule.
 
@@ -298,6 +309,8 @@ def search(
             polish (``work_limit`` then unused).
         started: the first stage as :func:`begin` ran it on these arguments: the search goes on
             from there (``problems``, ``extra_starts`` and ``baselines`` then unused).
+        finish: run the last stages (links, ahead); False: the caller runs them with
+            :func:`finish` on the one answer it keeps of several searches.
 
     Returns:
         A :class:`SolveResult` whose ``alternatives`` are the next best starts (fallbacks for a
@@ -363,16 +376,60 @@ def search(
             best = _kept(objective, result.schedule, start, best)
             stages.append(_stage("strict", t, work_left * result.evaluations / n_polish, result.evaluations, best,
                                  primary, before))
-    if config.link_rounds and work_left > 0:
-        t, before = time.perf_counter(), best
-        linked = polishing.link_pass(objective.problems, best.schedule, _polish_reference(objective), mem_budget_bytes,
-                                     baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                                     strict_models=objective.strict, evaluator=objective.evaluator,
-                                     rounds=config.link_rounds, trials=config.link_trials)
-        if linked is not None:
-            best = _kept(objective, linked.schedule, best, best)
-            stages.append(_stage("links", t, 0.0, linked.evaluations, best, primary, before))
+    if finish and _polished(stages):
+        best = _last_stages(objective, best, stages, mem_budget_bytes, config)
     return _result(dataclasses.replace(started, stages=stages), best)
+
+
+def finish(started: Started, result: SolveResult, mem_budget_bytes: int | None,
+           config: SearchConfig = SearchConfig()) -> SolveResult:
+    """The search's last stages (links, ahead) on ``result``, the answer :func:`search` with
+    ``finish=False`` gave from ``started``: a caller that runs several searches of one graph (the
+    orders of compute of :mod:`scheduler.orders`) and keeps one answer runs them on that one
+    alone. ``result`` itself where no stage improves it, or where the polish did not run."""
+    if not _polished(result.stages):
+        return result
+    objective = started.objective
+    best = objective.evaluate(result.schedule, result.start)
+    if best is None:
+        raise ValueError("result is not a schedule of the search's graph")
+    best.origin = next((e for e in started.found if e.name == result.start and not e.same_schedule(best)), None)
+    stages = list(result.stages)
+    kept = _last_stages(objective, best, stages, mem_budget_bytes, config)
+    if kept is best:
+        return dataclasses.replace(result, stages=tuple(stages))
+    return dataclasses.replace(_result(dataclasses.replace(started, stages=stages), kept), notes=result.notes)
+
+
+def _polished(stages: Sequence[StageRecord]) -> bool:
+    """Whether the polish ran: the last stages refine a polished answer, and with work for the
+    starts alone (``work_limit`` too small for the polish) they do not run either."""
+    return any(st.name == "polish" for st in stages)
+
+
+def _last_stages(objective: Objective, best: Evaluated, stages: list[StageRecord], mem_budget_bytes: int | None,
+                 config: SearchConfig) -> Evaluated:
+    """The links and ahead stages from ``best`` (module docstring), each recorded in ``stages``
+    where it kept a move: the best schedule found."""
+    primary = objective.labels[0]
+    passes = (("links", config.link_rounds, lambda e: polishing.link_pass(
+                   objective.problems, e.schedule, _polish_reference(objective), mem_budget_bytes,
+                   baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
+                   strict_models=objective.strict, evaluator=objective.evaluator, rounds=config.link_rounds,
+                   trials=config.link_trials)),
+              ("ahead", config.ahead_trials, lambda e: polishing.ahead_pass(
+                   objective.problems, e.schedule, _polish_reference(objective), mem_budget_bytes,
+                   baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
+                   strict_models=objective.strict, evaluator=objective.evaluator, trials=config.ahead_trials)))
+    for name, on, run in passes:
+        if not on:
+            continue
+        t, before = time.perf_counter(), best
+        found = run(best)
+        if found is not None:
+            best = _kept(objective, found.schedule, best, best)
+            stages.append(_stage(name, t, 0.0, found.evaluations, best, primary, before))
+    return best
 
 
 def _kept(objective: Objective, schedule: Schedule, start: Evaluated, incumbent: Evaluated) -> Evaluated:

@@ -18,6 +18,9 @@ test traces in a second:
   expert-parallel group, split sizes read by ``.tolist()``, beside FSDP all-gathers.
 - :func:`tp_chain_forward`: tensor-parallel all-gathers of activations each needed right
   where it is ready (issue ranges that do not meet), beside FSDP all-gathers.
+- :func:`wgrad_backward`: the sequence-parallel backward in Megatron's order (the input's
+  gradient first): a saved activation's all-gather, ready at the start, is needed just after
+  the output gradient's, which is ready only then.
 
 Every function takes its process groups by name (``dp``, ``tp`` / ``ep``, with their sizes),
 so that the same code traces on a fake group and on a real gloo group. :func:`trace` traces one
@@ -284,6 +287,49 @@ def tp_chain_inputs(g: Groups, n_blocks: int = 4, dim: int = 64, tokens: int = 3
                     make=torch.randn) -> list[torch.Tensor]:
     return [make(tokens // g.other_size, dim).to(BF16)] + [make(dim // g.dp_size, dim) * 0.1
                                                            for _ in range(n_blocks)]
+
+
+def wgrad_backward(g: Groups, shapes: SPShapes = SPShapes()) -> Callable[..., Any]:
+    """Sequence-parallel MLP blocks' backward in Megatron's order, the input's gradient before
+    the weights' (the hidden activation saved, the block input re-gathered)::
+
+        per block i, last first:
+            gy = AG_tp(g_sp)                          (ready once the block after is done)
+            gh = (gy @ AG_dp(bf16(w2_shard))^T) * (h > 0)
+            x = AG_tp(saved x_sp)                     (ready at the start, needed only here)
+            RS_dp(fp32(x^T @ gh))  RS_dp(fp32(h^T @ gy))          (weight gradients)
+            g_sp = g_sp + RS_tp(gh @ AG_dp(bf16(w1_shard))^T)    (input gradient)
+
+    In the order of need ``x`` of a block follows ``gy`` of that block on tp, which is ready
+    only a few nodes before ``x`` is needed. Inputs: :func:`wgrad_inputs`. Returns (g_sp, the
+    weight gradients' shards, last block first)."""
+    n = shapes.n_blocks
+
+    def backward(*args):
+        saved_x, saved_h, g_sp, shards = args[:n], args[n:2 * n], args[2 * n], args[2 * n + 1:]
+        grads = []
+        for i in reversed(range(n)):
+            gy = _ag(g_sp, g.other_size, g.other)
+            h = saved_h[i]
+            gh = (gy @ _ag(shards[2 * i + 1].to(BF16), g.dp_size, g.dp).t()) * (h > 0)
+            x = _ag(saved_x[i], g.other_size, g.other)
+            grads.append(_rs((x.t() @ gh).float(), g.dp_size, g.dp))
+            grads.append(_rs((h.t() @ gy).float(), g.dp_size, g.dp))
+            g_sp = g_sp + _rs(gh @ _ag(shards[2 * i].to(BF16), g.dp_size, g.dp).t(), g.other_size, g.other)
+        return (g_sp, *grads)
+
+    return backward
+
+
+def wgrad_inputs(g: Groups, shapes: SPShapes = SPShapes(), *, make=torch.randn) -> list[torch.Tensor]:
+    """Inputs of :func:`wgrad_backward`: every block's saved input (bf16 sequence shard), every
+    block's saved hidden activation (bf16, whole sequence, hidden / tp), the gradient of the
+    blocks' output (bf16 sequence shard), then the weight shards as :func:`sp_inputs` gives them
+    (without the output projection's)."""
+    s, d, h = shapes.seq // g.other_size, shapes.dim, shapes.hidden // g.other_size
+    saved_x = [make(s, d).to(BF16) for _ in range(shapes.n_blocks)]
+    saved_h = [make(shapes.seq, h).to(BF16) for _ in range(shapes.n_blocks)]
+    return [*saved_x, *saved_h, make(s, d).to(BF16), *sp_inputs(g, shapes, make=make)[1:-1]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -357,3 +357,8 @@ def test_the_link_pass_costs_nothing_where_no_streams_share_a_link():
 def test_the_links_stage_config_is_checked(bad):
     with pytest.raises(ValueError, match="link_rounds must be >= 0 and link_trials >= 1"):
         SearchConfig(**bad)
+
+
+def test_the_ahead_stage_config_is_checked():
+    with pytest.raises(ValueError, match="ahead_trials must be >= 0"):
+        SearchConfig(ahead_trials=-1)

@@ -5,7 +5,8 @@ read by the evaluator without building its schedule
 (:meth:`solvers.core.evaluate.Evaluator.read_plan`).
 
 - :func:`build_schedule`: the schedule of a plan, buckets issued in one gap in chain order.
-- :func:`chain_ordered`: a plan with every chain's buckets issued in order (the FIFO rule).
+- :func:`chain_ordered`: a plan with every chain's buckets issued in order (the FIFO rule of
+  every stage of the search but its last, :func:`solvers.polish.ahead_pass`).
 - :func:`chain_units`: a chain counted in blocks.
 """
 
