@@ -13,7 +13,8 @@ estimators alone. Each mode runs every stage (``whole plan``, the row's label) a
 * ``no windows``: the CP-SAT windows get no work (``window_share=0``; the polish gets it all);
 * ``no polish``: the windows get all the work (``window_share=1``);
 * ``no strict``: no strict model (``strict_models=()``), so the stage that repairs a loss to a
-  baseline under the nominal models never runs.
+  baseline under the nominal models never runs;
+* ``no ahead``: no ahead stage (``ahead_trials=0``).
 
 ``--budget-of fsdp2`` solves at the peak of FSDP2-like's written graph instead of the traced
 peak (the budget of ``equal_memory.py``'s FSDP2-like rows).
@@ -56,6 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no windows": {"window_share": 0.0},
     "no polish": {"window_share": 1.0},
     "no strict": {"strict_models": ()},
+    "no ahead": {"ahead_trials": 0},
 }
 
 

@@ -76,8 +76,8 @@ class SearchConfig:
     link_rounds: int = 2
     #: placements the links stage tries per model and round (the whole, then halves of it)
     link_trials: int = 6
-    #: last, issue the buckets that queue on their stream and are waited on earlier, also
-    #: ahead of buckets of their chain needed before them (:func:`solvers.polish.ahead_pass`),
+    #: last, issue the buckets the compute stream waits on earlier, also ahead of buckets of
+    #: their chain needed before them (:func:`solvers.polish.ahead_pass`),
     #: trying at most this many earlier gaps per bucket (0: no such stage): every other stage
     #: issues a chain in the order of need, so on a FIFO stream a bucket ready early waits
     #: for one ready late, and the polish's moves of a few gaps seldom get one out of a queue

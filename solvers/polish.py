@@ -43,8 +43,8 @@ whose limit binds on a large graph would seldom reach such a move were it one of
 :func:`link_pass` and :func:`ahead_pass`, the search's stages after the polish, work on the
 same score with the same rule (kept where the score drops and no model slows): issues of
 buckets on a link that streams share moved past the exposed transfers of the other streams on
-it; issues of buckets queued on their stream and waited on moved earlier, also ahead of
-buckets of their chain needed before them.
+it; issues of buckets the compute stream waits on moved earlier, also ahead of buckets of
+their chain needed before them.
 """
 
 from __future__ import annotations
@@ -316,10 +316,10 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
                mem_budget_bytes: int | None = None, *, baseline_ms: Mapping[str, float] | None = None,
                baseline_weight: float = 0.0, strict_models: Sequence[str] = (),
                evaluator: ModelEvaluator | None = None, trials: int = 4) -> PolishResult | None:
-    """Buckets that queue on their stream and are waited on, issued earlier, also ahead of
-    buckets of their chain needed before them; each move kept where it lowers :func:`polish`'s
-    score and no model's step time grows; None where no move is kept (arguments as
-    :func:`polish`'s; ``schedule`` fits the budget).
+    """Buckets the compute stream waits on, issued earlier, also ahead of buckets of their
+    chain needed before them; each move kept where it lowers :func:`polish`'s score and no
+    model's step time grows; None where no move is kept (arguments as :func:`polish`'s;
+    ``schedule`` fits the budget).
 
     Every other stage issues a chain's buckets in the order they are needed
     (:func:`solvers.core.plan.chain_ordered`): a bucket ready long before a bucket needed
@@ -327,11 +327,11 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
     saved activation behind the output gradient's), is then issued with that one and queues
     behind its transfer on their FIFO stream. And the polish moves an issue by a few gaps at a
     time, each move kept only where it gains by itself: out of a queue, moving one bucket a
-    few gaps seldom does. Here each bucket that some model's run shows queued (its transfer
-    started after its issue) and waited on is tried at earlier gaps down to its readiness:
-    right after the issue of a bucket some model's compute stream waits on (the bucket's copy
-    into its buffer then costs no time: the compute stream would have waited), latest first,
-    then at its readiness; at most ``trials`` per bucket, each evaluated exactly."""
+    few gaps seldom does. Here each bucket that some model's compute stream waits on, issued
+    after its readiness, is tried at earlier gaps down to its readiness: right after the issue
+    of another bucket some model's compute stream waits on (the bucket's copy into its buffer
+    then costs no time: the compute stream would have waited), latest first, then at its
+    readiness; at most ``trials`` per bucket, each evaluated exactly."""
     t0 = time.perf_counter()
     search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
                      strict_models, evaluator)
@@ -342,26 +342,21 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
     issue, _ = schedule.positions()
     buckets = schedule.buckets
     sims = {lb: simulate(search.problems[lb].dag, schedule, problem=search.problems[lb]) for lb in search.labels}
-    queued, hiding = set(), set()
-    for sim in sims.values():
-        for k, (issued, start, _, _) in sim.bucket_times.items():
-            if sim.bucket_exposed_ms.get(k, 0.0) > 0:
-                hiding.add(k)
-                if start > issued + 1e-9:
-                    queued.add(k)
+    # the buckets some model's compute stream waits on
+    waited = {k for sim in sims.values() for k, ms in sim.bucket_exposed_ms.items() if ms > 0}
     kept = 0
     sched, score, evals = current
     steps = list(schedule.steps)
     at = _issue_steps(steps)
     movable = {m for names in p0.chains.values() for m in names}
-    for k in sorted(queued, key=lambda k: (issue[k], k)):
+    for k in sorted(waited, key=lambda k: (issue[k], k)):
         ready = max(p0.colls[m].ready for m in buckets[k].members)
         if ready >= issue[k] or buckets[k].members[0] not in movable:
             continue
         mine = at[k]
         # after the issue of a bucket the compute stream later waits on: the copy into this
         # bucket's buffer is spent while that transfer runs
-        spots = sorted(((issue[x], at[x] + 1) for x in hiding if x != k and ready <= issue[x] < issue[k]),
+        spots = sorted(((issue[x], at[x] + 1) for x in waited if x != k and ready <= issue[x] < issue[k]),
                        reverse=True)[:trials - 1]
         first = _gap_start(steps, ready)
         for g, j in [*spots, (ready, first)]:

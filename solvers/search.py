@@ -39,10 +39,10 @@ links      where streams share a link: issues moved past the     rounds x trials
            exposed transfers of the other streams on it, whole   model, outside the     link slows it; a queue of transfers
            then in halves, kept where no model slows             limit                  moves only all at once
            (:func:`solvers.polish.link_pass`)
-ahead      buckets queued and waited on, issued earlier, also   ``ahead_trials`` per   the stages above issue a chain in the
-           ahead of buckets of their chain needed before them:   bucket queued and      order of need, so a ready bucket waits
-           right after the issue of a waited-on transfer (its    waited on, outside     on a FIFO stream for a late one; out
-           copy-in hidden), or at its readiness; kept where no   the limit              of a queue, one issue moved a few gaps
+ahead      buckets waited on, issued earlier, also ahead of      ``ahead_trials`` per   the stages above issue a chain in the
+           buckets of their chain needed before them: right      bucket waited on,      order of need, so a ready bucket waits
+           after the issue of another waited-on bucket (its      outside the limit      on a FIFO stream for a late one; out
+           copy-in hidden), or at its readiness; kept where no                          of a queue, one issue moved a few gaps
            model slows (:func:`solvers.polish.ahead_pass`)                              seldom gains by itself
 =========  ====================================================  =====================  ========================================
 
