@@ -158,11 +158,8 @@ def polish(problems: Mapping[str, Problem], start: Schedule, reference_ms: Mappi
             the smallest peak reached).
     """
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, start.split_groups,
-                     strict_models, evaluator)
-    current = search.scored(start, None)
-    if current is None:
-        raise ValueError("the start schedule is not a valid schedule of the problems' graph")
+    search, current = _begun(problems, start, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight,
+                             strict_models, evaluator, "the start schedule")
     schedule, score, sims = current
     moves, k, unchanged = 0, 0, 0
     stopped = "converged: no move lowers the worst-case regret"
@@ -260,11 +257,8 @@ def link_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms:
     links = next(iter(problems.values())).stream_links(schedule.split_groups)
     if len(set(links.values())) == len(links):
         return None
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
-                     strict_models, evaluator)
-    current = search.scored(schedule, None)
-    if current is None:
-        raise ValueError("the schedule is not a valid schedule of the problems' graph")
+    search, current = _begun(problems, schedule, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight,
+                             strict_models, evaluator, "the schedule")
     kept = 0
     for _ in range(rounds):
         found = _link_round(search, current, trials)
@@ -275,11 +269,7 @@ def link_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms:
     if not kept:
         return None
     schedule_, score, sims = current
-    return PolishResult(schedule=search.schedule_of(schedule_), step_ms={lb: sims[lb].step_ms for lb in search.labels},
-                        regret={lb: search.regret(lb, sims[lb].step_ms) for lb in search.labels},
-                        peak_bytes=max(s.peak_bytes for s in sims.values()), moves=kept,
-                        evaluations=search.evaluations, solve_time_s=time.perf_counter() - t0,
-                        stopped=f"{kept} move(s) kept")
+    return _moves_kept(search, schedule_, sims, kept, t0)
 
 
 def _link_round(search: "_Search", current, trials: int):
@@ -333,11 +323,8 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
     then costs no time: the compute stream would have waited), latest first, then at its
     readiness; at most ``trials`` per bucket, each evaluated exactly."""
     t0 = time.perf_counter()
-    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
-                     strict_models, evaluator)
-    current = search.scored(schedule, None)
-    if current is None:
-        raise ValueError("the schedule is not a valid schedule of the problems' graph")
+    search, current = _begun(problems, schedule, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight,
+                             strict_models, evaluator, "the schedule")
     p0 = search.p0
     issue, _ = schedule.positions()
     buckets = schedule.buckets
@@ -375,9 +362,16 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
                 break
     if not kept:
         return None
-    return PolishResult(schedule=search.schedule_of(sched), step_ms={lb: evals[lb].step_ms for lb in search.labels},
-                        regret={lb: search.regret(lb, evals[lb].step_ms) for lb in search.labels},
-                        peak_bytes=max(s.peak_bytes for s in evals.values()), moves=kept,
+    return _moves_kept(search, sched, evals, kept, t0)
+
+
+def _moves_kept(search: "_Search", schedule: Schedule | ReadSchedule, sims: Mapping[str, Evaluation], kept: int,
+                t0: float) -> PolishResult:
+    """The :class:`PolishResult` of a pass after the polish (:func:`link_pass`, :func:`ahead_pass`)
+    that kept ``kept`` moves, ending at ``schedule`` evaluated as ``sims``."""
+    return PolishResult(schedule=search.schedule_of(schedule), step_ms={lb: sims[lb].step_ms for lb in search.labels},
+                        regret={lb: search.regret(lb, sims[lb].step_ms) for lb in search.labels},
+                        peak_bytes=max(s.peak_bytes for s in sims.values()), moves=kept,
                         evaluations=search.evaluations, solve_time_s=time.perf_counter() - t0,
                         stopped=f"{kept} move(s) kept")
 
@@ -457,6 +451,23 @@ def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...],
                 g = issue[k]
             free = max(run.reached[g], free) + alone
     return out
+
+
+def _begun(problems: Mapping[str, Problem], schedule: Schedule, reference_ms: Mapping[str, float],
+           mem_budget_bytes: int | None, baseline_ms: Mapping[str, float] | None, baseline_weight: float,
+           strict_models: Sequence[str], evaluator: ModelEvaluator | None, what: str):
+    """The :class:`_Search` of a pass from ``schedule`` and ``schedule`` scored (arguments as
+    :func:`polish`'s; ``what`` names ``schedule`` in the error).
+
+    Raises:
+        ValueError: ``schedule`` is not a valid schedule of the problems' graph.
+    """
+    search = _Search(problems, reference_ms, mem_budget_bytes, baseline_ms, baseline_weight, schedule.split_groups,
+                     strict_models, evaluator)
+    current = search.scored(schedule, None)
+    if current is None:
+        raise ValueError(f"{what} is not a valid schedule of the problems' graph")
+    return search, current
 
 
 class _Search:
