@@ -113,8 +113,7 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     k, order_notes = (0, starts_notes) if starts_notes and only_first else better_order(outcomes, solver)
     if later:
         name, base, named, result = outcomes[k]
-        outcomes[k] = (name, base, named, finish_graph(base, result, starteds[k], mem_budget_bytes,
-                                                      starts_in_order(solver, problem, next(iter(base.values()))),
+        outcomes[k] = (name, base, named, finish_graph(base, result, starteds[k], mem_budget_bytes, solver,
                                                       all_notes[k]))
     finished = {id(o[1]) for o in outcomes}
     others = [st for j, (*_, other) in enumerate(outcomes) if j != k for st in other.stages]

@@ -214,9 +214,9 @@ def _split_pass(search: "_Search", schedule: Schedule | ReadSchedule, score: tup
     another is the moves' business. It runs outside the moves' limit, whatever they spent: one
     evaluation per bucket and one per model at most, a pass bounded by the number of buckets."""
     plan = _plan_of(schedule)
-    movable = {m for names in search.p0.chains.values() for m in names}  # fixed collectives stay
     best, kept = None, 0
-    for entry in [e for e in plan if len(e.members) > 1 and e.members[0] in movable]:
+    colls = search.p0.colls  # fixed collectives stay
+    for entry in [e for e in plan if len(e.members) > 1 and colls[e.members[0]].movable]:
         alone = [PlannedBucket(Bucket((m,)), entry.issue_at, entry.wait_at) for m in entry.members]
         found = search.scored_plan([x for x in plan if x != entry] + alone, score)
         if found is None or _slows(found[2], sims):
@@ -335,10 +335,9 @@ def ahead_pass(problems: Mapping[str, Problem], schedule: Schedule, reference_ms
     sched, score, evals = current
     steps = list(schedule.steps)
     at = _issue_steps(steps)
-    movable = {m for names in p0.chains.values() for m in names}
     for k in sorted(waited, key=lambda k: (issue[k], k)):
         ready = max(p0.colls[m].ready for m in buckets[k].members)
-        if ready >= issue[k] or buckets[k].members[0] not in movable:
+        if ready >= issue[k] or not p0.colls[buckets[k].members[0]].movable:
             continue
         mine = at[k]
         # after the issue of a bucket the compute stream later waits on: the copy into this
@@ -425,7 +424,6 @@ def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...],
     issue, wait = schedule.positions()
     stream = [stream_of(p.colls[b.members[0]].coll_type, p.colls[b.members[0]].group_name, split)
               for b in schedule.buckets]
-    movable = {m for names in p.chains.values() for m in names}
     out: dict[tuple[str, ...], int] = {}
     for s in sorted(set(stream)):
         exposed = sorted(sim.bucket_times[k][1:3] for k, other in enumerate(stream)
@@ -433,7 +431,7 @@ def _clear_issues(runs: Mapping[str, _Run], label: str) -> dict[tuple[str, ...],
         if not exposed:
             continue
         free = 0.0
-        for k in sorted((k for k, other in enumerate(stream) if other == s and schedule.buckets[k].members[0] in movable),
+        for k in sorted((k for k, other in enumerate(stream) if other == s and p.colls[schedule.buckets[k].members[0]].movable),
                         key=lambda k: (issue[k], k)):
             members = schedule.buckets[k].members
             alone = run.alone(members)

@@ -84,6 +84,7 @@ same graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -411,21 +412,17 @@ def _last_stages(objective: Objective, best: Evaluated, stages: list[StageRecord
                  config: SearchConfig) -> Evaluated:
     """The links and ahead stages from ``best`` (module docstring), each recorded in ``stages``
     where it kept a move: the best schedule found."""
-    primary = objective.labels[0]
-    passes = (("links", config.link_rounds, lambda e: polishing.link_pass(
-                   objective.problems, e.schedule, _polish_reference(objective), mem_budget_bytes,
-                   baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                   strict_models=objective.strict, evaluator=objective.evaluator, rounds=config.link_rounds,
-                   trials=config.link_trials)),
-              ("ahead", config.ahead_trials, lambda e: polishing.ahead_pass(
-                   objective.problems, e.schedule, _polish_reference(objective), mem_budget_bytes,
-                   baseline_ms=objective.baseline_ms, baseline_weight=objective.baseline_weight,
-                   strict_models=objective.strict, evaluator=objective.evaluator, trials=config.ahead_trials)))
+    primary, reference = objective.labels[0], _polish_reference(objective)
+    passes = (("links", config.link_rounds,
+               functools.partial(polishing.link_pass, rounds=config.link_rounds, trials=config.link_trials)),
+              ("ahead", config.ahead_trials, functools.partial(polishing.ahead_pass, trials=config.ahead_trials)))
     for name, on, run in passes:
         if not on:
             continue
         t, before = time.perf_counter(), best
-        found = run(best)
+        found = run(objective.problems, best.schedule, reference, mem_budget_bytes, baseline_ms=objective.baseline_ms,
+                    baseline_weight=objective.baseline_weight, strict_models=objective.strict,
+                    evaluator=objective.evaluator)
         if found is not None:
             best = _kept(objective, found.schedule, best, best)
             stages.append(_stage(name, t, 0.0, found.evaluations, best, primary, before))
