@@ -99,11 +99,8 @@ class Link:
                         q.popleft()
                         active[s] = [head, now, duration]
             k = len(active)
-            if k == 1:
-                ending = next(iter(active))
-                t = now + active[ending][2] * k
-            elif k:
-                ending = min(active, key=lambda s: (active[s][2], s))
+            if k:
+                ending = next(iter(active)) if k == 1 else min(active, key=lambda s: (active[s][2], s))
                 t = now + active[ending][2] * k
             else:
                 ending, t = None, _INF
