@@ -10,8 +10,8 @@ process group (:mod:`harness.repros`) and written back by each contender on a co
   table (``table:PATH``, the repro's own table converted for its groups).
 
 Every written graph is re-exported and simulated under three judges: **measured** (the
-published collective times, interpolated log-log between rows, and torch's roofline for
-compute, as autoparallel's simulator prices them), **torch** (torch's estimators) and
+published collective times, interpolated log-log between rows, held at the smallest row
+below it as autoparallel's simulator holds them, and torch's roofline for compute), **torch** (torch's estimators) and
 **analytic**. Budgets: none, and the largest peak of the traced graph and torch's two graphs
 (every contender at that memory). Compile time is the wall time of each pass on this machine,
 measured in one run.

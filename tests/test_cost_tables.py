@@ -70,20 +70,21 @@ def test_interpolation_is_log_log_and_monotone_between_rows(csv_path):
     assert 0.2397 <= min(times) and max(times) <= 2.5531
 
 
-def test_extrapolation_scales_the_nearest_row_by_bandwidth(csv_path):
+def test_extrapolation_scales_the_largest_row_by_bandwidth_and_holds_the_smallest_row(csv_path):
     """Above the largest row: its time plus the extra bytes at the marginal bandwidth of the two
-    largest rows. Below the smallest: its time less the missing bytes at the marginal bandwidth
-    of the two smallest rows, never below that row scaled by its own bandwidth."""
+    largest rows. Below the smallest: that row's time (latency bound: a smaller collective is
+    never priced cheaper than the table measured), so splitting a bucket below the table's
+    range never looks free."""
     model = TableCostModel.from_file(csv_path, cluster=H100)
     ag = lambda b: model.collective_ms("all_gather", b, DP_STRIDED)  # noqa: E731
     slope_hi = (2.5531 - 0.7181) / (16 * MiB - 4 * MiB)
     assert ag(64 * MiB) == pytest.approx(2.5531 + 48 * MiB * slope_hi, rel=1e-12)
-    slope_lo = (0.7181 - 0.2397) / (3 * MiB)
-    assert ag(MiB // 2) == pytest.approx(0.2397 - (MiB // 2) * slope_lo, rel=1e-12)
-    assert ag(1024) == pytest.approx(max(0.2397 - (MiB - 1024) * slope_lo, 0.2397 * 1024 / MiB), rel=1e-12)
-    assert 0 < ag(1024) < ag(MiB // 2) < ag(MiB)
-    # one row only: bandwidth of that row above it
+    assert ag(MiB // 2) == ag(1024) == ag(0) == ag(MiB) == 0.2397
+    # two collectives under the smallest row cost more apart than merged into one of that row
+    assert 2 * ag(MiB // 2) > ag(MiB)
+    # one row only: bandwidth of that row above it, that row's time below it
     assert interpolate_ms([(1000, 2.0)], 3000) == pytest.approx(6.0)
+    assert interpolate_ms([(1000, 2.0)], 10) == 2.0
 
 
 def test_a_group_without_a_row_falls_back_and_is_reported(csv_path):

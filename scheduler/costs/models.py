@@ -166,7 +166,7 @@ class TableCostModel:
       (:meth:`from_file` reads one from a CSV or nccl-tests output), looked up by collective,
       group size, the nodes the group's ranks span (:meth:`GroupInfo.n_nodes` on ``cluster``)
       and the per-rank input bytes; log-log interpolation between rows, bandwidth scaling
-      outside them (see :class:`~scheduler.costs.tables.CollectiveTable`). A group without a
+      above them, the smallest row's time below them (see :class:`~scheduler.costs.tables.CollectiveTable`). A group without a
       row falls back, and :func:`~scheduler.costs.annotate.annotate_costs` records it in the
       DAG's ``cost_coverage`` (``ScheduleReport.cost_coverage["fallback_groups"]``).
     - ``compute``: ``{node name or target: ms}``, looked up by node name first, then by

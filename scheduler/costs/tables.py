@@ -88,9 +88,11 @@ class CollectiveTable:
       bandwidth of the two largest rows (the bandwidth the collective reaches there; the
       largest row's own bandwidth ``input_bytes / ms`` when the table has one row or the
       two largest are not increasing);
-    - below the smallest input, the smallest row's time less the missing bytes at the
-      marginal bandwidth of the two smallest rows, never below the smallest row scaled by
-      its own bandwidth (``ms * input / input_bytes``).
+    - below the smallest input, the smallest row's time: a table measures nothing smaller,
+      and a collective that moves less than its smallest row is bound by the latency that
+      row already pays, not by its bytes. Scaling it down by bandwidth
+      would price small all-gathers near zero and make splitting buckets look free. This is
+      also how autoparallel's overlap simulator reads its published tables.
 
     A key without rows is not covered (:meth:`covers` is False, :meth:`lookup_ms` None): the
     cost model prices it otherwise and reports the group.
@@ -179,8 +181,7 @@ def interpolate_ms(points: Sequence[tuple[int, float]], input_bytes: int) -> flo
             slope = hi_t / hi_b
         return hi_t + (b - hi_b) * slope
     if b < lo_b:
-        slope = (points[1][1] - lo_t) / (points[1][0] - lo_b) if len(points) > 1 else 0.0
-        return max(lo_t - (lo_b - b) * max(slope, 0.0), lo_t * b / lo_b)
+        return lo_t
     # bisect for the bracketing rows
     lo, hi = 0, len(points) - 1
     while hi - lo > 1:
