@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="robust: no cost model, as users run it (default); each: under each judging model")
     parser.add_argument("--cost-models", nargs="+", default=None,
                         help="the models every graph is judged under (default: analytic and torch); a measured "
-                             "table by name, e.g. table:benchmarks/data/autoparallel_h100/h100_dp32_tp8.csv")
+                             "table by name, e.g. table:h100/h100_dp32_tp8.csv (benchmarks/convert_autoparallel_tables.py)")
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="GPUs per node of the modelled cluster (1: every rank on a node of its own)")
     parser.add_argument("--baselines", nargs="+", default=None,

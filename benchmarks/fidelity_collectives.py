@@ -1,7 +1,8 @@
 """Fidelity of the collective cost models against measured H100 collective times.
 
-For every row of a measured table (default: ``benchmarks/data/autoparallel_h100``, autoparallel's
-published H100 tables, see ``benchmarks/data/README.md``), the time our cost models predict for
+For every row of a measured table (``--table``: a CSV, nccl-tests output or a folder of them;
+``BENCHMARKS.md`` uses autoparallel's published H100 tables, converted outside this repository
+by ``benchmarks/convert_autoparallel_tables.py``), the time our cost models predict for
 that collective, input size and group, against the measured time (ratio predicted / measured):
 
 - ``analytic``: :class:`scheduler.costs.models.AnalyticCostModel` (NCCL ring alpha-beta);
@@ -16,7 +17,8 @@ Groups are placed as the table says: a group of ``n`` ranks over ``k`` nodes get
 Prints markdown: a summary per (collective, group, nodes) over the sizes of at least
 ``--min-mib`` MiB (geometric mean and range of the ratio), then every row.
 
-    python benchmarks/fidelity_collectives.py                  # a few seconds
+    python benchmarks/convert_autoparallel_tables.py AP/autoparallel/tools/overlap_simulator --out h100
+    python benchmarks/fidelity_collectives.py --table h100     # a few seconds
     python benchmarks/fidelity_collectives.py --table my_nccl_tests_logs/ --all-rows
 """
 
@@ -36,7 +38,6 @@ from scheduler.costs.hardware import Cluster, GroupInfo  # noqa: E402
 from scheduler.costs.models import AnalyticCostModel  # noqa: E402
 from scheduler.costs.torch_model import TorchCostModel  # noqa: E402
 
-DEFAULT_TABLE = REPO / "benchmarks" / "data" / "autoparallel_h100"
 MODELS = ("analytic", "torch", "torch (size only)")
 
 
@@ -103,8 +104,8 @@ def _mib(nbytes: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--table", type=Path, default=DEFAULT_TABLE,
-                   help="a measured table: CSV, nccl-tests output or a directory of them (default: %(default)s)")
+    p.add_argument("--table", type=Path, required=True,
+                   help="a measured table: CSV, nccl-tests output or a directory of them")
     p.add_argument("--min-mib", type=float, default=1.0,
                    help="summary over sizes of at least this many MiB (default %(default)s)")
     p.add_argument("--all-rows", action="store_true", help="also print every row")

@@ -22,11 +22,11 @@ def python_blocks() -> list[str]:
 
 def test_the_files_the_python_blocks_read_are_in_the_repository():
     """A cost model read from a file (``table:PATH``, ``profile:PATH``) names a file of the
-    clone, not one the reader has yet to make."""
+    clone, not one the reader has yet to make; and no block reads a file from outside it."""
     code = "\n".join(python_blocks())
-    paths = re.findall(r"""["'](?:table|profile):([^"'+]+)""", code)
-    assert python_blocks() and paths
-    for path in paths:
+    assert python_blocks()
+    for path in re.findall(r"""["'](?:table|profile):([^"'+]+)""", code):
+        assert not Path(path).is_absolute() and (REPO / path).resolve().is_relative_to(REPO), path
         assert (REPO / path).exists(), path
 
 
