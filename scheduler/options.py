@@ -77,13 +77,23 @@ class SolverOptions:
     #: (it runs a collective's input early so that it issues early), over which its schedule is
     #: a start without repairs; ``"choose"``: the search runs in both and keeps the answer no
     #: slower than torch's own schedule under the strict models, then of smaller worst-case
-    #: regret, then the traced one (its last stages, links and ahead, on that answer alone); ``"starts"``: a quicker compile, the starts run in both and
+    #: regret, then the traced one (its last stages, links and ahead, on that answer alone;
+    #: with no budget, an order whose starts trail by more than ``order_margin`` is not
+    #: polished); ``"starts"``: a quicker compile, the starts run in both and
     #: the rest of the search (windows, polish) in the order whose best start has the smaller
     #: worst-case regret (in the other too where that answer ends slower than torch's own
     #: schedule), at some cost in step time where the polish would have turned the choice
     #: (BENCHMARKS.md, section 1; :func:`scheduler.solving.search_in_orders`). Any order runs
     #: every node after its inputs: the graph computes the same
     compute_order: str = "choose"
+    #: with ``compute_order="choose"`` and no budget: where one order's best start is slower
+    #: than the other's by more than this fraction (the worst ratio over the models of each to
+    #: the better of the two), the rest of the search runs in the leading order only, as with
+    #: ``"starts"`` (in the other too where that answer ends slower than torch's own schedule).
+    #: With no budget the polish moves an order's answer by a few percent, never past such a
+    #: gap on the published graphs; under a budget the starts are cut back to fit and the
+    #: polish can gain tens of percent, so both orders are polished there. None: always both
+    order_margin: float | None = 0.05
     #: the search's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
     #: ``SearchConfig.milp``)
     search: SearchConfig = SearchConfig()
@@ -125,6 +135,10 @@ class SolverOptions:
             raise ValueError(f"all_gather_stream={self.all_gather_stream!r} must be one of {ALL_GATHER_STREAMS}")
         if self.compute_order not in COMPUTE_ORDERS:
             raise ValueError(f"compute_order={self.compute_order!r} must be one of {COMPUTE_ORDERS}")
+        if self.order_margin is not None and (
+                isinstance(self.order_margin, bool) or not isinstance(self.order_margin, (int, float))
+                or not (math.isfinite(self.order_margin) and self.order_margin >= 0)):
+            raise ValueError(f"order_margin={self.order_margin!r} must be a fraction >= 0 (or None: polish both orders)")
         if not isinstance(self.search, SearchConfig):
             raise TypeError(f"search={self.search!r} must be a solvers.objective.SearchConfig (scheduler.SearchConfig)")
         if not isinstance(self.bandwidth_scales, tuple) or not all(

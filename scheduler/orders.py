@@ -114,6 +114,26 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
     return begun, refusal, left_out
 
 
+def trailing_order(begun: Sequence[tuple[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]], Started]],
+                   budget: int | None, solver: SolverOptions) -> tuple[int, str] | None:
+    """``(index, note)`` of the order of ``begun`` whose best start trails the other's by more
+    than ``solver.order_margin`` (``SolverOptions.order_margin``): its worst ratio over the models
+    to the better of the two starts exceeds the leader's by that fraction. Only for
+    ``compute_order="choose"`` with no budget (with one, the polish can close such a gap); None
+    where no order trails so."""
+    if solver.compute_order != "choose" or budget is not None or solver.order_margin is None or len(begun) != 2:
+        return None
+    steps = [dict(started.result().step_ms_by_model) for _, started in begun]
+    best = {label: min(step[label] for step in steps) for label in steps[0]}
+    worst = [max(step[label] / best[label] for label in best) for step in steps]
+    k = max(range(2), key=lambda i: worst[i])
+    if worst[k] <= worst[1 - k] * (1 + solver.order_margin):
+        return None
+    return k, (f"the {begun[k][0][0]} order of compute searched no further than its starts: its best start's "
+               f"worst-case ratio {worst[k] - 1:.2%} against the {begun[1 - k][0][0]} order's {worst[1 - k] - 1:.2%} "
+               f"(more than SolverOptions.order_margin={solver.order_margin:g} apart, with no budget)")
+
+
 def least_peak_over(problem: Problem) -> tuple[int, str] | None:
     """``(bytes, node)``: no schedule of ``problem`` (its order of compute) peaks lower, and
     each holds at least ``bytes`` at compute node ``node``

@@ -3,7 +3,8 @@ solve on a saved DAG (no torch graph: notebooks, the CLI).
 
 :func:`search_in_orders` runs the search (:mod:`solvers.search`) in the orders of compute
 ``SolverOptions.compute_order`` names (:mod:`scheduler.orders`): with two, the starts in both and
-the later stages in both (``"choose"``) or in the order whose best start is better
+the later stages in both (``"choose"``; with no budget not in an order whose starts trail by
+more than ``SolverOptions.order_margin``) or in the order whose best start is better
 (``"starts"``; in both where the first answer ends slower than torch's own schedule), and the
 search's last stages (:func:`solvers.search.finish`) on the answer kept alone.
 :func:`solve_graph` is one solve: the search or the solver asked for, the best start that fits
@@ -27,6 +28,7 @@ from scheduler.orders import (
     begin_orders,
     better_order,
     search_orders,
+    trailing_order,
     slower_than_torch,
     starts_in_order,
     torch_steps,
@@ -56,14 +58,18 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
     With two, the starts run in both; with ``"choose"`` the rest of the search too, and
     :func:`better_order` takes one answer; with ``"starts"`` the rest runs in the order whose best
     start has the smaller worst-case regret, and in the other too only where that answer is
-    slower than torch's own schedule under a strict model. Returns the order's outcome, the
-    report's notes and the stages of the other order.
+    slower than torch's own schedule under a strict model. ``"choose"`` does the same with no
+    budget where one order's starts trail by more than ``solver.order_margin``
+    (:func:`trailing_order`). Returns the order's outcome, the report's notes and the stages of
+    the other order.
 
     Raises:
         InfeasibleBudgetError: no order has a start within ``mem_budget_bytes``.
     """
     problem = next(iter(problems.values()))
     orders = search_orders(problems, solver, torch_runs)
+    # torch's own schedule judges the first answer only where the search may end in one order
+    one_order = False
     refusal: InfeasibleBudgetError | None = None
     begun: list[tuple[Any, Started | None]] = [(orders[0], None)]
     starts_notes: list[str] = []
@@ -73,12 +79,14 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
         if not begun:
             assert refusal is not None
             raise refusal
-        if solver.compute_order == "starts":
+        trailing = trailing_order(begun, mem_budget_bytes, solver)
+        one_order = len(begun) > 1 and (solver.compute_order == "starts" or trailing is not None)
+        if one_order:
             k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
                                            on_starts=True)
             begun = [begun[k], *begun[:k], *begun[k + 1:]]
-    # torch's own schedule judges the first answer only where the search may end in one order
-    one_order = solver.compute_order == "starts" and len(begun) > 1
+        if trailing is not None:
+            starts_notes.append(trailing[1])
     torchs = torch_steps([(*order, None) for order, _ in begun], solver) if one_order else {}
     outcomes: list[Outcome] = []
     all_notes: list[list[str]] = []

@@ -145,6 +145,35 @@ def test_starts_runs_the_later_stages_in_one_order_and_answers_as_that_order_alo
     assert [s["name"] for s in chosen_report.stages].count("polish") == 2
 
 
+def test_with_no_budget_an_order_whose_starts_trail_stops_at_its_starts(monkeypatch):
+    """With ``compute_order="choose"`` and no budget, an order whose best start trails the
+    other's by more than ``order_margin`` (0 here: by anything) is searched no further than its
+    starts: the installed schedule is the one ``"starts"`` gives, with one polish, and a note
+    names the order left. Under a budget, even one no schedule comes near, both orders are
+    polished (the polish can close any gap there)."""
+    from models.capture import fake_process_group
+
+    from conftest import FAKE_WORLD as world, capture_llama_debug
+
+    monkeypatch.setenv("FSDP_SCHED_CACHE", "0")
+    # parameters kept after the forward: torch's order's best start trails the traced one's a little
+    gm = copy.deepcopy(capture_llama_debug(reshard_after_forward=False).backward)
+    runs = {}
+    with fake_process_group(world):
+        for name, order, margin, budget in (("starts", "starts", 0.0, None), ("margin", "choose", 0.0, None),
+                                            ("budget", "choose", 0.0, 1 << 50)):
+            g = copy.deepcopy(gm)
+            optimize_schedule(g, budget, cost_model="analytic",
+                              solver=SolverOptions(work_limit=0.5, compute_order=order, order_margin=margin))
+            runs[name] = (g.meta[api.REPORT_KEY], g.meta[api.SCHEDULE_KEY])
+    (starts_report, starts), (report, schedule) = runs["starts"], runs["margin"]
+    assert schedule.digest() == starts.digest()
+    assert report.search_step_ms == starts_report.search_step_ms
+    assert [s["name"] for s in report.stages].count("polish") == 1
+    assert any("searched no further than its starts" in n for n in report.notes)
+    assert [s["name"] for s in runs["budget"][0].stages].count("polish") == 2
+
+
 def test_the_order_is_chosen_on_its_starts_by_the_regret_alone():
     """On the starts, a traced-order start a little slower than torch's own schedule under one
     strict model but of smaller worst-case regret is the order polished (the polish may pass
