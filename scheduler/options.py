@@ -90,10 +90,10 @@ class SolverOptions:
     #: than the other's by more than this fraction (the worst ratio over the models of each to
     #: the better of the two), the rest of the search runs in the leading order only, as with
     #: ``"starts"`` (in the other too where that answer ends slower than torch's own schedule).
-    #: With no budget the polish moves an order's answer by a few percent, never past such a
-    #: gap on the published graphs; under a budget the starts are cut back to fit and the
-    #: polish can gain tens of percent, so both orders are polished there. None: always both
-    order_margin: float | None = 0.05
+    #: With no budget the polish moves an order's worst ratio by a percent or two, never past
+    #: such a gap on the published graphs; under a budget the starts are cut back to fit and
+    #: the polish can gain tens of percent, so both orders are polished there. None: always both
+    order_margin: float | None = 0.03
     #: the search's tuning values, with the knobs of each model backend (``SearchConfig.cpsat``,
     #: ``SearchConfig.milp``)
     search: SearchConfig = SearchConfig()
