@@ -83,7 +83,7 @@ class SolverOptions:
     #: the rest of the search (windows, polish) in the order whose best start has the smaller
     #: worst-case regret (in the other too where that answer ends slower than torch's own
     #: schedule), at some cost in step time where the polish would have turned the choice
-    #: (BENCHMARKS.md, section 1; :func:`scheduler.solving.search_in_orders`). Any order runs
+    #: (BENCHMARKS.md, section 5; :func:`scheduler.solving.search_in_orders`). Any order runs
     #: every node after its inputs: the graph computes the same
     compute_order: str = "choose"
     #: with ``compute_order="choose"`` and no budget: where one order's best start is slower

@@ -28,10 +28,10 @@ from scheduler.orders import (
     begin_orders,
     better_order,
     search_orders,
-    trailing_order,
     slower_than_torch,
     starts_in_order,
     torch_steps,
+    trailing_order,
 )
 from scheduler.report import ScheduleReport, fixed_collective_notes, make_report, unchanged_report
 from solvers.core import (

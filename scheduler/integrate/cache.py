@@ -350,6 +350,7 @@ def graph_key(problems: Mapping[str, Any], solver: Any, writeback: Any) -> str |
                "num_workers": solver.num_workers, "fallback": solver.fallback,
                "all_gather_stream": solver.all_gather_stream, "merge_all_reduces": solver.merge_all_reduces,
                "torch_starts": list(solver.torch_starts), "compute_order": solver.compute_order,
+               "order_margin": solver.order_margin,
                "extra_starts": [s.digest() for s in solver.extra_starts], "search": dataclasses.asdict(solver.search),
                "payload_order": writeback.payload_order, "control_deps": writeback.control_deps,
                "cost_models": getattr(problems, "model_names", None) or {label: label for label in problems},
