@@ -114,23 +114,28 @@ def begin_orders(orders: Sequence[tuple[str, Mapping[str, Problem], list[tuple[s
     return begun, refusal, left_out
 
 
-def trailing_order(begun: Sequence[tuple[tuple[str, Mapping[str, Problem], list[tuple[str, Schedule]]], Started]],
-                   budget: int | None, solver: SolverOptions) -> tuple[int, str] | None:
-    """``(index, note)`` of the order of ``begun`` whose best start trails the other's by more
-    than ``solver.order_margin`` (``SolverOptions.order_margin``): its worst ratio over the models
-    to the better of the two starts exceeds the leader's by that fraction. Only for
-    ``compute_order="choose"`` with no budget (with one, the polish can close such a gap); None
-    where no order trails so."""
-    if solver.compute_order != "choose" or budget is not None or solver.order_margin is None or len(begun) != 2:
+def worst_ratios(outcomes: Sequence[Outcome]) -> list[float]:
+    """Each outcome's worst ratio, over the models, of its step time to the least of all the
+    outcomes' under that model (1.0: no outcome beats it under any model)."""
+    labels = list(outcomes[0][1])
+    steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
+    best = {label: min(step[label] for step in steps) for label in labels}
+    return [max(step[label] / best[label] for label in labels) for step in steps]
+
+
+def trailing_order(outcomes: Sequence[Outcome], budget: int | None, solver: SolverOptions) -> tuple[int, str] | None:
+    """``(index, note)`` of the order of ``outcomes`` (each order's best start) whose worst ratio
+    (:func:`worst_ratios`) exceeds the other's by more than ``solver.order_margin``
+    (``SolverOptions.order_margin``). Only for ``compute_order="choose"`` with no budget (with
+    one, the polish can close such a gap); None where no order trails so."""
+    if solver.compute_order != "choose" or budget is not None or solver.order_margin is None or len(outcomes) != 2:
         return None
-    steps = [dict(started.result().step_ms_by_model) for _, started in begun]
-    best = {label: min(step[label] for step in steps) for label in steps[0]}
-    worst = [max(step[label] / best[label] for label in best) for step in steps]
+    worst = worst_ratios(outcomes)
     k = max(range(2), key=lambda i: worst[i])
     if worst[k] <= worst[1 - k] * (1 + solver.order_margin):
         return None
-    return k, (f"the {begun[k][0][0]} order of compute searched no further than its starts: its best start's "
-               f"worst-case ratio {worst[k] - 1:.2%} against the {begun[1 - k][0][0]} order's {worst[1 - k] - 1:.2%} "
+    return k, (f"the {outcomes[k][0]} order of compute searched no further than its starts: its best start's "
+               f"worst-case ratio {worst[k] - 1:.2%} against the {outcomes[1 - k][0]} order's {worst[1 - k] - 1:.2%} "
                f"(more than SolverOptions.order_margin={solver.order_margin:g} apart, with no budget)")
 
 
@@ -160,12 +165,9 @@ def better_order(outcomes: Sequence[Outcome], solver: SolverOptions, *, on_start
     note = "compute in torch's order (SolverOptions.compute_order)"
     if len(outcomes) == 1:
         return 0, [] if outcomes[0][0] == "traced" else [note]
-    labels = list(outcomes[0][1])
-    steps = [dict(result.step_ms_by_model) for *_, result in outcomes]
-    best = {label: min(step[label] for step in steps) for label in labels}
     torchs = {} if on_starts else torch_steps(outcomes, solver)
-    keys = [(slower_than_torch(outcome[3], torchs), max(step[label] / best[label] for label in labels), k)
-            for k, (outcome, step) in enumerate(zip(outcomes, steps))]
+    keys = [(slower_than_torch(outcome[3], torchs), worst, k)
+            for k, (outcome, worst) in enumerate(zip(outcomes, worst_ratios(outcomes)))]
     k = min(keys)[2]
     if outcomes[k][0] == "traced":
         return k, []

@@ -79,11 +79,11 @@ def search_in_orders(problems: Mapping[str, Problem], mem_budget_bytes: int | No
         if not begun:
             assert refusal is not None
             raise refusal
-        trailing = trailing_order(begun, mem_budget_bytes, solver)
+        best_starts = [(*order, started.result()) for order, started in begun]
+        trailing = trailing_order(best_starts, mem_budget_bytes, solver)
         one_order = len(begun) > 1 and (solver.compute_order == "starts" or trailing is not None)
         if one_order:
-            k, starts_notes = better_order([(*order, started.result()) for order, started in begun], solver,
-                                           on_starts=True)
+            k, starts_notes = better_order(best_starts, solver, on_starts=True)
             begun = [begun[k], *begun[:k], *begun[k + 1:]]
         if trailing is not None:
             starts_notes.append(trailing[1])
