@@ -25,7 +25,19 @@ compute, fp32 reduce-scatter) on 2 ranks; fp32 on 4 ranks, and a 2 x 2 (dp x tp)
 Every case of one world size runs in one multi-process run (module-scoped fixture), so that
 process start-up and imports are paid once; a hung rank is killed by the harness timeout
 (:class:`gloo_harness.MultiprocessTimeout`), and each test checks that no child is left.
-The rank-determinism tests read the same runs (see tests/test_determinism.py).
+
+Rank determinism, read from the same runs (in this file, so that a worker of a distributed test
+run that runs one runs the other from its cache). FSDP ranks must run the same collectives in
+the same order, or they hang (or silently mix up buckets); when every rank solves for itself,
+the solve must therefore be deterministic:
+
+- every rank's schedule digests (``ScheduleReport.digest`` of each graph the backend compiled,
+  from ``backend.reports``) are gathered with ``dist.all_gather_object`` and must all be equal;
+- ``optimize_schedule(..., agreement=AgreementOptions(broadcast_from=0))`` (rank 0 solves and
+  broadcasts) must give the same schedule (digest) as solving on every rank;
+- the same DAG solved in two separate processes (started afresh on the DAGs exported in the
+  runs) gives an identical ``Schedule.digest()``, at its budget and without one, and without
+  one the same as every rank found inside training.
 """
 
 from __future__ import annotations
@@ -400,3 +412,61 @@ def test_compute_in_torchs_order_is_written():
         orders = {kind: rep["compute_order"] for kind, rep in res["reports"].items()}
         assert orders == {"forward": "torch", "backward": "torch"}, f"rank {rank}: {orders}"
     assert multiprocessing.active_children() == []
+
+
+# --------------------------------------------------------------------------------------------
+# rank determinism (module docstring)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", _params())
+def test_every_rank_solves_the_same_schedule(world_size, case):
+    per_rank = case_results(world_size, case)
+    gathered = [r["all_digests"] for r in per_rank]
+    own = [{k: rep["digest"] for k, rep in r["reports"].items()} for r in per_rank]
+    for rank, g in enumerate(gathered):
+        assert len(g) == world_size
+        assert all(d == g[0] for d in g), f"rank {rank} gathered different schedules: {g}"
+        assert g[rank] == own[rank]
+    assert gathered[0][0].keys() == {"forward", "backward"}
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,case", _params())
+def test_broadcast_from_rank0_gives_the_same_schedule(world_size, case):
+    for rank, r in enumerate(case_results(world_size, case)):
+        own = {k: rep["digest"] for k, rep in r["reports"].items()}
+        assert r["broadcast_digests"] == own, f"rank {rank}: broadcast {r['broadcast_digests']} != solved {own}"
+    assert multiprocessing.active_children() == []
+
+
+def _solve_body(rank: int, world_size: int, dags: dict[str, Any], budgets: dict[str, Any]) -> dict[str, str]:
+    import os
+
+    from scheduler import SolverOptions, solve_dag
+    from scheduler.export.dagfile import dag_from_json
+
+    options = SolverOptions(solver="cpsat", work_limit=SOLVER_WORK_LIMIT, seed=0)
+    out = {"pid": str(os.getpid())}
+    for kind, data in dags.items():
+        for budget, key in ((budgets[kind], kind), (None, f"{kind} unconstrained")):
+            schedule, report = solve_dag(dag_from_json(data), budget, solver=options)
+            assert report.digest == schedule.digest()
+            out[key] = schedule.digest()
+    return out
+
+
+@pytest.mark.slow
+def test_same_dag_same_digest_in_two_processes():
+    res = case_results(2, "fp32_reshard")[0]
+    dags, budgets = res["dags"], res["budgets"]
+    assert set(dags) == {"forward", "backward"}
+    a, b = run_multiprocess(_solve_body, 2, dags, budgets, timeout_s=300, threads_per_process=1)
+    assert multiprocessing.active_children() == []
+    assert a["pid"] != b["pid"]
+    for kind in dags:
+        assert a[kind] == b[kind], f"{kind}: two processes found different schedules"
+        assert a[f"{kind} unconstrained"] == b[f"{kind} unconstrained"]
+        # and the schedule every rank found for the same DAG while training
+        for rank, r in enumerate(case_results(2, "fp32_reshard")):
+            assert a[f"{kind} unconstrained"] == r["unconstrained"][kind][2], f"{kind}: rank {rank}"
