@@ -127,7 +127,9 @@ def retime(gm: Any, budget: int | None, row: dict[str, Any], cost_models: dict[s
     from scheduler.options import AgreementOptions
     from scheduler.torch_overlap import TORCH, torch_overlap_schedule
 
-    timed = {n: c for n, c in row["contenders"].items() if n in (TORCH, *cost_models) and c["compile_s"] is not None}
+    # a pass that failed (no schedule within the budget, torch's pass refused) has nothing to time again
+    timed = {n: c for n, c in row["contenders"].items()
+             if n in (TORCH, *cost_models) and c["compile_s"] is not None and c["error"] is None}
     for c in timed.values():
         c["compile_runs_s"] = [c["compile_s"]]
     for _ in range(repeats):
