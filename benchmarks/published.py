@@ -113,7 +113,8 @@ def run_graph(repros: str, name: str, budgets: list[str], products: list[str],
 def retime(gm: Any, budget: int | None, row: dict[str, Any], cost_models: dict[str, str | None], solver: Any,
            repeats: int) -> None:
     """Time torch's pass and each fsdp-sched product of ``row`` ``repeats`` more times, in
-    turns, on fresh copies of ``gm``; each one's ``compile_s`` becomes the least of its timings,
+    turns, on fresh copies of ``gm``, each run as the first timing ran it
+    (:func:`scheduler.compare.judged.torch_pass`, :func:`~scheduler.compare.judged.product_pass`); each one's ``compile_s`` becomes the least of its timings,
     all of them in ``compile_runs_s`` (module docstring).
 
     Raises:
@@ -121,11 +122,9 @@ def retime(gm: Any, budget: int | None, row: dict[str, Any], cost_models: dict[s
     """
     import copy
 
-    from scheduler.api import SCHEDULE_KEY, optimize_schedule
-    from scheduler.compare.judged import timed_pass
-    from scheduler.integrate import cache
-    from scheduler.options import AgreementOptions
-    from scheduler.torch_overlap import TORCH, torch_overlap_schedule
+    from scheduler.api import SCHEDULE_KEY
+    from scheduler.compare.judged import product_pass, timed_pass, torch_pass
+    from scheduler.torch_overlap import TORCH
 
     # a pass that failed (no schedule within the budget, torch's pass refused) has nothing to time again
     timed = {n: c for n, c in row["contenders"].items()
@@ -137,11 +136,10 @@ def retime(gm: Any, budget: int | None, row: dict[str, Any], cost_models: dict[s
             written = copy.deepcopy(gm)
             if name == TORCH:
                 with timed_pass() as took:
-                    torch_overlap_schedule(written, inplace=True)
+                    torch_pass(written, TORCH)
             else:
-                with timed_pass() as took, cache.disabled():
-                    optimize_schedule(written, budget, cost_model=cost_models[name], solver=solver,
-                                      agreement=AgreementOptions(enabled=False))
+                with timed_pass() as took:
+                    product_pass(written, budget, cost_model=cost_models[name], solver=solver)
                 if written.meta[SCHEDULE_KEY].digest() != c["digest"]:
                     raise RuntimeError(f"{row['graph']}: a repeat of {name} wrote another schedule (the search must "
                                        "be deterministic)")

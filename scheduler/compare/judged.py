@@ -150,6 +150,25 @@ def judge_under(gm: "torch.fx.GraphModule", cost_models: CostModels, cluster: An
     return {label: judge_graph(gm, model, cluster) for label, model in models.items()}
 
 
+def torch_pass(gm: "torch.fx.GraphModule", name: str, *, cluster: Any = None) -> "torch.fx.GraphModule":
+    """torch's pass ``name`` (a key of :data:`TORCH_BASELINES`) on ``gm`` itself, as
+    :func:`judge_baseline` times it; the rewritten module."""
+    return torch_overlap_schedule(gm, cluster=cluster, inplace=True, **TORCH_BASELINES[name])
+
+
+def product_pass(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, *, cost_model: Any = None,
+                 cluster: Any = None, solver: SolverOptions = SolverOptions()) -> None:
+    """``optimize_schedule`` on ``gm`` itself, as :func:`judge_product` times it: this rank alone,
+    the schedule cache off (its time is a solve's, never a cache hit's).
+
+    Raises:
+        As :func:`scheduler.optimize_schedule`.
+    """
+    with cache.disabled():
+        optimize_schedule(gm, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
+                          agreement=AgreementOptions(enabled=False))
+
+
 def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModels, *, cluster: Any = None,
                    keep_graph: bool = False) -> Judged:
     """Baseline ``name`` written back on a copy of ``gm`` and judged (module docstring). A
@@ -172,7 +191,7 @@ def judge_baseline(gm: "torch.fx.GraphModule", name: str, cost_models: CostModel
 
             written = copy.deepcopy(gm)
             with timed_pass() as took:
-                written = torch_overlap_schedule(written, cluster=cluster, inplace=True, **TORCH_BASELINES[name])
+                written = torch_pass(written, name, cluster=cluster)
             out.compile_s = took[0]
         elif name == TORCH_MANUAL:
             written = copy.deepcopy(gm)
@@ -215,9 +234,8 @@ def judge_product(gm: "torch.fx.GraphModule", mem_budget_bytes: int | None, cost
                 fmt_bytes(mem_budget_bytes or 0), "the robust default" if cost_model is None else
                 cost_model_label(cost_model), solver.work_limit, "" if solver.work_limit == 1 else "s")
     try:
-        with timed_pass() as took, cache.disabled():  # its time is a solve's, never a cache hit's
-            optimize_schedule(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver,
-                              agreement=AgreementOptions(enabled=False))
+        with timed_pass() as took:
+            product_pass(written, mem_budget_bytes, cost_model=cost_model, cluster=cluster, solver=solver)
     except (InfeasibleBudgetError, ScheduleError) as e:
         out = Judged(name=name, compile_s=took[0], error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
         logger.warning("%s: no schedule: %s", name, out.error)
